@@ -1,0 +1,212 @@
+#include "attention_api.h"
+
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <sstream>
+#include <string>
+
+namespace flashattn {
+namespace {
+
+std::string shape_str(const at::Tensor& t) {
+  std::ostringstream os;
+  os << t.sizes();
+  return os.str();
+}
+
+std::string strides_str(const at::Tensor& t) {
+  std::ostringstream os;
+  os << t.strides();
+  return os.str();
+}
+
+std::string dtype_list(const BackendSpec& spec) {
+  std::string s;
+  for (auto d : spec.dtypes) {
+    if (!s.empty()) s += ", ";
+    s += c10::toString(d);
+  }
+  return s;
+}
+
+void check_rank4(const at::Tensor& t, const char* name, const char* layout) {
+  TORCH_CHECK_VALUE(t.dim() == 4, "flashattn_ext: ", name, " must have 4 dimensions ", layout, ", got shape ",
+                    shape_str(t), "; reshape it (flash_attn_func takes (batch, seqlen, heads, head_dim))");
+}
+
+void check_no_zero_size(const at::Tensor& t, const char* name) {
+  for (int64_t i = 0; i < t.dim(); ++i) {
+    TORCH_CHECK_VALUE(t.size(i) > 0, "flashattn_ext: ", name, " has a zero-size dimension (shape ", shape_str(t),
+                      "); every dimension must be at least 1");
+  }
+}
+
+void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.stride(-1) == 1, "flashattn_ext: ", name,
+                    " must have stride 1 in its last (head_dim) dimension, got strides ", strides_str(t),
+                    "; pass ", name, ".contiguous() (flash_attn_func and scaled_dot_product_attention do this only "
+                    "when needed)");
+}
+
+void check_same_dtype(const at::Tensor& t, const char* name, const at::Tensor& q) {
+  TORCH_CHECK_TYPE(t.scalar_type() == q.scalar_type(), "flashattn_ext: ", name, " has dtype ", t.scalar_type(),
+                   " but q has dtype ", q.scalar_type(), "; cast them to one dtype");
+}
+
+void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& q) {
+  TORCH_CHECK_VALUE(t.device() == q.device(), "flashattn_ext: ", name, " is on ", t.device(), " but q is on ",
+                    q.device(), "; move them to one device");
+}
+
+// The kernels index with 64-bit offsets but size loop bounds with int.
+void check_fits_int(const at::Tensor& t, const char* name) {
+  for (int64_t i = 0; i < t.dim(); ++i) {
+    TORCH_CHECK_VALUE(t.size(i) <= INT32_MAX, "flashattn_ext: ", name, " dimension ", i, " has size ", t.size(i),
+                      ", larger than 2^31 - 1; split the call");
+  }
+}
+
+}  // namespace
+
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const BackendSpec& spec) {
+  check_rank4(q, "q", "(batch, seqlen_q, heads_q, head_dim)");
+  check_rank4(k, "k", "(batch, seqlen_k, heads_kv, head_dim)");
+  check_rank4(v, "v", "(batch, seqlen_k, heads_kv, head_dim)");
+  check_same_device(k, "k", q);
+  check_same_device(v, "v", q);
+  check_same_dtype(k, "k", q);
+  check_same_dtype(v, "v", q);
+  bool dtype_ok = false;
+  for (auto d : spec.dtypes) dtype_ok |= (q.scalar_type() == d);
+  TORCH_CHECK_TYPE(dtype_ok, "flashattn_ext: q has dtype ", q.scalar_type(), ", which the ", spec.name,
+                   " kernels do not support; use one of ", dtype_list(spec), spec.dtype_hint);
+  check_no_zero_size(q, "q");
+  check_no_zero_size(k, "k");
+  check_no_zero_size(v, "v");
+  check_fits_int(q, "q");
+  check_fits_int(k, "k");
+
+  const int64_t head_dim = q.size(3);
+  TORCH_CHECK_VALUE(k.size(3) == head_dim, "flashattn_ext: k has head_dim ", k.size(3), " but q has head_dim ",
+                    head_dim, "; q and k must share their last dimension");
+  TORCH_CHECK_VALUE(v.size(3) == head_dim, "flashattn_ext: v has head_dim ", v.size(3), " but q has ", head_dim,
+                    "; a value head dim different from the query's is not supported by the kernels "
+                    "(scaled_dot_product_attention falls back to torch for it)");
+  TORCH_CHECK_VALUE(head_dim <= kMaxHeadDim, "flashattn_ext: head_dim ", head_dim, " is larger than ", kMaxHeadDim,
+                    ", the largest the kernels support; split the heads or use torch's attention");
+  TORCH_CHECK_VALUE(k.size(0) == q.size(0) && v.size(0) == q.size(0), "flashattn_ext: batch sizes differ: q ",
+                    q.size(0), ", k ", k.size(0), ", v ", v.size(0), "; q, k and v must share dimension 0");
+  TORCH_CHECK_VALUE(v.size(1) == k.size(1), "flashattn_ext: v has seqlen ", v.size(1), " but k has ", k.size(1),
+                    "; k and v must share dimension 1 (seqlen_k)");
+  TORCH_CHECK_VALUE(v.size(2) == k.size(2), "flashattn_ext: v has ", v.size(2), " heads but k has ", k.size(2),
+                    "; k and v must share dimension 2 (heads_kv)");
+  TORCH_CHECK_VALUE(q.size(2) % k.size(2) == 0, "flashattn_ext: q has ", q.size(2),
+                    " heads, not a multiple of the ", k.size(2),
+                    " heads of k and v; for GQA/MQA the key/value heads must divide the query heads");
+  check_last_dim_contiguous(q, "q");
+  check_last_dim_contiguous(k, "k");
+  check_last_dim_contiguous(v, "v");
+}
+
+void check_bwd_extras(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out, const at::Tensor& lse) {
+  check_same_device(dout, "dout", q);
+  check_same_device(out, "out", q);
+  check_same_device(lse, "lse", q);
+  check_same_dtype(dout, "dout", q);
+  check_same_dtype(out, "out", q);
+  TORCH_CHECK_VALUE(dout.sizes() == q.sizes(), "flashattn_ext: dout has shape ", shape_str(dout), " but q has ",
+                    shape_str(q), "; dout must have the shape of the forward output");
+  TORCH_CHECK_VALUE(out.sizes() == q.sizes(), "flashattn_ext: out has shape ", shape_str(out), " but q has ",
+                    shape_str(q), "; pass the output of the forward");
+  TORCH_CHECK_TYPE(lse.scalar_type() == lse_dtype(q.scalar_type()), "flashattn_ext: lse has dtype ",
+                   lse.scalar_type(), ", expected ", lse_dtype(q.scalar_type()), "; pass the lse of the forward");
+  TORCH_CHECK_VALUE(lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(2) && lse.size(2) == q.size(1),
+                    "flashattn_ext: lse has shape ", shape_str(lse), ", expected (batch, heads_q, seqlen_q) = (",
+                    q.size(0), ", ", q.size(2), ", ", q.size(1), "); pass the lse of the forward");
+  TORCH_CHECK_VALUE(lse.is_contiguous(), "flashattn_ext: lse must be contiguous; pass the lse of the forward");
+  check_last_dim_contiguous(dout, "dout");
+  check_last_dim_contiguous(out, "out");
+}
+
+MaskParams make_mask(int64_t window_left, int64_t window_right, bool bottom_right, int64_t seqlen_q,
+                     int64_t seqlen_k) {
+  TORCH_CHECK_VALUE(window_left >= -1 && window_right >= -1, "flashattn_ext: window sizes must be -1 (unbounded) or ",
+                    ">= 0, got window_left=", window_left, ", window_right=", window_right);
+  MaskParams mask;
+  // A window at least as wide as the sequence masks nothing: keep the cheaper
+  // unbounded form (and stay inside int).
+  mask.window_left = window_left >= seqlen_k + seqlen_q ? -1 : static_cast<int>(window_left);
+  mask.window_right = window_right >= seqlen_k + seqlen_q ? -1 : static_cast<int>(window_right);
+  mask.diag_offset = bottom_right ? static_cast<int>(seqlen_k - seqlen_q) : 0;
+  return mask;
+}
+
+at::ScalarType lse_dtype(at::ScalarType input) {
+  return input == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+std::tuple<at::Tensor, at::Tensor> alloc_fwd_outputs(const at::Tensor& q) {
+  auto out = at::empty(q.sizes(), q.options());
+  auto lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(lse_dtype(q.scalar_type())));
+  return {out, lse};
+}
+
+namespace {
+
+ScalarKind scalar_kind(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf: return ScalarKind::kFloat16;
+    case at::kBFloat16: return ScalarKind::kBFloat16;
+    case at::kFloat: return ScalarKind::kFloat32;
+    case at::kDouble: return ScalarKind::kFloat64;
+    default: TORCH_CHECK_TYPE(false, "flashattn_ext: unsupported dtype ", t);
+  }
+}
+
+}  // namespace
+
+AttnFwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                              const at::Tensor& lse, double softmax_scale, const MaskParams& mask) {
+  TORCH_CHECK_VALUE(std::isfinite(softmax_scale), "flashattn_ext: softmax_scale must be finite, got ", softmax_scale);
+  AttnFwdParams p;
+  p.q_ptr = q.data_ptr();
+  p.k_ptr = k.data_ptr();
+  p.v_ptr = v.data_ptr();
+  p.o_ptr = out.data_ptr();
+  p.lse_ptr = lse.data_ptr();
+  p.q_batch_stride = q.stride(0), p.q_row_stride = q.stride(1), p.q_head_stride = q.stride(2);
+  p.k_batch_stride = k.stride(0), p.k_row_stride = k.stride(1), p.k_head_stride = k.stride(2);
+  p.v_batch_stride = v.stride(0), p.v_row_stride = v.stride(1), p.v_head_stride = v.stride(2);
+  p.o_batch_stride = out.stride(0), p.o_row_stride = out.stride(1), p.o_head_stride = out.stride(2);
+  p.batch = static_cast<int>(q.size(0));
+  p.seqlen_q = static_cast<int>(q.size(1));
+  p.heads_q = static_cast<int>(q.size(2));
+  p.head_dim = static_cast<int>(q.size(3));
+  p.seqlen_k = static_cast<int>(k.size(1));
+  p.heads_kv = static_cast<int>(k.size(2));
+  p.dtype = scalar_kind(q.scalar_type());
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
+  p.mask = mask;
+  return p;
+}
+
+AttnBwdParams make_bwd_params(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dq, const at::Tensor& dk,
+                              const at::Tensor& dv, double softmax_scale, const MaskParams& mask, bool deterministic) {
+  AttnBwdParams p;
+  static_cast<AttnFwdParams&>(p) = make_fwd_params(q, k, v, out, lse, softmax_scale, mask);
+  p.do_ptr = dout.data_ptr();
+  p.do_batch_stride = dout.stride(0), p.do_row_stride = dout.stride(1), p.do_head_stride = dout.stride(2);
+  p.dq_ptr = dq.data_ptr();
+  p.dk_ptr = dk.data_ptr();
+  p.dv_ptr = dv.data_ptr();
+  p.dq_batch_stride = dq.stride(0), p.dq_row_stride = dq.stride(1), p.dq_head_stride = dq.stride(2);
+  p.dk_batch_stride = dk.stride(0), p.dk_row_stride = dk.stride(1), p.dk_head_stride = dk.stride(2);
+  p.dv_batch_stride = dv.stride(0), p.dv_row_stride = dv.stride(1), p.dv_head_stride = dv.stride(2);
+  p.deterministic = deterministic;
+  return p;
+}
+
+}  // namespace flashattn

@@ -1,0 +1,48 @@
+// The binding layer shared by every backend: input validation (each error
+// names the argument and the fix), output allocation and the translation of
+// tensors into the torch-free params structs of flash_params.h.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <tuple>
+#include <vector>
+
+#include "flash_params.h"
+
+namespace flashattn {
+
+// What a backend accepts; the checks below word their errors from it.
+struct BackendSpec {
+  const char* name;                                  // "CPU", "CUDA"
+  std::vector<at::ScalarType> dtypes;                // accepted input dtypes
+  const char* dtype_hint;                            // appended to a dtype error
+};
+
+constexpr int kMaxHeadDim = 256;
+
+// Validates q, k, v for either pass: rank, dtype, device, sizes, strides.
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const BackendSpec& spec);
+
+// Validates dout, out and lse of the backward against q.
+void check_bwd_extras(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out, const at::Tensor& lse);
+
+// Validates the scalar arguments and builds the mask description.
+MaskParams make_mask(int64_t window_left, int64_t window_right, bool bottom_right, int64_t seqlen_q, int64_t seqlen_k);
+
+// Accumulation dtype of lse (float64 for float64 inputs, float32 otherwise).
+at::ScalarType lse_dtype(at::ScalarType input);
+
+// Allocates out (batch, seqlen_q, heads_q, head_dim) and lse (batch, heads_q, seqlen_q).
+std::tuple<at::Tensor, at::Tensor> alloc_fwd_outputs(const at::Tensor& q);
+
+// Fills the forward params from validated tensors.
+AttnFwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                              const at::Tensor& lse, double softmax_scale, const MaskParams& mask);
+
+// Fills the backward params; dq, dk, dv are allocated by the caller.
+AttnBwdParams make_bwd_params(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dq, const at::Tensor& dk,
+                              const at::Tensor& dv, double softmax_scale, const MaskParams& mask, bool deterministic);
+
+}  // namespace flashattn

@@ -1,0 +1,116 @@
+// Torch-free description of one attention call.
+//
+// The binding layer (csrc/attention_api.cpp) is the only code that knows about
+// at::Tensor: it validates the inputs, fills these structs and hands them to a
+// backend (csrc/cpu/, csrc/cuda/). Kernels see raw pointers, int64 strides in
+// elements and precomputed scalars, so they can be compiled by nvcc without
+// torch headers and reused by any future front end.
+//
+// Tensor layouts, as the kernels see them (strides may be anything with a unit
+// stride on the head dimension):
+//   q, o, dq, do : (batch, seqlen_q, heads_q,  head_dim)
+//   k, v, dk, dv : (batch, seqlen_k, heads_kv, head_dim)
+//   lse, dsum    : (batch, heads_q, seqlen_q)  float32 (float64 for float64 inputs), contiguous
+#pragma once
+
+#include <cstdint>
+
+namespace flashattn {
+
+enum class ScalarKind : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2, kFloat64 = 3 };
+
+// Which keys a query may see. Key j is visible from query i iff
+//   j <  seqlen_k
+//   j <= i + diag_offset + window_right   (when window_right >= 0)
+//   j >= i + diag_offset - window_left    (when window_left  >= 0)
+// Causal attention is window_right = 0. diag_offset = 0 aligns the diagonal
+// top-left (torch's SDPA convention); diag_offset = seqlen_k - seqlen_q aligns
+// it bottom-right (FlashAttention's convention). A query row that sees no key
+// gets a zero output, log-sum-exp -inf and zero gradients.
+struct MaskParams {
+  int window_left = -1;   // -1: unbounded
+  int window_right = -1;  // -1: unbounded; 0: causal
+  int diag_offset = 0;
+
+  bool is_local() const { return window_left >= 0 || window_right >= 0; }
+};
+
+struct AttnFwdParams {
+  using index_t = int64_t;
+
+  // Inputs.
+  const void* q_ptr = nullptr;
+  const void* k_ptr = nullptr;
+  const void* v_ptr = nullptr;
+  index_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
+  index_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
+  index_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
+
+  // Outputs.
+  void* o_ptr = nullptr;
+  index_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;
+  void* lse_ptr = nullptr;  // contiguous (batch, heads_q, seqlen_q), accumulation type
+
+  // Sizes.
+  int batch = 0;
+  int heads_q = 0;
+  int heads_kv = 0;   // divides heads_q; head h of q reads kv head h / (heads_q / heads_kv)
+  int seqlen_q = 0;
+  int seqlen_k = 0;
+  int head_dim = 0;
+
+  ScalarKind dtype = ScalarKind::kFloat32;
+
+  // Scores are softmax_scale * q.k; scale_log2 = softmax_scale * log2(e) lets
+  // the kernels use exp2 with the scale folded in.
+  float softmax_scale = 1.f;
+  float softmax_scale_log2 = 1.f;
+
+  MaskParams mask;
+
+  // Room for what comes next. None of these is read by a kernel yet; the
+  // binding layer rejects any call that would need one (see attention_api.cpp).
+  //   softcap > 0            : scores -> softcap * tanh(scores / softcap)
+  //   dropout_p > 0          : Philox(seed, offset) dropout on P
+  //   bias_ptr != nullptr    : additive bias / boolean mask, broadcastable strides
+  //   cu_seqlens_{q,k}       : variable-length batches packed along seqlen
+  //   block_table            : paged KV cache
+  //   num_splits > 1         : split-KV decoding with a combine pass
+  float softcap = 0.f;
+  float dropout_p = 0.f;
+  uint64_t philox_seed = 0, philox_offset = 0;
+  const void* bias_ptr = nullptr;
+  index_t bias_batch_stride = 0, bias_head_stride = 0, bias_row_stride = 0;
+  const int* cu_seqlens_q = nullptr;
+  const int* cu_seqlens_k = nullptr;
+  const int* block_table = nullptr;
+  int num_splits = 1;
+
+  int heads_ratio() const { return heads_q / heads_kv; }
+};
+
+struct AttnBwdParams : AttnFwdParams {
+  // Inputs of the backward pass (q, k, v, o, lse come from AttnFwdParams).
+  const void* do_ptr = nullptr;
+  index_t do_batch_stride = 0, do_row_stride = 0, do_head_stride = 0;
+
+  // Gradients.
+  void* dq_ptr = nullptr;
+  void* dk_ptr = nullptr;
+  void* dv_ptr = nullptr;
+  index_t dq_batch_stride = 0, dq_row_stride = 0, dq_head_stride = 0;
+  index_t dk_batch_stride = 0, dk_row_stride = 0, dk_head_stride = 0;
+  index_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
+
+  // Workspace owned by the binding layer (CUDA only; nullptr on the CPU):
+  //   dsum     : rowsum(dO * O), (batch, heads_q, seqlen_q) float32
+  //   dq_accum : float32 accumulator for dq, (batch, seqlen_q_rounded, heads_q, head_dim_rounded)
+  void* dsum_ptr = nullptr;
+  void* dq_accum_ptr = nullptr;
+  index_t dq_accum_batch_stride = 0, dq_accum_row_stride = 0, dq_accum_head_stride = 0;
+
+  // Gradients bitwise reproducible from run to run (no float atomics).
+  bool deterministic = false;
+};
+
+}  // namespace flashattn

@@ -1,0 +1,56 @@
+// The operator schema, declared once. Each backend registers its kernels with
+// TORCH_LIBRARY_IMPL in its own file (csrc/cpu/, csrc/cuda/); the fake (meta)
+// kernels and the autograd formula are registered from Python
+// (flashattn_ext/_ops.py) so that torch.compile traces through both ops.
+#include <Python.h>
+#include <torch/library.h>
+
+#include <string>
+
+#ifndef FLASHATTN_CUDA_ARCHS
+#define FLASHATTN_CUDA_ARCHS ""
+#endif
+#ifndef FLASHATTN_HEAD_DIMS
+#define FLASHATTN_HEAD_DIMS ""
+#endif
+
+static std::string build_info() {
+#ifdef FLASHATTN_WITH_CUDA
+  const char* cuda = "1";
+#else
+  const char* cuda = "0";
+#endif
+  return std::string("cuda=") + cuda + ";archs=" + FLASHATTN_CUDA_ARCHS + ";head_dims=" + FLASHATTN_HEAD_DIMS;
+}
+
+// `import flashattn_ext._C` loads this library, which registers the ops. The
+// module itself is empty; building against the limited API keeps one binary
+// valid for every CPython 3.10+.
+extern "C" {
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {
+      PyModuleDef_HEAD_INIT, "_C", "flashattn_ext kernels (ops live in torch.ops.flashattn_ext)", -1, nullptr,
+  };
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(flashattn_ext, m) {
+  // q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim).
+  // Returns out (batch, seqlen_q, heads_q, head_dim) and the log-sum-exp of the
+  // scaled scores, lse (batch, heads_q, seqlen_q) in float32 (float64 for float64
+  // inputs); -inf on rows that see no key.
+  // window_left / window_right: -1 unbounded; causal is window_right = 0.
+  // bottom_right: align the diagonal to the last key (FlashAttention) instead of
+  // the first (torch SDPA). deterministic is only recorded for the backward.
+  m.def(
+      "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, int window_left, int window_right, "
+      "bool bottom_right, bool deterministic) -> (Tensor out, Tensor lse)");
+  // Recomputes the probabilities tile by tile from lse; returns gradients with
+  // the shapes of q, k, v.
+  m.def(
+      "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float softmax_scale, "
+      "int window_left, int window_right, bool bottom_right, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
+  // What this build holds, as "key=value;..." (cuda, archs, head dims).
+  m.def("build_info() -> str", []() -> std::string { return build_info(); });
+}

@@ -1,0 +1,57 @@
+"""Python side of the ops declared in csrc/ops.cpp: fake (meta) kernels so that
+torch.compile can trace them, and the autograd formula that links fwd to bwd.
+
+The ops take the FlashAttention layout, q (batch, seqlen_q, heads_q, head_dim),
+k and v (batch, seqlen_k, heads_kv, head_dim), and return out with q's shape
+plus lse (batch, heads_q, seqlen_q)."""
+
+import torch
+
+from . import _C  # noqa: F401  (loads the library, which registers the ops)
+
+fwd = torch.ops.flashattn_ext.fwd.default
+bwd = torch.ops.flashattn_ext.bwd.default
+
+
+def _lse_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.library.register_fake("flashattn_ext::fwd")
+def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, bottom_right, deterministic):
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q.dtype), device=q.device)
+    return out, lse
+
+
+@torch.library.register_fake("flashattn_ext::bwd")
+def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, bottom_right, deterministic):
+    return (
+        torch.empty(q.shape, dtype=q.dtype, device=q.device),
+        torch.empty(k.shape, dtype=k.dtype, device=k.device),
+        torch.empty(v.shape, dtype=v.dtype, device=v.device),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, softmax_scale, window_left, window_right, bottom_right, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.args = (softmax_scale, window_left, window_right, bottom_right, deterministic)
+
+
+def _backward(ctx, dout, dlse):
+    # lse is returned for inspection (and for future split-KV combines); a
+    # gradient flowing into it is not supported and is ignored.
+    q, k, v, out, lse = ctx.saved_tensors
+    if dout is None:
+        return None, None, None, None, None, None, None, None
+    # The kernels need a unit stride on head_dim; incoming gradients from
+    # transposes and reshapes usually have it already, so this rarely copies.
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None
+
+
+torch.library.register_autograd("flashattn_ext::fwd", _backward, setup_context=_setup_context)

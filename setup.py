@@ -1,0 +1,132 @@
+"""Builds flashattn_ext._C against the torch already installed.
+
+    pip install --no-build-isolation -e .
+
+The CUDA kernels are compiled when torch is a CUDA build and nvcc is found;
+otherwise the extension is CPU-only and still complete. Environment knobs:
+
+    FLASHATTN_CUDA_ARCHS   CUDA archs to compile, e.g. "90" or "80;90" (default "80;90")
+    FLASHATTN_HEAD_DIMS    kernel head dims to compile, e.g. "64,128" (default all:
+                           32,64,96,128,192,256; a call with another head dim uses the
+                           next larger compiled one)
+    FLASHATTN_CPU_ONLY=1   skip the CUDA kernels even when nvcc is present
+    FLASHATTN_PTXAS_VERBOSE=1  print the register / shared memory report of every kernel
+    MAX_JOBS               parallel compile jobs (default: all cores)
+"""
+
+import glob
+import os
+import shutil
+import sys
+
+from setuptools import setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+ALL_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+DTYPES = ("fp16", "bf16")
+
+
+def _env_list(name, default, sep):
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return list(default)
+    return [x.strip() for x in raw.replace(";", sep).replace(",", sep).split(sep) if x.strip()]
+
+
+def _cuda_available():
+    if os.environ.get("FLASHATTN_CPU_ONLY", "0") == "1":
+        return False, "FLASHATTN_CPU_ONLY=1"
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if torch.version.cuda is None:
+        return False, "torch is a CPU-only build"
+    if CUDA_HOME is None or shutil.which(os.path.join(CUDA_HOME, "bin", "nvcc")) is None:
+        return False, "nvcc not found (set CUDA_HOME)"
+    return True, ""
+
+
+def _head_dims():
+    dims = sorted({int(d) for d in _env_list("FLASHATTN_HEAD_DIMS", ALL_HEAD_DIMS, ",")})
+    bad = [d for d in dims if d not in ALL_HEAD_DIMS]
+    if bad:
+        sys.exit(f"FLASHATTN_HEAD_DIMS: {bad} not among the kernel head dims {ALL_HEAD_DIMS}")
+    return dims
+
+
+def _archs():
+    archs = _env_list("FLASHATTN_CUDA_ARCHS", ("80", "90"), ";")
+    for a in archs:
+        if not a.isdigit() or int(a) < 80:
+            sys.exit(f"FLASHATTN_CUDA_ARCHS: {a!r} is not an arch >= 80 (the kernels need mma.sync bf16)")
+    return archs
+
+
+def extensions():
+    from torch.utils.cpp_extension import CppExtension, CUDAExtension
+
+    cxx_flags = ["-O3", "-std=c++17",]
+    sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
+    with_cuda, why_not = _cuda_available()
+    if not with_cuda:
+        print(f"flashattn_ext: building without CUDA kernels ({why_not})")
+        return [
+            CppExtension(
+                "flashattn_ext._C",
+                sources,
+                extra_compile_args={"cxx": cxx_flags + ["-fopenmp"]},
+                extra_link_args=["-fopenmp"],
+                py_limited_api=True,
+            )
+        ]
+
+    dims, archs = _head_dims(), _archs()
+    kernel_sources = []
+    for d in dims:
+        for dt in DTYPES:
+            kernel_sources += sorted(glob.glob(f"csrc/cuda/instantiations/*_hdim{d}_{dt}.cu"))
+    sources += sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/cuda/*.cu")) + kernel_sources
+    defines = ["-DFLASHATTN_WITH_CUDA"] + [f"-DFLASHATTN_HDIM_{d}" for d in dims]
+    defines += [
+        f'-DFLASHATTN_CUDA_ARCHS="{";".join(archs)}"',
+        f'-DFLASHATTN_HEAD_DIMS="{",".join(str(d) for d in dims)}"',
+    ]
+    nvcc_flags = [
+        "-O3",
+        "-std=c++17",
+        "--use_fast_math",
+        "-lineinfo",
+        "--expt-relaxed-constexpr",
+        "-U__CUDA_NO_HALF_OPERATORS__",
+        "-U__CUDA_NO_HALF_CONVERSIONS__",
+        "-U__CUDA_NO_BFLOAT16_OPERATORS__",
+        "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    ] + defines
+    for a in archs:
+        nvcc_flags += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+    if os.environ.get("FLASHATTN_PTXAS_VERBOSE", "0") == "1":
+        nvcc_flags += ["-Xptxas", "-v"]
+    print(f"flashattn_ext: building CUDA kernels for archs {archs}, head dims {dims}")
+    return [
+        CUDAExtension(
+            "flashattn_ext._C",
+            sources,
+            extra_compile_args={"cxx": cxx_flags + defines + ["-fopenmp"], "nvcc": nvcc_flags},
+            extra_link_args=["-fopenmp"],
+            py_limited_api=True,
+        )
+    ]
+
+
+def main():
+    from torch.utils.cpp_extension import BuildExtension
+
+    setup(
+        ext_modules=extensions(),
+        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+        options={"bdist_wheel": {"py_limited_api": "cp310"}},
+    )
+
+
+if __name__ == "__main__":
+    main()
