@@ -15,6 +15,12 @@
 
 #include <cstdint>
 
+#if defined(__CUDACC__)
+#define FLASHATTN_HOST_DEVICE __host__ __device__
+#else
+#define FLASHATTN_HOST_DEVICE
+#endif
+
 namespace flashattn {
 
 enum class ScalarKind : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2, kFloat64 = 3 };
@@ -32,7 +38,7 @@ struct MaskParams {
   int window_right = -1;  // -1: unbounded; 0: causal
   int diag_offset = 0;
 
-  bool is_local() const { return window_left >= 0 || window_right >= 0; }
+  FLASHATTN_HOST_DEVICE bool is_local() const { return window_left >= 0 || window_right >= 0; }
 };
 
 struct AttnFwdParams {
@@ -86,7 +92,7 @@ struct AttnFwdParams {
   const int* block_table = nullptr;
   int num_splits = 1;
 
-  int heads_ratio() const { return heads_q / heads_kv; }
+  FLASHATTN_HOST_DEVICE int heads_ratio() const { return heads_q / heads_kv; }
 };
 
 struct AttnBwdParams : AttnFwdParams {

@@ -1,0 +1,217 @@
+// CUDA implementation of flashattn_ext::fwd / bwd: validation through the
+// shared binding layer, the kernels' layout requirements, workspace
+// allocation, and the dispatch to one (dtype, head dim) instantiation.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <torch/library.h>
+
+#include <string>
+
+#include "../attention_api.h"
+#include "dispatch.h"
+
+namespace flashattn {
+namespace {
+
+const BackendSpec kCudaSpec{
+    "CUDA", {at::kHalf, at::kBFloat16},
+    "; cast float32 inputs to bfloat16 or float16 (flashattn_ext.scaled_dot_product_attention falls back to "
+    "torch for float32 on CUDA)"};
+
+// Head dims of the kernels compiled into this build (setup.py: FLASHATTN_HEAD_DIMS).
+constexpr int kCompiledHeadDims[] = {
+#ifdef FLASHATTN_HDIM_32
+    32,
+#endif
+#ifdef FLASHATTN_HDIM_64
+    64,
+#endif
+#ifdef FLASHATTN_HDIM_96
+    96,
+#endif
+#ifdef FLASHATTN_HDIM_128
+    128,
+#endif
+#ifdef FLASHATTN_HDIM_192
+    192,
+#endif
+#ifdef FLASHATTN_HDIM_256
+    256,
+#endif
+    0,  // sentinel: keeps the array non-empty
+};
+
+// The smallest compiled kernel head dim that holds head_dim (the kernels
+// zero-fill the columns past head_dim).
+int kernel_head_dim(int64_t head_dim) {
+  for (int d : kCompiledHeadDims)
+    if (d >= head_dim) return d;
+  TORCH_CHECK_VALUE(false, "flashattn_ext: no CUDA kernel for head_dim ", head_dim,
+                    " in this build (compiled head dims: " FLASHATTN_HEAD_DIMS
+                    "); rebuild with FLASHATTN_HEAD_DIMS including a head dim >= ",
+                    head_dim);
+  return 0;
+}
+
+void check_device(const at::Tensor& q) {
+  const auto* prop = at::cuda::getDeviceProperties(q.device().index());
+  TORCH_CHECK(prop->major >= 8, "flashattn_ext: the CUDA kernels need compute capability 8.0 or newer (mma.sync bf16); ",
+              "device ", q.device(), " is ", prop->major, ".", prop->minor);
+}
+
+// The kernels move 16-byte chunks: every row of every operand must start
+// 16-byte aligned and the head dim must be a multiple of 8. Inputs that are
+// not so (odd head dims, views with odd strides) are copied into a padded
+// contiguous buffer; the fast path (any layout with head_dim % 8 == 0 and
+// strides that are multiples of 8) uses the tensors as they are.
+bool kernel_ready(const at::Tensor& t) {
+  if (t.size(3) % 8 != 0) return false;
+  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
+  for (int i = 0; i < 3; ++i)
+    if (t.size(i) > 1 && t.stride(i) % 8 != 0) return false;
+  return true;
+}
+
+at::Tensor make_kernel_ready(const at::Tensor& t) {
+  if (kernel_ready(t)) return t;
+  const int64_t pad = (8 - t.size(3) % 8) % 8;
+  if (pad == 0) return t.clone(at::MemoryFormat::Contiguous);
+  return at::constant_pad_nd(t, {0, pad}, 0).contiguous();
+}
+
+// Undoes the head-dim padding of an output.
+at::Tensor unpad(const at::Tensor& t, int64_t head_dim) {
+  return t.size(3) == head_dim ? t : t.narrow(3, 0, head_dim).contiguous();
+}
+
+void check_grid(int64_t blocks, const char* what) {
+  TORCH_CHECK_VALUE(blocks <= INT32_MAX, "flashattn_ext: the ", what, " needs ", blocks,
+                    " thread blocks, more than a CUDA grid holds (2^31 - 1); split the batch");
+}
+
+template <typename T>
+cudaError_t dispatch_fwd(int kernel_dim, const AttnFwdParams& p, cudaStream_t stream) {
+  switch (kernel_dim) {
+#ifdef FLASHATTN_HDIM_32
+    case 32: return run_fwd<T, 32>(p, stream);
+#endif
+#ifdef FLASHATTN_HDIM_64
+    case 64: return run_fwd<T, 64>(p, stream);
+#endif
+#ifdef FLASHATTN_HDIM_96
+    case 96: return run_fwd<T, 96>(p, stream);
+#endif
+#ifdef FLASHATTN_HDIM_128
+    case 128: return run_fwd<T, 128>(p, stream);
+#endif
+#ifdef FLASHATTN_HDIM_192
+    case 192: return run_fwd<T, 192>(p, stream);
+#endif
+#ifdef FLASHATTN_HDIM_256
+    case 256: return run_fwd<T, 256>(p, stream);
+#endif
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <typename T>
+cudaError_t dispatch_bwd(int kernel_dim, const AttnBwdParams& p, cudaStream_t stream) {
+  switch (kernel_dim) {
+#ifdef FLASHATTN_HDIM_32
+    case 32: return run_bwd<T, 32>(p, stream);
+#endif
+#ifdef FLASHATTN_HDIM_64
+    case 64: return run_bwd<T, 64>(p, stream);
+#endif
+#ifdef FLASHATTN_HDIM_96
+    case 96: return run_bwd<T, 96>(p, stream);
+#endif
+#ifdef FLASHATTN_HDIM_128
+    case 128: return run_bwd<T, 128>(p, stream);
+#endif
+#ifdef FLASHATTN_HDIM_192
+    case 192: return run_bwd<T, 192>(p, stream);
+#endif
+#ifdef FLASHATTN_HDIM_256
+    case 256: return run_bwd<T, 256>(p, stream);
+#endif
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+void check_launch(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "flashattn_ext: CUDA ", what, " kernel failed: ", cudaGetErrorString(err));
+}
+
+std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                                            double softmax_scale, int64_t window_left, int64_t window_right,
+                                            bool bottom_right, bool /*deterministic: for the backward*/) {
+  check_qkv(q_in, k_in, v_in, kCudaSpec);
+  check_device(q_in);
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const int64_t head_dim = q_in.size(3);
+  const int kdim = kernel_head_dim(head_dim);
+  const auto mask = make_mask(window_left, window_right, bottom_right, q_in.size(1), k_in.size(1));
+  const at::Tensor q = make_kernel_ready(q_in), k = make_kernel_ready(k_in), v = make_kernel_ready(v_in);
+  auto [out, lse] = alloc_fwd_outputs(q);
+  check_grid((q.size(1) + 63) / 64 * q.size(0) * q.size(2), "forward");
+  const auto params = make_fwd_params(q, k, v, out, lse, softmax_scale, mask);
+  const auto stream = at::cuda::getCurrentCUDAStream().stream();
+  const cudaError_t err = q.scalar_type() == at::kBFloat16 ? dispatch_fwd<__nv_bfloat16>(kdim, params, stream)
+                                                            : dispatch_fwd<__half>(kdim, params, stream);
+  check_launch(err, "forward");
+  return {unpad(out, head_dim), lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_in, const at::Tensor& q_in,
+                                                        const at::Tensor& k_in, const at::Tensor& v_in,
+                                                        const at::Tensor& out_in, const at::Tensor& lse,
+                                                        double softmax_scale, int64_t window_left,
+                                                        int64_t window_right, bool bottom_right, bool deterministic) {
+  check_qkv(q_in, k_in, v_in, kCudaSpec);
+  check_bwd_extras(dout_in, q_in, out_in, lse);
+  check_device(q_in);
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const int64_t head_dim = q_in.size(3);
+  const int kdim = kernel_head_dim(head_dim);
+  const auto mask = make_mask(window_left, window_right, bottom_right, q_in.size(1), k_in.size(1));
+  const at::Tensor q = make_kernel_ready(q_in), k = make_kernel_ready(k_in), v = make_kernel_ready(v_in);
+  const at::Tensor out = make_kernel_ready(out_in), dout = make_kernel_ready(dout_in);
+
+  auto dq = at::empty(q.sizes(), q.options());
+  auto dk = at::empty(k.sizes(), k.options());
+  auto dv = at::empty(v.sizes(), v.options());
+  const int64_t batch = q.size(0), seqlen_q = q.size(1), heads_q = q.size(2);
+  auto f32 = q.options().dtype(at::kFloat);
+  auto dsum = at::empty({batch, heads_q, seqlen_q}, f32);
+  // dQ accumulates in fp32 across key blocks: rows padded to the kernel's
+  // query block, columns to the kernel head dim (atomics touch all of them).
+  const int64_t seqlen_q_padded = (seqlen_q + kBwdBlockM - 1) / kBwdBlockM * kBwdBlockM;
+  at::Tensor dq_accum = deterministic ? at::Tensor() : at::zeros({batch, heads_q, seqlen_q_padded, kdim}, f32);
+  check_grid((k.size(1) + 63) / 64 * 2 * batch * k.size(2), "backward");
+  check_grid((seqlen_q + 63) / 64 * batch * heads_q, "backward");
+
+  auto params = make_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, mask, deterministic);
+  params.dsum_ptr = dsum.data_ptr();
+  if (!deterministic) {
+    params.dq_accum_ptr = dq_accum.data_ptr();
+    params.dq_accum_batch_stride = dq_accum.stride(0);
+    params.dq_accum_head_stride = dq_accum.stride(1);
+    params.dq_accum_row_stride = dq_accum.stride(2);
+  }
+  const auto stream = at::cuda::getCurrentCUDAStream().stream();
+  const cudaError_t err = q.scalar_type() == at::kBFloat16 ? dispatch_bwd<__nv_bfloat16>(kdim, params, stream)
+                                                            : dispatch_bwd<__half>(kdim, params, stream);
+  check_launch(err, "backward");
+  return {unpad(dq, head_dim), unpad(dk, head_dim), unpad(dv, head_dim)};
+}
+
+}  // namespace
+}  // namespace flashattn
+
+TORCH_LIBRARY_IMPL(flashattn_ext, CUDA, m) {
+  m.impl("fwd", &flashattn::fwd_cuda);
+  m.impl("bwd", &flashattn::bwd_cuda);
+}

@@ -1,0 +1,22 @@
+// What the binding layer (attention_cuda.cpp) calls: one explicit
+// instantiation per (dtype, kernel head dim), each in its own .cu file under
+// instantiations/ so they compile in parallel. This header is torch-free.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "../flash_params.h"
+
+namespace flashattn {
+
+// Query rows per block of the backward kernels; the binding layer pads the
+// fp32 dQ accumulator to a multiple of it.
+constexpr int kBwdBlockM = 64;
+
+template <typename T, int kHeadDim>
+cudaError_t run_fwd(const AttnFwdParams& params, cudaStream_t stream);
+
+template <typename T, int kHeadDim>
+cudaError_t run_bwd(const AttnBwdParams& params, cudaStream_t stream);
+
+}  // namespace flashattn

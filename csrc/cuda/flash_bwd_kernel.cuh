@@ -1,0 +1,378 @@
+// The backward pass, recomputing each probability tile from the saved
+// log-sum-exp instead of storing P (seed section 2.9):
+//
+//   D     = rowsum(dO * O)                          (bwd_preprocess_kernel)
+//   P     = exp(scale * Q K^T - lse)
+//   dV   += P^T dO
+//   dP    = dO V^T
+//   dS    = P * (dP - D)
+//   dK   += scale * dS^T Q
+//   dQ   += scale * dS K
+//
+// flash_bwd_dkdv_kernel owns a key block and sweeps the query blocks; with
+// kComputeDq it also adds each tile's dS K into an fp32 dQ accumulator with
+// atomics (fast, not bitwise reproducible: the order of the adds varies).
+// The deterministic mode instead runs flash_bwd_dq_kernel, which owns a query
+// block and sweeps the key blocks, recomputing S and dP a second time.
+#pragma once
+
+#include "../flash_params.h"
+#include "kernel_traits.h"
+#include "mask.cuh"
+#include "tile.cuh"
+
+namespace flashattn {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// lse (natural log) -> log2 units; a row that saw no key (-inf) gets +inf so
+// that exp2(s - lse) is 0 there instead of inf.
+__device__ __forceinline__ float lse_to_log2(float lse) { return lse == -INFINITY ? INFINITY : lse * kLog2e; }
+
+// D[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d], one warp per row.
+template <typename T>
+__global__ void bwd_preprocess_kernel(const AttnBwdParams p) {
+  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;  // over (b, h, i)
+  const int lane = threadIdx.x & 31;
+  const int64_t total = int64_t(p.batch) * p.heads_q * p.seqlen_q;
+  if (row >= total) return;
+  const int i = static_cast<int>(row % p.seqlen_q);
+  const int h = static_cast<int>((row / p.seqlen_q) % p.heads_q);
+  const int b = static_cast<int>(row / (int64_t(p.seqlen_q) * p.heads_q));
+  const T* o = static_cast<const T*>(p.o_ptr) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
+  const T* dout = static_cast<const T*>(p.do_ptr) + b * p.do_batch_stride + i * p.do_row_stride + h * p.do_head_stride;
+  float sum = 0.f;
+  for (int c = lane * 8; c < p.head_dim; c += 32 * 8) {
+    const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
+    const uint4 dv = *reinterpret_cast<const uint4*>(dout + c);
+    const T* oe = reinterpret_cast<const T*>(&ov);
+    const T* de = reinterpret_cast<const T*>(&dv);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sum += to_float(oe[e]) * to_float(de[e]);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
+  if (lane == 0) static_cast<float*>(p.dsum_ptr)[row] = sum;
+}
+
+// dq[b, i, h, :] = scale * dq_accum[b, h, i, :], in the input dtype.
+template <typename T>
+__global__ void convert_dq_kernel(const AttnBwdParams p) {
+  const int chunks_per_row = p.head_dim / 8;
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;  // over (b, h, i, chunk)
+  const int64_t total = int64_t(p.batch) * p.heads_q * p.seqlen_q * chunks_per_row;
+  if (idx >= total) return;
+  const int c = static_cast<int>(idx % chunks_per_row) * 8;
+  const int64_t row = idx / chunks_per_row;
+  const int i = static_cast<int>(row % p.seqlen_q);
+  const int h = static_cast<int>((row / p.seqlen_q) % p.heads_q);
+  const int b = static_cast<int>(row / (int64_t(p.seqlen_q) * p.heads_q));
+  const float* acc = static_cast<const float*>(p.dq_accum_ptr) + b * p.dq_accum_batch_stride +
+                     h * p.dq_accum_head_stride + i * p.dq_accum_row_stride + c;
+  const float4 a = reinterpret_cast<const float4*>(acc)[0];
+  const float4 bb = reinterpret_cast<const float4*>(acc)[1];
+  const float s = p.softmax_scale;
+  uint4 out;
+  out.x = pack2<T>(a.x * s, a.y * s);
+  out.y = pack2<T>(a.z * s, a.w * s);
+  out.z = pack2<T>(bb.x * s, bb.y * s);
+  out.w = pack2<T>(bb.z * s, bb.w * s);
+  T* dq = static_cast<T*>(p.dq_ptr) + b * p.dq_batch_stride + i * p.dq_row_stride + h * p.dq_head_stride + c;
+  *reinterpret_cast<uint4*>(dq) = out;
+}
+
+// Reads a[0, n) of a per-row float vector into shared memory, 4 bytes per
+// cp.async; entries past n are zero-filled.
+template <int kN, int kNThreads>
+__device__ __forceinline__ void copy_rowvec_async(float* smem, const float* gmem, int n, int tid) {
+  for (int i = tid; i < kN; i += kNThreads) {
+    const bool pred = i < n;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(smem + i)),
+                 "l"(pred ? gmem + i : gmem), "r"(pred ? 4 : 0));
+  }
+}
+
+template <typename Kt, bool kComputeDq>
+__global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const AttnBwdParams p) {
+  using T = typename Kt::Element;
+  using TileQ = typename Kt::TileQ;
+  using TileKV = typename Kt::TileKV;
+  using TileDS = typename Kt::TileDS;
+  constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
+  constexpr int kMT = Kt::kMTilesPerWarp;  // 16-key m-tiles per warp
+  constexpr int kQT = kBlockM / 8;         // 8-query n-tiles of S^T
+  constexpr int kDT = Kt::kDOut / 8;       // 8-column n-tiles of this CTA's dK / dV slice
+  constexpr int kNThreads = Kt::kNThreads;
+  constexpr int kStages = Kt::kQStages;
+
+  extern __shared__ __align__(128) char smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw);
+  T* sV = sK + TileKV::kElems;
+  T* sQ = sV + TileKV::kElems;                  // [kStages] Q blocks
+  T* sdO = sQ + kStages * TileQ::kElems;        // [kStages] dO blocks
+  T* sdS = sdO + kStages * TileQ::kElems;       // dS^T of the current tile
+  float* sLse = reinterpret_cast<float*>(sdS + TileDS::kElems);  // [kStages][kBlockM]
+  float* sDsum = sLse + kStages * kBlockM;                       // [kStages][kBlockM]
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
+  const int num_n_blocks = ceil_div(p.seqlen_k, kBlockN);
+  int64_t rest = blockIdx.x;
+  const int n_block = static_cast<int>(rest % num_n_blocks);
+  rest /= num_n_blocks;
+  const int d0 = static_cast<int>(rest % Kt::kDSplit) * Kt::kDOut;
+  rest /= Kt::kDSplit;
+  const int h_kv = static_cast<int>(rest % p.heads_kv);
+  const int b = static_cast<int>(rest / p.heads_kv);
+  const int ratio = p.heads_ratio();
+  const int n0 = n_block * kBlockN;
+  const int keys = min(kBlockN, p.seqlen_k - n0);
+
+  const T* gK = static_cast<const T*>(p.k_ptr) + b * p.k_batch_stride + h_kv * p.k_head_stride + n0 * p.k_row_stride;
+  const T* gV = static_cast<const T*>(p.v_ptr) + b * p.v_batch_stride + h_kv * p.v_head_stride + n0 * p.v_row_stride;
+  T* gdK = static_cast<T*>(p.dk_ptr) + b * p.dk_batch_stride + h_kv * p.dk_head_stride + n0 * p.dk_row_stride;
+  T* gdV = static_cast<T*>(p.dv_ptr) + b * p.dv_batch_stride + h_kv * p.dv_head_stride + n0 * p.dv_row_stride;
+
+  const BlockMask mask(p);
+  int m_min, m_max;
+  mask.query_block_range<kBlockM>(n0, keys, m_min, m_max);
+  const int m_blocks = m_max - m_min;
+  const int iters = m_blocks * ratio;  // every query head of the group, every query block
+  const int warp_key0 = warp * Kt::kKeysPerWarp;
+  const int g = lane >> 2, t = lane & 3;
+  const LdsmA<TileKV> ldsm_k(sK, warp_key0, 0, lane), ldsm_v(sV, warp_key0, 0, lane);  // A of K Q^T, V dO^T
+
+  float acc_dk[kMT][kDT][4], acc_dv[kMT][kDT][4];
+  clear(acc_dk);
+  clear(acc_dv);
+
+  // Loads query block `it` (head, block) into stage `stage`.
+  auto load_q_block = [&](int it, int stage) {
+    const int hq = h_kv * ratio + it / m_blocks;
+    const int m0 = (m_min + it % m_blocks) * kBlockM;
+    const int rows = min(kBlockM, p.seqlen_q - m0);
+    const T* gQ = static_cast<const T*>(p.q_ptr) + b * p.q_batch_stride + hq * p.q_head_stride + m0 * p.q_row_stride;
+    const T* gdO =
+        static_cast<const T*>(p.do_ptr) + b * p.do_batch_stride + hq * p.do_head_stride + m0 * p.do_row_stride;
+    const int64_t vec = (int64_t(b) * p.heads_q + hq) * p.seqlen_q + m0;
+    copy_tile_async<TileQ, kNThreads>(sQ + stage * TileQ::kElems, gQ, p.q_row_stride, rows, p.head_dim, tid);
+    copy_tile_async<TileQ, kNThreads>(sdO + stage * TileQ::kElems, gdO, p.do_row_stride, rows, p.head_dim, tid);
+    copy_rowvec_async<kBlockM, kNThreads>(sLse + stage * kBlockM, static_cast<const float*>(p.lse_ptr) + vec, rows,
+                                          tid);
+    copy_rowvec_async<kBlockM, kNThreads>(sDsum + stage * kBlockM, static_cast<const float*>(p.dsum_ptr) + vec, rows,
+                                          tid);
+  };
+
+  if (iters > 0) {
+    copy_tile_async<TileKV, kNThreads>(sK, gK, p.k_row_stride, keys, p.head_dim, tid);
+    copy_tile_async<TileKV, kNThreads>(sV, gV, p.v_row_stride, keys, p.head_dim, tid);
+    load_q_block(0, 0);
+    cp_async_commit();
+  }
+
+  for (int it = 0; it < iters; ++it) {
+    const int stage = kStages == 1 ? 0 : it % kStages;
+    const int hq = h_kv * ratio + it / m_blocks;
+    const int m0 = (m_min + it % m_blocks) * kBlockM;
+    const T* sQs = sQ + stage * TileQ::kElems;
+    const T* sdOs = sdO + stage * TileQ::kElems;
+    const LdsmB<TileQ> ldsm_q_b(sQs, 0, 0, lane), ldsm_do_b(sdOs, 0, 0, lane);     // as B of K Q^T, V dO^T
+    const LdsmA<TileQ> ldsm_q_t(sQs, 0, d0, lane), ldsm_do_t(sdOs, 0, d0, lane);   // as B of dS^T Q, P^T dO
+    const float* sLses = sLse + stage * kBlockM;
+    const float* sDsums = sDsum + stage * kBlockM;
+
+    cp_async_wait<0>();
+    __syncthreads();  // this stage has landed; every warp is done with the previous tile
+    if (kStages > 1 && it + 1 < iters) {
+      load_q_block(it + 1, (it + 1) % kStages);
+      cp_async_commit();
+    }
+
+    // P^T = exp2(scale_log2 * K Q^T - lse_log2), keys as rows.
+    float acc_s[kMT][kQT][4];
+    clear(acc_s);
+    gemm_ss_nk<kMT, kQT, kHeadDim, T>(acc_s, ldsm_k, ldsm_q_b);
+#pragma unroll
+    for (int qi = 0; qi < kQT; ++qi)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int q = qi * 8 + 2 * t + e;
+        const float lse_log2 = (m0 + q < p.seqlen_q) ? lse_to_log2(sLses[q]) : INFINITY;
+#pragma unroll
+        for (int mi = 0; mi < kMT; ++mi)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float& x = acc_s[mi][qi][2 * h + e];
+            x = fast_exp2(x * p.softmax_scale_log2 - lse_log2);
+          }
+      }
+    if (mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0)) {
+      apply_mask_cols(acc_s, mask, n0 + warp_key0, m0, lane, 0.f);
+    }
+
+    // dP^T = V dO^T, then dS^T = P^T * (dP^T - D) in place.
+    float acc_dp[kMT][kQT][4];
+    clear(acc_dp);
+    gemm_ss_nk<kMT, kQT, kHeadDim, T>(acc_dp, ldsm_v, ldsm_do_b);
+#pragma unroll
+    for (int qi = 0; qi < kQT; ++qi)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float dsum = sDsums[qi * 8 + 2 * t + e];
+#pragma unroll
+        for (int mi = 0; mi < kMT; ++mi)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float& x = acc_dp[mi][qi][2 * h + e];
+            x = acc_s[mi][qi][2 * h + e] * (x - dsum);
+          }
+      }
+
+    // dV += P^T dO and dK += dS^T Q over this CTA's head-dim slice.
+    gemm_rc_kn<kMT, kDT, kBlockM, T>(acc_dv, acc_s, ldsm_do_t);
+    gemm_rc_kn<kMT, kDT, kBlockM, T>(acc_dk, acc_dp, ldsm_q_t);
+
+    if constexpr (kComputeDq) {
+      // dQ_tile = dS K: the warps split it differently from the keys, so dS^T
+      // goes through shared memory; the partial products meet in fp32 atomics.
+      store_acc<TileDS>(sdS, acc_dp, warp_key0, 0, lane);
+      __syncthreads();
+      constexpr int kQMT = Kt::kDqRowsPerWarp / 16, kQDT = Kt::kDqColsPerWarp / 8;
+      const int q_row0 = (warp % Kt::kDqWarpsM) * Kt::kDqRowsPerWarp;
+      const int q_col0 = d0 + (warp / Kt::kDqWarpsM) * Kt::kDqColsPerWarp;
+      float acc_dq[kQMT][kQDT][4];
+      clear(acc_dq);
+      gemm_tt_kn<kQMT, kQDT, kBlockN, T>(acc_dq, LdsmB<TileDS>(sdS, 0, q_row0, lane), LdsmA<TileKV>(sK, 0, q_col0, lane));
+      float* gdq = static_cast<float*>(p.dq_accum_ptr) + b * p.dq_accum_batch_stride + hq * p.dq_accum_head_stride +
+                   (m0 + q_row0) * p.dq_accum_row_stride + q_col0;
+#pragma unroll
+      for (int mi = 0; mi < kQMT; ++mi)
+#pragma unroll
+        for (int di = 0; di < kQDT; ++di)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            atomic_add2(gdq + (mi * 16 + g + 8 * h) * p.dq_accum_row_stride + di * 8 + 2 * t,
+                        acc_dq[mi][di][2 * h], acc_dq[mi][di][2 * h + 1]);
+    }
+
+    if (kStages == 1 && it + 1 < iters) {
+      __syncthreads();  // every warp is done with the single Q / dO buffer
+      load_q_block(it + 1, 0);
+      cp_async_commit();
+    }
+  }
+
+  // Epilogue: stage dK (scaled) and dV through sK / sV, then 16-byte stores.
+  __syncthreads();
+  store_acc<TileKV>(sK, acc_dk, warp_key0, d0, lane, p.softmax_scale);
+  store_acc<TileKV>(sV, acc_dv, warp_key0, d0, lane);
+  __syncthreads();
+  store_tile<TileKV, kNThreads, Kt::kDOut>(gdK, p.dk_row_stride, sK, keys, p.head_dim, tid, d0);
+  store_tile<TileKV, kNThreads, Kt::kDOut>(gdV, p.dv_row_stride, sV, keys, p.head_dim, tid, d0);
+}
+
+template <typename Kt>
+__global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dq_kernel(const AttnBwdParams p) {
+  using T = typename Kt::Element;
+  using TileQ = typename Kt::TileQ;
+  using TileKV = typename Kt::TileKV;
+  constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
+  constexpr int kMT = Kt::kMTilesPerWarp;
+  constexpr int kNT = kBlockN / 8;
+  constexpr int kDT = kHeadDim / 8;
+  constexpr int kNThreads = Kt::kNThreads;
+
+  extern __shared__ __align__(128) char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sdO = sQ + TileQ::kElems;
+  T* sK = sdO + TileQ::kElems;
+  T* sV = sK + TileKV::kElems;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
+  const int num_m_blocks = ceil_div(p.seqlen_q, kBlockM);
+  const int m_block = num_m_blocks - 1 - static_cast<int>(blockIdx.x % num_m_blocks);
+  const int bh = static_cast<int>(blockIdx.x / num_m_blocks);
+  const int h = bh % p.heads_q, b = bh / p.heads_q;
+  const int h_kv = h / p.heads_ratio();
+  const int m0 = m_block * kBlockM;
+  const int rows = min(kBlockM, p.seqlen_q - m0);
+  const int warp_row0 = warp * Kt::kRowsPerWarp;
+  const int g = lane >> 2;
+
+  const T* gQ = static_cast<const T*>(p.q_ptr) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
+  const T* gdO = static_cast<const T*>(p.do_ptr) + b * p.do_batch_stride + h * p.do_head_stride + m0 * p.do_row_stride;
+  const T* gK = static_cast<const T*>(p.k_ptr) + b * p.k_batch_stride + h_kv * p.k_head_stride;
+  const T* gV = static_cast<const T*>(p.v_ptr) + b * p.v_batch_stride + h_kv * p.v_head_stride;
+  T* gdQ = static_cast<T*>(p.dq_ptr) + b * p.dq_batch_stride + h * p.dq_head_stride + m0 * p.dq_row_stride;
+  const int64_t vec = (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0;
+
+  // Per-row lse (log2 units) and D of this lane's rows.
+  float lse_log2[kMT][2], dsum[kMT][2];
+#pragma unroll
+  for (int mi = 0; mi < kMT; ++mi)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = warp_row0 + mi * 16 + g + 8 * hh;
+      lse_log2[mi][hh] = r < rows ? lse_to_log2(static_cast<const float*>(p.lse_ptr)[vec + r]) : INFINITY;
+      dsum[mi][hh] = r < rows ? static_cast<const float*>(p.dsum_ptr)[vec + r] : 0.f;
+    }
+
+  const BlockMask mask(p);
+  int n_min, n_max;
+  mask.key_block_range<kBlockN>(m0, rows, n_min, n_max);
+
+  float acc_dq[kMT][kDT][4];
+  clear(acc_dq);
+  const LdsmA<TileQ> ldsm_q(sQ, warp_row0, 0, lane), ldsm_do(sdO, warp_row0, 0, lane);
+  const LdsmB<TileKV> ldsm_k(sK, 0, 0, lane), ldsm_v(sV, 0, 0, lane);
+  const LdsmA<TileKV> ldsm_k_t(sK, 0, 0, lane);
+
+  copy_tile_async<TileQ, kNThreads>(sQ, gQ, p.q_row_stride, rows, p.head_dim, tid);
+  copy_tile_async<TileQ, kNThreads>(sdO, gdO, p.do_row_stride, rows, p.head_dim, tid);
+  cp_async_commit();
+
+  for (int n_block = n_min; n_block < n_max; ++n_block) {
+    const int n0 = n_block * kBlockN;
+    copy_tile_async<TileKV, kNThreads>(sK, gK + int64_t(n0) * p.k_row_stride, p.k_row_stride, p.seqlen_k - n0,
+                                       p.head_dim, tid);
+    copy_tile_async<TileKV, kNThreads>(sV, gV + int64_t(n0) * p.v_row_stride, p.v_row_stride, p.seqlen_k - n0,
+                                       p.head_dim, tid);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+
+    float acc_s[kMT][kNT][4];
+    clear(acc_s);
+    gemm_ss_nk<kMT, kNT, kHeadDim, T>(acc_s, ldsm_q, ldsm_k);
+#pragma unroll
+    for (int mi = 0; mi < kMT; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < kNT; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          acc_s[mi][ni][e] = fast_exp2(acc_s[mi][ni][e] * p.softmax_scale_log2 - lse_log2[mi][e / 2]);
+    if (mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0)) apply_mask_rows(acc_s, mask, m0 + warp_row0, n0, lane, 0.f);
+
+    float acc_dp[kMT][kNT][4];
+    clear(acc_dp);
+    gemm_ss_nk<kMT, kNT, kHeadDim, T>(acc_dp, ldsm_do, ldsm_v);
+#pragma unroll
+    for (int mi = 0; mi < kMT; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < kNT; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dp[mi][ni][e] = acc_s[mi][ni][e] * (acc_dp[mi][ni][e] - dsum[mi][e / 2]);
+
+    gemm_rc_kn<kMT, kDT, kBlockN, T>(acc_dq, acc_dp, ldsm_k_t);
+    __syncthreads();  // every warp is done with K / V before the next block overwrites them
+  }
+
+  // Each warp only ever read its own rows of sQ, so it can stage dQ there
+  // (once the Q load has surely landed: the loop may not have run).
+  cp_async_wait<0>();
+  __syncthreads();
+  store_acc<TileQ>(sQ, acc_dq, warp_row0, 0, lane, p.softmax_scale);
+  __syncthreads();
+  store_tile<TileQ, kNThreads>(gdQ, p.dq_row_stride, sQ, rows, p.head_dim, tid);
+}
+
+}  // namespace flashattn

@@ -1,0 +1,153 @@
+// The forward pass: one CTA per (query block, head, batch). The query block
+// stays on chip while key/value blocks stream past it (seed section 2.8):
+//
+//   for each key block j (last to first):
+//     S   = Q K_j^T                      (tensor cores, fp32 accumulators)
+//     m'  = max(m, rowmax(S)); c = exp(m - m')
+//     P   = exp(S - m'); l = l * c + rowsum(P); O = O * c + P V_j
+//   O /= l; lse = m + log(l)
+//
+// Warps split the query rows (kBlockM / kNWarps each), so the softmax row
+// statistics never leave a warp's quad of lanes. Key blocks are visited last
+// to first: the blocks that need masking (the diagonal of a causal mask, the
+// ragged end of the keys) come first and the rest run without mask code.
+#pragma once
+
+#include "../flash_params.h"
+#include "kernel_traits.h"
+#include "mask.cuh"
+#include "softmax.cuh"
+#include "tile.cuh"
+
+namespace flashattn {
+
+template <typename Kt>
+__global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_kernel(const AttnFwdParams p) {
+  using T = typename Kt::Element;
+  using TileQ = typename Kt::TileQ;
+  using TileKV = typename Kt::TileKV;
+  constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
+  constexpr int kMT = Kt::kMTilesPerWarp;  // 16-row m-tiles per warp
+  constexpr int kNT = kBlockN / 8;         // 8-column n-tiles of S
+  constexpr int kDT = kHeadDim / 8;        // 8-column n-tiles of O
+  constexpr int kNThreads = Kt::kNThreads;
+
+  extern __shared__ __align__(128) char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + TileQ::kElems;
+  T* sV = sK + TileKV::kElems;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
+  const int num_m_blocks = ceil_div(p.seqlen_q, kBlockM);
+  // Heaviest query blocks (last rows, most keys under a causal mask) first.
+  const int m_block = num_m_blocks - 1 - static_cast<int>(blockIdx.x % num_m_blocks);
+  const int bh = static_cast<int>(blockIdx.x / num_m_blocks);
+  const int h = bh % p.heads_q, b = bh / p.heads_q;
+  const int h_kv = h / p.heads_ratio();
+  const int m0 = m_block * kBlockM;
+  const int rows = min(kBlockM, p.seqlen_q - m0);
+
+  const T* gQ = static_cast<const T*>(p.q_ptr) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
+  const T* gK = static_cast<const T*>(p.k_ptr) + b * p.k_batch_stride + h_kv * p.k_head_stride;
+  const T* gV = static_cast<const T*>(p.v_ptr) + b * p.v_batch_stride + h_kv * p.v_head_stride;
+  T* gO = static_cast<T*>(p.o_ptr) + b * p.o_batch_stride + h * p.o_head_stride + m0 * p.o_row_stride;
+  float* gLse = static_cast<float*>(p.lse_ptr) + (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0;
+
+  const BlockMask mask(p);
+  int n_min, n_max;
+  mask.key_block_range<kBlockN>(m0, rows, n_min, n_max);
+
+  const int warp_row0 = warp * Kt::kRowsPerWarp;  // first row of this warp inside the block
+  const int g = lane >> 2, t = lane & 3;
+
+  if (n_max <= n_min) {
+    // No query of this block sees any key: zero output, lse = -inf.
+    for (int i = tid; i < rows * (p.head_dim / 8); i += kNThreads) {
+      const int r = i / (p.head_dim / 8), c = (i % (p.head_dim / 8)) * 8;
+      *reinterpret_cast<uint4*>(gO + r * p.o_row_stride + c) = make_uint4(0, 0, 0, 0);
+    }
+    for (int r = tid; r < rows; r += kNThreads) gLse[r] = -INFINITY;
+    return;
+  }
+
+  // Prologue: Q and the first (last) key block in flight.
+  copy_tile_async<TileQ, kNThreads>(sQ, gQ, p.q_row_stride, rows, p.head_dim, tid);
+  cp_async_commit();
+  copy_tile_async<TileKV, kNThreads>(sK, gK + int64_t(n_max - 1) * kBlockN * p.k_row_stride, p.k_row_stride,
+                                     p.seqlen_k - (n_max - 1) * kBlockN, p.head_dim, tid);
+  cp_async_commit();
+
+  const LdsmA<TileQ> ldsm_q(sQ, warp_row0, 0, lane);
+  const LdsmB<TileKV> ldsm_k(sK, 0, 0, lane);
+  const LdsmA<TileKV> ldsm_v(sV, 0, 0, lane);
+
+  // Small head dims keep the warp's Q fragments in registers for the whole sweep.
+  uint32_t qfrag[Kt::kQInRegs ? kMT : 1][Kt::kQInRegs ? kHeadDim / 16 : 1][4];
+  if constexpr (Kt::kQInRegs) {
+    cp_async_wait<1>();
+    __syncthreads();
+#pragma unroll
+    for (int mi = 0; mi < kMT; ++mi)
+#pragma unroll
+      for (int ks = 0; ks < kHeadDim / 16; ++ks) ldmatrix_x4(qfrag[mi][ks], ldsm_q(mi * 16, ks * 16));
+  }
+
+  float acc_o[kMT][kDT][4];
+  clear(acc_o);
+  OnlineSoftmax<kMT> softmax;
+
+  for (int n_block = n_max - 1; n_block >= n_min; --n_block) {
+    const int n0 = n_block * kBlockN;
+    float acc_s[kMT][kNT][4];
+    clear(acc_s);
+
+    cp_async_wait<0>();
+    __syncthreads();  // K_j has landed; every warp is done with V_{j+1}
+    copy_tile_async<TileKV, kNThreads>(sV, gV + int64_t(n0) * p.v_row_stride, p.v_row_stride, p.seqlen_k - n0,
+                                       p.head_dim, tid);
+    cp_async_commit();
+
+    if constexpr (Kt::kQInRegs) {
+      gemm_rs_nk<kMT, kNT, kHeadDim, T>(acc_s, qfrag, ldsm_k);
+    } else {
+      gemm_ss_nk<kMT, kNT, kHeadDim, T>(acc_s, ldsm_q, ldsm_k);
+    }
+    if (mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0)) {
+      apply_mask_rows(acc_s, mask, m0 + warp_row0, n0, lane);
+    }
+
+    cp_async_wait<0>();
+    __syncthreads();  // V_j has landed; every warp is done with K_j
+    if (n_block > n_min) {
+      copy_tile_async<TileKV, kNThreads>(sK, gK + int64_t(n0 - kBlockN) * p.k_row_stride, p.k_row_stride,
+                                         p.seqlen_k - (n0 - kBlockN), p.head_dim, tid);
+      cp_async_commit();
+    }
+
+    if (p.softmax_scale > 0.f) {
+      softmax.template update<true>(acc_s, acc_o, p.softmax_scale_log2);
+    } else {
+      softmax.template update<false>(acc_s, acc_o, p.softmax_scale_log2);
+    }
+    gemm_rc_kn<kMT, kDT, kBlockN, T>(acc_o, acc_s, ldsm_v);
+  }
+
+  // Epilogue: normalize, stage O through this warp's rows of sQ so the global
+  // store is 16 bytes per lane, and write lse.
+  float row_lse[kMT][2];
+  softmax.finalize(acc_o, p.softmax_scale_log2, p.softmax_scale > 0.f, row_lse);
+  store_acc<TileQ>(sQ, acc_o, warp_row0, 0, lane);
+  if (t == 0) {
+#pragma unroll
+    for (int mi = 0; mi < kMT; ++mi)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = warp_row0 + mi * 16 + g + 8 * hh;
+        if (r < rows) gLse[r] = row_lse[mi][hh];
+      }
+  }
+  __syncthreads();
+  store_tile<TileQ, kNThreads>(gO, p.o_row_stride, sQ, rows, p.head_dim, tid);
+}
+
+}  // namespace flashattn

@@ -1,0 +1,72 @@
+// Grid shapes and launches of the forward and backward kernels.
+#pragma once
+
+#include "dispatch.h"
+#include "flash_bwd_kernel.cuh"
+#include "flash_fwd_kernel.cuh"
+#include "kernel_configs.h"
+
+namespace flashattn {
+
+// Raises a kernel's dynamic shared memory limit past the 48 KiB default.
+template <typename Kernel>
+cudaError_t allow_smem(Kernel kernel, int bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+
+// All grids are one-dimensional: blockIdx.x goes to 2^31 - 1, where y and z
+// stop at 65535 (batch x heads can exceed that). The binding layer checks the
+// block count fits.
+template <typename Kt>
+cudaError_t launch_fwd(const AttnFwdParams& p, cudaStream_t stream) {
+  auto kernel = &flash_fwd_kernel<Kt>;
+  if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
+  const int64_t blocks = int64_t(ceil_div(p.seqlen_q, Kt::kBlockM)) * p.batch * p.heads_q;
+  kernel<<<static_cast<unsigned>(blocks), Kt::kNThreads, Kt::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T, int kHeadDim>
+cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
+  return launch_fwd<typename KernelConfig<kHeadDim, T>::Fwd>(p, stream);
+}
+
+template <typename T, int kHeadDim>
+cudaError_t run_bwd(const AttnBwdParams& p, cudaStream_t stream) {
+  using Cfg = KernelConfig<kHeadDim, T>;
+  using Kt = typename Cfg::Bwd;
+  using KtDq = typename Cfg::BwdDq;
+  static_assert(Kt::kBlockM == kBwdBlockM, "the dQ accumulator is padded to kBwdBlockM rows");
+
+  {  // D = rowsum(dO * O): one warp per row.
+    const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
+    constexpr int kThreads = 256;
+    bwd_preprocess_kernel<T><<<static_cast<unsigned>((rows * 32 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p);
+    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  }
+
+  const int64_t dkdv_blocks = int64_t(ceil_div(p.seqlen_k, Kt::kBlockN)) * Kt::kDSplit * p.heads_kv * p.batch;
+  if (!p.deterministic) {
+    auto kernel = &flash_bwd_dkdv_kernel<Kt, true>;
+    if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
+    kernel<<<static_cast<unsigned>(dkdv_blocks), Kt::kNThreads, Kt::kSmemBytes, stream>>>(p);
+    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+    const int64_t chunks = int64_t(p.batch) * p.heads_q * p.seqlen_q * (p.head_dim / 8);
+    constexpr int kThreads = 256;
+    convert_dq_kernel<T><<<static_cast<unsigned>((chunks + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+  }
+
+  auto dkdv = &flash_bwd_dkdv_kernel<Kt, false>;
+  if (cudaError_t err = allow_smem(dkdv, Kt::kSmemBytes); err != cudaSuccess) return err;
+  dkdv<<<static_cast<unsigned>(dkdv_blocks), Kt::kNThreads, Kt::kSmemBytes, stream>>>(p);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  auto dq = &flash_bwd_dq_kernel<KtDq>;
+  if (cudaError_t err = allow_smem(dq, KtDq::kSmemBytes); err != cudaSuccess) return err;
+  const int64_t dq_blocks = int64_t(ceil_div(p.seqlen_q, KtDq::kBlockM)) * p.batch * p.heads_q;
+  dq<<<static_cast<unsigned>(dq_blocks), KtDq::kNThreads, KtDq::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace flashattn

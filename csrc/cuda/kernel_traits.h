@@ -1,0 +1,90 @@
+// Compile-time shapes of the kernels: block sizes, warps, shared memory.
+#pragma once
+
+#include "tile.cuh"
+
+namespace flashattn {
+
+// Forward: kBlockM query rows per CTA split over kNWarps warps; key/value
+// blocks of kBlockN rows. Shared memory holds Q, one K block and one V block.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kMinBlocksPerSm_, typename Element_>
+struct FwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
+  static constexpr int kRowsPerWarp = kBlockM / kNWarps;
+  static constexpr int kMTilesPerWarp = kRowsPerWarp / 16;
+  // Q fragments of a warp cost kRowsPerWarp * kHeadDim / 64 registers per lane.
+  static constexpr bool kQInRegs = kRowsPerWarp * kHeadDim / 64 <= 32;
+
+  using TileQ = SmemTile<kBlockM, kHeadDim>;
+  using TileKV = SmemTile<kBlockN, kHeadDim>;
+  static constexpr int kSmemBytes = (TileQ::kElems + 2 * TileKV::kElems) * 2;
+
+  static_assert(kRowsPerWarp % 16 == 0, "each warp owns whole 16-row m-tiles");
+  static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shapes");
+};
+
+// Backward, dK/dV kernel: one CTA per (key block of kBlockN rows, kv head,
+// batch, head-dim slice), looping over query blocks of kBlockM rows of every
+// query head of the GQA group. Warps split the keys (kBlockN / kNWarps each),
+// which makes S^T, dP^T, P^T and dS^T row-local to a warp: P^T and dS^T feed
+// dV and dK straight from registers. kDSplit > 1 splits the head dim of the dK,
+// dV (and dQ) outputs over several CTAs that each recompute S and dP: it keeps
+// the dK/dV accumulators of large head dims inside the register file.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kDSplit_, int kQStages_, typename Element_>
+struct BwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kDSplit = kDSplit_;
+  static constexpr int kDOut = kHeadDim / kDSplit;  // output columns per CTA
+  static constexpr int kQStages = kQStages_;        // buffers for Q / dO blocks
+  static constexpr int kKeysPerWarp = kBlockN / kNWarps;
+  static constexpr int kMTilesPerWarp = kKeysPerWarp / 16;
+
+  // dQ = dS K: the kBlockM x kDOut product is split over the warps as
+  // kDqWarpsM (query rows) x kDqWarpsD (columns).
+  static constexpr int kDqWarpsM = (kBlockM / 16 >= kNWarps) ? kNWarps : kBlockM / 16;
+  static constexpr int kDqWarpsD = kNWarps / kDqWarpsM;
+  static constexpr int kDqRowsPerWarp = kBlockM / kDqWarpsM;
+  static constexpr int kDqColsPerWarp = kDOut / kDqWarpsD;
+
+  using TileQ = SmemTile<kBlockM, kHeadDim>;   // Q and dO blocks
+  using TileKV = SmemTile<kBlockN, kHeadDim>;  // K and V blocks
+  using TileDS = SmemTile<kBlockN, kBlockM>;   // dS^T, [key][query]
+  static constexpr int kSmemBytes =
+      (2 * kQStages * TileQ::kElems + 2 * TileKV::kElems + TileDS::kElems) * 2 + 2 * kQStages * kBlockM * 4;
+
+  static_assert(kKeysPerWarp % 16 == 0, "each warp owns whole 16-key m-tiles");
+  static_assert(kNWarps % kDqWarpsM == 0 && kDqRowsPerWarp % 16 == 0 && kDqColsPerWarp % 16 == 0, "dQ split");
+  static_assert(kDOut % 16 == 0, "head-dim slice");
+};
+
+// Backward, deterministic dQ kernel: one CTA per (query block, head, batch)
+// sweeping the key blocks like the forward: S, P, dP, dS, dQ += dS K.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, typename Element_>
+struct BwdDqTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kRowsPerWarp = kBlockM / kNWarps;
+  static constexpr int kMTilesPerWarp = kRowsPerWarp / 16;
+
+  using TileQ = SmemTile<kBlockM, kHeadDim>;   // Q and dO
+  using TileKV = SmemTile<kBlockN, kHeadDim>;  // K and V
+  static constexpr int kSmemBytes = (2 * TileQ::kElems + 2 * TileKV::kElems) * 2;
+  static_assert(kRowsPerWarp % 16 == 0, "each warp owns whole 16-row m-tiles");
+};
+
+}  // namespace flashattn

@@ -1,0 +1,116 @@
+// Which keys each query sees (see MaskParams in flash_params.h), at three
+// granularities: the range of key blocks a query block must visit, whether a
+// (query block, key block) tile needs element masking at all, and the
+// per-row visible key interval [lo, hi) used to mask the tiles that do.
+// Only the tiles on a diagonal or a sequence edge pay for masking.
+#pragma once
+
+#include "../flash_params.h"
+#include "ptx.cuh"
+
+namespace flashattn {
+
+struct BlockMask {
+  int seqlen_q, seqlen_k;
+  int window_left, window_right, diag_offset;
+
+  __device__ __forceinline__ explicit BlockMask(const AttnFwdParams& p)
+      : seqlen_q(p.seqlen_q),
+        seqlen_k(p.seqlen_k),
+        window_left(p.mask.window_left),
+        window_right(p.mask.window_right),
+        diag_offset(p.mask.diag_offset) {}
+
+  __device__ __forceinline__ static int clamp(int64_t x, int lo, int hi) {
+    return static_cast<int>(x < lo ? lo : (x > hi ? hi : x));
+  }
+
+  // Visible keys of query row `row`: [lo, hi).
+  __device__ __forceinline__ int key_hi(int row) const {
+    return window_right < 0 ? seqlen_k
+                            : clamp(int64_t(row) + diag_offset + window_right + 1, 0, seqlen_k);
+  }
+  __device__ __forceinline__ int key_lo(int row) const {
+    return window_left < 0 ? 0 : clamp(int64_t(row) + diag_offset - window_left, 0, seqlen_k);
+  }
+
+  // Key blocks [n_min, n_max) seen by query rows [m0, m0 + rows).
+  template <int kBlockN>
+  __device__ __forceinline__ void key_block_range(int m0, int rows, int& n_min, int& n_max) const {
+    n_max = ceil_div(key_hi(m0 + rows - 1), kBlockN);
+    n_min = key_lo(m0) / kBlockN;
+  }
+
+  // Query blocks [m_min, m_max) that see some key of [n0, n0 + cols).
+  template <int kBlockM>
+  __device__ __forceinline__ void query_block_range(int n0, int cols, int& m_min, int& m_max) const {
+    // key j is seen by rows i with j - off - wr <= i <= j - off + wl.
+    int64_t first = window_right < 0 ? 0 : int64_t(n0) - diag_offset - window_right;
+    int64_t last = window_left < 0 ? int64_t(seqlen_q) - 1 : int64_t(n0) + cols - 1 - diag_offset + window_left;
+    first = first < 0 ? 0 : first;
+    last = last >= seqlen_q ? seqlen_q - 1 : last;
+    if (last < first) {
+      m_min = m_max = 0;
+      return;
+    }
+    m_min = static_cast<int>(first / kBlockM);
+    m_max = static_cast<int>(last / kBlockM) + 1;
+  }
+
+  // Does the tile rows [m0, m0+kBlockM) x keys [n0, n0+kBlockN) contain a masked element?
+  // Rows past seqlen_q are not counted: they are never stored.
+  template <int kBlockM, int kBlockN>
+  __device__ __forceinline__ bool tile_needs_mask(int m0, int n0) const {
+    if (n0 + kBlockN > seqlen_k) return true;
+    const int row_last = min(m0 + kBlockM, seqlen_q) - 1;
+    if (window_right >= 0 && int64_t(n0) + kBlockN - 1 > int64_t(m0) + diag_offset + window_right) return true;
+    if (window_left >= 0 && int64_t(n0) < int64_t(row_last) + diag_offset - window_left) return true;
+    return false;
+  }
+};
+
+// Sets to `fill` the entries of invisible keys in a warp's accumulator tile
+// (-inf for scores, 0 for probabilities). Rows are queries r0 + mi*16 + g (+8);
+// columns are keys c0 + ni*8 + 2t (+1).
+template <int kMT, int kNT>
+__device__ __forceinline__ void apply_mask_rows(float (&s)[kMT][kNT][4], const BlockMask& mask, int r0, int c0,
+                                                int lane, float fill = -INFINITY) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int mi = 0; mi < kMT; ++mi)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = r0 + mi * 16 + g + 8 * h;
+      const int lo = mask.key_lo(row), hi = mask.key_hi(row);
+#pragma unroll
+      for (int ni = 0; ni < kNT; ++ni)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int col = c0 + ni * 8 + 2 * t + e;
+          if (col < lo || col >= hi) s[mi][ni][2 * h + e] = fill;
+        }
+    }
+}
+
+// The same for a transposed tile: rows are keys, columns are queries.
+template <int kMT, int kNT>
+__device__ __forceinline__ void apply_mask_cols(float (&s)[kMT][kNT][4], const BlockMask& mask, int key0, int q0,
+                                                int lane, float fill = -INFINITY) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int ni = 0; ni < kNT; ++ni)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int q = q0 + ni * 8 + 2 * t + e;
+      const int lo = mask.key_lo(q), hi = mask.key_hi(q);
+#pragma unroll
+      for (int mi = 0; mi < kMT; ++mi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int key = key0 + mi * 16 + g + 8 * h;
+          if (key < lo || key >= hi) s[mi][ni][2 * h + e] = fill;
+        }
+    }
+}
+
+}  // namespace flashattn
