@@ -11,6 +11,8 @@ otherwise the extension is CPU-only and still complete. Environment knobs:
                            next larger compiled one)
     FLASHATTN_CPU_ONLY=1   skip the CUDA kernels even when nvcc is present
     FLASHATTN_PTXAS_VERBOSE=1  print the register / shared memory report of every kernel
+    FLASHATTN_TUNING=1     also compile the candidate tile configurations of
+                           csrc/cuda/kernel_configs.h (for benchmarks/tune.py)
     MAX_JOBS               parallel compile jobs (default: all cores)
 """
 
@@ -87,6 +89,8 @@ def extensions():
             kernel_sources += sorted(glob.glob(f"csrc/cuda/instantiations/*_hdim{d}_{dt}.cu"))
     sources += sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/cuda/*.cu")) + kernel_sources
     defines = ["-DFLASHATTN_WITH_CUDA"] + [f"-DFLASHATTN_HDIM_{d}" for d in dims]
+    if os.environ.get("FLASHATTN_TUNING", "0") == "1":
+        defines += ["-DFLASHATTN_TUNING"]
     defines += [
         f'-DFLASHATTN_CUDA_ARCHS="{";".join(archs)}"',
         f'-DFLASHATTN_HEAD_DIMS="{",".join(str(d) for d in dims)}"',

@@ -20,7 +20,12 @@ static std::string build_info() {
 #else
   const char* cuda = "0";
 #endif
-  return std::string("cuda=") + cuda + ";archs=" + FLASHATTN_CUDA_ARCHS + ";head_dims=" + FLASHATTN_HEAD_DIMS;
+#ifdef FLASHATTN_TUNING
+  const char* tuning = ";tuning=1";
+#else
+  const char* tuning = "";
+#endif
+  return std::string("cuda=") + cuda + ";archs=" + FLASHATTN_CUDA_ARCHS + ";head_dims=" + FLASHATTN_HEAD_DIMS + tuning;
 }
 
 // `import flashattn_ext._C` loads this library, which registers the ops. The

@@ -11,7 +11,7 @@ namespace flashattn {
 
 // Query rows per block of the backward kernels; the binding layer pads the
 // fp32 dQ accumulator to a multiple of it.
-constexpr int kBwdBlockM = 64;
+constexpr int kBwdBlockM = 128;
 
 template <typename T, int kHeadDim>
 cudaError_t run_fwd(const AttnFwdParams& params, cudaStream_t stream);

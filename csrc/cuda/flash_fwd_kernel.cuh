@@ -34,8 +34,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
 
   extern __shared__ __align__(128) char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sK = sQ + TileQ::kElems;
-  T* sV = sK + TileKV::kElems;
+  T* sK = sQ + TileQ::kElems;                  // [kStages] K blocks
+  T* sV = sK + Kt::kStages * Kt::kStageElems;  // [kStages] V blocks
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
   const int num_m_blocks = ceil_div(p.seqlen_q, kBlockM);
@@ -70,21 +70,35 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
     return;
   }
 
-  // Prologue: Q and the first (last) key block in flight.
-  copy_tile_async<TileQ, kNThreads>(sQ, gQ, p.q_row_stride, rows, p.head_dim, tid);
-  cp_async_commit();
-  copy_tile_async<TileKV, kNThreads>(sK, gK + int64_t(n_max - 1) * kBlockN * p.k_row_stride, p.k_row_stride,
-                                     p.seqlen_k - (n_max - 1) * kBlockN, p.head_dim, tid);
-  cp_async_commit();
-
   const LdsmA<TileQ> ldsm_q(sQ, warp_row0, 0, lane);
   const LdsmB<TileKV> ldsm_k(sK, 0, 0, lane);
   const LdsmA<TileKV> ldsm_v(sV, 0, 0, lane);
+  const bool positive_scale = p.softmax_scale > 0.f;
+
+  auto load_k = [&](int n_block, int stage) {
+    copy_tile_async<TileKV, kNThreads>(sK + stage * Kt::kStageElems, gK + int64_t(n_block) * kBlockN * p.k_row_stride,
+                                       p.k_row_stride, p.seqlen_k - n_block * kBlockN, p.head_dim, tid);
+  };
+  auto load_v = [&](int n_block, int stage) {
+    copy_tile_async<TileKV, kNThreads>(sV + stage * Kt::kStageElems, gV + int64_t(n_block) * kBlockN * p.v_row_stride,
+                                       p.v_row_stride, p.seqlen_k - n_block * kBlockN, p.head_dim, tid);
+  };
+
+  // Prologue: Q and the first (last) key block in flight; with two stages,
+  // the second key/value block too.
+  copy_tile_async<TileQ, kNThreads>(sQ, gQ, p.q_row_stride, rows, p.head_dim, tid);
+  load_k(n_max - 1, 0);
+  if constexpr (Kt::kStages == 2) load_v(n_max - 1, 0);
+  cp_async_commit();
+  if constexpr (Kt::kStages == 2) {
+    if (n_max - 2 >= n_min) load_k(n_max - 2, 1), load_v(n_max - 2, 1);
+    cp_async_commit();
+  }
 
   // Small head dims keep the warp's Q fragments in registers for the whole sweep.
   uint32_t qfrag[Kt::kQInRegs ? kMT : 1][Kt::kQInRegs ? kHeadDim / 16 : 1][4];
   if constexpr (Kt::kQInRegs) {
-    cp_async_wait<1>();
+    cp_async_wait<Kt::kStages - 1>();
     __syncthreads();
 #pragma unroll
     for (int mi = 0; mi < kMT; ++mi)
@@ -96,46 +110,66 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
   clear(acc_o);
   OnlineSoftmax<kMT> softmax;
 
-  for (int n_block = n_max - 1; n_block >= n_min; --n_block) {
-    const int n0 = n_block * kBlockN;
-    float acc_s[kMT][kNT][4];
+  // S = Q K^T for the key block in `stage`, masked where needed.
+  auto scores = [&](float (&acc_s)[kMT][kNT][4], int n0, int stage) {
     clear(acc_s);
-
-    cp_async_wait<0>();
-    __syncthreads();  // K_j has landed; every warp is done with V_{j+1}
-    copy_tile_async<TileKV, kNThreads>(sV, gV + int64_t(n0) * p.v_row_stride, p.v_row_stride, p.seqlen_k - n0,
-                                       p.head_dim, tid);
-    cp_async_commit();
-
     if constexpr (Kt::kQInRegs) {
-      gemm_rs_nk<kMT, kNT, kHeadDim, T>(acc_s, qfrag, ldsm_k);
+      gemm_rs_nk<kMT, kNT, kHeadDim, T>(acc_s, qfrag, ldsm_k, stage * Kt::kStageBytes);
     } else {
-      gemm_ss_nk<kMT, kNT, kHeadDim, T>(acc_s, ldsm_q, ldsm_k);
+      gemm_ss_nk<kMT, kNT, kHeadDim, T>(acc_s, ldsm_q, ldsm_k, stage * Kt::kStageBytes);
     }
-    if (mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0)) {
-      apply_mask_rows(acc_s, mask, m0 + warp_row0, n0, lane);
-    }
-
-    cp_async_wait<0>();
-    __syncthreads();  // V_j has landed; every warp is done with K_j
-    if (n_block > n_min) {
-      copy_tile_async<TileKV, kNThreads>(sK, gK + int64_t(n0 - kBlockN) * p.k_row_stride, p.k_row_stride,
-                                         p.seqlen_k - (n0 - kBlockN), p.head_dim, tid);
-      cp_async_commit();
-    }
-
-    if (p.softmax_scale > 0.f) {
+    if (mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0)) apply_mask_rows(acc_s, mask, m0 + warp_row0, n0, lane);
+  };
+  // P = online softmax of S (rescaling O), then O += P V.
+  auto accumulate = [&](float (&acc_s)[kMT][kNT][4], int stage) {
+    if (positive_scale) {
       softmax.template update<true>(acc_s, acc_o, p.softmax_scale_log2);
     } else {
       softmax.template update<false>(acc_s, acc_o, p.softmax_scale_log2);
     }
-    gemm_rc_kn<kMT, kDT, kBlockN, T>(acc_o, acc_s, ldsm_v);
+    gemm_rc_kn<kMT, kDT, kBlockN, T>(acc_o, acc_s, ldsm_v, stage * Kt::kStageBytes);
+  };
+
+  if constexpr (Kt::kStages == 1) {
+    // K and V have one buffer each: V_j loads under S = Q K_j^T, K_{j-1}
+    // under the softmax and P V_j.
+    for (int n_block = n_max - 1; n_block >= n_min; --n_block) {
+      const int n0 = n_block * kBlockN;
+      float acc_s[kMT][kNT][4];
+      cp_async_wait<0>();
+      __syncthreads();  // K_j has landed; every warp is done with V_{j+1}
+      load_v(n_block, 0);
+      cp_async_commit();
+      scores(acc_s, n0, 0);
+      cp_async_wait<0>();
+      __syncthreads();  // V_j has landed; every warp is done with K_j
+      if (n_block > n_min) {
+        load_k(n_block - 1, 0);
+        cp_async_commit();
+      }
+      accumulate(acc_s, 0);
+    }
+  } else {
+    // Two K/V stages: block j - 2 loads during all of block j - 1's work.
+    for (int it = 0, n_block = n_max - 1; n_block >= n_min; ++it, --n_block) {
+      const int stage = it & 1;
+      const int n0 = n_block * kBlockN;
+      float acc_s[kMT][kNT][4];
+      cp_async_wait<1>();
+      __syncthreads();  // this stage has landed
+      scores(acc_s, n0, stage);
+      accumulate(acc_s, stage);
+      __syncthreads();  // every warp is done with this stage
+      if (n_block - 2 >= n_min) load_k(n_block - 2, stage), load_v(n_block - 2, stage);
+      cp_async_commit();  // possibly empty: keeps the group count uniform
+    }
   }
 
   // Epilogue: normalize, stage O through this warp's rows of sQ so the global
   // store is 16 bytes per lane, and write lse.
   float row_lse[kMT][2];
-  softmax.finalize(acc_o, p.softmax_scale_log2, p.softmax_scale > 0.f, row_lse);
+  cp_async_wait<0>();  // only empty groups can remain
+  softmax.finalize(acc_o, p.softmax_scale_log2, positive_scale, row_lse);
   store_acc<TileQ>(sQ, acc_o, warp_row0, 0, lane);
   if (t == 0) {
 #pragma unroll

@@ -1,6 +1,8 @@
 // Grid shapes and launches of the forward and backward kernels.
 #pragma once
 
+#include <cstdlib>
+
 #include "dispatch.h"
 #include "flash_bwd_kernel.cuh"
 #include "flash_fwd_kernel.cuh"
@@ -27,17 +29,10 @@ cudaError_t launch_fwd(const AttnFwdParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <typename T, int kHeadDim>
-cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
-  return launch_fwd<typename KernelConfig<kHeadDim, T>::Fwd>(p, stream);
-}
-
-template <typename T, int kHeadDim>
-cudaError_t run_bwd(const AttnBwdParams& p, cudaStream_t stream) {
-  using Cfg = KernelConfig<kHeadDim, T>;
-  using Kt = typename Cfg::Bwd;
-  using KtDq = typename Cfg::BwdDq;
-  static_assert(Kt::kBlockM == kBwdBlockM, "the dQ accumulator is padded to kBwdBlockM rows");
+template <typename Kt, typename KtDq>
+cudaError_t launch_bwd(const AttnBwdParams& p, cudaStream_t stream) {
+  using T = typename Kt::Element;
+  static_assert(Kt::kBlockM <= kBwdBlockM && kBwdBlockM % Kt::kBlockM == 0, "the dQ accumulator is padded to kBwdBlockM rows");
 
   {  // D = rowsum(dO * O): one warp per row.
     const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
@@ -67,6 +62,51 @@ cudaError_t run_bwd(const AttnBwdParams& p, cudaStream_t stream) {
   const int64_t dq_blocks = int64_t(ceil_div(p.seqlen_q, KtDq::kBlockM)) * p.batch * p.heads_q;
   dq<<<static_cast<unsigned>(dq_blocks), KtDq::kNThreads, KtDq::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
+}
+
+#ifdef FLASHATTN_TUNING
+// Tuning builds: FLASHATTN_FWD_VARIANT / FLASHATTN_BWD_VARIANT pick an entry of TuneVariants.
+inline int tune_variant(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? std::atoi(v) : 0;
+}
+
+template <typename T, int kHeadDim, typename... Kts>
+cudaError_t run_fwd_variant(Variants<Kts...>, const AttnFwdParams& p, cudaStream_t stream) {
+  const int want = tune_variant("FLASHATTN_FWD_VARIANT");
+  int i = 0;
+  cudaError_t err = cudaErrorInvalidValue;
+  ((i++ == want ? (err = launch_fwd<Kts>(p, stream), 0) : 0), ...);
+  return err;
+}
+
+template <typename T, int kHeadDim, typename... Kts>
+cudaError_t run_bwd_variant(Variants<Kts...>, const AttnBwdParams& p, cudaStream_t stream) {
+  const int want = tune_variant("FLASHATTN_BWD_VARIANT");
+  int i = 0;
+  cudaError_t err = cudaErrorInvalidValue;
+  ((i++ == want ? (err = launch_bwd<Kts, typename KernelConfig<kHeadDim, T>::BwdDq>(p, stream), 0) : 0), ...);
+  return err;
+}
+#endif
+
+template <typename T, int kHeadDim>
+cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
+#ifdef FLASHATTN_TUNING
+  return run_fwd_variant<T, kHeadDim>(typename TuneVariants<kHeadDim, T>::Fwd{}, p, stream);
+#else
+  return launch_fwd<typename KernelConfig<kHeadDim, T>::Fwd>(p, stream);
+#endif
+}
+
+template <typename T, int kHeadDim>
+cudaError_t run_bwd(const AttnBwdParams& p, cudaStream_t stream) {
+#ifdef FLASHATTN_TUNING
+  return run_bwd_variant<T, kHeadDim>(typename TuneVariants<kHeadDim, T>::Bwd{}, p, stream);
+#else
+  using Cfg = KernelConfig<kHeadDim, T>;
+  return launch_bwd<typename Cfg::Bwd, typename Cfg::BwdDq>(p, stream);
+#endif
 }
 
 }  // namespace flashattn

@@ -7,7 +7,8 @@ namespace flashattn {
 
 // Forward: kBlockM query rows per CTA split over kNWarps warps; key/value
 // blocks of kBlockN rows. Shared memory holds Q, one K block and one V block.
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kMinBlocksPerSm_, typename Element_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kMinBlocksPerSm_, int kStages_,
+          typename Element_>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -16,6 +17,7 @@ struct FwdTraits {
   static constexpr int kNWarps = kNWarps_;
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
+  static constexpr int kStages = kStages_;  // K/V buffers: 1 (K and V overlap each other) or 2
   static constexpr int kRowsPerWarp = kBlockM / kNWarps;
   static constexpr int kMTilesPerWarp = kRowsPerWarp / 16;
   // Q fragments of a warp cost kRowsPerWarp * kHeadDim / 64 registers per lane.
@@ -23,9 +25,12 @@ struct FwdTraits {
 
   using TileQ = SmemTile<kBlockM, kHeadDim>;
   using TileKV = SmemTile<kBlockN, kHeadDim>;
-  static constexpr int kSmemBytes = (TileQ::kElems + 2 * TileKV::kElems) * 2;
+  static constexpr int kStageElems = TileKV::kElems;
+  static constexpr int kStageBytes = 2 * kStageElems;
+  static constexpr int kSmemBytes = (TileQ::kElems + 2 * kStages * TileKV::kElems) * 2;
 
   static_assert(kRowsPerWarp % 16 == 0, "each warp owns whole 16-row m-tiles");
+  static_assert(kStages == 1 || kStages == 2, "K/V stages");
   static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shapes");
 };
 
@@ -51,8 +56,21 @@ struct BwdTraits {
   static constexpr int kMTilesPerWarp = kKeysPerWarp / 16;
 
   // dQ = dS K: the kBlockM x kDOut product is split over the warps as
-  // kDqWarpsM (query rows) x kDqWarpsD (columns).
-  static constexpr int kDqWarpsM = (kBlockM / 16 >= kNWarps) ? kNWarps : kBlockM / 16;
+  // kDqWarpsM (query rows) x kDqWarpsD (columns). A warp reads rows x kBlockN
+  // of dS and kBlockN x cols of K, so the split with the smallest rows + cols
+  // moves the fewest shared-memory bytes.
+  static constexpr int dq_cost(int wm) {
+    return (wm > kNWarps || kNWarps % wm != 0 || (kBlockM / wm) % 16 != 0 || (kDOut / (kNWarps / wm)) % 16 != 0)
+               ? 1 << 30
+               : kBlockM / wm + kDOut / (kNWarps / wm);
+  }
+  static constexpr int best_dq_warps_m() {
+    int best = 1;
+    for (int wm = 2; wm <= kNWarps; wm *= 2)
+      if (dq_cost(wm) < dq_cost(best)) best = wm;
+    return best;
+  }
+  static constexpr int kDqWarpsM = best_dq_warps_m();
   static constexpr int kDqWarpsD = kNWarps / kDqWarpsM;
   static constexpr int kDqRowsPerWarp = kBlockM / kDqWarpsM;
   static constexpr int kDqColsPerWarp = kDOut / kDqWarpsD;

@@ -155,7 +155,8 @@ __device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&c)[kNT]
 
 // A from a [m][k] tile, B from an [n][k] tile: S = Q K^T and its relatives.
 template <int kMT, int kNT, int kK, typename T, typename TileA, typename TileB>
-__device__ __forceinline__ void gemm_ss_nk(float (&acc)[kMT][kNT][4], const LdsmA<TileA>& sA, const LdsmB<TileB>& sB) {
+__device__ __forceinline__ void gemm_ss_nk(float (&acc)[kMT][kNT][4], const LdsmA<TileA>& sA, const LdsmB<TileB>& sB,
+                                           uint32_t b_offset = 0) {
   static_assert(kNT % 2 == 0, "n-tiles come in pairs");
 #pragma unroll
   for (int ks = 0; ks < kK / 16; ++ks) {
@@ -165,7 +166,7 @@ __device__ __forceinline__ void gemm_ss_nk(float (&acc)[kMT][kNT][4], const Ldsm
 #pragma unroll
     for (int np = 0; np < kNT / 2; ++np) {
       uint32_t r[4], b0[2], b1[2];
-      ldmatrix_x4(r, sB(np * 16, ks * 16));
+      ldmatrix_x4(r, sB(np * 16, ks * 16) + b_offset);
       split_b(b0, b1, r);
 #pragma unroll
       for (int mi = 0; mi < kMT; ++mi) {
@@ -179,13 +180,13 @@ __device__ __forceinline__ void gemm_ss_nk(float (&acc)[kMT][kNT][4], const Ldsm
 // A already in registers (a[mi][ks]), B from an [n][k] tile.
 template <int kMT, int kNT, int kK, typename T, typename TileB>
 __device__ __forceinline__ void gemm_rs_nk(float (&acc)[kMT][kNT][4], const uint32_t (&a)[kMT][kK / 16][4],
-                                           const LdsmB<TileB>& sB) {
+                                           const LdsmB<TileB>& sB, uint32_t b_offset = 0) {
 #pragma unroll
   for (int ks = 0; ks < kK / 16; ++ks) {
 #pragma unroll
     for (int np = 0; np < kNT / 2; ++np) {
       uint32_t r[4], b0[2], b1[2];
-      ldmatrix_x4(r, sB(np * 16, ks * 16));
+      ldmatrix_x4(r, sB(np * 16, ks * 16) + b_offset);
       split_b(b0, b1, r);
 #pragma unroll
       for (int mi = 0; mi < kMT; ++mi) {
@@ -200,7 +201,7 @@ __device__ __forceinline__ void gemm_rs_nk(float (&acc)[kMT][kNT][4], const uint
 // [k][n] tile: O += P V and its relatives.
 template <int kMT, int kNT, int kK, typename T, typename TileB>
 __device__ __forceinline__ void gemm_rc_kn(float (&acc)[kMT][kNT][4], const float (&c)[kMT][kK / 8][4],
-                                           const LdsmA<TileB>& sB) {
+                                           const LdsmA<TileB>& sB, uint32_t b_offset = 0) {
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
     uint32_t a[kMT][4];
@@ -209,7 +210,7 @@ __device__ __forceinline__ void gemm_rc_kn(float (&acc)[kMT][kNT][4], const floa
 #pragma unroll
     for (int np = 0; np < kNT / 2; ++np) {
       uint32_t r[4], b0[2], b1[2];
-      ldmatrix_x4_trans(r, sB(kk * 16, np * 16));
+      ldmatrix_x4_trans(r, sB(kk * 16, np * 16) + b_offset);
       split_b(b0, b1, r);
 #pragma unroll
       for (int mi = 0; mi < kMT; ++mi) {
