@@ -99,9 +99,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
   using TileKV = typename Kt::TileKV;
   using TileDS = typename Kt::TileDS;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
-  constexpr int kMT = Kt::kMTilesPerWarp;  // 16-key m-tiles per warp
-  constexpr int kQT = kBlockM / 8;         // 8-query n-tiles of S^T
-  constexpr int kDT = Kt::kDOut / 8;       // 8-column n-tiles of this CTA's dK / dV slice
+  constexpr int kMT = Kt::kSKeys / 16;     // 16-key m-tiles of a warp's S^T tile
+  constexpr int kQT = Kt::kSQueries / 8;   // 8-query n-tiles of a warp's S^T tile
+  constexpr int kVMT = Kt::kVKeys / 16;    // 16-key m-tiles of a warp's dK / dV tile
+  constexpr int kDT = Kt::kVCols / 8;      // 8-column n-tiles of a warp's dK / dV tile
   constexpr int kNThreads = Kt::kNThreads;
   constexpr int kStages = Kt::kQStages;
 
@@ -111,7 +112,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
   T* sQ = sV + TileKV::kElems;                  // [kStages] Q blocks
   T* sdO = sQ + kStages * TileQ::kElems;        // [kStages] dO blocks
   T* sdS = sdO + kStages * TileQ::kElems;       // dS^T of the current tile
-  float* sLse = reinterpret_cast<float*>(sdS + TileDS::kElems);  // [kStages][kBlockM]
+  T* sP = sdS + TileDS::kElems;                 // P^T of the current tile (kPInSmem only)
+  float* sLse = reinterpret_cast<float*>(sP + (Kt::kPInSmem ? TileDS::kElems : 0));  // [kStages][kBlockM]
   float* sDsum = sLse + kStages * kBlockM;                       // [kStages][kBlockM]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
@@ -137,11 +139,14 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
   mask.query_block_range<kBlockM>(n0, keys, m_min, m_max);
   const int m_blocks = m_max - m_min;
   const int iters = m_blocks * ratio;  // every query head of the group, every query block
-  const int warp_key0 = warp * Kt::kKeysPerWarp;
   const int g = lane >> 2, t = lane & 3;
-  const LdsmA<TileKV> ldsm_k(sK, warp_key0, 0, lane), ldsm_v(sV, warp_key0, 0, lane);  // A of K Q^T, V dO^T
+  // This warp's tile of S^T (keys s_key0.., queries s_q0..) and of dK / dV
+  // (keys v_key0.., columns v_col0.. of the CTA's slice).
+  const int s_key0 = (warp / Kt::kSWarpsQ) * Kt::kSKeys, s_q0 = (warp % Kt::kSWarpsQ) * Kt::kSQueries;
+  const int v_key0 = (warp / Kt::kVWarpsD) * Kt::kVKeys, v_col0 = d0 + (warp % Kt::kVWarpsD) * Kt::kVCols;
+  const LdsmA<TileKV> ldsm_k(sK, s_key0, 0, lane), ldsm_v(sV, s_key0, 0, lane);  // A of K Q^T, V dO^T
 
-  float acc_dk[kMT][kDT][4], acc_dv[kMT][kDT][4];
+  float acc_dk[kVMT][kDT][4], acc_dv[kVMT][kDT][4];
   clear(acc_dk);
   clear(acc_dv);
 
@@ -175,8 +180,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
     const int m0 = (m_min + it % m_blocks) * kBlockM;
     const T* sQs = sQ + stage * TileQ::kElems;
     const T* sdOs = sdO + stage * TileQ::kElems;
-    const LdsmB<TileQ> ldsm_q_b(sQs, 0, 0, lane), ldsm_do_b(sdOs, 0, 0, lane);     // as B of K Q^T, V dO^T
-    const LdsmA<TileQ> ldsm_q_t(sQs, 0, d0, lane), ldsm_do_t(sdOs, 0, d0, lane);   // as B of dS^T Q, P^T dO
+    const LdsmB<TileQ> ldsm_q_b(sQs, s_q0, 0, lane), ldsm_do_b(sdOs, s_q0, 0, lane);   // B of K Q^T, V dO^T
+    const LdsmA<TileQ> ldsm_q_t(sQs, 0, v_col0, lane), ldsm_do_t(sdOs, 0, v_col0, lane);  // B of dS^T Q, P^T dO
     const float* sLses = sLse + stage * kBlockM;
     const float* sDsums = sDsum + stage * kBlockM;
 
@@ -195,7 +200,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
     for (int qi = 0; qi < kQT; ++qi)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int q = qi * 8 + 2 * t + e;
+        const int q = s_q0 + qi * 8 + 2 * t + e;
         const float lse_log2 = (m0 + q < p.seqlen_q) ? lse_to_log2(sLses[q]) : INFINITY;
 #pragma unroll
         for (int mi = 0; mi < kMT; ++mi)
@@ -206,7 +211,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
           }
       }
     if (mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0)) {
-      apply_mask_cols(acc_s, mask, n0 + warp_key0, m0, lane, 0.f);
+      apply_mask_cols(acc_s, mask, n0 + s_key0, m0 + s_q0, lane, 0.f);
     }
 
     // dP^T = V dO^T, then dS^T = P^T * (dP^T - D) in place.
@@ -217,7 +222,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
     for (int qi = 0; qi < kQT; ++qi)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float dsum = sDsums[qi * 8 + 2 * t + e];
+        const float dsum = sDsums[s_q0 + qi * 8 + 2 * t + e];
 #pragma unroll
         for (int mi = 0; mi < kMT; ++mi)
 #pragma unroll
@@ -228,14 +233,26 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
       }
 
     // dV += P^T dO and dK += dS^T Q over this CTA's head-dim slice.
-    gemm_rc_kn<kMT, kDT, kBlockM, T>(acc_dv, acc_s, ldsm_do_t);
-    gemm_rc_kn<kMT, kDT, kBlockM, T>(acc_dk, acc_dp, ldsm_q_t);
+    if constexpr (!Kt::kPInSmem) {
+      gemm_rc_kn<kMT, kDT, kBlockM, T>(acc_dv, acc_s, ldsm_do_t);
+      gemm_rc_kn<kMT, kDT, kBlockM, T>(acc_dk, acc_dp, ldsm_q_t);
+    } else {
+      // The 2-D S^T tiles cover all queries of a key only together: gather
+      // P^T and dS^T in shared memory, then contract over all kBlockM queries.
+      store_acc<TileDS>(sP, acc_s, s_key0, s_q0, lane);
+      store_acc<TileDS>(sdS, acc_dp, s_key0, s_q0, lane);
+      __syncthreads();
+      gemm_ss_kn<kVMT, kDT, kBlockM, T>(acc_dv, LdsmA<TileDS>(sP, v_key0, 0, lane), ldsm_do_t);
+      gemm_ss_kn<kVMT, kDT, kBlockM, T>(acc_dk, LdsmA<TileDS>(sdS, v_key0, 0, lane), ldsm_q_t);
+    }
 
     if constexpr (kComputeDq) {
       // dQ_tile = dS K: the warps split it differently from the keys, so dS^T
       // goes through shared memory; the partial products meet in fp32 atomics.
-      store_acc<TileDS>(sdS, acc_dp, warp_key0, 0, lane);
-      __syncthreads();
+      if constexpr (!Kt::kPInSmem) {
+        store_acc<TileDS>(sdS, acc_dp, s_key0, s_q0, lane);
+        __syncthreads();
+      }
       constexpr int kQMT = Kt::kDqRowsPerWarp / 16, kQDT = Kt::kDqColsPerWarp / 8;
       const int q_row0 = (warp % Kt::kDqWarpsM) * Kt::kDqRowsPerWarp;
       const int q_col0 = d0 + (warp / Kt::kDqWarpsM) * Kt::kDqColsPerWarp;
@@ -263,8 +280,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
 
   // Epilogue: stage dK (scaled) and dV through sK / sV, then 16-byte stores.
   __syncthreads();
-  store_acc<TileKV>(sK, acc_dk, warp_key0, d0, lane, p.softmax_scale);
-  store_acc<TileKV>(sV, acc_dv, warp_key0, d0, lane);
+  store_acc<TileKV>(sK, acc_dk, v_key0, v_col0, lane, p.softmax_scale);
+  store_acc<TileKV>(sV, acc_dv, v_key0, v_col0, lane);
   __syncthreads();
   store_tile<TileKV, kNThreads, Kt::kDOut>(gdK, p.dk_row_stride, sK, keys, p.head_dim, tid, d0);
   store_tile<TileKV, kNThreads, Kt::kDOut>(gdV, p.dv_row_stride, sV, keys, p.head_dim, tid, d0);

@@ -12,35 +12,37 @@ namespace flashattn {
 template <int kHeadDim, typename T>
 struct KernelConfig;
 
-// FwdTraits<D, M, N, warps, minBlocks, stages>   BwdTraits<D, M, N, warps, dsplit, qstages>   BwdDqTraits<D, M, N, warps>
+// FwdTraits<D, M, N, warps, minBlocks, stages>
+// BwdTraits<D, M, N, warps, dsplit, qstages, query warps of S^T (1: P^T stays in registers)>
+// BwdDqTraits<D, M, N, warps>
 template <typename T> struct KernelConfig<32, T> {
   using Fwd = FwdTraits<32, 128, 128, 4, 2, 1, T>;
-  using Bwd = BwdTraits<32, 32, 128, 4, 1, 2, T>;
+  using Bwd = BwdTraits<32, 32, 128, 4, 1, 2, 1, T>;
   using BwdDq = BwdDqTraits<32, 64, 64, 4, T>;
 };
 template <typename T> struct KernelConfig<64, T> {
   using Fwd = FwdTraits<64, 128, 64, 4, 2, 1, T>;
-  using Bwd = BwdTraits<64, 32, 128, 4, 1, 2, T>;  // 32 keys per warp: half the Q/dO fragment traffic
+  using Bwd = BwdTraits<64, 32, 128, 4, 1, 2, 1, T>;  // 32 keys per warp: half the Q/dO fragment traffic
   using BwdDq = BwdDqTraits<64, 64, 64, 4, T>;
 };
 template <typename T> struct KernelConfig<96, T> {
   using Fwd = FwdTraits<96, 128, 64, 4, 2, 2, T>;
-  using Bwd = BwdTraits<96, 64, 128, 8, 1, 2, T>;
+  using Bwd = BwdTraits<96, 64, 128, 8, 1, 2, 2, T>;
   using BwdDq = BwdDqTraits<96, 64, 64, 4, T>;
 };
 template <typename T> struct KernelConfig<128, T> {
   using Fwd = FwdTraits<128, 128, 64, 4, 2, 2, T>;  // two K/V stages
-  using Bwd = BwdTraits<128, 64, 128, 8, 1, 2, T>;
+  using Bwd = BwdTraits<128, 64, 128, 8, 1, 2, 2, T>;  // 2-D S^T tiles, P^T / dS^T through smem
   using BwdDq = BwdDqTraits<128, 64, 64, 4, T>;
 };
 template <typename T> struct KernelConfig<192, T> {
   using Fwd = FwdTraits<192, 128, 64, 8, 1, 1, T>;
-  using Bwd = BwdTraits<192, 64, 64, 4, 2, 1, T>;
+  using Bwd = BwdTraits<192, 64, 64, 4, 2, 1, 1, T>;
   using BwdDq = BwdDqTraits<192, 64, 64, 4, T>;
 };
 template <typename T> struct KernelConfig<256, T> {
   using Fwd = FwdTraits<256, 128, 64, 8, 1, 1, T>;
-  using Bwd = BwdTraits<256, 64, 64, 4, 2, 1, T>;
+  using Bwd = BwdTraits<256, 64, 64, 4, 2, 1, 1, T>;
   using BwdDq = BwdDqTraits<256, 64, 64, 4, T>;
 };
 
@@ -55,12 +57,12 @@ struct TuneVariants {
 };
 template <typename T> struct TuneVariants<64, T> {
   using Fwd = Variants<typename KernelConfig<64, T>::Fwd, FwdTraits<64, 128, 64, 4, 2, 2, T>>;
-  using Bwd = Variants<typename KernelConfig<64, T>::Bwd, BwdTraits<64, 64, 128, 8, 1, 2, T>>;
+  using Bwd = Variants<typename KernelConfig<64, T>::Bwd, BwdTraits<64, 64, 128, 8, 1, 2, 2, T>>;
 };
 template <typename T> struct TuneVariants<128, T> {
   using Fwd = Variants<typename KernelConfig<128, T>::Fwd, FwdTraits<128, 128, 64, 4, 2, 1, T>>;
-  using Bwd = Variants<typename KernelConfig<128, T>::Bwd, BwdTraits<128, 32, 128, 8, 1, 2, T>,
-                       BwdTraits<128, 64, 64, 4, 1, 2, T>>;
+  using Bwd = Variants<typename KernelConfig<128, T>::Bwd, BwdTraits<128, 64, 128, 8, 1, 2, 1, T>,
+                       BwdTraits<128, 64, 64, 4, 1, 2, 2, T>>;
 };
 
 }  // namespace flashattn

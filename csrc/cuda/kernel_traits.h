@@ -36,12 +36,22 @@ struct FwdTraits {
 
 // Backward, dK/dV kernel: one CTA per (key block of kBlockN rows, kv head,
 // batch, head-dim slice), looping over query blocks of kBlockM rows of every
-// query head of the GQA group. Warps split the keys (kBlockN / kNWarps each),
-// which makes S^T, dP^T, P^T and dS^T row-local to a warp: P^T and dS^T feed
-// dV and dK straight from registers. kDSplit > 1 splits the head dim of the dK,
-// dV (and dQ) outputs over several CTAs that each recompute S and dP: it keeps
-// the dK/dV accumulators of large head dims inside the register file.
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kDSplit_, int kQStages_, typename Element_>
+// query head of the GQA group. Two warp layouts:
+//
+// kSWarpsQ == 1: warps split the keys only (kBlockN / kNWarps each), which
+//   makes S^T, dP^T, P^T and dS^T row-local to a warp: P^T and dS^T feed dV
+//   and dK straight from registers. Each Q / dO fragment a warp loads feeds
+//   only its own keys, so with 16 keys a warp the kernel is bound by
+//   shared-memory traffic.
+// kSWarpsQ > 1: S^T and dP^T are tiled 2-D (kSWarpsK x kSWarpsQ warps) and P^T
+//   and dS^T go through shared memory to dV, dK (tiled kVWarpsK x kVWarpsD over
+//   keys x head dim) and dQ: a few more shared-memory writes, fewer reads.
+//
+// kDSplit > 1 splits the head dim of the dK, dV (and dQ) outputs over several
+// CTAs that each recompute S and dP: it keeps the dK/dV accumulators of large
+// head dims inside the register file.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kDSplit_, int kQStages_, int kSWarpsQ_,
+          typename Element_>
 struct BwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -52,8 +62,18 @@ struct BwdTraits {
   static constexpr int kDSplit = kDSplit_;
   static constexpr int kDOut = kHeadDim / kDSplit;  // output columns per CTA
   static constexpr int kQStages = kQStages_;        // buffers for Q / dO blocks
-  static constexpr int kKeysPerWarp = kBlockN / kNWarps;
-  static constexpr int kMTilesPerWarp = kKeysPerWarp / 16;
+
+  // S^T = K Q^T and dP^T = V dO^T: warps tiled kSWarpsK (keys) x kSWarpsQ (queries).
+  static constexpr int kSWarpsQ = kSWarpsQ_;
+  static constexpr int kSWarpsK = kNWarps / kSWarpsQ;
+  static constexpr int kSKeys = kBlockN / kSWarpsK;    // keys of a warp's S^T tile
+  static constexpr int kSQueries = kBlockM / kSWarpsQ;  // queries of a warp's S^T tile
+  static constexpr bool kPInSmem = kSWarpsQ > 1;
+  // dV += P^T dO and dK += dS^T Q: warps tiled kVWarpsK (keys) x kVWarpsD (columns).
+  static constexpr int kVWarpsD = kSWarpsQ;
+  static constexpr int kVWarpsK = kNWarps / kVWarpsD;
+  static constexpr int kVKeys = kBlockN / kVWarpsK;
+  static constexpr int kVCols = kDOut / kVWarpsD;
 
   // dQ = dS K: the kBlockM x kDOut product is split over the warps as
   // kDqWarpsM (query rows) x kDqWarpsD (columns). A warp reads rows x kBlockN
@@ -77,11 +97,14 @@ struct BwdTraits {
 
   using TileQ = SmemTile<kBlockM, kHeadDim>;   // Q and dO blocks
   using TileKV = SmemTile<kBlockN, kHeadDim>;  // K and V blocks
-  using TileDS = SmemTile<kBlockN, kBlockM>;   // dS^T, [key][query]
-  static constexpr int kSmemBytes =
-      (2 * kQStages * TileQ::kElems + 2 * TileKV::kElems + TileDS::kElems) * 2 + 2 * kQStages * kBlockM * 4;
+  using TileDS = SmemTile<kBlockN, kBlockM>;   // dS^T (and P^T), [key][query]
+  static constexpr int kSmemBytes = (2 * kQStages * TileQ::kElems + 2 * TileKV::kElems +
+                                     (kPInSmem ? 2 : 1) * TileDS::kElems) * 2 +
+                                    2 * kQStages * kBlockM * 4;
 
-  static_assert(kKeysPerWarp % 16 == 0, "each warp owns whole 16-key m-tiles");
+  static_assert(kSKeys % 16 == 0 && kSQueries % 16 == 0, "S^T warp tiles are whole m-tiles and n-tile pairs");
+  static_assert(kVKeys % 16 == 0 && kVCols % 16 == 0, "dV / dK warp tiles");
+  static_assert(kPInSmem || (kVKeys == kSKeys && kVCols == kDOut), "the register path keeps a warp's keys");
   static_assert(kNWarps % kDqWarpsM == 0 && kDqRowsPerWarp % 16 == 0 && kDqColsPerWarp % 16 == 0, "dQ split");
   static_assert(kDOut % 16 == 0, "head-dim slice");
 };

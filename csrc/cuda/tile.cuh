@@ -221,6 +221,28 @@ __device__ __forceinline__ void gemm_rc_kn(float (&acc)[kMT][kNT][4], const floa
   }
 }
 
+// A from a [m][k] tile, B from a [k][n] tile: dV += P^T dO with P^T in shared memory.
+template <int kMT, int kNT, int kK, typename T, typename TileA, typename TileB>
+__device__ __forceinline__ void gemm_ss_kn(float (&acc)[kMT][kNT][4], const LdsmA<TileA>& sA, const LdsmA<TileB>& sB) {
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    uint32_t a[kMT][4];
+#pragma unroll
+    for (int mi = 0; mi < kMT; ++mi) ldmatrix_x4(a[mi], sA(mi * 16, kk * 16));
+#pragma unroll
+    for (int np = 0; np < kNT / 2; ++np) {
+      uint32_t r[4], b0[2], b1[2];
+      ldmatrix_x4_trans(r, sB(kk * 16, np * 16));
+      split_b(b0, b1, r);
+#pragma unroll
+      for (int mi = 0; mi < kMT; ++mi) {
+        mma_16816<T>(acc[mi][2 * np], a[mi], b0);
+        mma_16816<T>(acc[mi][2 * np + 1], a[mi], b1);
+      }
+    }
+  }
+}
+
 // A from a [k][m] tile (transposed), B from a [k][n] tile.
 template <int kMT, int kNT, int kK, typename T, typename TileA, typename TileB>
 __device__ __forceinline__ void gemm_tt_kn(float (&acc)[kMT][kNT][4], const LdsmB<TileA>& sA, const LdsmA<TileB>& sB) {
