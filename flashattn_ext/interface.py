@@ -74,10 +74,11 @@ _warned: set = set()
 
 
 @torch.compiler.assume_constant_result
-def _warn_once(key: str, message: str) -> bool:
+def _warn_once(key: str, message: str, stacklevel: int) -> bool:
+    """stacklevel: frames up to the user's call (1 is this function)."""
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(message, FlashAttnFallbackWarning, stacklevel=4)
+        warnings.warn(message, FlashAttnFallbackWarning, stacklevel=stacklevel)
     return True
 
 
@@ -173,6 +174,7 @@ def _flash_attn_dropout_fallback(q, k, v, dropout_p, scale, window_left, window_
         "flash_attn_func:dropout",
         "flashattn_ext: dropout_p > 0 is not implemented by the kernels; flash_attn_func computes it with "
         "torch.nn.functional.scaled_dot_product_attention and an explicit mask (slower, O(seqlen_q * seqlen_k) memory)",
+        4,
     )
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     mask = None
@@ -385,6 +387,7 @@ def scaled_dot_product_attention(
             "sdpa:" + key_name,
             f"flashattn_ext.scaled_dot_product_attention: {reason}; "
             "using torch.nn.functional.scaled_dot_product_attention for such calls",
+            3,
         )
         return out
     rank3 = query.dim() == 3

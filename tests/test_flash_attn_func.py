@@ -255,9 +255,10 @@ def test_dropout_falls_back_to_torch(device, dtype):
     q = randn((2, 20, 4, 16), dtype, device)
     k = randn((2, 31, 2, 16), dtype, device)
     v = randn((2, 31, 2, 16), dtype, device)
-    with pytest.warns(flashattn_ext.FlashAttnFallbackWarning, match="dropout_p"):
+    with pytest.warns(flashattn_ext.FlashAttnFallbackWarning, match="dropout_p") as record:
         torch.manual_seed(1234)
         out, lse = flashattn_ext.flash_attn_func(q, k, v, dropout_p=0.3, causal=True, return_lse=True)
+    assert record[0].filename == __file__, "the warning points at the caller"
     from flashattn_ext.reference import visible_mask
 
     torch.manual_seed(1234)

@@ -165,8 +165,9 @@ CASES = ["attn_mask_bool", "attn_mask_float", "value_head_dim", "rank5", "batch_
 def test_fallback_warns_once_and_matches_torch(device, dtype, case):
     args, kw, reason = _fallback_cases(device, dtype)[case]
     assert reason in flashattn_ext.sdpa_fallback_reason(*args, **kw)
-    with pytest.warns(FlashAttnFallbackWarning, match=reason):
+    with pytest.warns(FlashAttnFallbackWarning, match=reason) as record:
         out = sdpa(*args, **kw)
+    assert record[0].filename == __file__, "the warning points at the caller"
     torch.testing.assert_close(out, F.scaled_dot_product_attention(*args, **kw), rtol=0, atol=0)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FlashAttnFallbackWarning)
