@@ -1,6 +1,28 @@
 """flashattn_ext: exact attention computed the FlashAttention way (tiles,
-online softmax, recomputation backward) in C++/CUDA kernels."""
+online softmax, recomputation backward) in C++/CUDA kernels.
+
+    from flashattn_ext import flash_attn_func               # flash-attn's API, (B, S, H, D)
+    from flashattn_ext import scaled_dot_product_attention  # torch's API, (B, H, L, E)
+    from flashattn_ext import reference                     # the naive oracle
+"""
 
 from . import _ops  # noqa: F401  (registers fake kernels and autograd)
+from . import reference  # noqa: F401
+from .interface import (  # noqa: F401
+    FlashAttnFallbackWarning,
+    build_info,
+    flash_attn_func,
+    scaled_dot_product_attention,
+    sdpa_fallback_reason,
+)
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "flash_attn_func",
+    "scaled_dot_product_attention",
+    "sdpa_fallback_reason",
+    "build_info",
+    "FlashAttnFallbackWarning",
+    "reference",
+]

@@ -36,13 +36,16 @@ def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
 def _setup_context(ctx, inputs, output):
     q, k, v, softmax_scale, window_left, window_right, bottom_right, deterministic = inputs
     out, lse = output
+    # lse carries no gradient: the bwd kernels take none for it, and a gradient
+    # silently dropped would be a wrong answer. Marked non-differentiable, it
+    # shows requires_grad=False, and backpropagating through it alone raises.
+    ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.args = (softmax_scale, window_left, window_right, bottom_right, deterministic)
 
 
 def _backward(ctx, dout, dlse):
-    # lse is returned for inspection (and for future split-KV combines); a
-    # gradient flowing into it is not supported and is ignored.
+    # dlse is always None or zeros: lse is non-differentiable (see above).
     q, k, v, out, lse = ctx.saved_tensors
     if dout is None:
         return None, None, None, None, None, None, None, None
@@ -50,6 +53,8 @@ def _backward(ctx, dout, dlse):
     # transposes and reshapes usually have it already, so this rarely copies.
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
+        if dout.stride(-1) != 1:  # head_dim of size 1 keeps any stride through .contiguous()
+            dout = dout.clone(memory_format=torch.contiguous_format)
     dq, dk, dv = bwd(dout, q, k, v, out, lse, *ctx.args)
     return dq, dk, dv, None, None, None, None, None
 

@@ -1,0 +1,187 @@
+"""Naive attention in plain PyTorch: the oracle every test compares against.
+
+Three separate, readable steps, nothing fused and nothing clever:
+
+    scores = softmax_scale * q @ k^T      masked positions set to -inf
+    p      = softmax(scores)              rows that see no key: p = 0
+    out    = p @ v
+
+Two entry points share one core:
+
+* ``attention_ref(q, k, v, ...)`` takes the FlashAttention layout
+  (batch, seqlen, heads, head_dim) (or ``layout="bhsd"``) and the mask
+  arguments of ``flash_attn_func`` plus ``bottom_right``.
+* ``sdpa_ref(query, key, value, ...)`` takes torch's layout (..., heads, L, E)
+  and the arguments of ``torch.nn.functional.scaled_dot_product_attention``.
+
+Precision (``upcast``):
+
+* ``upcast=True`` (default) computes in the accumulation dtype: float32 for
+  float16/bfloat16 inputs, float64 for float32/float64 inputs (a float32 oracle
+  could not judge a float32 kernel). The result is returned **in that upcast
+  dtype**, not rounded back to the input dtype, so that errors measured against
+  it are not hidden by a final rounding. Cast it yourself if you need the input
+  dtype.
+* ``upcast=False`` computes every step in the input dtype: the "naive
+  low-precision" computation whose error is the yardstick of the tolerance rule
+  (a kernel may err at most a small multiple of it).
+* ``upcast=<torch.dtype>`` computes (and returns) in that dtype.
+
+Semantics shared with the kernels (csrc/flash_params.h): key j is visible from
+query i iff ``j <= i + diag_offset + window_right`` (when window_right >= 0) and
+``j >= i + diag_offset - window_left`` (when window_left >= 0); causal is
+window_right = 0; ``diag_offset = seqlen_k - seqlen_q`` when ``bottom_right``
+(FlashAttention's alignment), 0 otherwise (torch SDPA's ``is_causal``). A row
+that sees no key outputs zeros, has lse = -inf and receives zero gradients
+(never NaN). GQA/MQA: query head h reads key/value head h // (heads_q // heads_kv)
+(repeat_interleave of the key/value heads).
+
+lse is the natural-log log-sum-exp of the scaled, masked scores, shaped
+(batch, heads, seqlen_q) for ``attention_ref`` and (..., heads, L) for
+``sdpa_ref``, in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["attention_ref", "sdpa_ref", "visible_mask", "compute_dtype"]
+
+
+def compute_dtype(dtype: torch.dtype, upcast=True) -> torch.dtype:
+    """The dtype the oracle computes in for inputs of ``dtype``."""
+    if isinstance(upcast, torch.dtype):
+        return upcast
+    if not upcast:
+        return dtype
+    if dtype in (torch.float32, torch.float64):
+        return torch.float64
+    return torch.float32
+
+
+def visible_mask(seqlen_q, seqlen_k, window_left=-1, window_right=-1, diag_offset=0, device=None):
+    """Bool (seqlen_q, seqlen_k): True where query i may see key j."""
+    i = torch.arange(seqlen_q, device=device).unsqueeze(1)
+    j = torch.arange(seqlen_k, device=device).unsqueeze(0)
+    mask = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if window_right >= 0:
+        mask &= j <= i + diag_offset + window_right
+    if window_left >= 0:
+        mask &= j >= i + diag_offset - window_left
+    return mask
+
+
+def _attention_core(q, k, v, scale, keep=None, bias=None, dtype=None, return_lse=False):
+    """q (..., H, L, E), k (..., H, S, E), v (..., H, S, Ev), heads already matched.
+
+    keep: bool mask broadcastable to (..., H, L, S), True = attend.
+    bias: float mask broadcastable to (..., H, L, S), added to the scaled scores."""
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    # Step 1: scores, masked with -inf.
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if bias is not None:
+        scores = scores + bias.to(dtype)
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1) if return_lse else None
+    # Rows that see no key: give them finite scores so that softmax (and its
+    # backward) stays NaN-free, then zero their probabilities.
+    dead = (scores == float("-inf")).all(dim=-1, keepdim=True)
+    scores = scores.masked_fill(dead, 0.0)
+    # Step 2: softmax.
+    p = torch.softmax(scores, dim=-1)
+    p = p.masked_fill(dead, 0.0)
+    # Step 3: weighted sum of the values.
+    out = torch.matmul(p, v)
+    return (out, lse) if return_lse else out
+
+
+def _repeat_kv(x, heads_q, dim):
+    heads_kv = x.shape[dim]
+    if heads_kv == heads_q:
+        return x
+    if heads_q % heads_kv != 0:
+        raise ValueError(f"reference: {heads_q} query heads are not a multiple of {heads_kv} key/value heads")
+    return x.repeat_interleave(heads_q // heads_kv, dim=dim)
+
+
+def attention_ref(
+    q,
+    k,
+    v,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    bottom_right=True,
+    upcast=True,
+    layout="bshd",
+    return_lse=False,
+):
+    """Naive attention with flash_attn_func's arguments.
+
+    layout "bshd": q (batch, seqlen_q, heads_q, d), k/v (batch, seqlen_k, heads_kv, d);
+    layout "bhsd": q (batch, heads_q, seqlen_q, d), k/v (batch, heads_kv, seqlen_k, d).
+    The output has q's layout; lse is (batch, heads_q, seqlen_q).
+    causal=True sets window_right to 0 (window_left is kept), as flash_attn_func does.
+    """
+    if layout == "bshd":
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    elif layout != "bhsd":
+        raise ValueError(f"reference: layout must be 'bshd' or 'bhsd', got {layout!r}")
+    seqlen_q, seqlen_k = q.shape[-2], k.shape[-2]
+    window_left, window_right = window_size
+    if causal:
+        window_right = 0
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    keep = None
+    if window_left >= 0 or window_right >= 0:
+        keep = visible_mask(
+            seqlen_q, seqlen_k, window_left, window_right, seqlen_k - seqlen_q if bottom_right else 0, q.device
+        )
+    k, v = _repeat_kv(k, q.shape[1], 1), _repeat_kv(v, q.shape[1], 1)
+    res = _attention_core(q, k, v, scale, keep=keep, dtype=compute_dtype(q.dtype, upcast), return_lse=return_lse)
+    out, lse = res if return_lse else (res, None)
+    if layout == "bshd":
+        out = out.transpose(1, 2)
+    return (out, lse) if return_lse else out
+
+
+def sdpa_ref(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    upcast=True,
+    return_lse=False,
+):
+    """Naive attention with torch.nn.functional.scaled_dot_product_attention's
+    arguments and layout (..., heads, L, E); value may have another last dim Ev.
+
+    attn_mask: bool (True = attend) or float (added to the scaled scores),
+    broadcastable to (..., heads, L, S). is_causal is aligned top-left.
+    Dropout is not modelled (it is random): dropout_p must be 0."""
+    if dropout_p != 0.0:
+        raise NotImplementedError("sdpa_ref: dropout_p must be 0 (dropout is random; compare in expectation instead)")
+    if is_causal and attn_mask is not None:
+        raise ValueError("sdpa_ref: attn_mask and is_causal=True are exclusive (as in torch's math backend)")
+    L, S = query.shape[-2], key.shape[-2]
+    scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
+    keep, bias = None, None
+    if is_causal:
+        keep = visible_mask(L, S, -1, 0, 0, query.device)
+    elif attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            keep = attn_mask
+        else:
+            bias = attn_mask
+    if enable_gqa and query.dim() >= 3:
+        key, value = _repeat_kv(key, query.shape[-3], -3), _repeat_kv(value, query.shape[-3], -3)
+    return _attention_core(
+        query, key, value, scale, keep=keep, bias=bias, dtype=compute_dtype(query.dtype, upcast), return_lse=return_lse
+    )

@@ -1,0 +1,144 @@
+"""Shared test helpers: input generators, the oracle calls and THE tolerance rule.
+
+The rule (FlashAttention's): compute the oracle in float32 (float64 for
+float32/float64 inputs) from the very low-precision inputs the kernel saw; the
+kernel's max abs error against it must be at most ``factor`` (2 for outputs, 3
+for gradients) times the max abs error of the same naive computation done in
+the low precision (reference with upcast=False), plus a small floor relative to
+the oracle's magnitude for rounding noise.
+"""
+
+import math
+
+import torch
+
+import flashattn_ext
+from flashattn_ext.reference import attention_ref, compute_dtype, sdpa_ref
+
+ALL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+DTYPES = {
+    "cpu": ALL_DTYPES,
+    "cuda": (torch.float16, torch.bfloat16),
+}
+
+# Relative floor, times max|oracle|. float64: the params struct carries
+# softmax_scale (and scale*log2(e)) as float32, so float64 results may carry a
+# relative error of ~2^-24 * |logit| even though they accumulate in float64
+# (see test_float64_accuracy for the strict check).
+FLOOR = {
+    torch.float16: 2.0**-12,
+    torch.bfloat16: 2.0**-10,
+    torch.float32: 2.0**-18,  # a float32 kernel summing in float32 errs a few times more than MKL
+    torch.float64: 1e-6,
+}
+
+
+def max_err(a, b):
+    return (a.to(b.dtype) - b).abs().max().item() if a.numel() else 0.0
+
+
+def assert_rule(actual, oracle, naive, factor=2.0, name="out", floor=None):
+    """|actual - oracle| <= factor * |naive - oracle| + floor * max|oracle| (max norms)."""
+    assert actual.shape == oracle.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(oracle.shape)}"
+    assert actual.dtype == naive.dtype, f"{name}: dtype {actual.dtype}, naive {naive.dtype}"
+    assert torch.isfinite(actual).all(), f"{name}: non-finite values (NaN/inf) in the result"
+    assert torch.isfinite(naive).all(), f"{name}: the naive low-precision baseline overflowed; fix the test inputs"
+    if actual.numel() == 0:
+        return
+    err = max_err(actual, oracle)
+    naive_err = max_err(naive, oracle)
+    mag = oracle.abs().max().item()
+    floor = FLOOR[actual.dtype] if floor is None else floor
+    bound = factor * naive_err + floor * max(mag, 1e-6)
+    assert err <= bound, (
+        f"{name} ({actual.dtype}): max error {err:.3e} > bound {bound:.3e} "
+        f"(= {factor} x naive {naive_err:.3e} + floor {floor:.1e} x max|oracle| {mag:.3e})"
+    )
+
+
+def randn(shape, dtype, device, scale=1.0):
+    return (torch.randn(shape, device=device, dtype=torch.float32) * scale).to(dtype)
+
+
+def make_bshd(b, s, h, d, dtype, device, layout="contiguous", scale=1.0):
+    """A (b, s, h, d) tensor, possibly a non-contiguous view:
+    contiguous | transposed (a (b, h, s, d) buffer) | sliced (padded head_dim and
+    heads) | strided_last (stride 2 on head_dim) | expanded (stride 0 on batch)."""
+    if layout == "contiguous":
+        return randn((b, s, h, d), dtype, device, scale)
+    if layout == "transposed":
+        return randn((b, h, s, d), dtype, device, scale).transpose(1, 2)
+    if layout == "sliced":
+        return randn((b, s, h + 1, d + 8), dtype, device, scale)[:, :, 1:, :d]
+    if layout == "strided_last":
+        return randn((b, s, h, d, 2), dtype, device, scale)[..., 0]
+    if layout == "expanded":
+        return randn((1, s, h, d), dtype, device, scale).expand(b, s, h, d)
+    raise ValueError(layout)
+
+
+def oracle_and_naive(q, k, v, dout=None, **kw):
+    """Runs the oracle (upcast) and the naive low-precision reference on q, k, v.
+
+    Returns dicts {"out", "lse", "dq", "dk", "dv"} (gradients when dout is given)."""
+    res = []
+    for upcast in (True, False):
+        dt = compute_dtype(q.dtype, upcast)
+        leaves = [x.detach().to(dt).requires_grad_(dout is not None) for x in (q, k, v)]
+        out, lse = attention_ref(*leaves, upcast=upcast, return_lse=True, **kw)
+        r = {"out": out.detach(), "lse": lse.detach()}
+        if dout is not None:
+            r["dq"], r["dk"], r["dv"] = torch.autograd.grad(out, leaves, dout.to(dt))
+        res.append(r)
+    return res
+
+
+def check_flash(q, k, v, dout=None, grad_factor=3.0, **kw):
+    """flash_attn_func(q, k, v, **kw) against the oracle with the rule: out, lse
+    and (with dout) the gradients. Returns our results."""
+    ref_kw = {key: kw[key] for key in ("softmax_scale", "causal", "window_size") if key in kw}
+    oracle, naive = oracle_and_naive(q, k, v, dout, **ref_kw)
+    # detach() keeps the caller's view (strides, storage): the kernels see exactly it.
+    leaves = [x.detach().requires_grad_(dout is not None) for x in (q, k, v)]
+    out, lse = flashattn_ext.flash_attn_func(*leaves, return_lse=True, **kw)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert lse.dtype == (torch.float64 if q.dtype == torch.float64 else torch.float32)
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    assert_rule(out, oracle["out"], naive["out"], 2.0, "out")
+    check_lse(lse, oracle["lse"], q.dtype)
+    res = {"out": out, "lse": lse}
+    if dout is not None:
+        grads = torch.autograd.grad(out, leaves, dout)
+        for name, g, x in zip(("dq", "dk", "dv"), grads, (q, k, v)):
+            assert g.shape == x.shape and g.dtype == x.dtype, name
+            assert_rule(g, oracle[name], naive[name], grad_factor, name)
+            res[name] = g
+    return res
+
+
+# lse is accumulated in float32 (float64) from exact products of the inputs, so
+# its error is set by the accumulation, not by the input dtype; in units of the
+# magnitude of the logits.
+LSE_RTOL = {torch.float16: 1e-5, torch.bfloat16: 1e-5, torch.float32: 1e-5, torch.float64: 1e-6}
+
+
+def check_lse(lse, lse_oracle, dtype):
+    lse_oracle = lse_oracle.to(lse.dtype)
+    dead = torch.isneginf(lse_oracle)
+    assert torch.equal(torch.isneginf(lse), dead), "lse: -inf exactly on the rows that see no key"
+    assert not torch.isnan(lse).any() and not torch.isposinf(lse).any(), "lse: NaN or +inf"
+    live = ~dead
+    if live.any():
+        err = (lse[live] - lse_oracle[live]).abs().max().item()
+        mag = max(lse_oracle[live].abs().max().item(), 1.0)
+        assert err <= LSE_RTOL[dtype] * mag, f"lse: max error {err:.3e} > {LSE_RTOL[dtype]:.0e} x {mag:.3e}"
+
+
+def default_scale(d):
+    return 1.0 / math.sqrt(d)
+
+
+__all__ = [
+    "ALL_DTYPES", "DTYPES", "FLOOR", "assert_rule", "check_flash", "check_lse", "make_bshd", "max_err",
+    "oracle_and_naive", "randn", "sdpa_ref", "attention_ref", "compute_dtype", "default_scale",
+]

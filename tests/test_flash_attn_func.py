@@ -1,0 +1,317 @@
+"""Forward correctness of flash_attn_func against the oracle (tolerance rule of
+helpers.py): dtypes, causal or not, odd sequence lengths both ways, head dims,
+GQA/MQA, non-contiguous inputs, fully masked rows, large logits, sliding
+windows. Outputs are poisoned (NaN-filled allocations) in every test here."""
+
+import pytest
+import torch
+
+import flashattn_ext
+from flashattn_ext import _ops
+from helpers import (
+    ALL_DTYPES,
+    assert_rule,
+    attention_ref,
+    check_flash,
+    make_bshd,
+    oracle_and_naive,
+    randn,
+)
+
+pytestmark = pytest.mark.usefixtures("poison")
+
+SEQLENS = [(1, 1), (1, 17), (17, 1), (17, 113), (113, 17), (113, 113), (128, 257)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"q{s[0]}k{s[1]}")
+def test_seqlens(device, dtype, causal, seqlens):
+    sq, sk = seqlens
+    q = randn((2, sq, 2, 64), dtype, device)
+    k = randn((2, sk, 2, 64), dtype, device)
+    v = randn((2, sk, 2, 64), dtype, device)
+    check_flash(q, k, v, causal=causal)
+
+
+@pytest.mark.dtypes(torch.float32, torch.bfloat16, torch.float16)
+@pytest.mark.parametrize("case", [(1023, 1025, False), (1025, 1023, True)], ids=["q1023k1025", "q1025k1023-causal"])
+def test_long_seqlens(device, dtype, case):
+    sq, sk, causal = case
+    q, k, v = (randn((1, s, 1, 64), dtype, device) for s in (sq, sk, sk))
+    check_flash(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [8, 40, 64, 80, 96, 128, 192, 256])
+def test_head_dims(device, dtype, causal, d):
+    q = randn((1, 77, 2, d), dtype, device)
+    k = randn((1, 131, 2, d), dtype, device)
+    v = randn((1, 131, 2, d), dtype, device)
+    check_flash(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", [(6, 2), (6, 1), (5, 5)], ids=["gqa", "mqa", "mha"])
+def test_gqa_mqa(device, dtype, causal, heads):
+    hq, hkv = heads
+    q = randn((2, 33, hq, 40), dtype, device)
+    k = randn((2, 45, hkv, 40), dtype, device)
+    v = randn((2, 45, hkv, 40), dtype, device)
+    check_flash(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "sliced", "strided_last", "expanded"])
+def test_noncontiguous(device, dtype, layout):
+    q = make_bshd(2, 37, 4, 32, dtype, device, layout)
+    k = make_bshd(2, 51, 2, 32, dtype, device, "transposed" if layout == "expanded" else layout)
+    v = make_bshd(2, 51, 2, 32, dtype, device, layout)
+    check_flash(q, k, v, causal=True)
+
+
+@pytest.mark.dtypes(torch.float32, torch.bfloat16)
+def test_no_copy_unless_needed(device, dtype, monkeypatch):
+    """Views with a unit stride on head_dim reach the kernels as they are; only a
+    strided head_dim is made contiguous."""
+    seen = []
+    real = _ops.fwd
+
+    def spy(q, k, v, *args):
+        seen.append((q, k, v))
+        return real(q, k, v, *args)
+
+    monkeypatch.setattr(_ops, "fwd", spy)
+    q = make_bshd(2, 9, 4, 16, dtype, device, "transposed")
+    k = make_bshd(2, 11, 2, 16, dtype, device, "sliced")
+    v = make_bshd(2, 11, 2, 16, dtype, device, "strided_last")
+    flashattn_ext.flash_attn_func(q, k, v)
+    sq, sk, sv = seen[-1]
+    assert sq.data_ptr() == q.data_ptr() and sq.stride() == q.stride()
+    assert sk.data_ptr() == k.data_ptr() and sk.stride() == k.stride()
+    assert sv.data_ptr() != v.data_ptr() and sv.stride(-1) == 1 and sv.is_contiguous()
+
+
+def test_head_dim_1_any_stride(device, dtype):
+    # head_dim 1 with a non-unit stride: .contiguous() alone would not fix the stride.
+    q = randn((1, 5, 2, 2), dtype, device)[..., :1]
+    k = randn((1, 6, 2, 3), dtype, device)[..., 1:2]
+    v = randn((1, 6, 2, 1), dtype, device)
+    check_flash(q, k, v)
+
+
+def _dead_rows(sq, sk, window, causal):
+    from flashattn_ext.reference import visible_mask
+
+    wl, wr = window
+    if causal:
+        wr = 0
+    return ~visible_mask(sq, sk, wl, wr, sk - sq).any(dim=1)
+
+
+# (seqlen_q, seqlen_k, window_size, causal): each leaves some query rows without any key.
+MASKED_CASES = [
+    (40, 13, (-1, -1), True),  # bottom-right causal, seqlen_q > seqlen_k: first 27 rows see nothing
+    (30, 10, (1, 3), False),  # window entirely left of the keys for the first rows
+    (20, 50, (0, 0), False),  # diagonal only: never empty (control case)
+    (64, 3, (2, 0), False),  # a narrow window far from the keys for most rows
+    (64, 3, (0, -1), False),  # left-only windows never empty a row bottom-right (control case)
+]
+
+
+@pytest.mark.parametrize("case", MASKED_CASES, ids=lambda c: f"q{c[0]}k{c[1]}w{c[2][0]}_{c[2][1]}{'c' if c[3] else ''}")
+def test_fully_masked_rows(device, dtype, case):
+    sq, sk, window, causal = case
+    q = randn((2, sq, 3, 32), dtype, device)
+    k = randn((2, sk, 3, 32), dtype, device)
+    v = randn((2, sk, 3, 32), dtype, device)
+    res = check_flash(q, k, v, causal=causal, window_size=window)
+    dead = _dead_rows(sq, sk, window, causal).to(device)
+    out, lse = res["out"], res["lse"]
+    assert (out[:, dead] == 0).all(), "rows that see no key must be exactly 0"
+    assert torch.isneginf(lse[:, :, dead]).all(), "rows that see no key must have lse -inf"
+    assert torch.isfinite(lse[:, :, ~dead]).all()
+    if case[:3] in ((20, 50, (0, 0)), (64, 3, (0, -1))):
+        assert not dead.any()
+    else:
+        assert dead.any()
+
+
+@pytest.mark.parametrize("kind", ["scaled_inputs", "large_scale", "one_hot_peak"])
+def test_large_logits(device, dtype, kind):
+    d = 64
+    if kind == "scaled_inputs":
+        # logits of std ~64 (float16's naive matmul stays far below its 65504 max)
+        q, k = randn((1, 97, 2, d), dtype, device, 8.0), randn((1, 150, 2, d), dtype, device, 8.0)
+        kw = {}
+    elif kind == "large_scale":
+        q, k = randn((1, 97, 2, d), dtype, device), randn((1, 150, 2, d), dtype, device)
+        kw = {"softmax_scale": 30.0}
+    else:
+        # every query far closer to one key than the others: a near one-hot softmax with logits ~1e3
+        q = randn((1, 97, 2, d), dtype, device)
+        k = torch.cat([q.float() * 4, torch.randn(1, 53, 2, d, device=device)], dim=1).to(dtype)
+        kw = {"softmax_scale": 4.0}
+    v = randn((1, k.shape[1], 2, d), dtype, device)
+    res = check_flash(q, k, v, causal=True, **kw)
+    assert torch.isfinite(res["lse"]).all()
+
+
+WINDOWS = [(0, 0), (5, 3), (16, -1), (-1, 7), (0, -1), (3, 0), (10**6, 10**6)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", [(71, 71), (50, 93), (93, 50)], ids=lambda s: f"q{s[0]}k{s[1]}")
+@pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"w{w[0]}_{w[1]}")
+@pytest.mark.dtypes(torch.float32, torch.bfloat16, torch.float16)
+def test_sliding_window(device, dtype, causal, seqlens, window):
+    sq, sk = seqlens
+    q = randn((1, sq, 2, 32), dtype, device)
+    k = randn((1, sk, 2, 32), dtype, device)
+    v = randn((1, sk, 2, 32), dtype, device)
+    check_flash(q, k, v, causal=causal, window_size=window)
+
+
+def test_causal_is_window_right_0(device, dtype):
+    q = randn((1, 30, 2, 16), dtype, device)
+    k = randn((1, 45, 2, 16), dtype, device)
+    v = randn((1, 45, 2, 16), dtype, device)
+    f = flashattn_ext.flash_attn_func
+    torch.testing.assert_close(f(q, k, v, causal=True), f(q, k, v, window_size=(-1, 0)), rtol=0, atol=0)
+    torch.testing.assert_close(f(q, k, v, causal=True, window_size=(4, 9)), f(q, k, v, window_size=(4, 0)), rtol=0, atol=0)
+    torch.testing.assert_close(f(q, k, v), f(q, k, v, window_size=(100, 100)), rtol=0, atol=0)
+
+
+def test_causal_bottom_right(device):
+    """seqlen_q < seqlen_k: the last query sees every key; the first sees keys 0..sk-sq."""
+    dtype = torch.float32 if device == "cpu" else torch.float16
+    sq, sk = 3, 8
+    q = randn((1, sq, 1, 16), dtype, device)
+    k = randn((1, sk, 1, 16), dtype, device)
+    v = randn((1, sk, 1, 16), dtype, device)
+    out = flashattn_ext.flash_attn_func(q, k, v, causal=True).float()
+    # Row 0 equals full attention over keys 0..5.
+    row0 = flashattn_ext.reference.attention_ref(q[:, :1], k[:, :6], v[:, :6]).float()
+    torch.testing.assert_close(out[:, :1], row0, rtol=2e-3, atol=2e-3)
+    last = flashattn_ext.reference.attention_ref(q[:, -1:], k, v).float()
+    torch.testing.assert_close(out[:, -1:], last, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("scale", [None, 0.01, 1.0, 0.3])
+def test_softmax_scale(device, dtype, scale):
+    q = randn((2, 19, 2, 24), dtype, device)
+    k = randn((2, 23, 2, 24), dtype, device)
+    v = randn((2, 23, 2, 24), dtype, device)
+    check_flash(q, k, v, softmax_scale=scale)
+
+
+def test_return_lse_shape_and_no_grad(device, dtype):
+    q = randn((2, 7, 4, 16), dtype, device).requires_grad_()
+    k = randn((2, 9, 2, 16), dtype, device).requires_grad_()
+    v = randn((2, 9, 2, 16), dtype, device).requires_grad_()
+    out = flashattn_ext.flash_attn_func(q, k, v)
+    assert torch.is_tensor(out) and out.shape == q.shape
+    out, lse = flashattn_ext.flash_attn_func(q, k, v, return_lse=True)
+    assert lse.shape == (2, 4, 7)
+    assert out.requires_grad and not lse.requires_grad  # lse carries no gradient
+
+
+@pytest.mark.dtypes(torch.float64)
+@pytest.mark.xfail(
+    reason="AttnFwdParams carries softmax_scale and softmax_scale_log2 as float32, so float64 "
+    "results are only float32-accurate in the scale (relative error ~2^-24 * |logit|)",
+    strict=False,
+)
+def test_float64_accuracy(device, dtype):
+    """float64 inputs should give float64-accurate results (error ~1e-13)."""
+    q = randn((1, 50, 2, 40), dtype, device)
+    k = randn((1, 60, 2, 40), dtype, device)
+    v = randn((1, 60, 2, 40), dtype, device)
+    oracle, naive = oracle_and_naive(q, k, v)
+    out = flashattn_ext.flash_attn_func(q, k, v)
+    assert_rule(out, oracle["out"], naive["out"], floor=1e-12)
+
+
+@pytest.mark.dtypes(torch.float32, torch.float16)
+def test_deterministic_flag_reaches_the_op(device, dtype, monkeypatch):
+    seen = []
+    real = _ops.fwd
+
+    def spy(*args):
+        seen.append(args[-1])
+        return real(*args)
+
+    monkeypatch.setattr(_ops, "fwd", spy)
+    q = randn((1, 4, 1, 8), dtype, device)
+    torch.use_deterministic_algorithms(False)
+    flashattn_ext.flash_attn_func(q, q, q)
+    flashattn_ext.flash_attn_func(q, q, q, deterministic=True)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    flashattn_ext.flash_attn_func(q, q, q)
+    assert seen == [False, True, True]
+
+
+def test_dropout_falls_back_to_torch(device, dtype):
+    """dropout_p > 0: computed by torch's SDPA with the same mask; same RNG draw
+    as a direct torch call, one warning, lse of the dropout-free attention."""
+    q = randn((2, 20, 4, 16), dtype, device)
+    k = randn((2, 31, 2, 16), dtype, device)
+    v = randn((2, 31, 2, 16), dtype, device)
+    with pytest.warns(flashattn_ext.FlashAttnFallbackWarning, match="dropout_p") as record:
+        torch.manual_seed(1234)
+        out, lse = flashattn_ext.flash_attn_func(q, k, v, dropout_p=0.3, causal=True, return_lse=True)
+    assert record[0].filename == __file__, "the warning points at the caller"
+    from flashattn_ext.reference import visible_mask
+
+    torch.manual_seed(1234)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=visible_mask(20, 31, -1, 0, 11, device), dropout_p=0.3, enable_gqa=True,
+    ).transpose(1, 2)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    _, lse_ref = attention_ref(q, k, v, causal=True, return_lse=True)
+    torch.testing.assert_close(lse, lse_ref.to(lse.dtype), rtol=1e-4, atol=1e-4)
+    # Some probability mass was dropped: the output differs from the dropout-free one.
+    assert not torch.allclose(out.float(), flashattn_ext.flash_attn_func(q, k, v, causal=True).float())
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", flashattn_ext.FlashAttnFallbackWarning)
+        flashattn_ext.flash_attn_func(q, k, v, dropout_p=0.3)  # warned once only
+
+
+def test_dropout_fallback_zeroes_dead_rows(device, dtype):
+    q = randn((1, 10, 1, 8), dtype, device)
+    k = randn((1, 4, 1, 8), dtype, device)
+    with pytest.warns(flashattn_ext.FlashAttnFallbackWarning):
+        out = flashattn_ext.flash_attn_func(q, k, k, dropout_p=0.5, causal=True)
+    assert (out[:, :6] == 0).all() and torch.isfinite(out).all()
+
+
+# ----------------------------------------------------------------------------- GPU only
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_race_forward(dtype, causal):
+    """The same inputs 100 times: bitwise-equal outputs and lse (a difference is a race)."""
+    q = randn((2, 1000, 4, 128), dtype, "cuda")
+    k = randn((2, 1100, 2, 128), dtype, "cuda")
+    v = randn((2, 1100, 2, 128), dtype, "cuda")
+    out0, lse0 = flashattn_ext.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    for _ in range(100):
+        out, lse = flashattn_ext.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+        assert torch.equal(out, out0) and torch.equal(lse, lse0)
+
+
+@pytest.mark.cuda
+def test_big_grid():
+    """batch * heads = 70000 > 65535: grids must not overflow a 16-bit dimension."""
+    dtype = torch.float16
+    q = randn((1, 16, 70000, 32), dtype, "cuda")
+    k = randn((1, 16, 70000, 32), dtype, "cuda")
+    v = randn((1, 16, 70000, 32), dtype, "cuda")
+    dout = randn((1, 16, 70000, 32), dtype, "cuda")
+    check_flash(q, k, v, dout=dout, causal=True)
+    # and along batch
+    q, k, v, dout = (x.reshape(70000, 16, 1, 32) for x in (q, k, v, dout))
+    check_flash(q, k, v, dout=dout)

@@ -1,0 +1,291 @@
+"""flashattn_ext.scaled_dot_product_attention as a drop-in for torch's: same
+layout and semantics (top-left causal, default scale, enable_gqa), a view as
+output, one-time warnings on every fallback, torch's errors on invalid input,
+and a small transformer block that gives the same outputs and gradients."""
+
+import contextlib
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flashattn_ext
+from flashattn_ext import FlashAttnFallbackWarning, _ops
+from flashattn_ext import scaled_dot_product_attention as sdpa
+from helpers import assert_rule, compute_dtype, randn, sdpa_ref
+
+
+@contextlib.contextmanager
+def no_fallback():
+    """A fallback warning becomes an error: the kernels must run."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FlashAttnFallbackWarning)
+        yield
+
+
+def check_sdpa(q, k, v, dout=None, **kw):
+    """Ours vs the oracle (rule), no fallback; returns (out, grads)."""
+    oracle, naive = {}, {}
+    for upcast, res in ((True, oracle), (False, naive)):
+        dt = compute_dtype(q.dtype, upcast)
+        leaves = [x.detach().to(dt).requires_grad_(dout is not None) for x in (q, k, v)]
+        out = sdpa_ref(*leaves, upcast=upcast, **kw)
+        res["out"] = out.detach()
+        if dout is not None:
+            res["dq"], res["dk"], res["dv"] = torch.autograd.grad(out, leaves, dout.to(dt))
+    leaves = [x.detach().requires_grad_(dout is not None) for x in (q, k, v)]
+    with no_fallback():
+        out = sdpa(*leaves, **kw)
+    assert out.shape == oracle["out"].shape and out.dtype == q.dtype
+    assert_rule(out, oracle["out"], naive["out"])
+    grads = None
+    if dout is not None:
+        grads = torch.autograd.grad(out, leaves, dout)
+        for name, g in zip(("dq", "dk", "dv"), grads):
+            assert_rule(g, oracle[name], naive[name], 3.0, name)
+    return out, grads
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("lens", [(1, 1), (1, 17), (17, 1), (17, 113), (113, 17), (64, 64)], ids=lambda s: f"L{s[0]}S{s[1]}")
+def test_matches_oracle(device, dtype, is_causal, lens):
+    L, S = lens
+    q, k, v = randn((2, 3, L, 32), dtype, device), randn((2, 3, S, 32), dtype, device), randn((2, 3, S, 32), dtype, device)
+    check_sdpa(q, k, v, is_causal=is_causal)
+
+
+@pytest.mark.parametrize("lens", [(5, 12), (12, 5)], ids=lambda s: f"L{s[0]}S{s[1]}")
+def test_causal_top_left_like_torch(device, dtype, lens):
+    """is_causal with L != S: query i sees keys 0..i (torch), not FlashAttention's bottom-right."""
+    L, S = lens
+    q, k, v = randn((1, 2, L, 16), dtype, device), randn((1, 2, S, 16), dtype, device), randn((1, 2, S, 16), dtype, device)
+    out, _ = check_sdpa(q, k, v, is_causal=True)
+    if device == "cpu" or dtype in (torch.float16, torch.bfloat16):
+        torch_out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        tol = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+        torch.testing.assert_close(out, torch_out, rtol=tol, atol=tol)
+    # Row 0 attends to key 0 only: its output is v[..., 0, :].
+    torch.testing.assert_close(out[:, :, 0], v[:, :, 0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("heads,gqa", [((4, 4), False), ((6, 2), True), ((6, 1), True), ((6, 1), False)], ids=["mha", "gqa", "mqa_gqa", "mqa_broadcast"])
+def test_gqa(device, dtype, heads, gqa):
+    hq, hkv = heads
+    q = randn((2, hq, 20, 32), dtype, device)
+    k, v = randn((2, hkv, 27, 32), dtype, device), randn((2, hkv, 27, 32), dtype, device)
+    out, _ = check_sdpa(q, k, v, is_causal=True, enable_gqa=gqa)
+    kw = {"enable_gqa": True} if gqa else {}
+    torch.testing.assert_close(out.float(), F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw).float(),
+                               rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("scale", [None, 0.05, 1.0])
+def test_scale(device, dtype, scale):
+    q, k, v = (randn((1, 2, 9, 24), dtype, device) for _ in range(3))
+    check_sdpa(q, k, v, scale=scale)
+
+
+def test_grads(device, dtype):
+    q = randn((2, 4, 33, 40), dtype, device)
+    k, v = randn((2, 2, 47, 40), dtype, device), randn((2, 2, 47, 40), dtype, device)
+    check_sdpa(q, k, v, dout=randn(q.shape, dtype, device), is_causal=True, enable_gqa=True)
+
+
+@pytest.mark.dtypes(torch.float32, torch.float16)
+def test_output_is_view_without_copies(device, dtype, monkeypatch):
+    seen = []
+    real = _ops.fwd
+
+    def spy(q, k, v, *args):
+        seen.append((q, k, v, args))
+        return real(q, k, v, *args)
+
+    monkeypatch.setattr(_ops, "fwd", spy)
+    q = randn((2, 4, 10, 16), dtype, device)
+    k = randn((2, 12, 4, 16), dtype, device).transpose(1, 2)  # (B, H, S, E) view of a (B, S, H, E) buffer
+    v = randn((2, 4, 12, 16), dtype, device)
+    out = sdpa(q, k, v, is_causal=True)
+    assert out.shape == (2, 4, 10, 16)
+    assert out._base is not None and out.transpose(1, 2).is_contiguous(), "a (B, H, L, E) view of a (B, L, H, E) buffer"
+    sq, sk, sv, args = seen[-1]
+    for a, b in ((sq, q), (sk, k), (sv, v)):
+        assert a.data_ptr() == b.data_ptr() and a.shape == b.transpose(1, 2).shape, "inputs reach the op as views"
+    assert args[:4] == (1.0 / math.sqrt(16), -1, 0, False)  # scale, window (-1, 0), top-left
+
+
+def test_rank3(device, dtype):
+    q, k, v = randn((3, 11, 16), dtype, device), randn((3, 7, 16), dtype, device), randn((3, 7, 16), dtype, device)
+    out, _ = check_sdpa(q, k, v, is_causal=True)
+    assert out.shape == (3, 11, 16)
+
+
+@pytest.mark.dtypes(torch.float32, torch.float16)
+def test_deterministic_follows_torch_setting(device, dtype, monkeypatch):
+    seen = []
+    real = _ops.fwd
+    monkeypatch.setattr(_ops, "fwd", lambda *a: seen.append(a[-1]) or real(*a))
+    q = randn((1, 1, 4, 8), dtype, device)
+    prev = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(False)
+        sdpa(q, q, q)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        sdpa(q, q, q)
+    finally:
+        torch.use_deterministic_algorithms(prev)
+    assert seen == [False, True]
+
+
+# ----------------------------------------------------------------------------- fallbacks
+
+
+def _fallback_cases(device, dtype):
+    q = randn((2, 4, 9, 16), dtype, device)
+    k, v = randn((2, 4, 13, 16), dtype, device), randn((2, 4, 13, 16), dtype, device)
+    bool_mask = torch.rand(9, 13, device=device) > 0.3
+    bool_mask[3] = False  # a fully masked row: torch gives zeros there
+    float_mask = randn((2, 1, 9, 13), dtype, device)
+    return {
+        "attn_mask_bool": ((q, k, v), {"attn_mask": bool_mask}, "attn_mask"),
+        "attn_mask_float": ((q, k, v), {"attn_mask": float_mask}, "attn_mask"),
+        "value_head_dim": ((q, k, randn((2, 4, 13, 24), dtype, device)), {}, "value head dim"),
+        "rank5": ((q[None], k[None], v[None]), {}, "rank"),
+        "batch_broadcast": ((q, k[:1], v[:1]), {}, "batch sizes"),
+        "zero_size": ((q[:, :, :0], k, v), {}, "zero-size"),
+        "head_dim_512": (tuple(randn((1, 2, 5, 512), dtype, device) for _ in range(3)), {}, "head dim 512"),
+    }
+
+
+CASES = ["attn_mask_bool", "attn_mask_float", "value_head_dim", "rank5", "batch_broadcast", "zero_size", "head_dim_512"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fallback_warns_once_and_matches_torch(device, dtype, case):
+    args, kw, reason = _fallback_cases(device, dtype)[case]
+    assert reason in flashattn_ext.sdpa_fallback_reason(*args, **kw)
+    with pytest.warns(FlashAttnFallbackWarning, match=reason) as record:
+        out = sdpa(*args, **kw)
+    assert record[0].filename == __file__, "the warning points at the caller"
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(*args, **kw), rtol=0, atol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FlashAttnFallbackWarning)
+        sdpa(*args, **kw)  # the second time: no warning
+    if case == "attn_mask_bool":
+        assert (out[:, :, 3] == 0).all()
+
+
+def test_fallback_dropout(device, dtype):
+    q, k, v = (randn((2, 4, 9, 16), dtype, device) for _ in range(3))
+    assert "dropout_p" in flashattn_ext.sdpa_fallback_reason(q, k, v, dropout_p=0.2)
+    torch.manual_seed(7)
+    with pytest.warns(FlashAttnFallbackWarning, match="dropout_p"):
+        out = sdpa(q, k, v, dropout_p=0.2)
+    torch.manual_seed(7)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, dropout_p=0.2), rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+def test_fallback_float32_on_cuda():
+    q, k, v = (randn((1, 2, 9, 16), torch.float32, "cuda") for _ in range(3))
+    with pytest.warns(FlashAttnFallbackWarning, match="float32"):
+        out = sdpa(q, k, v)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))
+
+
+def test_eligible_has_no_reason(device, dtype):
+    q, k, v = (randn((1, 2, 9, 16), dtype, device) for _ in range(3))
+    assert flashattn_ext.sdpa_fallback_reason(q, k, v, is_causal=True) is None
+
+
+def _error_cases(device):
+    f32 = torch.float32 if device == "cpu" else torch.float16
+    q = randn((2, 4, 9, 16), f32, device)
+    k, v = randn((2, 4, 13, 16), f32, device), randn((2, 4, 13, 16), f32, device)
+    k2, v2 = randn((2, 2, 13, 16), f32, device), randn((2, 2, 13, 16), f32, device)
+    k3, v3 = randn((2, 3, 13, 16), f32, device), randn((2, 3, 13, 16), f32, device)
+    return {
+        "dtype_mismatch": ((q, k.double(), v), {}),
+        "key_head_dim": ((q, randn((2, 4, 13, 8), f32, device), v), {}),
+        "gqa_without_flag": ((q, k2, v2), {}),
+        "gqa_not_divisible": ((q, k3, v3), {"enable_gqa": True}),
+        "int_dtype": ((q.int(), k.int(), v.int()), {}),
+    }
+
+
+@pytest.mark.parametrize("case", ["dtype_mismatch", "key_head_dim", "gqa_without_flag", "gqa_not_divisible", "int_dtype"])
+def test_invalid_inputs_raise_like_torch(device, case):
+    args, kw = _error_cases(device)[case]
+    with pytest.raises(Exception) as torch_err:
+        F.scaled_dot_product_attention(*args, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FlashAttnFallbackWarning)  # no warning before torch's error
+        with pytest.raises(type(torch_err.value)) as our_err:
+            sdpa(*args, **kw)
+    assert str(our_err.value) == str(torch_err.value)
+
+
+@pytest.mark.parametrize("lens", [(13, 5), (5, 13)])
+def test_key_value_length_mismatch_raises(device, lens):
+    """torch 2.11's CPU flash backend returns an answer for this invalid input; we raise."""
+    dt = torch.float32 if device == "cpu" else torch.float16
+    q = randn((2, 4, 9, 16), dt, device)
+    k, v = randn((2, 4, lens[0], 16), dt, device), randn((2, 4, lens[1], 16), dt, device)
+    with pytest.raises(RuntimeError, match="key and value must share their sequence length"):
+        sdpa(q, k, v)
+
+
+# ----------------------------------------------------------------------------- a model
+
+
+class TinyBlock(torch.nn.Module):
+    """Pre-norm transformer block (causal self-attention with GQA + MLP)."""
+
+    def __init__(self, dim=64, heads=4, kv_heads=2, attn=F.scaled_dot_product_attention):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.qkv = torch.nn.Linear(dim, (heads + 2 * kv_heads) * self.hd)
+        self.proj = torch.nn.Linear(dim, dim)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
+        self.attn = attn
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split([self.heads * self.hd, self.kv_heads * self.hd, self.kv_heads * self.hd], -1)
+        q = q.view(b, n, self.heads, self.hd).transpose(1, 2)
+        k = k.view(b, n, self.kv_heads, self.hd).transpose(1, 2)
+        v = v.view(b, n, self.kv_heads, self.hd).transpose(1, 2)
+        a = self.attn(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, n, -1))
+        return x + self.mlp(self.norm2(x))
+
+
+def test_tiny_transformer_block(device, dtype):
+    """Swapping torch's attention for ours: same outputs and parameter gradients,
+    within the rule against a float64/float32 copy of the block."""
+    torch_block = TinyBlock().to(device=device, dtype=dtype)
+    hi = compute_dtype(dtype)
+    blocks = {
+        "ours": TinyBlock(attn=sdpa),
+        "oracle": TinyBlock(attn=lambda *a, **kw: sdpa_ref(*a, upcast=False, **kw)),  # the whole block in `hi`
+        "naive": TinyBlock(attn=lambda *a, **kw: sdpa_ref(*a, upcast=False, **kw)),
+    }
+    for name, blk in blocks.items():
+        blk.load_state_dict(torch_block.state_dict())
+        blk.to(device=device, dtype=hi if name == "oracle" else dtype)
+    x = randn((2, 37, 64), dtype, device)
+    dy = randn((2, 37, 64), dtype, device)
+    res = {}
+    for name, blk in list(blocks.items()) + [("torch", torch_block)]:
+        xin = x.detach().to(hi if name == "oracle" else dtype).requires_grad_()
+        with no_fallback():
+            y = blk(xin)
+            y.backward(dy.to(y.dtype))
+        res[name] = [y.detach(), xin.grad] + [p.grad for p in blk.parameters()]
+    names = ["y", "dx"] + [n for n, _ in torch_block.named_parameters()]
+    for i, n in enumerate(names):
+        assert_rule(res["ours"][i], res["oracle"][i], res["naive"][i], 2.0 if i == 0 else 3.0, n)
+        # and torch's own SDPA lands within the same bound (sanity of the oracle block)
+        assert_rule(res["torch"][i], res["oracle"][i], res["naive"][i], 2.0 if i == 0 else 3.0, "torch " + n)
