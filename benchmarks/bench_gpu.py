@@ -307,7 +307,7 @@ def measure_ceilings(device, bench, quick):
         ms = bench(lambda: torch.matmul(a, bm))
         res.update(matmul_tflops=tflops(2.0 * m**3, ms), matmul_ms=ms, matmul_shape=[m, m, m],
                    matmul_dtype=_dtype_name(dtype))
-        del a, bm
+        a = bm = None  # free before the copy test
     except Exception as e:  # noqa: BLE001
         res.update(matmul_tflops=None, matmul_error=_short(e))
     try:
@@ -316,7 +316,7 @@ def measure_ceilings(device, bench, quick):
         ms = bench(lambda: dst.copy_(src))
         res.update(copy_tbs=2.0 * copy_bytes / (ms * 1e-3) / 1e12, copy_ms=ms, copy_bytes=copy_bytes,
                    copy_note="read + write bytes counted")
-        del src, dst
+        src = dst = None
     except Exception as e:  # noqa: BLE001
         res.update(copy_tbs=None, copy_error=_short(e))
     _free(device)
@@ -330,7 +330,7 @@ def measure_memory(impl, n, b, h, d, dtype, device, gen):
     if device.type != "cuda":
         entry["skipped"] = "memory statistics need CUDA"
         return entry
-    q = k = v = dout = out = grads = None
+    q = k = v = dout = out = None
     try:
         _free(device)
         ctx, f = make_attention(impl, False, n, n, device)
@@ -344,7 +344,8 @@ def measure_memory(impl, n, b, h, d, dtype, device, gen):
             out = f(q, k, v)
             grads = torch.autograd.grad(out, (q, k, v), dout)
         torch.cuda.synchronize()
-        extra = torch.cuda.max_memory_allocated() - base
+        extra = torch.cuda.max_memory_allocated() - base  # the gradients (input-sized) count as extra
+        del grads
         entry.update(peak_extra_bytes=int(extra), peak_extra_gib=extra / GIB)
     except Skip as e:
         entry["skipped"] = str(e)
@@ -353,7 +354,7 @@ def measure_memory(impl, n, b, h, d, dtype, device, gen):
     except Exception as e:  # noqa: BLE001
         entry["skipped" if _is_refusal(e) else "error"] = _short(e)
     finally:
-        q = k = v = dout = out = grads = None  # noqa: F841
+        q = k = v = dout = out = None  # noqa: F841
         _free(device)
     return entry
 

@@ -18,7 +18,6 @@ Titles carry the GPU name, torch version and date from the JSON.
 
 import argparse
 import json
-import math
 import os
 import sys
 
