@@ -32,11 +32,12 @@ def _run(args, timeout=120):
 def _load(name):
     spec = importlib.util.spec_from_file_location(name, os.path.join(BENCH, name + ".py"))
     mod = importlib.util.module_from_spec(spec)
+    saved = list(sys.path)
     sys.path.insert(0, BENCH)
     try:
         spec.loader.exec_module(mod)
     finally:
-        sys.path.remove(BENCH)
+        sys.path[:] = saved  # the scripts extend sys.path on import; keep it as it was
     return mod
 
 
@@ -99,12 +100,14 @@ def test_main_cpu_quick(tmp_path):
     assert report["device"]["type"] == "cpu"
 
 
-def test_main_help():
-    pytest.importorskip("flashattn_ext", reason="flashattn_ext is not importable")
-    r = _run(["-m", "flashattn_ext", "--help"])
-    assert r.returncode == 0, r.stderr
+def test_main_help(capsys):
+    main = pytest.importorskip("flashattn_ext.__main__", reason="flashattn_ext is not importable")
+    with pytest.raises(SystemExit) as exc:
+        main.parse_args(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
     for opt in ("--device", "--dtype", "--shapes", "--json", "--quick"):
-        assert opt in r.stdout
+        assert opt in out
 
 
 def test_parse_build_info():
@@ -139,14 +142,15 @@ def test_bench_gpu_cpu_quick(tmp_path):
     assert r.stdout.strip().splitlines()[0].startswith("flashattn_ext:")
 
 
-def test_bench_gpu_time_budget(tmp_path):
+def test_bench_gpu_time_budget(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    r = _run([os.path.join(BENCH, "bench_gpu.py"), "--device", "cpu", "--quick", "--no-memory", "--no-gpt2",
-              "--no-ceilings", "--impls", "naive", "--modes", "fwd", "--time-budget", "1e-9", "--json", str(out)])
-    assert r.returncode == 0, r.stdout + r.stderr
+    bg = _load("bench_gpu")
+    rc = bg.main(["--device", "cpu", "--quick", "--no-memory", "--no-gpt2", "--no-ceilings", "--impls", "naive",
+                  "--modes", "fwd", "--time-budget", "1e-9", "--json", str(out)])
+    assert rc == 0
     data = json.loads(out.read_text())
-    assert data["budget_exceeded"]["points_not_run"] == 4
-    assert "TIME BUDGET EXCEEDED" in r.stdout
+    assert data["budget_exceeded"]["points_not_run"] == 4 and data["rows"] == []
+    assert "TIME BUDGET EXCEEDED" in capsys.readouterr().out
 
 
 def test_bench_table_and_flops():
@@ -184,4 +188,4 @@ def test_train_gpt_compare_smoke(tmp_path):
     data = json.loads(out.read_text())
     assert set(data["runs"]) == {"ours", "torch"}
     assert len(data["runs"]["ours"]["losses"]) == 6
-    assert data["max_loss_diff"] < 1e-3
+    assert data["max_loss_diff_early"] < 1e-3
