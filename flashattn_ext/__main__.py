@@ -1,0 +1,514 @@
+"""python -m flashattn_ext: what this build holds, whether its kernels are right
+on this machine, and how fast they are next to torch's attention.
+
+    python -m flashattn_ext                   # the device torch sees (CUDA if any)
+    python -m flashattn_ext --device cpu --quick
+    python -m flashattn_ext --shapes "4,16,2048,128;8,12,1024,64,causal" --json report.json
+
+Steps: (1) the build: package, torch, CUDA, archs and head dims compiled in;
+(2) the device; (3) a short correctness check of flash_attn_func (forward and
+backward) and scaled_dot_product_attention against the float32/float64 oracle
+flashattn_ext.reference.attention_ref, with FlashAttention's rule: the error of
+ours must be at most 2x (3x for gradients) the error of the same naive
+computation done in the low precision, plus one unit of rounding at the output's
+scale; (4) timings of ours, torch's SDPA (per backend on CUDA) and the naive
+3-kernel path. Exits 1 when the check fails, 2 on a usage error.
+"""
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import flashattn_ext
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+DTYPE_ALIASES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32", "float": "fp32",
+                 "float64": "fp64", "double": "fp64"}
+
+# Correctness cases: (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal).
+# Odd lengths, seqlen_q != seqlen_k both ways (causal aligned bottom-right), GQA and MQA.
+CUDA_CASES = [
+    (2, 256, 256, 8, 8, 64, False),
+    (2, 256, 256, 8, 8, 128, True),
+    (1, 113, 203, 8, 2, 128, True),  # GQA 4:1, odd lengths, seqlen_k > seqlen_q
+    (2, 257, 97, 6, 1, 64, True),  # MQA, seqlen_q > seqlen_k: the first rows see no key
+    (1, 1023, 1025, 4, 4, 96, False),
+    (3, 1, 129, 4, 2, 256, False),  # one query token (decoding)
+]
+CUDA_QUICK_CASES = [CUDA_CASES[1], CUDA_CASES[2], CUDA_CASES[3]]
+CPU_CASES = [
+    (1, 64, 64, 2, 2, 32, False),
+    (2, 37, 53, 4, 2, 64, True),  # GQA, odd lengths
+    (1, 41, 17, 3, 1, 16, True),  # MQA, seqlen_q > seqlen_k
+    (2, 1, 33, 2, 2, 40, False),  # one query token, head dim not a power of two
+]
+CPU_QUICK_CASES = CPU_CASES[:3]
+
+
+# ----------------------------------------------------------------------------- build and device
+
+
+def parse_build_info(s):
+    """"cuda=1;archs=80;90;head_dims=64,128" -> {"cuda": "1", "archs": "80;90", "head_dims": "64,128"}.
+    A field without '=' continues the previous value (archs are ';'-separated)."""
+    out, key = {}, None
+    for tok in s.split(";"):
+        if "=" in tok:
+            key, val = tok.split("=", 1)
+            out[key.strip()] = val.strip()
+        elif key is not None and tok.strip():
+            out[key] = (out[key] + ";" + tok.strip()) if out[key] else tok.strip()
+    return out
+
+
+def build_report():
+    info = {"flashattn_ext": getattr(flashattn_ext, "__version__", "?"), "torch": torch.__version__,
+            "torch_cuda": torch.version.cuda, "location": os.path.dirname(os.path.abspath(flashattn_ext.__file__))}
+    try:
+        raw = torch.ops.flashattn_ext.build_info()
+        info["build_info"] = raw
+        bi = parse_build_info(raw)
+        info["cuda_kernels"] = bi.get("cuda") == "1"
+        info["archs"] = bi.get("archs", "")
+        info["head_dims"] = bi.get("head_dims", "")
+    except Exception as e:  # noqa: BLE001
+        info["build_info"] = f"unavailable ({type(e).__name__}: {e})"
+        info["cuda_kernels"] = None
+    if torch.backends.cudnn.is_available():
+        info["cudnn"] = torch.backends.cudnn.version()
+    return info
+
+
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_report(device):
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        return {"type": "cuda", "name": p.name, "capability": f"sm_{p.major}{p.minor}",
+                "sms": p.multi_processor_count, "memory_gib": round(p.total_memory / 1024**3, 1)}
+    return {"type": "cpu", "name": cpu_name(), "threads": torch.get_num_threads()}
+
+
+def choose_device(requested, build):
+    if requested == "cpu":
+        return torch.device("cpu"), None
+    if requested == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("flashattn_ext: --device cuda, but torch sees no CUDA device")
+        return torch.device("cuda"), None
+    if torch.cuda.is_available():
+        if build.get("cuda_kernels") is False:
+            return torch.device("cpu"), ("a GPU is present but this build has no CUDA kernels (built with "
+                                         "FLASHATTN_CPU_ONLY=1 or without nvcc): running on the CPU; rebuild to "
+                                         "use the GPU, or pass --device cuda to see the failure")
+        return torch.device("cuda"), None
+    return torch.device("cpu"), None
+
+
+# ----------------------------------------------------------------------------- correctness
+
+
+def _max_err(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+def _oracle(q, k, v, causal, upcast):
+    # GQA: repeat the kv heads ourselves, so the oracle only ever sees plain MHA;
+    # gradients flow back through repeat_interleave summed per kv head.
+    g = q.shape[2] // k.shape[2]
+    if g > 1:
+        k, v = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
+    from flashattn_ext.reference import attention_ref
+
+    return attention_ref(q, k, v, causal=causal, upcast=upcast)
+
+
+def check_case(case, dtype, device, api="flash_attn_func"):
+    """One case: forward and backward of ours against the oracle. Returns a dict with ok."""
+    b, nq, nk, hq, hkv, d, causal = case
+    res = dict(api=api, dtype=str(dtype).replace("torch.", ""), b=b, seqlen_q=nq, seqlen_k=nk, heads_q=hq,
+               heads_kv=hkv, head_dim=d, causal=causal, ok=False)
+    try:
+        q = torch.randn(b, nq, hq, d, device=device, dtype=dtype, requires_grad=True)
+        k = torch.randn(b, nk, hkv, d, device=device, dtype=dtype, requires_grad=True)
+        v = torch.randn(b, nk, hkv, d, device=device, dtype=dtype, requires_grad=True)
+        if api == "flash_attn_func":
+            out = flashattn_ext.flash_attn_func(q, k, v, causal=causal)
+        else:  # torch's layout (B, H, L, E); is_causal is top-left, the same as bottom-right when nq == nk
+            qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            why = getattr(flashattn_ext, "sdpa_fallback_reason", None)
+            why = why(qt, kt, vt, is_causal=causal, enable_gqa=hq != hkv) if why else None
+            if why:  # torch would compute it, not our kernels: nothing of ours to check
+                res["error"] = f"falls back to torch ({why})"
+                return res
+            out = flashattn_ext.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
+                                                             enable_gqa=hq != hkv).transpose(1, 2)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        if dtype in (torch.float32, torch.float64):
+            # The oracle computes in float64 for float32 inputs (the low-precision path is float32 itself).
+            ref = _oracle(q.double(), k.double(), v.double(), causal, upcast=True)
+        else:
+            ref = _oracle(q, k, v, causal, upcast=True)
+        ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+        low = _oracle(q, k, v, causal, upcast=False)
+        low_grads = torch.autograd.grad(low, (q, k, v), dout)
+    except Exception as e:  # noqa: BLE001
+        res["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:400]
+        return res
+    # Rounding floor: one unit in the last place at the output's scale (float64 has no
+    # higher-precision oracle, so its bound is that floor alone, widened).
+    eps = torch.finfo(dtype).eps * (64 if dtype == torch.float64 else 1)
+    ok = True
+    errs = {}
+    for name, x, r, lo, mult in [("out", out, ref, low, 2.0)] + [
+        (n, g, rg, lg, 3.0) for n, g, rg, lg in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads)
+    ]:
+        err, err_low = _max_err(x, r), _max_err(lo, r)
+        bound = mult * err_low + eps * r.double().abs().max().item()
+        finite = bool(torch.isfinite(x).all())
+        errs[name] = dict(err=err, naive_low_precision_err=err_low, bound=bound, finite=finite)
+        ok &= finite and err <= bound
+    res["errors"] = errs
+    res["ok"] = ok
+    return res
+
+
+def compiled_head_dims(build):
+    try:
+        return [int(x) for x in build.get("head_dims", "").split(",") if x.strip()]
+    except ValueError:
+        return []
+
+
+def run_checks(device, dtypes, quick, progress, build):
+    cases = (CUDA_QUICK_CASES if quick else CUDA_CASES) if device.type == "cuda" else (
+        CPU_QUICK_CASES if quick else CPU_CASES)
+    todo = [(c, dt, "flash_attn_func") for dt in dtypes for c in cases]
+    # The SDPA entry point once per dtype, on a square causal case.
+    todo += [((2, 64, 64, 4, 2, 64, True), dt, "scaled_dot_product_attention") for dt in dtypes]
+    # A CUDA build may hold only some head dims (FLASHATTN_HEAD_DIMS); a head dim runs
+    # on the next larger compiled one, so only those above the largest are out of reach.
+    largest = max(compiled_head_dims(build), default=None) if device.type == "cuda" else None
+    results = []
+    torch.manual_seed(0)
+    for i, (case, dt, api) in enumerate(todo):
+        progress.update(f"check {i + 1}/{len(todo)}: {api} {str(dt).replace('torch.', '')} {case_str(case)}")
+        if largest is not None and case[5] > largest:
+            b, nq, nk, hq, hkv, d, causal = case
+            results.append(dict(api=api, dtype=str(dt).replace("torch.", ""), b=b, seqlen_q=nq, seqlen_k=nk,
+                                heads_q=hq, heads_kv=hkv, head_dim=d, causal=causal, ok=None,
+                                skipped=f"head dim {d} not compiled (build has up to {largest})"))
+            continue
+        results.append(check_case(case, dt, device, api))
+    progress.done()
+    return results
+
+
+def case_str(case):
+    b, nq, nk, hq, hkv, d, causal = case
+    return (f"b{b} q{nq} k{nk} h{hq}" + (f"/kv{hkv}" if hkv != hq else "") + f" d{d}"
+            + (" causal" if causal else ""))
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def make_timer(device, quick):
+    if device.type == "cuda":
+        warmup, rep = (10, 40) if quick else (25, 100)
+        try:
+            from triton.testing import do_bench
+
+            return lambda fn: float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+        except ImportError:
+            pass
+
+        def cuda_bench(fn):
+            fn()
+            torch.cuda.synchronize()
+            times = []
+            t_end = time.perf_counter() + rep / 1e3
+            while len(times) < 5 or (time.perf_counter() < t_end and len(times) < 1000):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                fn()
+                e.record()
+                e.synchronize()
+                times.append(s.elapsed_time(e))
+            return statistics.median(times)
+
+        return cuda_bench
+    budget = 0.15 if quick else 0.4
+
+    def cpu_bench(fn):
+        fn()
+        times = []
+        t_end = time.perf_counter() + budget
+        while len(times) < 3 or (time.perf_counter() < t_end and len(times) < 200):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    return cpu_bench
+
+
+def naive_attention(q, k, v, causal):
+    """matmul -> mask -> softmax -> matmul in the input dtype; (B, H, L, E)."""
+    s = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+    if causal:
+        n_q, n_k = s.shape[-2:]
+        s = s.masked_fill(torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v)
+
+
+def timing_impls(device):
+    """(name, layout, context factory or None, f(q, k, v, causal))."""
+    impls = [("flashattn_ext", "bnhd", None, lambda q, k, v, c: flashattn_ext.flash_attn_func(q, k, v, causal=c)),
+             ("torch sdpa", "bhnd", None, lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c))]
+    if device.type == "cuda":
+        try:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            for name, be in (("sdpa cudnn", "CUDNN_ATTENTION"), ("sdpa flash", "FLASH_ATTENTION"),
+                             ("sdpa mem-eff", "EFFICIENT_ATTENTION")):
+                backend = getattr(SDPBackend, be, None)
+                if backend is not None:
+                    impls.append((name, "bhnd", (lambda b=backend: sdpa_kernel(b)),
+                                  lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c)))
+        except ImportError:
+            pass
+    impls.append(("naive", "bhnd", None, naive_attention))
+    return impls
+
+
+def parse_shapes(s):
+    shapes = []
+    for part in s.replace(" ", ";").split(";"):
+        part = part.strip()
+        if not part:
+            continue
+        fields = [x.strip() for x in part.split(",") if x.strip()]
+        causal = False
+        if fields and fields[-1].lower() in ("c", "causal"):
+            causal, fields = True, fields[:-1]
+        if len(fields) != 4 or not all(x.isdigit() and int(x) > 0 for x in fields):
+            raise argparse.ArgumentTypeError(f"shape {part!r}: expected b,h,n,d with positive integers, "
+                                             "optionally followed by ',causal'")
+        shapes.append((*(int(x) for x in fields), causal))
+    if not shapes:
+        raise argparse.ArgumentTypeError("--shapes: no shape given")
+    return shapes
+
+
+def run_timings(device, dtype, shapes, quick, progress):
+    import contextlib
+
+    bench = make_timer(device, quick)
+    impls = timing_impls(device)
+    modes = ["fwd"] if quick and device.type == "cpu" else ["fwd", "fwd+bwd"]
+    rows = []
+    todo = [(s, m, impl) for s in shapes for m in modes for impl in impls]
+    for i, ((b, h, n, d, causal), mode, (name, layout, ctx, f)) in enumerate(todo):
+        progress.update(f"timing {i + 1}/{len(todo)}: {name} {mode} b{b} h{h} n{n} d{d}{' causal' if causal else ''}")
+        shape = (b, n, h, d) if layout == "bnhd" else (b, h, n, d)
+        flops = 4.0 * b * h * n * n * d / (2 if causal else 1) * (3.5 if mode == "fwd+bwd" else 1.0)
+        row = dict(impl=name, mode=mode, b=b, h=h, n=n, d=d, causal=causal, ms=None, tflops=None)
+        try:
+            q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=mode != "fwd") for _ in range(3))
+            with (ctx() if ctx else contextlib.nullcontext()), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if mode == "fwd":
+                    with torch.no_grad():
+                        ms = bench(lambda: f(q, k, v, causal))
+                else:
+                    dout = torch.randn(shape, device=device, dtype=dtype)
+                    ms = bench(lambda: torch.autograd.grad(f(q, k, v, causal), (q, k, v), dout))
+            row["ms"], row["tflops"] = ms, flops / (ms * 1e-3) / 1e12
+        except Exception as e:  # noqa: BLE001  (a backend refusing a shape is not fatal)
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            row["error"] = f"{type(e).__name__}: {msg}"[:200]
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        rows.append(row)
+    progress.done()
+    return rows
+
+
+# ----------------------------------------------------------------------------- output
+
+
+class Progress:
+    """One status line on stderr, rewritten in place on a terminal (silent otherwise)."""
+
+    def __init__(self, enabled=True):
+        self.enabled = enabled and sys.stderr.isatty()
+        self.width = 0
+
+    def update(self, msg):
+        if self.enabled:
+            sys.stderr.write("\r" + msg[:110].ljust(self.width))
+            self.width = min(max(self.width, len(msg)), 110)
+            sys.stderr.flush()
+
+    def done(self):
+        if self.enabled and self.width:
+            sys.stderr.write("\r" + " " * self.width + "\r")
+            sys.stderr.flush()
+            self.width = 0
+
+
+def print_checks(results):
+    for r in results:
+        case = case_str((r["b"], r["seqlen_q"], r["seqlen_k"], r["heads_q"], r["heads_kv"], r["head_dim"], r["causal"]))
+        tag = "skip" if r.get("skipped") else "ok  " if r["ok"] else "FAIL"
+        if r.get("skipped"):
+            print(f"  {tag} {r['api']:<28} {r['dtype']:<9} {case:<32} {r['skipped']}")
+            continue
+        if "error" in r:
+            print(f"  {tag} {r['api']:<28} {r['dtype']:<9} {case:<32} {r['error']}")
+            continue
+        worst = max(r["errors"].items(), key=lambda kv: kv[1]["err"] / kv[1]["bound"] if kv[1]["bound"] else 0)
+        name, e = worst
+        detail = f"worst {name}: err {e['err']:.2e} <= bound {e['bound']:.2e}" if r["ok"] else ", ".join(
+            f"{n}: err {x['err']:.2e} bound {x['bound']:.2e}{'' if x['finite'] else ' NON-FINITE'}"
+            for n, x in r["errors"].items() if not (x["finite"] and x["err"] <= x["bound"]))
+        print(f"  {tag} {r['api']:<28} {r['dtype']:<9} {case:<32} {detail}")
+
+
+def print_timings(rows):
+    print(f"  {'shape':<28} {'mode':<8} {'impl':<14} {'ms':>9} {'TFLOP/s':>9} {'ours speedup':>13}")
+    ours = {(r["b"], r["h"], r["n"], r["d"], r["causal"], r["mode"]): r["ms"] for r in rows
+            if r["impl"] == "flashattn_ext"}
+    for r in rows:
+        key = (r["b"], r["h"], r["n"], r["d"], r["causal"], r["mode"])
+        shape = f"b{r['b']} h{r['h']} n{r['n']} d{r['d']}" + (" causal" if r["causal"] else "")
+        if r["ms"] is None:
+            print(f"  {shape:<28} {r['mode']:<8} {r['impl']:<14} {'-':>9} {'-':>9} {'-':>13}  {r.get('error', '')[:60]}")
+            continue
+        tf = r["tflops"]
+        tf_s = f"{tf:.1f}" if tf >= 1 else f"{tf:.3f}"
+        o = ours.get(key)
+        ratio = f"{r['ms'] / o:.2f}x" if o else "-"  # this row's time / ours: above 1, ours is faster
+        print(f"  {shape:<28} {r['mode']:<8} {r['impl']:<14} {r['ms']:>9.3f} {tf_s:>9} {ratio:>13}")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(
+        prog="python -m flashattn_ext",
+        description="Report the flashattn_ext build, check its kernels against the naive oracle on this machine, "
+        "and time them next to torch's scaled_dot_product_attention and the naive path.",
+        epilog="Exit status: 0 when every check passes, 1 when one fails, 2 on a usage error. "
+        "'ours speedup' in the timing table is this row's time over ours (above 1: ours is faster).",
+    )
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where to run (default auto: CUDA when torch sees a GPU and the build has CUDA kernels)")
+    p.add_argument("--dtype", default=None,
+                   help="dtype(s) to check and time, comma-separated among fp16, bf16, fp32, fp64 (default: check "
+                   "fp16,bf16 and time bf16 on CUDA; check fp32,bf16 and time fp32 on the CPU); timing uses the first")
+    p.add_argument("--shapes", type=parse_shapes, default=None, metavar="B,H,N,D[,causal];...",
+                   help="timing shapes, ';'-separated, each b,h,n,d with an optional ',causal' (default on CUDA: "
+                   "'4,16,2048,128;8,12,1024,64,causal', on the CPU: '1,4,512,64;1,4,512,64,causal')")
+    p.add_argument("--json", metavar="PATH", help="also write the full report as JSON to PATH")
+    p.add_argument("--quick", action="store_true", help="fewer cases, one small timing shape, shorter timings")
+    p.add_argument("--no-bench", action="store_true", help="skip the timings (build, device and check only)")
+    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    t0 = time.time()
+    build = build_report()
+    device, note = choose_device(args.device, build)
+    dev = device_report(device)
+    cuda = device.type == "cuda"
+
+    if args.dtype:
+        names = [DTYPE_ALIASES.get(x.strip().lower(), x.strip().lower()) for x in args.dtype.split(",") if x.strip()]
+        bad = [x for x in names if x not in DTYPES]
+        if bad or not names:
+            print(f"flashattn_ext: --dtype: unknown {bad or args.dtype!r}; choose among {', '.join(DTYPES)}",
+                  file=sys.stderr)
+            return 2
+        check_dtypes = [DTYPES[x] for x in names]
+        time_dtype = check_dtypes[0]
+    else:
+        check_dtypes = [torch.float16, torch.bfloat16] if cuda else [torch.float32, torch.bfloat16]
+        time_dtype = torch.bfloat16 if cuda else torch.float32
+    if args.shapes:
+        shapes = args.shapes
+    elif args.quick:
+        shapes = [(2, 16, 1024, 128, False)] if cuda else [(1, 4, 256, 64, False)]
+    else:
+        shapes = [(4, 16, 2048, 128, False), (8, 12, 1024, 64, True)] if cuda else [
+            (1, 4, 512, 64, False), (1, 4, 512, 64, True)]
+
+    print("flashattn_ext self-test")
+    print(f"  build:  flashattn_ext {build['flashattn_ext']} ({build['location']})")
+    print(f"          torch {build['torch']}, CUDA {build['torch_cuda'] or 'none'}"
+          + (f", cuDNN {build['cudnn']}" if build.get("cudnn") else ""))
+    if build.get("cuda_kernels") is None:
+        print(f"          build_info {build['build_info']}")
+    else:
+        kern = f"CUDA kernels for sm {build['archs'].replace(';', ', ')}" if build["cuda_kernels"] else "no CUDA kernels"
+        print(f"          {kern}; head dims {build['head_dims'] or '-'}")
+    if cuda:
+        print(f"  device: {dev['name']} ({dev['capability']}, {dev['sms']} SMs, {dev['memory_gib']} GiB)")
+    else:
+        print(f"  device: CPU {dev['name']}, {dev['threads']} threads")
+    if note:
+        print(f"  note:   {note}")
+    sys.stdout.flush()
+
+    progress = Progress(enabled=not args.no_progress)
+    checks = run_checks(device, check_dtypes, args.quick, progress, build)
+    n_skip = sum(1 for r in checks if r.get("skipped"))
+    n_run = len(checks) - n_skip
+    n_ok = sum(1 for r in checks if r["ok"])
+    print(f"check: {n_ok}/{n_run} passed" + (f", {n_skip} skipped" if n_skip else "")
+          + " (ours vs the float32/float64 oracle; bound = 2x the naive low-precision error for out, 3x for "
+          "gradients, + 1 ulp at the output's scale)")
+    print_checks(checks)
+    sys.stdout.flush()
+
+    rows = []
+    if not args.no_bench:
+        rows = run_timings(device, time_dtype, shapes, args.quick, progress)
+        print(f"timing ({str(time_dtype).replace('torch.', '')}, median; ours takes (b, n, h, d), "
+              "the others (b, h, n, d)):")
+        print_timings(rows)
+    ok = n_run > 0 and n_ok == n_run
+    elapsed = time.time() - t0
+    print(f"{'PASS' if ok else 'FAIL'}: {n_ok}/{n_run} checks passed on {device.type} in {elapsed:.1f} s")
+    if args.json:
+        report = dict(build=build, device=dev, note=note, ok=ok, checks=checks, timings=rows,
+                      elapsed_s=round(elapsed, 2))
+        d = os.path.dirname(os.path.abspath(args.json))
+        os.makedirs(d, exist_ok=True)
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
