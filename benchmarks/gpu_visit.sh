@@ -8,14 +8,15 @@
 # build:    reuse flashattn_ext/_C.abi3.so if it imports with CUDA kernels,
 #           else build in place with all cores (FLASHATTN_CUDA_ARCHS default 90 here)
 # check:    benchmarks/kernel_check.py (correctness matrix, race check, quick perf)
-# test:     the pytest suite on cuda (tests/)
+# test:     the pytest suite's cuda cases (tests/, -m cuda)
+# selftest: python -m flashattn_ext (the README's main job)
 # sanitize: compute-sanitizer memcheck and racecheck on a small case
 # bench:    benchmarks/bench_gpu.py, the standard grid (BENCH_ARGS to narrow it)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/flashattn_out}
 mkdir -p "$OUT"
-STAGES=${STAGES:-"build check test sanitize bench"}
+STAGES=${STAGES:-"build check test selftest sanitize bench"}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 status=0
@@ -39,13 +40,22 @@ fi
 
 if has check; then
   stamp "kernel check"
-  python3 benchmarks/kernel_check.py --json "$OUT/check.json" ${CHECK_ARGS:-} 2>&1 | tee "$OUT/check.log" || status=1
+  python3 benchmarks/kernel_check.py --json "$OUT/check.json" ${CHECK_ARGS:-} > "$OUT/check.log" 2>&1 || status=1
+  grep -E "^FAIL|correctness|race|perf" "$OUT/check.log"
 fi
 
 if has test; then
   stamp "pytest (cuda)"
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x -k "cuda" tests ${TEST_ARGS:-} > "$OUT/pytest.log" 2>&1 || status=1
-  tail -15 "$OUT/pytest.log"
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q --maxfail=30 -m cuda -p no:cacheprovider tests ${TEST_ARGS:-} \
+    > "$OUT/pytest.log" 2>&1 || status=1
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -30
+  tail -3 "$OUT/pytest.log"
+fi
+
+if has selftest; then
+  stamp "self-check (python -m flashattn_ext)"
+  python3 -m flashattn_ext --json "$OUT/selftest.json" > "$OUT/selftest.log" 2>&1 || status=1
+  tail -25 "$OUT/selftest.log"
 fi
 
 if has sanitize; then
