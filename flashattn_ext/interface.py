@@ -342,15 +342,33 @@ def _sdpa_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     return None, None
 
 
-def _check_kv_lengths(key, value):
-    # An invalid input that torch 2.11's CPU flash backend does not reject (it
-    # returns an answer): raise instead of handing it over.
-    if isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor) and key.dim() >= 2 and value.dim() >= 2:
-        if key.shape[-2] != value.shape[-2]:
-            raise RuntimeError(
-                f"flashattn_ext.scaled_dot_product_attention: key has {key.shape[-2]} positions but value has "
-                f"{value.shape[-2]}; key and value must share their sequence length (dimension -2)"
-            )
+def _check_invalid_for_torch(query, key, value):
+    # Invalid inputs that torch 2.11 mishandles instead of rejecting: its CPU
+    # flash backend returns an answer for key/value lengths that differ, and its
+    # CUDA backends crash the process on a key head dim different from the
+    # query's. Raise here instead of handing them over.
+    tensors = all(isinstance(t, torch.Tensor) and t.dim() >= 2 for t in (query, key, value))
+    if not tensors:
+        return
+    if key.shape[-2] != value.shape[-2]:
+        raise RuntimeError(
+            f"flashattn_ext.scaled_dot_product_attention: key has {key.shape[-2]} positions but value has "
+            f"{value.shape[-2]}; key and value must share their sequence length (dimension -2)"
+        )
+    if key.shape[-1] != query.shape[-1]:
+        raise RuntimeError(
+            f"flashattn_ext.scaled_dot_product_attention: key has head dim {key.shape[-1]} but query has head dim "
+            f"{query.shape[-1]}; query and key must share their last dimension"
+        )
+
+
+def _zero_dead_rows(out, attn_mask):
+    """Rows whose boolean mask admits no key are zero (torch's documented
+    semantics; some of its CUDA backends return NaN there)."""
+    if attn_mask is None or attn_mask.dtype != torch.bool:
+        return out
+    dead = ~attn_mask.any(dim=-1, keepdim=True)  # (..., L, 1), broadcasts against out
+    return out.masked_fill(dead, 0.0)
 
 
 def sdpa_fallback_reason(
@@ -375,13 +393,14 @@ def scaled_dot_product_attention(
     function, with a one-time FlashAttnFallbackWarning per reason (see
     ``sdpa_fallback_reason``); invalid inputs raise torch's own errors.
     """
-    _check_kv_lengths(key, value)
+    _check_invalid_for_torch(query, key, value)
     key_name, reason = _sdpa_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if reason is not None:
         kwargs = {"enable_gqa": True} if enable_gqa else {}
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kwargs
         )
+        out = _zero_dead_rows(out, attn_mask)
         # Only after torch accepted the call: invalid inputs raise torch's error, unwarned.
         _warn_once(
             "sdpa:" + key_name,

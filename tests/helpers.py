@@ -37,8 +37,13 @@ def max_err(a, b):
     return (a.to(b.dtype) - b).abs().max().item() if a.numel() else 0.0
 
 
-def assert_rule(actual, oracle, naive, factor=2.0, name="out", floor=None):
-    """|actual - oracle| <= factor * |naive - oracle| + floor * max|oracle| (max norms)."""
+def assert_rule(actual, oracle, naive, factor=2.0, name="out", floor=None, scale=None):
+    """|actual - oracle| <= factor * |naive - oracle| + floor * max(max|oracle|, scale) (max norms).
+
+    scale: the magnitude the rounding noise is relative to when the oracle itself
+    is (near) zero: e.g. dq and dk vanish exactly when every query sees a single
+    key, while the kernel's dS = P (dP - D) is a difference of two equal, rounded
+    quantities; the gradients' common magnitude is the right yardstick then."""
     assert actual.shape == oracle.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(oracle.shape)}"
     assert actual.dtype == naive.dtype, f"{name}: dtype {actual.dtype}, naive {naive.dtype}"
     assert torch.isfinite(actual).all(), f"{name}: non-finite values (NaN/inf) in the result"
@@ -47,7 +52,7 @@ def assert_rule(actual, oracle, naive, factor=2.0, name="out", floor=None):
         return
     err = max_err(actual, oracle)
     naive_err = max_err(naive, oracle)
-    mag = oracle.abs().max().item()
+    mag = max(oracle.abs().max().item(), scale or 0.0)
     floor = FLOOR[actual.dtype] if floor is None else floor
     bound = factor * naive_err + floor * max(mag, 1e-6)
     assert err <= bound, (
@@ -109,9 +114,10 @@ def check_flash(q, k, v, dout=None, grad_factor=3.0, **kw):
     res = {"out": out, "lse": lse}
     if dout is not None:
         grads = torch.autograd.grad(out, leaves, dout)
+        grad_scale = max(oracle[name].abs().max().item() for name in ("dq", "dk", "dv"))
         for name, g, x in zip(("dq", "dk", "dv"), grads, (q, k, v)):
             assert g.shape == x.shape and g.dtype == x.dtype, name
-            assert_rule(g, oracle[name], naive[name], grad_factor, name)
+            assert_rule(g, oracle[name], naive[name], grad_factor, name, scale=grad_scale)
             res[name] = g
     return res
 

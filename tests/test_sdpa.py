@@ -43,8 +43,9 @@ def check_sdpa(q, k, v, dout=None, **kw):
     grads = None
     if dout is not None:
         grads = torch.autograd.grad(out, leaves, dout)
+        grad_scale = max(oracle[name].abs().max().item() for name in ("dq", "dk", "dv"))
         for name, g in zip(("dq", "dk", "dv"), grads):
-            assert_rule(g, oracle[name], naive[name], 3.0, name)
+            assert_rule(g, oracle[name], naive[name], 3.0, name, scale=grad_scale)
     return out, grads
 
 
@@ -168,12 +169,18 @@ def test_fallback_warns_once_and_matches_torch(device, dtype, case):
     with pytest.warns(FlashAttnFallbackWarning, match=reason) as record:
         out = sdpa(*args, **kw)
     assert record[0].filename == __file__, "the warning points at the caller"
-    torch.testing.assert_close(out, F.scaled_dot_product_attention(*args, **kw), rtol=0, atol=0)
+    expected = F.scaled_dot_product_attention(*args, **kw)
+    if case == "attn_mask_bool":
+        # A row that sees no key is zero (torch's CUDA backends may give NaN
+        # there; the wrapper zeroes it); every other row is torch's answer.
+        assert (out[:, :, 3] == 0).all()
+        live = kw["attn_mask"].any(-1)
+        torch.testing.assert_close(out[:, :, live], expected[:, :, live], rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FlashAttnFallbackWarning)
         sdpa(*args, **kw)  # the second time: no warning
-    if case == "attn_mask_bool":
-        assert (out[:, :, 3] == 0).all()
 
 
 def test_fallback_dropout(device, dtype):
@@ -214,7 +221,15 @@ def _error_cases(device):
     }
 
 
-@pytest.mark.parametrize("case", ["dtype_mismatch", "key_head_dim", "gqa_without_flag", "gqa_not_divisible", "int_dtype"])
+def test_key_head_dim_mismatch_raises(device):
+    """torch 2.11's CUDA SDPA crashes the process on this input, so the wrapper
+    rejects it itself instead of handing it over."""
+    args, kw = _error_cases(device)["key_head_dim"]
+    with pytest.raises(RuntimeError, match="key has head dim 8 but query has head dim 16"):
+        sdpa(*args, **kw)
+
+
+@pytest.mark.parametrize("case", ["dtype_mismatch", "gqa_without_flag", "gqa_not_divisible", "int_dtype"])
 def test_invalid_inputs_raise_like_torch(device, case):
     args, kw = _error_cases(device)[case]
     with pytest.raises(Exception) as torch_err:
