@@ -150,10 +150,20 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
   clear(acc_dk);
   clear(acc_dv);
 
+  // Step `it` visits query head hq and query block m0. With kRotate, the key
+  // blocks of one head start their sweeps at different query blocks, so their
+  // fp32 dQ atomics do not all land on the same rows at the same time.
+  const int rotation = Kt::kRotate && kComputeDq ? n_block : 0;
+  auto query_block = [&](int it, int& hq, int& m0) {
+    const int j = (it + rotation) % iters;
+    hq = h_kv * ratio + j / m_blocks;
+    m0 = (m_min + j % m_blocks) * kBlockM;
+  };
+
   // Loads query block `it` (head, block) into stage `stage`.
   auto load_q_block = [&](int it, int stage) {
-    const int hq = h_kv * ratio + it / m_blocks;
-    const int m0 = (m_min + it % m_blocks) * kBlockM;
+    int hq, m0;
+    query_block(it, hq, m0);
     const int rows = min(kBlockM, p.seqlen_q - m0);
     const T* gQ = static_cast<const T*>(p.q_ptr) + b * p.q_batch_stride + hq * p.q_head_stride + m0 * p.q_row_stride;
     const T* gdO =
@@ -176,8 +186,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
 
   for (int it = 0; it < iters; ++it) {
     const int stage = kStages == 1 ? 0 : it % kStages;
-    const int hq = h_kv * ratio + it / m_blocks;
-    const int m0 = (m_min + it % m_blocks) * kBlockM;
+    int hq, m0;
+    query_block(it, hq, m0);
     const T* sQs = sQ + stage * TileQ::kElems;
     const T* sdOs = sdO + stage * TileQ::kElems;
     const LdsmB<TileQ> ldsm_q_b(sQs, s_q0, 0, lane), ldsm_do_b(sdOs, s_q0, 0, lane);   // B of K Q^T, V dO^T

@@ -57,12 +57,11 @@ struct TuneVariants {
 };
 template <typename T> struct TuneVariants<64, T> {
   using Fwd = Variants<typename KernelConfig<64, T>::Fwd, FwdTraits<64, 128, 64, 4, 2, 2, T>>;
-  using Bwd = Variants<typename KernelConfig<64, T>::Bwd, BwdTraits<64, 64, 128, 8, 1, 2, 2, T>>;
+  using Bwd = Variants<typename KernelConfig<64, T>::Bwd, BwdTraits<64, 32, 128, 4, 1, 2, 1, T, false>>;
 };
 template <typename T> struct TuneVariants<128, T> {
   using Fwd = Variants<typename KernelConfig<128, T>::Fwd, FwdTraits<128, 128, 64, 4, 2, 1, T>>;
-  using Bwd = Variants<typename KernelConfig<128, T>::Bwd, BwdTraits<128, 64, 128, 8, 1, 2, 1, T>,
-                       BwdTraits<128, 64, 64, 4, 1, 2, 2, T>>;
+  using Bwd = Variants<typename KernelConfig<128, T>::Bwd, BwdTraits<128, 64, 128, 8, 1, 2, 2, T, false>>;
 };
 
 }  // namespace flashattn

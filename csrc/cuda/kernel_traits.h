@@ -51,9 +51,10 @@ struct FwdTraits {
 // CTAs that each recompute S and dP: it keeps the dK/dV accumulators of large
 // head dims inside the register file.
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kDSplit_, int kQStages_, int kSWarpsQ_,
-          typename Element_>
+          typename Element_, bool kRotate_ = true>
 struct BwdTraits {
   using Element = Element_;
+  static constexpr bool kRotate = kRotate_;  // stagger the query sweeps of a head's key blocks
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
