@@ -36,12 +36,12 @@ template <typename T> struct KernelConfig<128, T> {
   using BwdDq = BwdDqTraits<128, 64, 64, 4, T>;
 };
 template <typename T> struct KernelConfig<192, T> {
-  using Fwd = FwdTraits<192, 128, 64, 8, 1, 2, T>;
+  using Fwd = FwdTraits<192, 128, 64, 8, 1, 1, T>;
   using Bwd = BwdTraits<192, 64, 64, 8, 1, 2, 4, T>;  // 2-D: dK/dV tiles of 32 keys x 48 columns a warp
   using BwdDq = BwdDqTraits<192, 64, 64, 4, T>;
 };
 template <typename T> struct KernelConfig<256, T> {
-  using Fwd = FwdTraits<256, 128, 64, 8, 1, 2, T>;
+  using Fwd = FwdTraits<256, 128, 64, 8, 1, 1, T>;
   using Bwd = BwdTraits<256, 64, 64, 8, 1, 1, 4, T>;  // 2-D: dK/dV tiles of 32 keys x 64 columns a warp
   using BwdDq = BwdDqTraits<256, 64, 64, 4, T>;
 };
