@@ -144,9 +144,10 @@ void recompute_block(const AttnBwdParams& p, const AttnMask& mask, const HeadVie
 template <typename scalar_t, typename acc_t>
 void load_query_tile_transposed(const AttnBwdParams& p, const HeadView<scalar_t, acc_t>& head, int64_t q0, int rows,
                                 BwdScratch<acc_t>& scratch) {
-  load_tile_transposed(head.q + q0 * p.q_row_stride, p.q_row_stride, rows, p.head_dim, scratch.q_t.get(), kBlockQ);
-  load_tile_transposed(head.dout + q0 * p.do_row_stride, p.do_row_stride, rows, p.head_dim, scratch.do_t.get(),
+  load_tile_transposed(head.q + q0 * p.q_row_stride, p.q_row_stride, rows, p.head_dim, acc_t(1), scratch.q_t.get(),
                        kBlockQ);
+  load_tile_transposed(head.dout + q0 * p.do_row_stride, p.do_row_stride, rows, p.head_dim, acc_t(1),
+                       scratch.do_t.get(), kBlockQ);
 }
 
 // Pass 1: dK, dV of one key tile of one (batch, kv-head).
@@ -212,13 +213,15 @@ void dq_query_tile(const AttnBwdParams& p, const AttnMask& mask, const RowStats<
       const Operand<acc_t> v_op = as_operand(head.v + k0 * p.v_row_stride, p.v_row_stride, cols, d, scratch.v.get(), d);
       recompute_block(p, mask, head, k0, cols, q0, rows, k_op, v_op, scratch);
       // dQ^T += K^T dS^T                                                   d x rows
-      load_tile_transposed(head.k + k0 * p.k_row_stride, p.k_row_stride, cols, d, scratch.k_t.get(), kBlockK);
+      load_tile_transposed(head.k + k0 * p.k_row_stride, p.k_row_stride, cols, d, acc_t(1), scratch.k_t.get(),
+                           kBlockK);
       gemm_nn(d, rows, cols, scratch.k_t.get(), kBlockK, scratch.dp_t.get(), kBlockQ, dq_t_acc, kBlockQ, true);
     }
   }
 
   scalar_t* dq = static_cast<scalar_t*>(p.dq_ptr) + b * p.dq_batch_stride + q0 * p.dq_row_stride + h * p.dq_head_stride;
-  store_tile_transposed(dq_t_acc, kBlockQ, rows, d, static_cast<acc_t>(p.softmax_scale), dq, p.dq_row_stride);
+  store_tile_transposed(dq_t_acc, kBlockQ, rows, d, static_cast<acc_t>(p.softmax_scale), /*row_scale=*/static_cast<const acc_t*>(nullptr), dq,
+                        p.dq_row_stride);
 }
 
 template <typename scalar_t>

@@ -8,6 +8,11 @@
 // the accumulation type live in per-thread scratch buffers; tiles in the
 // input dtype are views of q, k, v, o, dout, dq, dk, dv.
 //
+// Score tiles are key-major in both passes (row = key, column = query), so
+// that every per-query statistic (running max, running sum, lse, dsum) is a
+// vector along the rows and all the arithmetic is vertical: no horizontal
+// reduction inside a row, which costs more than the row itself on short rows.
+//
 // Instantiated (tile_ops.cpp) for (scalar_t, acc_t) in
 //   (float, float), (c10::BFloat16, float), (c10::Half, float), (double, double).
 #pragma once
@@ -18,55 +23,51 @@
 namespace flashattn {
 namespace cpu {
 
-// dst[r][c] = src[r][c]                          dst: rows x cols
+// dst[r][c] = src[r][c]                                  dst: rows x cols
 template <typename scalar_t, typename acc_t>
 void load_tile(const scalar_t* src, int64_t src_ld, int rows, int cols, acc_t* dst, int64_t dst_ld);
 
-// dst[c][r] = src[r][c]                          dst: cols x rows
+// dst[c][r] = scale * src[r][c]                          dst: cols x rows
 template <typename scalar_t, typename acc_t>
-void load_tile_transposed(const scalar_t* src, int64_t src_ld, int rows, int cols, acc_t* dst, int64_t dst_ld);
+void load_tile_transposed(const scalar_t* src, int64_t src_ld, int rows, int cols, acc_t scale, acc_t* dst,
+                          int64_t dst_ld);
 
-// dst[r][c] = scale * src[r][c]                  src, dst: rows x cols
+// dst[r][c] = scale * src[r][c]                          src, dst: rows x cols
 template <typename acc_t, typename scalar_t>
 void store_tile(const acc_t* src, int64_t src_ld, int rows, int cols, acc_t scale, scalar_t* dst, int64_t dst_ld);
 
-// dst[r][c] = row_scale[r] * src[r][c]           src, dst: rows x cols
+// dst[r][c] = scale * row_scale[r] * src[c][r]           src: cols x rows, dst: rows x cols
+// (row_scale may be nullptr: all ones)
 template <typename acc_t, typename scalar_t>
-void store_tile_row_scaled(const acc_t* src, int64_t src_ld, int rows, int cols, const acc_t* row_scale,
+void store_tile_transposed(const acc_t* src, int64_t src_ld, int rows, int cols, acc_t scale, const acc_t* row_scale,
                            scalar_t* dst, int64_t dst_ld);
 
-// dst[r][c] = scale * src[c][r]                  src: cols x rows, dst: rows x cols
-template <typename acc_t, typename scalar_t>
-void store_tile_transposed(const acc_t* src, int64_t src_ld, int rows, int cols, acc_t scale, scalar_t* dst,
-                           int64_t dst_ld);
-
-// out[r] = sum_c a[r][c] * b[r][c], in acc_t    a, b: rows x cols
+// out[r] = sum_c a[r][c] * b[r][c], in acc_t            a, b: rows x cols
 template <typename scalar_t, typename acc_t>
 void row_dot(const scalar_t* a, int64_t a_ld, const scalar_t* b, int64_t b_ld, int rows, int cols, acc_t* out);
 
-// One step of the online softmax: a block of query rows meets one key tile.
-//   scores   rows x cols, in: the raw products q.k; out: P = exp(scale * s - m_new),
-//            0 outside each row's visible keys
-//   key_lo, key_hi  per row, the visible keys [lo, hi) in tile coordinates;
-//            nullptr when the whole tile is visible
-//   row_max  rows, running max m of the scaled scores (-inf before any key)
-//   row_sum  rows, running sum l of exp(scale * s - m)
-//   o_acc    rows x head_dim, unnormalized output, rescaled by exp(m_old - m_new)
-// A row that sees no key of this tile, nor of the tiles before, keeps m = -inf,
-// l = 0 and gets a zero P row (no exp(-inf - (-inf)) anywhere).
+// One step of the forward's online softmax: a key tile meets a query block.
+//   s_t       keys x queries, in: scaled scores; out: P^T = exp(s - m_new),
+//             0 where masked
+//   query_lo, query_hi  per key, the queries [lo, hi) that see it, in block
+//             coordinates; nullptr when every query sees every key
+//   row_max   per query, running max m of the scores (-inf before any key)
+//   row_sum   per query, running sum l of exp(s - m)
+//   o_t       head_dim x queries, unnormalized O^T, rescaled by exp(m_old - m_new)
+//   work      3 * queries elements of scratch
+// A query that has seen no key yet keeps m = -inf, l = 0, O = 0 and gets a
+// zero column of P: the exponent shift of such a column is 0, never -inf, so
+// no exp(-inf - (-inf)) = NaN can arise.
 template <typename acc_t>
-void online_softmax_step(acc_t* scores, int64_t ld, int rows, int cols, acc_t scale, const int* key_lo,
-                         const int* key_hi, acc_t* row_max, acc_t* row_sum, acc_t* o_acc, int64_t o_ld,
-                         int head_dim);
+void online_softmax_step(acc_t* s_t, int64_t ld, int keys, int queries, const int* query_lo, const int* query_hi,
+                         acc_t* row_max, acc_t* row_sum, acc_t* o_t, int64_t o_ld, int head_dim, acc_t* work);
 
-// The backward's element-wise step on a key-major block (row j = key, column
-// i = query):
-//   s_t   keys x queries, in: raw products k.q; out: P^T = exp(scale * s - lse[i])
-//   dp_t  keys x queries, in: dP^T = v.do;      out: dS^T = P^T * (dP^T - dsum[i])
+// The backward's element-wise step, key-major:
+//   s_t    keys x queries, in: raw products k.q; out: P^T = exp(scale * s - lse[i])
+//   dp_t   keys x queries, in: dP^T = v.do;      out: dS^T = P^T * (dP^T - dsum[i])
 //   neg_lse  per query, -lse; -inf for a row that saw no key, so that its P is 0
 //   dsum     per query, rowsum(dO * O)
-//   query_lo, query_hi  per key, the queries [lo, hi) that see it, in tile
-//            coordinates; nullptr when the whole block is visible
+//   query_lo, query_hi  as above
 // Masked entries get P = dS = 0.
 template <typename acc_t>
 void probs_and_dscores_t(acc_t* s_t, acc_t* dp_t, int64_t ld, int keys, int queries, acc_t scale,
