@@ -11,7 +11,8 @@ so that the ratios survive a noisy (shared) machine:
 
 Modes: fwd (forward only, no autograd) and fwd+bwd (forward and backward of a
 random output gradient). Figures are medians over --reps runs after warm-up;
-torch's default thread count is used.
+the implementations take turns within each repetition; torch's default
+thread count is used.
 """
 
 import argparse
@@ -59,18 +60,7 @@ def make_inputs(layout, b, h, n, d, dtype, requires_grad):
     return [torch.randn(shape, dtype=dtype).requires_grad_(requires_grad) for _ in range(3)]
 
 
-def time_ms(fn, warmup, reps):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def bench_one(impl, mode, dtype, b, h, n, d, causal, warmup, reps):
+def make_step(impl, mode, dtype, b, h, n, d, causal):
     fn, layout = IMPLS[impl]
     training = mode == "fwd+bwd"
     q, k, v = make_inputs(layout, b, h, n, d, dtype, training)
@@ -88,7 +78,23 @@ def bench_one(impl, mode, dtype, b, h, n, d, causal, warmup, reps):
             with torch.no_grad():
                 fn(q, k, v, causal)
 
-    return time_ms(step, warmup, reps)
+    return step
+
+
+def bench_config(impls, mode, dtype, b, h, n, d, causal, warmup, reps):
+    """Median ms per implementation. The implementations take turns within
+    each repetition, so that a change of load on a shared machine hits all."""
+    steps = {impl: make_step(impl, mode, dtype, b, h, n, d, causal) for impl in impls}
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    times = {impl: [] for impl in impls}
+    for _ in range(reps):
+        for impl, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[impl].append((time.perf_counter() - t0) * 1e3)
+    return {impl: statistics.median(t) for impl, t in times.items()}
 
 
 def main(argv=None):
@@ -122,9 +128,8 @@ def main(argv=None):
         for dtype_name in args.dtypes.split(","):
             for causal in (False, True):
                 for n in seqlens:
-                    ms = {}
+                    ms = bench_config(impls, mode, DTYPES[dtype_name], b, h, n, d, causal, args.warmup, args.reps)
                     for impl in impls:
-                        ms[impl] = bench_one(impl, mode, DTYPES[dtype_name], b, h, n, d, causal, args.warmup, args.reps)
                         rows.append(dict(impl=impl, mode=mode, dtype=dtype_name, d=d, n=n, b=b, h=h, causal=causal,
                                          ms=ms[impl]))
                     line = f"{mode:8} {dtype_name:9} {str(causal):6} {n:5d} " + " ".join(f"{ms[i]:10.2f}" for i in impls)

@@ -263,8 +263,9 @@ def test_large_logits(seed, dtype):
 # ---------------------------------------------------------------------------
 # Determinism and the autograd path.
 
-def test_deterministic_and_thread_invariant(seed):
-    q, k, v, dout = make_inputs(2, 300, 260, 6, 2, 64, torch.float32)
+@pytest.mark.parametrize("seqlen", [300, 40])
+def test_deterministic_and_thread_invariant(seed, seqlen):
+    q, k, v, dout = make_inputs(2, seqlen, seqlen - 40 + 1, 6, 2, 64, torch.float32)
     args = (0.125, -1, 0, True, True)
     threads = torch.get_num_threads()
     results = []

@@ -55,5 +55,17 @@ class ScratchArray {
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Rows per query block: `largest`, halved down to `smallest` while the blocks
+// of all (batch, head) pairs would be fewer than 32 items, so that a small
+// problem still spreads over the threads. It depends on the shape only, not
+// on the thread count, which keeps results bitwise identical across thread
+// counts (the block size can change the GEMMs' rounding).
+inline int query_block_size(int64_t batch_heads, int64_t seqlen_q, int largest, int smallest) {
+  constexpr int64_t kWantedItems = 32;
+  int block = largest;
+  while (block > smallest && batch_heads * ceil_div(seqlen_q, block) < kWantedItems) block /= 2;
+  return block;
+}
+
 }  // namespace cpu
 }  // namespace flashattn
