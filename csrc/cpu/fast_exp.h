@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "simd_clones.h"
+
 namespace flashattn {
 namespace cpu {
 
@@ -16,7 +18,7 @@ namespace cpu {
 // Arguments below -87.3 (-inf included) give exactly 0, the value a masked or
 // vanishing probability must have; the results they would otherwise produce
 // (< 1.2e-38) cannot change a softmax sum that includes exp(0) = 1.
-inline float exp_approx(float x) {
+FLASHATTN_INLINE float exp_approx(float x) {
   constexpr float kMinArg = -87.3f, kMaxArg = 88.3f;
   const float xc = x < kMinArg ? kMinArg : (x > kMaxArg ? kMaxArg : x);
   // Round to nearest by adding and subtracting 1.5 * 2^23.
@@ -38,8 +40,32 @@ inline float exp_approx(float x) {
   return x < kMinArg ? 0.f : y;
 }
 
-// double: libm. The float64 path is for accuracy, not speed.
-inline double exp_approx(double x) { return std::exp(x); }
+// exp(x) for double, the same way with Cephes' exp Pade approximant
+// (1 + 2 r P(r^2) / (Q(r^2) - r P(r^2)), about 1 ulp on |r| <= ln(2)/2).
+// Arguments below -708 give 0 (exp(-708) ~ 3e-308). n is read back from the
+// bits of the rounding sum, which keeps every step vectorizable on AVX2.
+FLASHATTN_INLINE double exp_approx(double x) {
+  constexpr double kMinArg = -708.0, kMaxArg = 709.0;
+  const double xc = x < kMinArg ? kMinArg : (x > kMaxArg ? kMaxArg : x);
+  // Adding 1.5 * 2^52 rounds to an integer, which lands in the low mantissa bits.
+  constexpr double kRound = 6755399441055744.0;
+  constexpr int64_t kRoundBits = 0x4338000000000000LL;
+  const double t = xc * 1.4426950408889634074 + kRound;
+  const double n = t - kRound;
+  double r = xc - n * 6.93145751953125e-1;
+  r = r - n * 1.42860682030941723212e-6;
+  const double rr = r * r;
+  const double p = r * ((1.26177193074810590878e-4 * rr + 3.02994407707441961300e-2) * rr + 9.99999999999999999910e-1);
+  const double q =
+      ((3.00198505138664455042e-6 * rr + 2.52448340349684104192e-3) * rr + 2.27265548208155028766e-1) * rr + 2.0;
+  const double e = 1.0 + 2.0 * (p / (q - p));
+  int64_t t_bits;
+  std::memcpy(&t_bits, &t, sizeof(t));
+  const int64_t two_to_n_bits = (t_bits - kRoundBits + 1023) << 52;  // 2^n, n in [-1022, 1023]
+  double two_to_n;
+  std::memcpy(&two_to_n, &two_to_n_bits, sizeof(double));
+  return x < kMinArg ? 0.0 : e * two_to_n;
+}
 
 }  // namespace cpu
 }  // namespace flashattn

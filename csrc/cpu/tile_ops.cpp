@@ -17,7 +17,7 @@ namespace cpu {
 namespace {
 
 template <typename T>
-inline void fill(T* x, int n, T value) {
+FLASHATTN_INLINE void fill(T* x, int n, T value) {
   for (int i = 0; i < n; ++i) x[i] = value;
 }
 
@@ -30,13 +30,13 @@ typedef int32_t Vec8i __attribute__((vector_size(32)));
 typedef uint32_t Vec8u32 __attribute__((vector_size(32)));
 typedef uint16_t Vec8u16 __attribute__((vector_size(16)));
 
-inline Vec8f load8(const float* p) {
+FLASHATTN_INLINE Vec8f load8(const float* p) {
   Vec8f v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-inline Vec8f load8(const c10::BFloat16* p) {
+FLASHATTN_INLINE Vec8f load8(const c10::BFloat16* p) {
   // A bfloat16 is the upper half of a float32.
   Vec8u16 bits;
   std::memcpy(&bits, p, sizeof(bits));
@@ -46,15 +46,15 @@ inline Vec8f load8(const c10::BFloat16* p) {
   return v;
 }
 
-inline Vec8f load8(const c10::Half* p) {
+FLASHATTN_INLINE Vec8f load8(const c10::Half* p) {
   float tmp[8];
   for (int i = 0; i < 8; ++i) tmp[i] = static_cast<float>(p[i]);
   return load8(tmp);
 }
 
-inline void store8(float* p, Vec8f v) { std::memcpy(p, &v, sizeof(v)); }
+FLASHATTN_INLINE void store8(float* p, Vec8f v) { std::memcpy(p, &v, sizeof(v)); }
 
-inline void store8(c10::BFloat16* p, Vec8f v) {
+FLASHATTN_INLINE void store8(c10::BFloat16* p, Vec8f v) {
   // Round to nearest even, NaN to the canonical quiet NaN: c10's rule.
   Vec8u32 bits;
   std::memcpy(&bits, &v, sizeof(bits));
@@ -64,12 +64,12 @@ inline void store8(c10::BFloat16* p, Vec8f v) {
   std::memcpy(p, &narrow, sizeof(narrow));
 }
 
-inline void store8(c10::Half* p, Vec8f v) {
+FLASHATTN_INLINE void store8(c10::Half* p, Vec8f v) {
   for (int i = 0; i < 8; ++i) p[i] = static_cast<c10::Half>(v[i]);
 }
 
 // In place: row i of r becomes column i.
-inline void transpose8x8(Vec8f r[8]) {
+FLASHATTN_INLINE void transpose8x8(Vec8f r[8]) {
   Vec8f t[8], u[8];
   for (int i = 0; i < 8; i += 2) {  // interleave row pairs within 128-bit lanes
     t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
@@ -97,7 +97,7 @@ template <typename acc_t>
 constexpr int kLanes = 64 / sizeof(acc_t);
 
 template <int W, typename acc_t>
-inline acc_t fold_sum(acc_t* lane) {
+FLASHATTN_INLINE acc_t fold_sum(acc_t* lane) {
   for (int half = W / 2; half >= 1; half /= 2)
     for (int l = 0; l < half; ++l) lane[l] += lane[l + half];
   return lane[0];
