@@ -34,9 +34,7 @@ struct AttnMask {
   static int64_t clamp(int64_t x, int64_t hi) { return std::min(std::max<int64_t>(x, 0), hi); }
 
   // Keys visible from query i: [key_begin(i), key_end(i)), possibly empty.
-  int64_t key_begin(int64_t i) const {
-    return window_left < 0 ? 0 : clamp(i + diag_offset - window_left, seqlen_k);
-  }
+  int64_t key_begin(int64_t i) const { return window_left < 0 ? 0 : clamp(i + diag_offset - window_left, seqlen_k); }
   int64_t key_end(int64_t i) const {
     return window_right < 0 ? seqlen_k : clamp(i + diag_offset + window_right + 1, seqlen_k);
   }

@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -119,8 +120,8 @@ HeadView<scalar_t, acc_t> head_view(const AttnBwdParams& p, const RowStats<acc_t
 // (cols x d) and the query tile transposed in scratch.q_t, scratch.do_t
 // (d x rows), leaves P^T in scratch.s_t and dS^T in scratch.dp_t (cols x rows).
 template <typename scalar_t, typename acc_t>
-void recompute_block(const AttnBwdParams& p, const AttnMask& mask, const HeadView<scalar_t, acc_t>& head,
-                     int64_t k0, int cols, int64_t q0, int rows, Operand<acc_t> k_op, Operand<acc_t> v_op,
+void recompute_block(const AttnBwdParams& p, const AttnMask& mask, const HeadView<scalar_t, acc_t>& head, int64_t k0,
+                     int cols, int64_t q0, int rows, Operand<acc_t> k_op, Operand<acc_t> v_op,
                      BwdScratch<acc_t>& scratch) {
   const int d = p.head_dim;
   acc_t* s_t = scratch.s_t.get();
@@ -154,8 +155,8 @@ void load_query_tile_transposed(const AttnBwdParams& p, const HeadView<scalar_t,
 
 // Pass 1: dK, dV of one key tile of one (batch, kv-head).
 template <typename scalar_t, typename acc_t>
-void dkdv_key_tile(const AttnBwdParams& p, const AttnMask& mask, const RowStats<acc_t>& stats, int64_t b,
-                   int64_t h_kv, int64_t k_tile, BwdScratch<acc_t>& scratch) {
+void dkdv_key_tile(const AttnBwdParams& p, const AttnMask& mask, const RowStats<acc_t>& stats, int64_t b, int64_t h_kv,
+                   int64_t k_tile, BwdScratch<acc_t>& scratch) {
   const int d = p.head_dim;
   const int64_t k0 = k_tile * kBlockK;
   const int cols = static_cast<int>(std::min<int64_t>(kBlockK, p.seqlen_k - k0));
@@ -181,15 +182,18 @@ void dkdv_key_tile(const AttnBwdParams& p, const AttnMask& mask, const RowStats<
         // dV += P^T dO,  dK += dS^T Q                                       cols x d
         const Operand<acc_t> do_op =
             as_operand(head.dout + q0 * p.do_row_stride, p.do_row_stride, rows, d, scratch.dout.get(), d);
-        const Operand<acc_t> q_op = as_operand(head.q + q0 * p.q_row_stride, p.q_row_stride, rows, d, scratch.q.get(), d);
+        const Operand<acc_t> q_op =
+            as_operand(head.q + q0 * p.q_row_stride, p.q_row_stride, rows, d, scratch.q.get(), d);
         gemm_nn(cols, d, rows, scratch.s_t.get(), kBlockQ, do_op.ptr, do_op.ld, dv_acc, d, true);
         gemm_nn(cols, d, rows, scratch.dp_t.get(), kBlockQ, q_op.ptr, q_op.ld, dk_acc, d, true);
       }
     }
   }
 
-  scalar_t* dk = static_cast<scalar_t*>(p.dk_ptr) + b * p.dk_batch_stride + k0 * p.dk_row_stride + h_kv * p.dk_head_stride;
-  scalar_t* dv = static_cast<scalar_t*>(p.dv_ptr) + b * p.dv_batch_stride + k0 * p.dv_row_stride + h_kv * p.dv_head_stride;
+  scalar_t* dk =
+      static_cast<scalar_t*>(p.dk_ptr) + b * p.dk_batch_stride + k0 * p.dk_row_stride + h_kv * p.dk_head_stride;
+  scalar_t* dv =
+      static_cast<scalar_t*>(p.dv_ptr) + b * p.dv_batch_stride + k0 * p.dv_row_stride + h_kv * p.dv_head_stride;
   store_tile(dk_acc, d, cols, d, static_cast<acc_t>(p.softmax_scale), dk, p.dk_row_stride);
   store_tile(dv_acc, d, cols, d, acc_t(1), dv, p.dv_row_stride);
 }
@@ -215,14 +219,14 @@ void dq_query_tile(const AttnBwdParams& p, const AttnMask& mask, const RowStats<
       const Operand<acc_t> v_op = as_operand(head.v + k0 * p.v_row_stride, p.v_row_stride, cols, d, scratch.v.get(), d);
       recompute_block(p, mask, head, k0, cols, q0, rows, k_op, v_op, scratch);
       // dQ^T += K^T dS^T                                                   d x rows
-      load_tile_transposed(head.k + k0 * p.k_row_stride, p.k_row_stride, cols, d, acc_t(1), scratch.k_t.get(),
-                           kBlockK);
+      load_tile_transposed(head.k + k0 * p.k_row_stride, p.k_row_stride, cols, d, acc_t(1), scratch.k_t.get(), kBlockK);
       gemm_nn(d, rows, cols, scratch.k_t.get(), kBlockK, scratch.dp_t.get(), kBlockQ, dq_t_acc, kBlockQ, true);
     }
   }
 
   scalar_t* dq = static_cast<scalar_t*>(p.dq_ptr) + b * p.dq_batch_stride + q0 * p.dq_row_stride + h * p.dq_head_stride;
-  store_tile_transposed(dq_t_acc, kBlockQ, rows, d, static_cast<acc_t>(p.softmax_scale), /*row_scale=*/static_cast<const acc_t*>(nullptr), dq,
+  const acc_t* no_row_scale = nullptr;
+  store_tile_transposed(dq_t_acc, kBlockQ, rows, d, static_cast<acc_t>(p.softmax_scale), no_row_scale, dq,
                         p.dq_row_stride);
 }
 
@@ -234,20 +238,25 @@ void bwd(const AttnBwdParams& p) {
 
   // Pass 0: neg_lse and dsum for every query row, in the layout of lse.
   // O(batch * heads * seqlen) numbers, the only buffer beyond per-thread tiles.
+  constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
   std::vector<acc_t> neg_lse(num_rows), dsum(num_rows);
   const acc_t* lse = static_cast<const acc_t*>(p.lse_ptr);
   const int64_t q_tiles = ceil_div(p.seqlen_q, kBlockQ);
   for_each_item_in_parallel(
-      static_cast<int64_t>(p.batch) * p.heads_q * q_tiles, [] { return 0; },
-      [&](int64_t item, int&) {
+      static_cast<int64_t>(p.batch) * p.heads_q * q_tiles, /*make_scratch=*/[] { return 0; },
+      [&](int64_t item, int& /*no scratch*/) {
         const int64_t bh = item / q_tiles, b = bh / p.heads_q, h = bh % p.heads_q;
         const int64_t q0 = item % q_tiles * kBlockQ;
         const int rows = static_cast<int>(std::min<int64_t>(kBlockQ, p.seqlen_q - q0));
         const int64_t row0 = bh * p.seqlen_q + q0;
-        const scalar_t* dout = static_cast<const scalar_t*>(p.do_ptr) + b * p.do_batch_stride + q0 * p.do_row_stride + h * p.do_head_stride;
-        const scalar_t* out = static_cast<const scalar_t*>(p.o_ptr) + b * p.o_batch_stride + q0 * p.o_row_stride + h * p.o_head_stride;
+        const scalar_t* dout = static_cast<const scalar_t*>(p.do_ptr) + b * p.do_batch_stride + q0 * p.do_row_stride +
+                               h * p.do_head_stride;
+        const scalar_t* out =
+            static_cast<const scalar_t*>(p.o_ptr) + b * p.o_batch_stride + q0 * p.o_row_stride + h * p.o_head_stride;
         row_dot(dout, p.do_row_stride, out, p.o_row_stride, rows, p.head_dim, dsum.data() + row0);
-        for (int r = 0; r < rows; ++r) neg_lse[row0 + r] = -lse[row0 + r];
+        // A row without keys has lse = -inf; its exponent offset must be -inf
+        // too (not +inf), so that P = exp(-inf) = 0 even where no mask says so.
+        for (int r = 0; r < rows; ++r) neg_lse[row0 + r] = lse[row0 + r] == kNegInf ? kNegInf : -lse[row0 + r];
       });
   const RowStats<acc_t> stats{neg_lse.data(), dsum.data()};
 
@@ -276,10 +285,14 @@ void bwd(const AttnBwdParams& p) {
 
 void run_bwd_cpu(const AttnBwdParams& params) {
   switch (params.dtype) {
-    case ScalarKind::kFloat32: return cpu::bwd<float>(params);
-    case ScalarKind::kFloat64: return cpu::bwd<double>(params);
-    case ScalarKind::kBFloat16: return cpu::bwd<c10::BFloat16>(params);
-    case ScalarKind::kFloat16: return cpu::bwd<c10::Half>(params);
+    case ScalarKind::kFloat32:
+      return cpu::bwd<float>(params);
+    case ScalarKind::kFloat64:
+      return cpu::bwd<double>(params);
+    case ScalarKind::kBFloat16:
+      return cpu::bwd<c10::BFloat16>(params);
+    case ScalarKind::kFloat16:
+      return cpu::bwd<c10::Half>(params);
   }
   TORCH_CHECK(false, "flashattn_ext: unknown dtype in the CPU backward");
 }

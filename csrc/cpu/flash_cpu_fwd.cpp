@@ -87,7 +87,8 @@ void fwd_query_block(const AttnFwdParams& p, const AttnMask& mask, int64_t b, in
   const int rows = static_cast<int>(std::min<int64_t>(block_q, p.seqlen_q - q0));
   const int64_t h_kv = h / p.heads_ratio();  // GQA: q-heads share k/v heads in groups, read in place
 
-  const scalar_t* q = static_cast<const scalar_t*>(p.q_ptr) + b * p.q_batch_stride + q0 * p.q_row_stride + h * p.q_head_stride;
+  const scalar_t* q =
+      static_cast<const scalar_t*>(p.q_ptr) + b * p.q_batch_stride + q0 * p.q_row_stride + h * p.q_head_stride;
   const scalar_t* k = static_cast<const scalar_t*>(p.k_ptr) + b * p.k_batch_stride + h_kv * p.k_head_stride;
   const scalar_t* v = static_cast<const scalar_t*>(p.v_ptr) + b * p.v_batch_stride + h_kv * p.v_head_stride;
   scalar_t* o = static_cast<scalar_t*>(p.o_ptr) + b * p.o_batch_stride + q0 * p.o_row_stride + h * p.o_head_stride;
@@ -169,10 +170,14 @@ void fwd(const AttnFwdParams& p) {
 
 void run_fwd_cpu(const AttnFwdParams& params) {
   switch (params.dtype) {
-    case ScalarKind::kFloat32: return cpu::fwd<float>(params);
-    case ScalarKind::kFloat64: return cpu::fwd<double>(params);
-    case ScalarKind::kBFloat16: return cpu::fwd<c10::BFloat16>(params);
-    case ScalarKind::kFloat16: return cpu::fwd<c10::Half>(params);
+    case ScalarKind::kFloat32:
+      return cpu::fwd<float>(params);
+    case ScalarKind::kFloat64:
+      return cpu::fwd<double>(params);
+    case ScalarKind::kBFloat16:
+      return cpu::fwd<c10::BFloat16>(params);
+    case ScalarKind::kFloat16:
+      return cpu::fwd<c10::Half>(params);
   }
   TORCH_CHECK(false, "flashattn_ext: unknown dtype in the CPU forward");
 }

@@ -11,7 +11,21 @@
 // FLASHATTN_INLINE, forced inline, since a helper the compiler chose to leave
 // out of line would run the baseline code. Elsewhere both expand to (almost)
 // nothing.
+//
+// FLASHATTN_VECTOR_EXT: 1 where GCC-style vector types with
+// __builtin_shufflevector / __builtin_convertvector exist (GCC 12+, Clang);
+// the 8 x 8 transposes and the double GEMM block use them, with scalar loops
+// as the fallback elsewhere (e.g. MSVC). -DFLASHATTN_VECTOR_EXT=0 forces the
+// fallback, to test it.
 #pragma once
+
+#ifndef FLASHATTN_VECTOR_EXT
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define FLASHATTN_VECTOR_EXT 1
+#else
+#define FLASHATTN_VECTOR_EXT 0
+#endif
+#endif
 
 #if defined(__GNUC__)
 #define FLASHATTN_INLINE inline __attribute__((always_inline))

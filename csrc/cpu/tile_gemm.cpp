@@ -25,9 +25,11 @@ namespace {
 // outputs held in registers (8 AVX-512 vectors) while the k loop streams one
 // row of B and one column of A through them. GCC vector extensions keep the
 // block in registers in every clone; ragged edges take a scalar loop.
-typedef double Vec8d __attribute__((vector_size(64)));
 constexpr int kRows = 4;
 constexpr int kCols = 16;
+
+#if FLASHATTN_VECTOR_EXT
+typedef double Vec8d __attribute__((vector_size(64)));
 
 FLASHATTN_INLINE Vec8d load8(const double* p) {
   Vec8d v;
@@ -38,7 +40,7 @@ FLASHATTN_INLINE Vec8d load8(const double* p) {
 FLASHATTN_INLINE void store8(double* p, Vec8d v) { std::memcpy(p, &v, sizeof(v)); }
 
 FLASHATTN_INLINE void gemm_block_full(int64_t k, const double* a, int64_t lda, const double* b, int64_t ldb, double* c,
-                            int64_t ldc, bool accumulate) {
+                                      int64_t ldc, bool accumulate) {
   Vec8d acc[kRows][2];
   for (int r = 0; r < kRows; ++r) {
     acc[r][0] = accumulate ? load8(c + r * ldc) : Vec8d{};
@@ -58,8 +60,10 @@ FLASHATTN_INLINE void gemm_block_full(int64_t k, const double* a, int64_t lda, c
   }
 }
 
-FLASHATTN_INLINE void gemm_block_edge(int64_t rows, int64_t cols, int64_t k, const double* a, int64_t lda, const double* b,
-                            int64_t ldb, double* c, int64_t ldc, bool accumulate) {
+#endif  // FLASHATTN_VECTOR_EXT
+
+FLASHATTN_INLINE void gemm_block_edge(int64_t rows, int64_t cols, int64_t k, const double* a, int64_t lda,
+                                      const double* b, int64_t ldb, double* c, int64_t ldc, bool accumulate) {
   for (int64_t r = 0; r < rows; ++r) {
     double* c_row = c + r * ldc;
     if (!accumulate)
@@ -75,6 +79,7 @@ FLASHATTN_INLINE void gemm_block_edge(int64_t rows, int64_t cols, int64_t k, con
 FLASHATTN_SIMD_CLONES
 void gemm_nn_double(int64_t m, int64_t n, int64_t k, const double* a, int64_t lda, const double* b, int64_t ldb,
                     double* c, int64_t ldc, bool accumulate) {
+#if FLASHATTN_VECTOR_EXT
   const int64_t m_full = m / kRows * kRows, n_full = n / kCols * kCols;
   for (int64_t i = 0; i < m_full; i += kRows) {
     for (int64_t j = 0; j < n_full; j += kCols)
@@ -83,6 +88,9 @@ void gemm_nn_double(int64_t m, int64_t n, int64_t k, const double* a, int64_t ld
       gemm_block_edge(kRows, n - n_full, k, a + i * lda, lda, b + n_full, ldb, c + i * ldc + n_full, ldc, accumulate);
   }
   if (m_full < m) gemm_block_edge(m - m_full, n, k, a + m_full * lda, lda, b, ldb, c + m_full * ldc, ldc, accumulate);
+#else
+  gemm_block_edge(m, n, k, a, lda, b, ldb, c, ldc, accumulate);
+#endif
 }
 
 }  // namespace

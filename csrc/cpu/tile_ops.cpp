@@ -21,6 +21,7 @@ FLASHATTN_INLINE void fill(T* x, int n, T value) {
   for (int i = 0; i < n; ++i) x[i] = value;
 }
 
+#if FLASHATTN_VECTOR_EXT
 // ---------------------------------------------------------------------------
 // 8 x 8 float blocks in GCC vector extensions: the same source compiles to
 // AVX-512 / AVX2 shuffles in those clones and to SSE pairs in the baseline.
@@ -87,6 +88,8 @@ FLASHATTN_INLINE void transpose8x8(Vec8f r[8]) {
   }
 }
 
+#endif  // FLASHATTN_VECTOR_EXT
+
 // ---------------------------------------------------------------------------
 // Row reductions (row_dot only: the softmax steps reduce vertically) keep W
 // independent partial results, so that the inner loop vectorizes without
@@ -119,6 +122,7 @@ template <typename scalar_t, typename acc_t>
 FLASHATTN_SIMD_CLONES void load_tile_transposed(const scalar_t* src, int64_t src_ld, int rows, int cols, acc_t scale,
                                                 acc_t* dst, int64_t dst_ld) {
   int rows8 = 0, cols8 = 0;  // the part done in 8 x 8 blocks
+#if FLASHATTN_VECTOR_EXT
   if constexpr (std::is_same_v<acc_t, float>) {
     rows8 = rows / 8 * 8, cols8 = cols / 8 * 8;
     for (int r0 = 0; r0 < rows8; r0 += 8) {
@@ -130,6 +134,7 @@ FLASHATTN_SIMD_CLONES void load_tile_transposed(const scalar_t* src, int64_t src
       }
     }
   }
+#endif
   // The ragged right edge of the blocked rows, then the remaining rows.
   for (int c = cols8; c < cols; ++c)
     for (int r = 0; r < rows8; ++r) dst[c * dst_ld + r] = scale * static_cast<acc_t>(src[r * src_ld + c]);
@@ -138,8 +143,8 @@ FLASHATTN_SIMD_CLONES void load_tile_transposed(const scalar_t* src, int64_t src
 }
 
 template <typename acc_t, typename scalar_t>
-FLASHATTN_SIMD_CLONES void store_tile(const acc_t* src, int64_t src_ld, int rows, int cols, acc_t scale,
-                                      scalar_t* dst, int64_t dst_ld) {
+FLASHATTN_SIMD_CLONES void store_tile(const acc_t* src, int64_t src_ld, int rows, int cols, acc_t scale, scalar_t* dst,
+                                      int64_t dst_ld) {
   for (int r = 0; r < rows; ++r) {
     const acc_t* s = src + r * src_ld;
     scalar_t* d = dst + r * dst_ld;
@@ -152,6 +157,7 @@ FLASHATTN_SIMD_CLONES void store_tile_transposed(const acc_t* src, int64_t src_l
                                                  const acc_t* row_scale, scalar_t* dst, int64_t dst_ld) {
   auto factor = [&](int r) { return row_scale ? scale * row_scale[r] : scale; };
   int rows8 = 0, cols8 = 0;  // the part done in 8 x 8 blocks
+#if FLASHATTN_VECTOR_EXT
   if constexpr (std::is_same_v<acc_t, float>) {
     rows8 = rows / 8 * 8, cols8 = cols / 8 * 8;
     for (int r0 = 0; r0 < rows8; r0 += 8) {
@@ -163,6 +169,7 @@ FLASHATTN_SIMD_CLONES void store_tile_transposed(const acc_t* src, int64_t src_l
       }
     }
   }
+#endif
   for (int r = 0; r < rows8; ++r)
     for (int c = cols8; c < cols; ++c) dst[r * dst_ld + c] = static_cast<scalar_t>(factor(r) * src[c * src_ld + r]);
   for (int r = rows8; r < rows; ++r)
@@ -170,8 +177,8 @@ FLASHATTN_SIMD_CLONES void store_tile_transposed(const acc_t* src, int64_t src_l
 }
 
 template <typename scalar_t, typename acc_t>
-FLASHATTN_SIMD_CLONES void row_dot(const scalar_t* a, int64_t a_ld, const scalar_t* b, int64_t b_ld, int rows,
-                                   int cols, acc_t* out) {
+FLASHATTN_SIMD_CLONES void row_dot(const scalar_t* a, int64_t a_ld, const scalar_t* b, int64_t b_ld, int rows, int cols,
+                                   acc_t* out) {
   constexpr int W = kLanes<acc_t>;
   for (int r = 0; r < rows; ++r) {
     const scalar_t* x = a + r * a_ld;
@@ -190,8 +197,8 @@ FLASHATTN_SIMD_CLONES void online_softmax_step(acc_t* s_t, int64_t ld, int keys,
                                                const int* query_hi, acc_t* row_max, acc_t* row_sum, acc_t* o_t,
                                                int64_t o_ld, int head_dim, acc_t* work) {
   constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
-  acc_t* __restrict alpha = work;             // queries: tile max, then exp(m_old - m_new)
-  acc_t* __restrict shift = work + queries;   // queries: exponent shift, m_new or 0
+  acc_t* __restrict alpha = work;            // queries: tile max, then exp(m_old - m_new)
+  acc_t* __restrict shift = work + queries;  // queries: exponent shift, m_new or 0
   acc_t* __restrict tile_sum = work + 2 * queries;
 
   // Masked scores become -inf: they cannot raise the max and exp gives 0.
@@ -235,9 +242,9 @@ FLASHATTN_SIMD_CLONES void online_softmax_step(acc_t* s_t, int64_t ld, int keys,
 }
 
 template <typename acc_t>
-FLASHATTN_SIMD_CLONES void probs_and_dscores_t(acc_t* s_t, acc_t* dp_t, int64_t ld, int keys, int queries,
-                                               acc_t scale, const acc_t* neg_lse, const acc_t* dsum,
-                                               const int* query_lo, const int* query_hi) {
+FLASHATTN_SIMD_CLONES void probs_and_dscores_t(acc_t* s_t, acc_t* dp_t, int64_t ld, int keys, int queries, acc_t scale,
+                                               const acc_t* neg_lse, const acc_t* dsum, const int* query_lo,
+                                               const int* query_hi) {
   for (int j = 0; j < keys; ++j) {
     acc_t* __restrict p = s_t + j * ld;
     acc_t* __restrict ds = dp_t + j * ld;
@@ -257,13 +264,12 @@ FLASHATTN_SIMD_CLONES void probs_and_dscores_t(acc_t* s_t, acc_t* dp_t, int64_t 
 }
 
 // Instantiations.
-#define FLASHATTN_INSTANTIATE_IO(scalar_t, acc_t)                                                                 \
-  template void load_tile<scalar_t, acc_t>(const scalar_t*, int64_t, int, int, acc_t*, int64_t);                 \
-  template void load_tile_transposed<scalar_t, acc_t>(const scalar_t*, int64_t, int, int, acc_t, acc_t*,         \
-                                                      int64_t);                                                  \
-  template void store_tile<acc_t, scalar_t>(const acc_t*, int64_t, int, int, acc_t, scalar_t*, int64_t);         \
-  template void store_tile_transposed<acc_t, scalar_t>(const acc_t*, int64_t, int, int, acc_t, const acc_t*,     \
-                                                       scalar_t*, int64_t);                                      \
+#define FLASHATTN_INSTANTIATE_IO(scalar_t, acc_t)                                                                  \
+  template void load_tile<scalar_t, acc_t>(const scalar_t*, int64_t, int, int, acc_t*, int64_t);                   \
+  template void load_tile_transposed<scalar_t, acc_t>(const scalar_t*, int64_t, int, int, acc_t, acc_t*, int64_t); \
+  template void store_tile<acc_t, scalar_t>(const acc_t*, int64_t, int, int, acc_t, scalar_t*, int64_t);           \
+  template void store_tile_transposed<acc_t, scalar_t>(const acc_t*, int64_t, int, int, acc_t, const acc_t*,       \
+                                                       scalar_t*, int64_t);                                        \
   template void row_dot<scalar_t, acc_t>(const scalar_t*, int64_t, const scalar_t*, int64_t, int, int, acc_t*);
 
 FLASHATTN_INSTANTIATE_IO(float, float)
@@ -272,11 +278,11 @@ FLASHATTN_INSTANTIATE_IO(c10::Half, float)
 FLASHATTN_INSTANTIATE_IO(double, double)
 #undef FLASHATTN_INSTANTIATE_IO
 
-#define FLASHATTN_INSTANTIATE_MATH(acc_t)                                                                      \
-  template void online_softmax_step<acc_t>(acc_t*, int64_t, int, int, const int*, const int*, acc_t*, acc_t*, \
-                                           acc_t*, int64_t, int, acc_t*);                                     \
-  template void probs_and_dscores_t<acc_t>(acc_t*, acc_t*, int64_t, int, int, acc_t, const acc_t*,            \
-                                           const acc_t*, const int*, const int*);
+#define FLASHATTN_INSTANTIATE_MATH(acc_t)                                                                             \
+  template void online_softmax_step<acc_t>(acc_t*, int64_t, int, int, const int*, const int*, acc_t*, acc_t*, acc_t*, \
+                                           int64_t, int, acc_t*);                                                     \
+  template void probs_and_dscores_t<acc_t>(acc_t*, acc_t*, int64_t, int, int, acc_t, const acc_t*, const acc_t*,      \
+                                           const int*, const int*);
 
 FLASHATTN_INSTANTIATE_MATH(float)
 FLASHATTN_INSTANTIATE_MATH(double)

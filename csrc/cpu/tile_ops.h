@@ -70,8 +70,8 @@ void online_softmax_step(acc_t* s_t, int64_t ld, int keys, int queries, const in
 //   query_lo, query_hi  as above
 // Masked entries get P = dS = 0.
 template <typename acc_t>
-void probs_and_dscores_t(acc_t* s_t, acc_t* dp_t, int64_t ld, int keys, int queries, acc_t scale,
-                         const acc_t* neg_lse, const acc_t* dsum, const int* query_lo, const int* query_hi);
+void probs_and_dscores_t(acc_t* s_t, acc_t* dp_t, int64_t ld, int keys, int queries, acc_t scale, const acc_t* neg_lse,
+                         const acc_t* dsum, const int* query_lo, const int* query_hi);
 
 // A tile of a strided input as a GEMM operand in acc_t: the input itself when
 // it already is one (same type, rows at least `cols` apart, as the GEMM
