@@ -130,11 +130,11 @@ def make_inputs(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, n
 
 def run_case(seed, dtype, seqlen_q, seqlen_k, head_dim, heads_q=2, heads_kv=2, mask="none", batch=2,
              noncontiguous=False, logit_gain=1.0, check_grads=True):
-    window_left, window_right, bottom_right = MASKS[mask]
+    window_left, window_right, bottom_right = MASKS[mask] if isinstance(mask, str) else mask
     scale = f32_scale(head_dim)
     q, k, v, dout = make_inputs(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, noncontiguous,
                                 logit_gain)
-    if noncontiguous:
+    if noncontiguous and heads_q > 1 and seqlen_q > 1:  # (with one head or row the view is contiguous)
         assert not q.is_contiguous() and q.stride(-1) == 1
 
     out, lse = fwd_op(q, k, v, scale, window_left, window_right, bottom_right, False)
@@ -258,6 +258,40 @@ def test_large_logits(seed, dtype):
     # happens to get exactly 0 for a one-hot row; the comparison would then
     # measure that luck rather than the kernel.)
     run_case(seed, dtype, 113, 130, 64, mask="causal", logit_gain=100.0)
+
+
+def test_large_query_blocks(seed):
+    # Enough (batch, head, block) items for the forward's 128-query blocks
+    # (smaller problems get smaller blocks, see work_queue.h).
+    run_case(seed, torch.float32, 513, 257, 64, batch=2, heads_q=8, heads_kv=2, mask="causal_br")
+    run_case(seed, torch.bfloat16, 300, 700, 128, batch=2, heads_q=8, heads_kv=4, mask="window")
+
+
+# ---------------------------------------------------------------------------
+# Random configurations: a different set on every run (the seed is printed
+# on failure together with the case).
+
+@pytest.mark.parametrize("case", range(16))
+def test_random_config(seed, case):
+    rng = random.Random(seed * 1000 + case)
+    lengths = [1, 2, 7, 31, 63, 64, 65, 127, 128, 129, 200, 300]
+    heads_kv = rng.choice([1, 2, 3])
+    config = dict(
+        dtype=rng.choice(DTYPES),
+        seqlen_q=rng.choice(lengths),
+        seqlen_k=rng.choice(lengths),
+        head_dim=rng.choice([1, 3, 8, 16, 24, 32, 40, 48, 64, 72, 96, 112, 128, 160, 192, 256]),
+        heads_q=heads_kv * rng.choice([1, 2, 3]),
+        heads_kv=heads_kv,
+        # (window_left, window_right, bottom_right); (0, 0) is the diagonal alone.
+        mask=(rng.choice([-1, -1, 0, 1, 5, 40]), rng.choice([-1, -1, 0, 0, 3, 50]), rng.random() < 0.5),
+        batch=rng.choice([1, 2]),
+        noncontiguous=rng.random() < 0.3,
+    )
+    try:
+        run_case(seed, **config)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\nconfig: {config}") from None
 
 
 # ---------------------------------------------------------------------------
