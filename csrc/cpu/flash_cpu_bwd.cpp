@@ -51,6 +51,9 @@ namespace {
 constexpr int kBlockK = 64;
 constexpr int kBlockQ = 64;
 
+// Full blocks go to the JIT-compiled GEMM, ragged ones do not (tile_gemm.h).
+bool is_full_tile(int rows, int cols) { return rows == kBlockQ && cols == kBlockK; }
+
 // Row statistics of the forward that the backward needs, per (batch, q-head,
 // query): neg_lse = -lse (-inf for rows without keys, so that their P is 0)
 // and dsum = rowsum(dO * O). Contiguous (batch, heads_q, seqlen_q), like lse.
@@ -124,10 +127,11 @@ void recompute_block(const AttnBwdParams& p, const AttnMask& mask, const HeadVie
                      int cols, int64_t q0, int rows, Operand<acc_t> k_op, Operand<acc_t> v_op,
                      BwdScratch<acc_t>& scratch) {
   const int d = p.head_dim;
+  const bool full_tile = is_full_tile(rows, cols);
   acc_t* s_t = scratch.s_t.get();
   acc_t* dp_t = scratch.dp_t.get();
-  gemm_nn(cols, rows, d, k_op.ptr, k_op.ld, scratch.q_t.get(), kBlockQ, s_t, kBlockQ, false);    // S^T  = K Q^T
-  gemm_nn(cols, rows, d, v_op.ptr, v_op.ld, scratch.do_t.get(), kBlockQ, dp_t, kBlockQ, false);  // dP^T = V dO^T
+  gemm_nn(cols, rows, d, k_op.ptr, k_op.ld, scratch.q_t.get(), kBlockQ, s_t, kBlockQ, false, full_tile);  // S^T = K Q^T
+  gemm_nn(cols, rows, d, v_op.ptr, v_op.ld, scratch.do_t.get(), kBlockQ, dp_t, kBlockQ, false, full_tile);  // dP^T
 
   const int* query_lo = nullptr;
   const int* query_hi = nullptr;
@@ -184,8 +188,9 @@ void dkdv_key_tile(const AttnBwdParams& p, const AttnMask& mask, const RowStats<
             as_operand(head.dout + q0 * p.do_row_stride, p.do_row_stride, rows, d, scratch.dout.get(), d);
         const Operand<acc_t> q_op =
             as_operand(head.q + q0 * p.q_row_stride, p.q_row_stride, rows, d, scratch.q.get(), d);
-        gemm_nn(cols, d, rows, scratch.s_t.get(), kBlockQ, do_op.ptr, do_op.ld, dv_acc, d, true);
-        gemm_nn(cols, d, rows, scratch.dp_t.get(), kBlockQ, q_op.ptr, q_op.ld, dk_acc, d, true);
+        const bool full_tile = is_full_tile(rows, cols);
+        gemm_nn(cols, d, rows, scratch.s_t.get(), kBlockQ, do_op.ptr, do_op.ld, dv_acc, d, true, full_tile);
+        gemm_nn(cols, d, rows, scratch.dp_t.get(), kBlockQ, q_op.ptr, q_op.ld, dk_acc, d, true, full_tile);
       }
     }
   }
@@ -220,7 +225,8 @@ void dq_query_tile(const AttnBwdParams& p, const AttnMask& mask, const RowStats<
       recompute_block(p, mask, head, k0, cols, q0, rows, k_op, v_op, scratch);
       // dQ^T += K^T dS^T                                                   d x rows
       load_tile_transposed(head.k + k0 * p.k_row_stride, p.k_row_stride, cols, d, acc_t(1), scratch.k_t.get(), kBlockK);
-      gemm_nn(d, rows, cols, scratch.k_t.get(), kBlockK, scratch.dp_t.get(), kBlockQ, dq_t_acc, kBlockQ, true);
+      gemm_nn(d, rows, cols, scratch.k_t.get(), kBlockK, scratch.dp_t.get(), kBlockQ, dq_t_acc, kBlockQ, true,
+              is_full_tile(rows, cols));
     }
   }
 

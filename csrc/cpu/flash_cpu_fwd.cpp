@@ -110,10 +110,12 @@ void fwd_query_block(const AttnFwdParams& p, const AttnMask& mask, int64_t b, in
     load_tile_transposed(q, p.q_row_stride, rows, d, static_cast<acc_t>(p.softmax_scale), scratch.q_t.get(), block_q);
     for (int64_t k0 = key_begin / kBlockK * kBlockK; k0 < key_end; k0 += kBlockK) {
       const int cols = static_cast<int>(std::min<int64_t>(kBlockK, p.seqlen_k - k0));
+      const bool full_tile = rows == block_q && cols == kBlockK;  // see tile_gemm.h
 
       // S^T = K (scale Q)^T                                                cols x rows
       const Operand<acc_t> k_op = as_operand(k + k0 * p.k_row_stride, p.k_row_stride, cols, d, scratch.k.get(), d);
-      gemm_nn(cols, rows, d, k_op.ptr, k_op.ld, scratch.q_t.get(), block_q, s_t, block_q, /*accumulate=*/false);
+      gemm_nn(cols, rows, d, k_op.ptr, k_op.ld, scratch.q_t.get(), block_q, s_t, block_q, /*accumulate=*/false,
+              full_tile);
 
       // Element mask, only where some entry of the block is hidden.
       const int* query_lo = nullptr;
@@ -132,7 +134,7 @@ void fwd_query_block(const AttnFwdParams& p, const AttnMask& mask, int64_t b, in
 
       // O^T += V^T P^T                                                     d x rows
       load_tile_transposed(v + k0 * p.v_row_stride, p.v_row_stride, cols, d, acc_t(1), scratch.v_t.get(), kBlockK);
-      gemm_nn(d, rows, cols, scratch.v_t.get(), kBlockK, s_t, block_q, o_t, block_q, /*accumulate=*/true);
+      gemm_nn(d, rows, cols, scratch.v_t.get(), kBlockK, s_t, block_q, o_t, block_q, /*accumulate=*/true, full_tile);
     }
   }
 

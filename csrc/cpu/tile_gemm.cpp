@@ -4,100 +4,166 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "simd_clones.h"
 
 namespace flashattn {
 namespace cpu {
-
-void gemm_nn(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
-             int64_t ldc, bool accumulate) {
-  // brgemm computes exactly this row-major product. On x86 with AVX2 or more
-  // it runs a oneDNN micro-kernel JIT-compiled for (m, n, k, lda, ldb, ldc)
-  // and cached per thread (measured ~2.5x MKL's sgemm on 64..256-sized tiles
-  // on an AVX-512 core); elsewhere it falls back to torch's BLAS gemm.
-  at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, accumulate, a, b, c, /*is_vnni=*/false);
-}
-
 namespace {
 
-// C[m x n] (+)= A[m x k] B[k x n] for double, in blocks of kRows x kCols
-// outputs held in registers (8 AVX-512 vectors) while the k loop streams one
-// row of B and one column of A through them. GCC vector extensions keep the
-// block in registers in every clone; ragged edges take a scalar loop.
+// C[m x n] (+)= A[m x k] B[k x n] in blocks of kRows x (NV vectors) outputs
+// held in registers while the k loop streams one row of B and one column of
+// A through them. Ragged edges are zero-padded to a whole block in small
+// per-thread buffers (a loop over a 1..31-wide edge would run scalar and
+// cost more than the padded block).
 constexpr int kRows = 4;
-constexpr int kCols = 16;
+
+template <typename T>
+FLASHATTN_INLINE void gemm_scalar(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb,
+                                  T* c, int64_t ldc, bool accumulate) {
+  for (int64_t r = 0; r < m; ++r) {
+    T* c_row = c + r * ldc;
+    if (!accumulate)
+      for (int64_t j = 0; j < n; ++j) c_row[j] = 0;
+    for (int64_t p = 0; p < k; ++p) {
+      const T a_rp = a[r * lda + p];
+      const T* b_row = b + p * ldb;
+      for (int64_t j = 0; j < n; ++j) c_row[j] += a_rp * b_row[j];
+    }
+  }
+}
 
 #if FLASHATTN_VECTOR_EXT
-typedef double Vec8d __attribute__((vector_size(64)));
+template <typename T>
+struct Vec64 {  // 64 bytes of T: one AVX-512 register, two AVX2 ones
+  typedef T type __attribute__((vector_size(64)));
+  static constexpr int kLanes = 64 / sizeof(T);
+};
 
-FLASHATTN_INLINE Vec8d load8(const double* p) {
-  Vec8d v;
+template <typename T>
+FLASHATTN_INLINE typename Vec64<T>::type load_vec(const T* p) {
+  typename Vec64<T>::type v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-FLASHATTN_INLINE void store8(double* p, Vec8d v) { std::memcpy(p, &v, sizeof(v)); }
+template <typename T>
+FLASHATTN_INLINE void store_vec(T* p, typename Vec64<T>::type v) {
+  std::memcpy(p, &v, sizeof(v));
+}
 
-FLASHATTN_INLINE void gemm_block_full(int64_t k, const double* a, int64_t lda, const double* b, int64_t ldb, double* c,
-                                      int64_t ldc, bool accumulate) {
-  Vec8d acc[kRows][2];
-  for (int r = 0; r < kRows; ++r) {
-    acc[r][0] = accumulate ? load8(c + r * ldc) : Vec8d{};
-    acc[r][1] = accumulate ? load8(c + r * ldc + 8) : Vec8d{};
-  }
+// One kRows x (NV * kLanes) block of C.
+template <typename T, int NV>
+FLASHATTN_INLINE void gemm_block(int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb, T* c, int64_t ldc,
+                                 bool accumulate) {
+  using V = typename Vec64<T>::type;
+  constexpr int L = Vec64<T>::kLanes;
+  V acc[kRows][NV];
+  for (int r = 0; r < kRows; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = accumulate ? load_vec(c + r * ldc + v * L) : V{};
   for (int64_t p = 0; p < k; ++p) {
-    const Vec8d b0 = load8(b + p * ldb), b1 = load8(b + p * ldb + 8);
+    V b_p[NV];
+    for (int v = 0; v < NV; ++v) b_p[v] = load_vec(b + p * ldb + v * L);
     for (int r = 0; r < kRows; ++r) {
-      const double a_rp = a[r * lda + p];
-      acc[r][0] += a_rp * b0;
-      acc[r][1] += a_rp * b1;
+      const T a_rp = a[r * lda + p];
+      for (int v = 0; v < NV; ++v) acc[r][v] += a_rp * b_p[v];
     }
   }
-  for (int r = 0; r < kRows; ++r) {
-    store8(c + r * ldc, acc[r][0]);
-    store8(c + r * ldc + 8, acc[r][1]);
-  }
+  for (int r = 0; r < kRows; ++r)
+    for (int v = 0; v < NV; ++v) store_vec(c + r * ldc + v * L, acc[r][v]);
 }
 
-#endif  // FLASHATTN_VECTOR_EXT
+// Per-thread padding buffers, grown on demand and kept.
+template <typename T>
+T* edge_buffer(std::vector<T>& buffer, size_t n) {
+  if (buffer.size() < n) buffer.resize(n);
+  return buffer.data();
+}
 
-FLASHATTN_INLINE void gemm_block_edge(int64_t rows, int64_t cols, int64_t k, const double* a, int64_t lda,
-                                      const double* b, int64_t ldb, double* c, int64_t ldc, bool accumulate) {
-  for (int64_t r = 0; r < rows; ++r) {
-    double* c_row = c + r * ldc;
-    if (!accumulate)
-      for (int64_t j = 0; j < cols; ++j) c_row[j] = 0;
+template <typename T>
+FLASHATTN_SIMD_CLONES void gemm_nn_registers(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b,
+                                             int64_t ldb, T* c, int64_t ldc, bool accumulate) {
+  constexpr int L = Vec64<T>::kLanes;
+  constexpr int kCols = 2 * L;
+  thread_local std::vector<T> a_pad_buffer, b_pad_buffer;
+
+  // The right edge of B (width < kCols), zero-padded to one or two vectors.
+  const int64_t n_full = n / kCols * kCols;
+  const int edge = static_cast<int>(n - n_full);
+  const int edge_cols = edge <= L ? L : kCols;
+  T* b_edge = nullptr;
+  if (edge > 0) {
+    b_edge = edge_buffer(b_pad_buffer, static_cast<size_t>(k) * edge_cols);
     for (int64_t p = 0; p < k; ++p) {
-      const double a_rp = a[r * lda + p];
-      const double* b_row = b + p * ldb;
-      for (int64_t j = 0; j < cols; ++j) c_row[j] += a_rp * b_row[j];
+      for (int j = 0; j < edge; ++j) b_edge[p * edge_cols + j] = b[p * ldb + n_full + j];
+      for (int j = edge; j < edge_cols; ++j) b_edge[p * edge_cols + j] = 0;
+    }
+  }
+
+  for (int64_t i = 0; i < m; i += kRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kRows, m - i));
+    const T* a_blk = a + i * lda;
+    int64_t a_ld = lda;
+    if (rows < kRows) {  // the bottom edge of A, zero-padded to kRows rows
+      T* a_pad = edge_buffer(a_pad_buffer, static_cast<size_t>(kRows) * k);
+      for (int r = 0; r < kRows; ++r)
+        for (int64_t p = 0; p < k; ++p) a_pad[r * k + p] = r < rows ? a_blk[r * lda + p] : T(0);
+      a_blk = a_pad, a_ld = k;
+    }
+    T* c_blk = c + i * ldc;
+    // A block of C whose rows or columns stick out goes through a padded copy.
+    T c_pad[kRows * kCols];
+    auto padded_block = [&](int64_t j, int cols, auto nv, const T* b_blk, int64_t b_ld) {
+      constexpr int NV = decltype(nv)::value;
+      for (int r = 0; r < kRows; ++r)
+        for (int jj = 0; jj < NV * L; ++jj)
+          c_pad[r * kCols + jj] = (accumulate && r < rows && jj < cols) ? c_blk[r * ldc + j + jj] : T(0);
+      gemm_block<T, NV>(k, a_blk, a_ld, b_blk, b_ld, c_pad, kCols, /*accumulate=*/true);
+      for (int r = 0; r < rows; ++r)
+        for (int jj = 0; jj < cols; ++jj) c_blk[r * ldc + j + jj] = c_pad[r * kCols + jj];
+    };
+    for (int64_t j = 0; j < n_full; j += kCols) {
+      if (rows == kRows) {
+        gemm_block<T, 2>(k, a_blk, a_ld, b + j, ldb, c_blk + j, ldc, accumulate);
+      } else {
+        padded_block(j, kCols, std::integral_constant<int, 2>{}, b + j, ldb);
+      }
+    }
+    if (edge > 0) {
+      if (edge_cols == L) {
+        padded_block(n_full, edge, std::integral_constant<int, 1>{}, b_edge, edge_cols);
+      } else {
+        padded_block(n_full, edge, std::integral_constant<int, 2>{}, b_edge, edge_cols);
+      }
     }
   }
 }
-
-FLASHATTN_SIMD_CLONES
-void gemm_nn_double(int64_t m, int64_t n, int64_t k, const double* a, int64_t lda, const double* b, int64_t ldb,
-                    double* c, int64_t ldc, bool accumulate) {
-#if FLASHATTN_VECTOR_EXT
-  const int64_t m_full = m / kRows * kRows, n_full = n / kCols * kCols;
-  for (int64_t i = 0; i < m_full; i += kRows) {
-    for (int64_t j = 0; j < n_full; j += kCols)
-      gemm_block_full(k, a + i * lda, lda, b + j, ldb, c + i * ldc + j, ldc, accumulate);
-    if (n_full < n)
-      gemm_block_edge(kRows, n - n_full, k, a + i * lda, lda, b + n_full, ldb, c + i * ldc + n_full, ldc, accumulate);
-  }
-  if (m_full < m) gemm_block_edge(m - m_full, n, k, a + m_full * lda, lda, b, ldb, c + m_full * ldc, ldc, accumulate);
 #else
-  gemm_block_edge(m, n, k, a, lda, b, ldb, c, ldc, accumulate);
-#endif
+template <typename T>
+void gemm_nn_registers(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb, T* c,
+                       int64_t ldc, bool accumulate) {
+  gemm_scalar(m, n, k, a, lda, b, ldb, c, ldc, accumulate);
 }
+#endif  // FLASHATTN_VECTOR_EXT
 
 }  // namespace
 
+void gemm_nn(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
+             int64_t ldc, bool accumulate, bool full_tile) {
+  if (full_tile) {
+    // On x86 with AVX2 or more: the oneDNN micro-kernel; elsewhere torch's
+    // BLAS gemm behind the same call.
+    at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, accumulate, a, b, c, /*is_vnni=*/false);
+  } else {
+    gemm_nn_registers(m, n, k, a, lda, b, ldb, c, ldc, accumulate);
+  }
+}
+
 void gemm_nn(int64_t m, int64_t n, int64_t k, const double* a, int64_t lda, const double* b, int64_t ldb, double* c,
-             int64_t ldc, bool accumulate) {
-  gemm_nn_double(m, n, k, a, lda, b, ldb, c, ldc, accumulate);
+             int64_t ldc, bool accumulate, bool /*full_tile*/) {
+  gemm_nn_registers(m, n, k, a, lda, b, ldb, c, ldc, accumulate);
 }
 
 }  // namespace cpu
