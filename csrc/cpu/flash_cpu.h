@@ -1,11 +1,17 @@
-// Tiled FlashAttention on the CPU (see flash_cpu.cpp).
+// Tiled FlashAttention on the CPU: forward in flash_cpu_fwd.cpp, backward in
+// flash_cpu_bwd.cpp, built from the tile products of tile_gemm.h and the
+// element-wise tile operations of tile_ops.h.
 #pragma once
 
 #include "../flash_params.h"
 
 namespace flashattn {
 
+// Fills o and lse. Inputs of any strides with a unit head_dim stride;
+// float32, float64, bfloat16, float16, accumulating in float32 (float64).
 void run_fwd_cpu(const AttnFwdParams& params);
+
+// Fills dq, dk, dv from dout, q, k, v, o, lse; deterministic.
 void run_bwd_cpu(const AttnBwdParams& params);
 
 }  // namespace flashattn

@@ -1,0 +1,146 @@
+"""CPU timing of flashattn_ext against torch's own CPU attention.
+
+    PYTHONPATH=. python benchmarks/bench_cpu.py [--json out.json] [--reps 7] [--quick]
+
+Three implementations, each fed its natural layout and timed in the same run
+so that the ratios survive a noisy (shared) machine:
+  ours   flashattn_ext fwd op, q/k/v (batch, seqlen, heads, head_dim)
+  sdpa   torch.nn.functional.scaled_dot_product_attention, (batch, heads, seqlen, head_dim);
+         on the CPU torch picks its blocked flash kernel for these inputs
+  naive  matmul, softmax, matmul in plain PyTorch (materializes the N x N scores)
+
+Modes: fwd (forward only, no autograd) and fwd+bwd (forward and backward of a
+random output gradient). Figures are medians over --reps runs after warm-up;
+the implementations take turns within each repetition; torch's default
+thread count is used.
+"""
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import flashattn_ext
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def ours_fn(q, k, v, causal):
+    # q, k, v: (b, n, h, d). Causal, top-left aligned like SDPA's is_causal (equal lengths here anyway).
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out, _ = flashattn_ext._ops.fwd(q, k, v, scale, -1, 0 if causal else -1, False, False)
+    return out
+
+
+def sdpa_fn(q, k, v, causal):
+    # q, k, v: (b, h, n, d)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def naive_fn(q, k, v, causal):
+    # q, k, v: (b, h, n, d)
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+    if causal:
+        n_q, n_k = scores.shape[-2:]
+        hidden = torch.ones(n_q, n_k, dtype=torch.bool).triu(1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+IMPLS = {"ours": (ours_fn, "bnhd"), "sdpa": (sdpa_fn, "bhnd"), "naive": (naive_fn, "bhnd")}
+
+
+def make_inputs(layout, b, h, n, d, dtype, requires_grad):
+    shape = (b, n, h, d) if layout == "bnhd" else (b, h, n, d)
+    return [torch.randn(shape, dtype=dtype).requires_grad_(requires_grad) for _ in range(3)]
+
+
+def make_step(impl, mode, dtype, b, h, n, d, causal):
+    fn, layout = IMPLS[impl]
+    training = mode == "fwd+bwd"
+    q, k, v = make_inputs(layout, b, h, n, d, dtype, training)
+    if training:
+        dout = torch.randn_like(q)
+
+        def step():
+            out = fn(q, k, v, causal)
+            q.grad = k.grad = v.grad = None
+            out.backward(dout)
+
+    else:
+
+        def step():
+            with torch.no_grad():
+                fn(q, k, v, causal)
+
+    return step
+
+
+def bench_config(impls, mode, dtype, b, h, n, d, causal, warmup, reps):
+    """Median ms per implementation. The implementations take turns within
+    each repetition, so that a change of load on a shared machine hits all."""
+    steps = {impl: make_step(impl, mode, dtype, b, h, n, d, causal) for impl in impls}
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    times = {impl: [] for impl in impls}
+    for _ in range(reps):
+        for impl, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[impl].append((time.perf_counter() - t0) * 1e3)
+    return {impl: statistics.median(t) for impl, t in times.items()}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", help="write the rows to this file")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--seqlens", default="512,1024,2048")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--modes", default="fwd,fwd+bwd")
+    ap.add_argument("--impls", default="ours,sdpa,naive")
+    ap.add_argument("--quick", action="store_true", help="one seqlen (1024), fewer reps")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.seqlens, args.reps, args.warmup = "1024", 3, 1
+
+    seqlens = [int(x) for x in args.seqlens.split(",")]
+    impls = args.impls.split(",")
+    b, h, d = args.batch, args.heads, args.head_dim
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, b{b} h{h} d{d}, median of {args.reps}")
+
+    rows = []
+    header = f"{'mode':8} {'dtype':9} {'causal':6} {'n':>5} " + " ".join(f"{i + ' ms':>10}" for i in impls)
+    ratio_cols = [i for i in ("sdpa", "naive") if i in impls and "ours" in impls]
+    header += "".join(f" {'ours/' + i:>11}" for i in ratio_cols)
+    print(header)
+    for mode in args.modes.split(","):
+        for dtype_name in args.dtypes.split(","):
+            for causal in (False, True):
+                for n in seqlens:
+                    ms = bench_config(impls, mode, DTYPES[dtype_name], b, h, n, d, causal, args.warmup, args.reps)
+                    for impl in impls:
+                        rows.append(dict(impl=impl, mode=mode, dtype=dtype_name, d=d, n=n, b=b, h=h, causal=causal,
+                                         ms=ms[impl]))
+                    line = f"{mode:8} {dtype_name:9} {str(causal):6} {n:5d} " + " ".join(f"{ms[i]:10.2f}" for i in impls)
+                    line += "".join(f" {ms['ours'] / ms[i]:11.2f}" for i in ratio_cols)
+                    print(line, flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+        print(f"wrote {len(rows)} rows to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,306 @@
+// Backward pass of the CPU kernels: recomputation from lse, no N x N buffer.
+//
+//   dsum_i = rowsum(dO_i * O_i)                               (pass 0)
+//   per (key tile, query tile) block, recomputed from q, k, v and lse:
+//     P  = exp(scale S - lse)        dP = dO V^T        dS = P * (dP - dsum)
+//     dV += P^T dO     dK += scale dS^T Q     dQ += scale dS K
+//
+// Parallel scheme. dK/dV of a key tile sum over every query, dQ of a query
+// tile over every key; accumulating both in one pass means that two threads
+// add into the same rows (atomics or locks, and a result that depends on the
+// order threads arrive in). Instead:
+//   pass 1, one item per (batch, kv-head, key tile): loops over the q-heads
+//           of its GQA group and the query tiles that see the key tile, and
+//           owns the dK, dV rows of that tile;
+//   pass 2, one item per (batch, q-head, query tile): loops over the key
+//           tiles, recomputes P and dS and owns the dQ rows of that tile.
+// Every output element is written by exactly one item, with a fixed order of
+// summation, so the gradients are race-free and bitwise deterministic whatever
+// the thread count or schedule. The price is recomputing S, dP and P in pass 2:
+// 7 tile GEMMs per block instead of 5, no atomics, no locks.
+//
+// Both passes lay the block out key-major (row = key, column = query): S^T =
+// K Q^T and dP^T = V dO^T, so that P^T and dS^T come out in the layout the
+// GEMMs dV += P^T dO, dK += dS^T Q and dQ^T += K^T dS^T take without a
+// transposition of a block-sized tile (the only GEMM form is A . B, see
+// tile_gemm.h). What gets transposed while loading are d-wide tiles of
+// q, dO (pass 1, per block) and k (pass 2, per block).
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "attn_mask.h"
+#include "flash_cpu.h"
+#include "tile_gemm.h"
+#include "tile_ops.h"
+#include "work_queue.h"
+
+namespace flashattn {
+namespace cpu {
+namespace {
+
+// Block sizes (keys x queries). Timed like the forward's, key x query blocks
+// of 64..128 were within a few % of each other (32 was ~8% slower); 64 x 64
+// gives the most items to spread over threads in both passes.
+constexpr int kBlockK = 64;
+constexpr int kBlockQ = 64;
+
+// Full blocks go to the JIT-compiled GEMM, ragged ones do not (tile_gemm.h).
+bool is_full_tile(int rows, int cols) { return rows == kBlockQ && cols == kBlockK; }
+
+// Row statistics of the forward that the backward needs, per (batch, q-head,
+// query): neg_lse = -lse (-inf for rows without keys, so that their P is 0)
+// and dsum = rowsum(dO * O). Contiguous (batch, heads_q, seqlen_q), like lse.
+template <typename acc_t>
+struct RowStats {
+  const acc_t* neg_lse;
+  const acc_t* dsum;
+};
+
+template <typename acc_t>
+struct BwdScratch {
+  explicit BwdScratch(int d)
+      : q_t(d * kBlockQ),
+        do_t(d * kBlockQ),
+        q(kBlockQ * d),
+        dout(kBlockQ * d),
+        k(kBlockK * d),
+        k_t(d * kBlockK),
+        v(kBlockK * d),
+        s_t(kBlockK * kBlockQ),
+        dp_t(kBlockK * kBlockQ),
+        dk_acc(kBlockK * d),
+        dv_acc(kBlockK * d),
+        dq_t_acc(d * kBlockQ),
+        query_lo(kBlockK),
+        query_hi(kBlockK) {}
+
+  ScratchArray<acc_t> q_t;       // d x kBlockQ        query tile, transposed
+  ScratchArray<acc_t> do_t;      // d x kBlockQ        output-gradient tile, transposed
+  ScratchArray<acc_t> q;         // kBlockQ x d        query tile, when q cannot be used in place
+  ScratchArray<acc_t> dout;      // kBlockQ x d        dO tile, when dout cannot be used in place
+  ScratchArray<acc_t> k;         // kBlockK x d        key tile, when k cannot be used in place
+  ScratchArray<acc_t> k_t;       // d x kBlockK        key tile, transposed
+  ScratchArray<acc_t> v;         // kBlockK x d        value tile, when v cannot be used in place
+  ScratchArray<acc_t> s_t;       // kBlockK x kBlockQ  S^T, then P^T
+  ScratchArray<acc_t> dp_t;      // kBlockK x kBlockQ  dP^T, then dS^T
+  ScratchArray<acc_t> dk_acc;    // kBlockK x d        pass 1
+  ScratchArray<acc_t> dv_acc;    // kBlockK x d        pass 1
+  ScratchArray<acc_t> dq_t_acc;  // d x kBlockQ        pass 2
+  ScratchArray<int> query_lo;    // kBlockK            visible queries of each key, in tile coordinates
+  ScratchArray<int> query_hi;    // kBlockK
+};
+
+// Pointers of one (batch, head) slice of every tensor.
+template <typename scalar_t, typename acc_t>
+struct HeadView {
+  const scalar_t* q;
+  const scalar_t* dout;
+  const scalar_t* k;
+  const scalar_t* v;
+  RowStats<acc_t> stats;
+};
+
+template <typename scalar_t, typename acc_t>
+HeadView<scalar_t, acc_t> head_view(const AttnBwdParams& p, const RowStats<acc_t>& stats, int64_t b, int64_t h) {
+  const int64_t h_kv = h / p.heads_ratio();
+  const int64_t row0 = (b * p.heads_q + h) * p.seqlen_q;
+  return {static_cast<const scalar_t*>(p.q_ptr) + b * p.q_batch_stride + h * p.q_head_stride,
+          static_cast<const scalar_t*>(p.do_ptr) + b * p.do_batch_stride + h * p.do_head_stride,
+          static_cast<const scalar_t*>(p.k_ptr) + b * p.k_batch_stride + h_kv * p.k_head_stride,
+          static_cast<const scalar_t*>(p.v_ptr) + b * p.v_batch_stride + h_kv * p.v_head_stride,
+          {stats.neg_lse + row0, stats.dsum + row0}};
+}
+
+// The part both passes share: for keys [k0, k0 + cols) and queries
+// [q0, q0 + rows) of one head, with the key tile as operands k_op, v_op
+// (cols x d) and the query tile transposed in scratch.q_t, scratch.do_t
+// (d x rows), leaves P^T in scratch.s_t and dS^T in scratch.dp_t (cols x rows).
+template <typename scalar_t, typename acc_t>
+void recompute_block(const AttnBwdParams& p, const AttnMask& mask, const HeadView<scalar_t, acc_t>& head, int64_t k0,
+                     int cols, int64_t q0, int rows, Operand<acc_t> k_op, Operand<acc_t> v_op,
+                     BwdScratch<acc_t>& scratch) {
+  const int d = p.head_dim;
+  const bool full_tile = is_full_tile(rows, cols);
+  acc_t* s_t = scratch.s_t.get();
+  acc_t* dp_t = scratch.dp_t.get();
+  gemm_nn(cols, rows, d, k_op.ptr, k_op.ld, scratch.q_t.get(), kBlockQ, s_t, kBlockQ, false, full_tile);  // S^T = K Q^T
+  gemm_nn(cols, rows, d, v_op.ptr, v_op.ld, scratch.do_t.get(), kBlockQ, dp_t, kBlockQ, false, full_tile);  // dP^T
+
+  const int* query_lo = nullptr;
+  const int* query_hi = nullptr;
+  if (!mask.block_fully_visible(q0, q0 + rows, k0, k0 + cols)) {
+    for (int j = 0; j < cols; ++j) {
+      scratch.query_lo.get()[j] = static_cast<int>(std::clamp<int64_t>(mask.query_begin(k0 + j) - q0, 0, rows));
+      scratch.query_hi.get()[j] = static_cast<int>(std::clamp<int64_t>(mask.query_end(k0 + j) - q0, 0, rows));
+    }
+    query_lo = scratch.query_lo.get();
+    query_hi = scratch.query_hi.get();
+  }
+  probs_and_dscores_t(s_t, dp_t, kBlockQ, cols, rows, static_cast<acc_t>(p.softmax_scale), head.stats.neg_lse + q0,
+                      head.stats.dsum + q0, query_lo, query_hi);
+}
+
+// Loads the transposed query and output-gradient tiles (d x rows) a block needs.
+template <typename scalar_t, typename acc_t>
+void load_query_tile_transposed(const AttnBwdParams& p, const HeadView<scalar_t, acc_t>& head, int64_t q0, int rows,
+                                BwdScratch<acc_t>& scratch) {
+  load_tile_transposed(head.q + q0 * p.q_row_stride, p.q_row_stride, rows, p.head_dim, acc_t(1), scratch.q_t.get(),
+                       kBlockQ);
+  load_tile_transposed(head.dout + q0 * p.do_row_stride, p.do_row_stride, rows, p.head_dim, acc_t(1),
+                       scratch.do_t.get(), kBlockQ);
+}
+
+// Pass 1: dK, dV of one key tile of one (batch, kv-head).
+template <typename scalar_t, typename acc_t>
+void dkdv_key_tile(const AttnBwdParams& p, const AttnMask& mask, const RowStats<acc_t>& stats, int64_t b, int64_t h_kv,
+                   int64_t k_tile, BwdScratch<acc_t>& scratch) {
+  const int d = p.head_dim;
+  const int64_t k0 = k_tile * kBlockK;
+  const int cols = static_cast<int>(std::min<int64_t>(kBlockK, p.seqlen_k - k0));
+  acc_t* dk_acc = scratch.dk_acc.get();
+  acc_t* dv_acc = scratch.dv_acc.get();
+  std::fill(dk_acc, dk_acc + cols * d, acc_t(0));
+  std::fill(dv_acc, dv_acc + cols * d, acc_t(0));
+
+  const int64_t query_begin = mask.tile_query_begin(k0);
+  const int64_t query_end = mask.tile_query_end(k0 + cols);
+  if (query_begin < query_end) {
+    const int ratio = p.heads_ratio();
+    // The key tile serves every q-head of the GQA group.
+    const HeadView<scalar_t, acc_t> group = head_view<scalar_t, acc_t>(p, stats, b, h_kv * ratio);
+    const Operand<acc_t> k_op = as_operand(group.k + k0 * p.k_row_stride, p.k_row_stride, cols, d, scratch.k.get(), d);
+    const Operand<acc_t> v_op = as_operand(group.v + k0 * p.v_row_stride, p.v_row_stride, cols, d, scratch.v.get(), d);
+    for (int64_t h = h_kv * ratio; h < (h_kv + 1) * ratio; ++h) {
+      const HeadView<scalar_t, acc_t> head = head_view<scalar_t, acc_t>(p, stats, b, h);
+      for (int64_t q0 = query_begin / kBlockQ * kBlockQ; q0 < query_end; q0 += kBlockQ) {
+        const int rows = static_cast<int>(std::min<int64_t>(kBlockQ, p.seqlen_q - q0));
+        load_query_tile_transposed(p, head, q0, rows, scratch);
+        recompute_block(p, mask, head, k0, cols, q0, rows, k_op, v_op, scratch);
+        // dV += P^T dO,  dK += dS^T Q                                       cols x d
+        const Operand<acc_t> do_op =
+            as_operand(head.dout + q0 * p.do_row_stride, p.do_row_stride, rows, d, scratch.dout.get(), d);
+        const Operand<acc_t> q_op =
+            as_operand(head.q + q0 * p.q_row_stride, p.q_row_stride, rows, d, scratch.q.get(), d);
+        const bool full_tile = is_full_tile(rows, cols);
+        gemm_nn(cols, d, rows, scratch.s_t.get(), kBlockQ, do_op.ptr, do_op.ld, dv_acc, d, true, full_tile);
+        gemm_nn(cols, d, rows, scratch.dp_t.get(), kBlockQ, q_op.ptr, q_op.ld, dk_acc, d, true, full_tile);
+      }
+    }
+  }
+
+  scalar_t* dk =
+      static_cast<scalar_t*>(p.dk_ptr) + b * p.dk_batch_stride + k0 * p.dk_row_stride + h_kv * p.dk_head_stride;
+  scalar_t* dv =
+      static_cast<scalar_t*>(p.dv_ptr) + b * p.dv_batch_stride + k0 * p.dv_row_stride + h_kv * p.dv_head_stride;
+  store_tile(dk_acc, d, cols, d, static_cast<acc_t>(p.softmax_scale), dk, p.dk_row_stride);
+  store_tile(dv_acc, d, cols, d, acc_t(1), dv, p.dv_row_stride);
+}
+
+// Pass 2: dQ of one query tile of one (batch, q-head).
+template <typename scalar_t, typename acc_t>
+void dq_query_tile(const AttnBwdParams& p, const AttnMask& mask, const RowStats<acc_t>& stats, int64_t b, int64_t h,
+                   int64_t q_tile, BwdScratch<acc_t>& scratch) {
+  const int d = p.head_dim;
+  const int64_t q0 = q_tile * kBlockQ;
+  const int rows = static_cast<int>(std::min<int64_t>(kBlockQ, p.seqlen_q - q0));
+  const HeadView<scalar_t, acc_t> head = head_view<scalar_t, acc_t>(p, stats, b, h);
+  acc_t* dq_t_acc = scratch.dq_t_acc.get();
+  for (int i = 0; i < d; ++i) std::fill(dq_t_acc + i * kBlockQ, dq_t_acc + i * kBlockQ + rows, acc_t(0));
+
+  const int64_t key_begin = mask.tile_key_begin(q0);
+  const int64_t key_end = mask.tile_key_end(q0 + rows);
+  if (key_begin < key_end) {
+    load_query_tile_transposed(p, head, q0, rows, scratch);
+    for (int64_t k0 = key_begin / kBlockK * kBlockK; k0 < key_end; k0 += kBlockK) {
+      const int cols = static_cast<int>(std::min<int64_t>(kBlockK, p.seqlen_k - k0));
+      const Operand<acc_t> k_op = as_operand(head.k + k0 * p.k_row_stride, p.k_row_stride, cols, d, scratch.k.get(), d);
+      const Operand<acc_t> v_op = as_operand(head.v + k0 * p.v_row_stride, p.v_row_stride, cols, d, scratch.v.get(), d);
+      recompute_block(p, mask, head, k0, cols, q0, rows, k_op, v_op, scratch);
+      // dQ^T += K^T dS^T                                                   d x rows
+      load_tile_transposed(head.k + k0 * p.k_row_stride, p.k_row_stride, cols, d, acc_t(1), scratch.k_t.get(), kBlockK);
+      gemm_nn(d, rows, cols, scratch.k_t.get(), kBlockK, scratch.dp_t.get(), kBlockQ, dq_t_acc, kBlockQ, true,
+              is_full_tile(rows, cols));
+    }
+  }
+
+  scalar_t* dq = static_cast<scalar_t*>(p.dq_ptr) + b * p.dq_batch_stride + q0 * p.dq_row_stride + h * p.dq_head_stride;
+  const acc_t* no_row_scale = nullptr;
+  store_tile_transposed(dq_t_acc, kBlockQ, rows, d, static_cast<acc_t>(p.softmax_scale), no_row_scale, dq,
+                        p.dq_row_stride);
+}
+
+template <typename scalar_t>
+void bwd(const AttnBwdParams& p) {
+  using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+  const AttnMask mask(p.mask, p.seqlen_q, p.seqlen_k);
+  const int64_t num_rows = static_cast<int64_t>(p.batch) * p.heads_q * p.seqlen_q;
+
+  // Pass 0: neg_lse and dsum for every query row, in the layout of lse.
+  // O(batch * heads * seqlen) numbers, the only buffer beyond per-thread tiles.
+  constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
+  std::vector<acc_t> neg_lse(num_rows), dsum(num_rows);
+  const acc_t* lse = static_cast<const acc_t*>(p.lse_ptr);
+  const int64_t q_tiles = ceil_div(p.seqlen_q, kBlockQ);
+  for_each_item_in_parallel(
+      static_cast<int64_t>(p.batch) * p.heads_q * q_tiles, /*make_scratch=*/[] { return 0; },
+      [&](int64_t item, int& /*no scratch*/) {
+        const int64_t bh = item / q_tiles, b = bh / p.heads_q, h = bh % p.heads_q;
+        const int64_t q0 = item % q_tiles * kBlockQ;
+        const int rows = static_cast<int>(std::min<int64_t>(kBlockQ, p.seqlen_q - q0));
+        const int64_t row0 = bh * p.seqlen_q + q0;
+        const scalar_t* dout = static_cast<const scalar_t*>(p.do_ptr) + b * p.do_batch_stride + q0 * p.do_row_stride +
+                               h * p.do_head_stride;
+        const scalar_t* out =
+            static_cast<const scalar_t*>(p.o_ptr) + b * p.o_batch_stride + q0 * p.o_row_stride + h * p.o_head_stride;
+        row_dot(dout, p.do_row_stride, out, p.o_row_stride, rows, p.head_dim, dsum.data() + row0);
+        // A row without keys has lse = -inf; its exponent offset must be -inf
+        // too (not +inf), so that P = exp(-inf) = 0 even where no mask says so.
+        for (int r = 0; r < rows; ++r) neg_lse[row0 + r] = lse[row0 + r] == kNegInf ? kNegInf : -lse[row0 + r];
+      });
+  const RowStats<acc_t> stats{neg_lse.data(), dsum.data()};
+
+  // Pass 1: dK, dV, first key tile first (under a causal mask it is seen by
+  // the most queries; heavy items first balance the dynamic schedule).
+  const int64_t k_tiles = ceil_div(p.seqlen_k, kBlockK);
+  for_each_item_in_parallel(
+      static_cast<int64_t>(p.batch) * p.heads_kv * k_tiles, [&] { return BwdScratch<acc_t>(p.head_dim); },
+      [&](int64_t item, BwdScratch<acc_t>& scratch) {
+        const int64_t bh = item / k_tiles;
+        dkdv_key_tile<scalar_t, acc_t>(p, mask, stats, bh / p.heads_kv, bh % p.heads_kv, item % k_tiles, scratch);
+      });
+
+  // Pass 2: dQ, last query tile first (under a causal mask it sees the most keys).
+  for_each_item_in_parallel(
+      static_cast<int64_t>(p.batch) * p.heads_q * q_tiles, [&] { return BwdScratch<acc_t>(p.head_dim); },
+      [&](int64_t item, BwdScratch<acc_t>& scratch) {
+        const int64_t bh = item / q_tiles;
+        dq_query_tile<scalar_t, acc_t>(p, mask, stats, bh / p.heads_q, bh % p.heads_q, q_tiles - 1 - item % q_tiles,
+                                       scratch);
+      });
+}
+
+}  // namespace
+}  // namespace cpu
+
+void run_bwd_cpu(const AttnBwdParams& params) {
+  switch (params.dtype) {
+    case ScalarKind::kFloat32:
+      return cpu::bwd<float>(params);
+    case ScalarKind::kFloat64:
+      return cpu::bwd<double>(params);
+    case ScalarKind::kBFloat16:
+      return cpu::bwd<c10::BFloat16>(params);
+    case ScalarKind::kFloat16:
+      return cpu::bwd<c10::Half>(params);
+  }
+  TORCH_CHECK(false, "flashattn_ext: unknown dtype in the CPU backward");
+}
+
+}  // namespace flashattn

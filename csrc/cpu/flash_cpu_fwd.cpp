@@ -1,0 +1,187 @@
+// Forward pass of the CPU kernels (FlashAttention-2 style).
+//
+// One work item is one block of block_q queries of one (batch, q-head). It
+// keeps the query block and streams the key/value tiles it can see past it.
+// Tiles are key-major (row = key, column = query; see tile_ops.h), so per
+// key tile of `cols` keys:
+//
+//   S^T = K (scale Q)^T                  cols x rows   GEMM, Q^T loaded once per item
+//   m_new = max(m, colmax(S^T))
+//   P^T = exp(S^T - m_new),  l = l exp(m - m_new) + colsum(P^T)
+//   O^T = O^T exp(m - m_new) + V^T P^T   d x rows      GEMM, V tile loaded transposed
+//
+// and at the end writes O = (O^T)^T / l and lse = m + log(l). Nothing larger
+// than a tile is ever stored: the per-thread scratch holds one tile of each
+// operand. The one transposition per tile (V) is a d-wide tile, not a block of
+// scores; K is used in place when it is float32 with a row stride >= d.
+//
+// Key tiles lie on a fixed grid of kBlockK keys (so the GEMM shapes repeat
+// and their JIT-compiled kernels are reused); the loop visits only the tiles
+// the mask leaves visible to some query of the block, and applies the element
+// mask only on tiles that are not fully visible.
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+
+#include "attn_mask.h"
+#include "flash_cpu.h"
+#include "tile_gemm.h"
+#include "tile_ops.h"
+#include "work_queue.h"
+
+namespace flashattn {
+namespace cpu {
+namespace {
+
+// Block sizes. Timed on an AVX-512 core (2 threads; n 512..2048, d 64/128,
+// causal or not, float32/bfloat16), query x key blocks from 32 to 256 were
+// within ~15% of each other, 128 x 64 the fastest: bigger query blocks spread
+// the V transposition and the per-block bookkeeping over more rows, and 64
+// keys keep a block's tiles in L1/L2. Small problems get smaller query
+// blocks so that every thread has work (query_block_size).
+constexpr int kBlockK = 64;
+constexpr int kMaxBlockQ = 128;
+constexpr int kMinBlockQ = 32;
+
+template <typename acc_t>
+struct FwdScratch {
+  FwdScratch(int d, int block_q_)
+      : block_q(block_q_),
+        q_t(d * block_q_),
+        k(kBlockK * d),
+        v_t(d * kBlockK),
+        s_t(kBlockK * block_q_),
+        o_t(d * block_q_),
+        row_max(block_q_),
+        row_sum(block_q_),
+        row_scale(block_q_),
+        softmax_work(3 * block_q_),
+        query_lo(kBlockK),
+        query_hi(kBlockK) {}
+
+  const int block_q;                 // queries per block (kBlockK keys per tile)
+  ScratchArray<acc_t> q_t;           // d x block_q        scale * Q^T
+  ScratchArray<acc_t> k;             // kBlockK x d        key tile, when k cannot be a GEMM operand in place
+  ScratchArray<acc_t> v_t;           // d x kBlockK        value tile, transposed
+  ScratchArray<acc_t> s_t;           // kBlockK x block_q  S^T, then P^T
+  ScratchArray<acc_t> o_t;           // d x block_q        unnormalized O^T
+  ScratchArray<acc_t> row_max;       // block_q            m
+  ScratchArray<acc_t> row_sum;       // block_q            l
+  ScratchArray<acc_t> row_scale;     // block_q            1 / l at the end
+  ScratchArray<acc_t> softmax_work;  // 3 x block_q
+  ScratchArray<int> query_lo;        // kBlockK            queries that see each key, in block coordinates
+  ScratchArray<int> query_hi;        // kBlockK
+};
+
+template <typename scalar_t, typename acc_t>
+void fwd_query_block(const AttnFwdParams& p, const AttnMask& mask, int64_t b, int64_t h, int64_t q_block,
+                     FwdScratch<acc_t>& scratch) {
+  const int d = p.head_dim;
+  const int block_q = scratch.block_q;
+  const int64_t q0 = q_block * block_q;
+  const int rows = static_cast<int>(std::min<int64_t>(block_q, p.seqlen_q - q0));
+  const int64_t h_kv = h / p.heads_ratio();  // GQA: q-heads share k/v heads in groups, read in place
+
+  const scalar_t* q =
+      static_cast<const scalar_t*>(p.q_ptr) + b * p.q_batch_stride + q0 * p.q_row_stride + h * p.q_head_stride;
+  const scalar_t* k = static_cast<const scalar_t*>(p.k_ptr) + b * p.k_batch_stride + h_kv * p.k_head_stride;
+  const scalar_t* v = static_cast<const scalar_t*>(p.v_ptr) + b * p.v_batch_stride + h_kv * p.v_head_stride;
+  scalar_t* o = static_cast<scalar_t*>(p.o_ptr) + b * p.o_batch_stride + q0 * p.o_row_stride + h * p.o_head_stride;
+  acc_t* lse = static_cast<acc_t*>(p.lse_ptr) + (b * p.heads_q + h) * p.seqlen_q + q0;
+
+  acc_t* row_max = scratch.row_max.get();
+  acc_t* row_sum = scratch.row_sum.get();
+  acc_t* o_t = scratch.o_t.get();
+  acc_t* s_t = scratch.s_t.get();
+  constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
+  std::fill(row_max, row_max + rows, kNegInf);
+  std::fill(row_sum, row_sum + rows, acc_t(0));
+  for (int i = 0; i < d; ++i) std::fill(o_t + i * block_q, o_t + i * block_q + rows, acc_t(0));
+
+  const int64_t key_begin = mask.tile_key_begin(q0);
+  const int64_t key_end = mask.tile_key_end(q0 + rows);
+  if (key_begin < key_end) {
+    // The softmax scale goes into Q once, so that S^T comes out scaled.
+    load_tile_transposed(q, p.q_row_stride, rows, d, static_cast<acc_t>(p.softmax_scale), scratch.q_t.get(), block_q);
+    for (int64_t k0 = key_begin / kBlockK * kBlockK; k0 < key_end; k0 += kBlockK) {
+      const int cols = static_cast<int>(std::min<int64_t>(kBlockK, p.seqlen_k - k0));
+      const bool full_tile = rows == block_q && cols == kBlockK;  // see tile_gemm.h
+
+      // S^T = K (scale Q)^T                                                cols x rows
+      const Operand<acc_t> k_op = as_operand(k + k0 * p.k_row_stride, p.k_row_stride, cols, d, scratch.k.get(), d);
+      gemm_nn(cols, rows, d, k_op.ptr, k_op.ld, scratch.q_t.get(), block_q, s_t, block_q, /*accumulate=*/false,
+              full_tile);
+
+      // Element mask, only where some entry of the block is hidden.
+      const int* query_lo = nullptr;
+      const int* query_hi = nullptr;
+      if (!mask.block_fully_visible(q0, q0 + rows, k0, k0 + cols)) {
+        for (int j = 0; j < cols; ++j) {
+          scratch.query_lo.get()[j] = static_cast<int>(std::clamp<int64_t>(mask.query_begin(k0 + j) - q0, 0, rows));
+          scratch.query_hi.get()[j] = static_cast<int>(std::clamp<int64_t>(mask.query_end(k0 + j) - q0, 0, rows));
+        }
+        query_lo = scratch.query_lo.get();
+        query_hi = scratch.query_hi.get();
+      }
+      // S^T -> P^T, update m and l, rescale O^T.
+      online_softmax_step(s_t, block_q, cols, rows, query_lo, query_hi, row_max, row_sum, o_t, block_q, d,
+                          scratch.softmax_work.get());
+
+      // O^T += V^T P^T                                                     d x rows
+      load_tile_transposed(v + k0 * p.v_row_stride, p.v_row_stride, cols, d, acc_t(1), scratch.v_t.get(), kBlockK);
+      gemm_nn(d, rows, cols, scratch.v_t.get(), kBlockK, s_t, block_q, o_t, block_q, /*accumulate=*/true, full_tile);
+    }
+  }
+
+  // O = (O^T)^T / l and lse = m + log(l); a query that saw no key has l = 0:
+  // zeros and -inf.
+  acc_t* inv_sum = scratch.row_scale.get();
+  for (int r = 0; r < rows; ++r) {
+    const bool empty = row_sum[r] == acc_t(0);
+    inv_sum[r] = empty ? acc_t(0) : acc_t(1) / row_sum[r];
+    lse[r] = empty ? kNegInf : row_max[r] + std::log(row_sum[r]);
+  }
+  store_tile_transposed(o_t, block_q, rows, d, acc_t(1), inv_sum, o, p.o_row_stride);
+}
+
+template <typename scalar_t>
+void fwd(const AttnFwdParams& p) {
+  using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+  const AttnMask mask(p.mask, p.seqlen_q, p.seqlen_k);
+  const int64_t batch_heads = static_cast<int64_t>(p.batch) * p.heads_q;
+  const int block_q = query_block_size(batch_heads, p.seqlen_q, kMaxBlockQ, kMinBlockQ);
+  const int64_t q_blocks = ceil_div(p.seqlen_q, block_q);
+  for_each_item_in_parallel(
+      batch_heads * q_blocks, [&] { return FwdScratch<acc_t>(p.head_dim, block_q); },
+      [&](int64_t item, FwdScratch<acc_t>& scratch) {
+        // Last query block first: under a causal mask it is the most expensive,
+        // and the dynamic schedule balances best when big items go first.
+        const int64_t q_block = q_blocks - 1 - item % q_blocks;
+        const int64_t bh = item / q_blocks;
+        fwd_query_block<scalar_t, acc_t>(p, mask, bh / p.heads_q, bh % p.heads_q, q_block, scratch);
+      });
+}
+
+}  // namespace
+}  // namespace cpu
+
+void run_fwd_cpu(const AttnFwdParams& params) {
+  switch (params.dtype) {
+    case ScalarKind::kFloat32:
+      return cpu::fwd<float>(params);
+    case ScalarKind::kFloat64:
+      return cpu::fwd<double>(params);
+    case ScalarKind::kBFloat16:
+      return cpu::fwd<c10::BFloat16>(params);
+    case ScalarKind::kFloat16:
+      return cpu::fwd<c10::Half>(params);
+  }
+  TORCH_CHECK(false, "flashattn_ext: unknown dtype in the CPU forward");
+}
+
+}  // namespace flashattn

@@ -1,0 +1,170 @@
+#include "tile_gemm.h"
+
+#include <ATen/native/CPUBlas.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "simd_clones.h"
+
+namespace flashattn {
+namespace cpu {
+namespace {
+
+// C[m x n] (+)= A[m x k] B[k x n] in blocks of kRows x (NV vectors) outputs
+// held in registers while the k loop streams one row of B and one column of
+// A through them. Ragged edges are zero-padded to a whole block in small
+// per-thread buffers (a loop over a 1..31-wide edge would run scalar and
+// cost more than the padded block).
+constexpr int kRows = 4;
+
+template <typename T>
+FLASHATTN_INLINE void gemm_scalar(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb,
+                                  T* c, int64_t ldc, bool accumulate) {
+  for (int64_t r = 0; r < m; ++r) {
+    T* c_row = c + r * ldc;
+    if (!accumulate)
+      for (int64_t j = 0; j < n; ++j) c_row[j] = 0;
+    for (int64_t p = 0; p < k; ++p) {
+      const T a_rp = a[r * lda + p];
+      const T* b_row = b + p * ldb;
+      for (int64_t j = 0; j < n; ++j) c_row[j] += a_rp * b_row[j];
+    }
+  }
+}
+
+#if FLASHATTN_VECTOR_EXT
+template <typename T>
+struct Vec64 {  // 64 bytes of T: one AVX-512 register, two AVX2 ones
+  typedef T type __attribute__((vector_size(64)));
+  static constexpr int kLanes = 64 / sizeof(T);
+};
+
+template <typename T>
+FLASHATTN_INLINE typename Vec64<T>::type load_vec(const T* p) {
+  typename Vec64<T>::type v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+template <typename T>
+FLASHATTN_INLINE void store_vec(T* p, typename Vec64<T>::type v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
+// One kRows x (NV * kLanes) block of C.
+template <typename T, int NV>
+FLASHATTN_INLINE void gemm_block(int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb, T* c, int64_t ldc,
+                                 bool accumulate) {
+  using V = typename Vec64<T>::type;
+  constexpr int L = Vec64<T>::kLanes;
+  V acc[kRows][NV];
+  for (int r = 0; r < kRows; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = accumulate ? load_vec(c + r * ldc + v * L) : V{};
+  for (int64_t p = 0; p < k; ++p) {
+    V b_p[NV];
+    for (int v = 0; v < NV; ++v) b_p[v] = load_vec(b + p * ldb + v * L);
+    for (int r = 0; r < kRows; ++r) {
+      const T a_rp = a[r * lda + p];
+      for (int v = 0; v < NV; ++v) acc[r][v] += a_rp * b_p[v];
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int v = 0; v < NV; ++v) store_vec(c + r * ldc + v * L, acc[r][v]);
+}
+
+// Per-thread padding buffers, grown on demand and kept.
+template <typename T>
+T* edge_buffer(std::vector<T>& buffer, size_t n) {
+  if (buffer.size() < n) buffer.resize(n);
+  return buffer.data();
+}
+
+template <typename T>
+FLASHATTN_SIMD_CLONES void gemm_nn_registers(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b,
+                                             int64_t ldb, T* c, int64_t ldc, bool accumulate) {
+  constexpr int L = Vec64<T>::kLanes;
+  constexpr int kCols = 2 * L;
+  thread_local std::vector<T> a_pad_buffer, b_pad_buffer;
+
+  // The right edge of B (width < kCols), zero-padded to one or two vectors.
+  const int64_t n_full = n / kCols * kCols;
+  const int edge = static_cast<int>(n - n_full);
+  const int edge_cols = edge <= L ? L : kCols;
+  T* b_edge = nullptr;
+  if (edge > 0) {
+    b_edge = edge_buffer(b_pad_buffer, static_cast<size_t>(k) * edge_cols);
+    for (int64_t p = 0; p < k; ++p) {
+      for (int j = 0; j < edge; ++j) b_edge[p * edge_cols + j] = b[p * ldb + n_full + j];
+      for (int j = edge; j < edge_cols; ++j) b_edge[p * edge_cols + j] = 0;
+    }
+  }
+
+  for (int64_t i = 0; i < m; i += kRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kRows, m - i));
+    const T* a_blk = a + i * lda;
+    int64_t a_ld = lda;
+    if (rows < kRows) {  // the bottom edge of A, zero-padded to kRows rows
+      T* a_pad = edge_buffer(a_pad_buffer, static_cast<size_t>(kRows) * k);
+      for (int r = 0; r < kRows; ++r)
+        for (int64_t p = 0; p < k; ++p) a_pad[r * k + p] = r < rows ? a_blk[r * lda + p] : T(0);
+      a_blk = a_pad, a_ld = k;
+    }
+    T* c_blk = c + i * ldc;
+    // A block of C whose rows or columns stick out goes through a padded copy.
+    T c_pad[kRows * kCols];
+    auto padded_block = [&](int64_t j, int cols, auto nv, const T* b_blk, int64_t b_ld) {
+      constexpr int NV = decltype(nv)::value;
+      for (int r = 0; r < kRows; ++r)
+        for (int jj = 0; jj < NV * L; ++jj)
+          c_pad[r * kCols + jj] = (accumulate && r < rows && jj < cols) ? c_blk[r * ldc + j + jj] : T(0);
+      gemm_block<T, NV>(k, a_blk, a_ld, b_blk, b_ld, c_pad, kCols, /*accumulate=*/true);
+      for (int r = 0; r < rows; ++r)
+        for (int jj = 0; jj < cols; ++jj) c_blk[r * ldc + j + jj] = c_pad[r * kCols + jj];
+    };
+    for (int64_t j = 0; j < n_full; j += kCols) {
+      if (rows == kRows) {
+        gemm_block<T, 2>(k, a_blk, a_ld, b + j, ldb, c_blk + j, ldc, accumulate);
+      } else {
+        padded_block(j, kCols, std::integral_constant<int, 2>{}, b + j, ldb);
+      }
+    }
+    if (edge > 0) {
+      if (edge_cols == L) {
+        padded_block(n_full, edge, std::integral_constant<int, 1>{}, b_edge, edge_cols);
+      } else {
+        padded_block(n_full, edge, std::integral_constant<int, 2>{}, b_edge, edge_cols);
+      }
+    }
+  }
+}
+#else
+template <typename T>
+void gemm_nn_registers(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb, T* c,
+                       int64_t ldc, bool accumulate) {
+  gemm_scalar(m, n, k, a, lda, b, ldb, c, ldc, accumulate);
+}
+#endif  // FLASHATTN_VECTOR_EXT
+
+}  // namespace
+
+void gemm_nn(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
+             int64_t ldc, bool accumulate, bool full_tile) {
+  if (full_tile) {
+    // On x86 with AVX2 or more: the oneDNN micro-kernel; elsewhere torch's
+    // BLAS gemm behind the same call.
+    at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, accumulate, a, b, c, /*is_vnni=*/false);
+  } else {
+    gemm_nn_registers(m, n, k, a, lda, b, ldb, c, ldc, accumulate);
+  }
+}
+
+void gemm_nn(int64_t m, int64_t n, int64_t k, const double* a, int64_t lda, const double* b, int64_t ldb, double* c,
+             int64_t ldc, bool accumulate, bool /*full_tile*/) {
+  gemm_nn_registers(m, n, k, a, lda, b, ldb, c, ldc, accumulate);
+}
+
+}  // namespace cpu
+}  // namespace flashattn

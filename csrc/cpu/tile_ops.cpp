@@ -1,0 +1,292 @@
+#include "tile_ops.h"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#include "fast_exp.h"
+#include "simd_clones.h"
+
+namespace flashattn {
+namespace cpu {
+namespace {
+
+template <typename T>
+FLASHATTN_INLINE void fill(T* x, int n, T value) {
+  for (int i = 0; i < n; ++i) x[i] = value;
+}
+
+#if FLASHATTN_VECTOR_EXT
+// ---------------------------------------------------------------------------
+// 8 x 8 float blocks in GCC vector extensions: the same source compiles to
+// AVX-512 / AVX2 shuffles in those clones and to SSE pairs in the baseline.
+
+typedef float Vec8f __attribute__((vector_size(32)));
+typedef int32_t Vec8i __attribute__((vector_size(32)));
+typedef uint32_t Vec8u32 __attribute__((vector_size(32)));
+typedef uint16_t Vec8u16 __attribute__((vector_size(16)));
+
+FLASHATTN_INLINE Vec8f load8(const float* p) {
+  Vec8f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+FLASHATTN_INLINE Vec8f load8(const c10::BFloat16* p) {
+  // A bfloat16 is the upper half of a float32.
+  Vec8u16 bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  const Vec8u32 wide = __builtin_convertvector(bits, Vec8u32) << 16;
+  Vec8f v;
+  std::memcpy(&v, &wide, sizeof(v));
+  return v;
+}
+
+FLASHATTN_INLINE Vec8f load8(const c10::Half* p) {
+  float tmp[8];
+  for (int i = 0; i < 8; ++i) tmp[i] = static_cast<float>(p[i]);
+  return load8(tmp);
+}
+
+FLASHATTN_INLINE void store8(float* p, Vec8f v) { std::memcpy(p, &v, sizeof(v)); }
+
+FLASHATTN_INLINE void store8(c10::BFloat16* p, Vec8f v) {
+  // Round to nearest even, NaN to the canonical quiet NaN: c10's rule.
+  Vec8u32 bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  Vec8u32 rounded = (bits + (((bits >> 16) & 1u) + 0x7FFFu)) >> 16;
+  rounded = (v != v) ? Vec8u32{} + 0x7FC0u : rounded;
+  const Vec8u16 narrow = __builtin_convertvector(rounded, Vec8u16);
+  std::memcpy(p, &narrow, sizeof(narrow));
+}
+
+FLASHATTN_INLINE void store8(c10::Half* p, Vec8f v) {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<c10::Half>(v[i]);
+}
+
+// In place: row i of r becomes column i.
+FLASHATTN_INLINE void transpose8x8(Vec8f r[8]) {
+  Vec8f t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {  // interleave row pairs within 128-bit lanes
+    t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int i = 0; i < 8; i += 4) {  // interleave pairs of pairs
+    u[i] = __builtin_shufflevector(t[i], t[i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+    u[i + 1] = __builtin_shufflevector(t[i], t[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+    u[i + 2] = __builtin_shufflevector(t[i + 1], t[i + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+    u[i + 3] = __builtin_shufflevector(t[i + 1], t[i + 3], 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  for (int i = 0; i < 4; ++i) {  // join the 128-bit halves of rows 0-3 and 4-7
+    r[i] = __builtin_shufflevector(u[i], u[i + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+    r[i + 4] = __builtin_shufflevector(u[i], u[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+}
+
+#endif  // FLASHATTN_VECTOR_EXT
+
+// ---------------------------------------------------------------------------
+// Row reductions (row_dot only: the softmax steps reduce vertically) keep W
+// independent partial results, so that the inner loop vectorizes without
+// reassociating one sum (which the compiler may not do without -ffast-math),
+// then fold them pairwise.
+
+template <typename acc_t>
+constexpr int kLanes = 64 / sizeof(acc_t);
+
+template <int W, typename acc_t>
+FLASHATTN_INLINE acc_t fold_sum(acc_t* lane) {
+  for (int half = W / 2; half >= 1; half /= 2)
+    for (int l = 0; l < half; ++l) lane[l] += lane[l + half];
+  return lane[0];
+}
+
+}  // namespace
+
+template <typename scalar_t, typename acc_t>
+FLASHATTN_SIMD_CLONES void load_tile(const scalar_t* src, int64_t src_ld, int rows, int cols, acc_t* dst,
+                                     int64_t dst_ld) {
+  for (int r = 0; r < rows; ++r) {
+    const scalar_t* s = src + r * src_ld;
+    acc_t* d = dst + r * dst_ld;
+    for (int c = 0; c < cols; ++c) d[c] = static_cast<acc_t>(s[c]);
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+FLASHATTN_SIMD_CLONES void load_tile_transposed(const scalar_t* src, int64_t src_ld, int rows, int cols, acc_t scale,
+                                                acc_t* dst, int64_t dst_ld) {
+  int rows8 = 0, cols8 = 0;  // the part done in 8 x 8 blocks
+#if FLASHATTN_VECTOR_EXT
+  if constexpr (std::is_same_v<acc_t, float>) {
+    rows8 = rows / 8 * 8, cols8 = cols / 8 * 8;
+    for (int r0 = 0; r0 < rows8; r0 += 8) {
+      for (int c0 = 0; c0 < cols8; c0 += 8) {
+        Vec8f block[8];
+        for (int i = 0; i < 8; ++i) block[i] = load8(src + (r0 + i) * src_ld + c0);
+        transpose8x8(block);
+        for (int i = 0; i < 8; ++i) store8(dst + (c0 + i) * dst_ld + r0, block[i] * scale);
+      }
+    }
+  }
+#endif
+  // The ragged right edge of the blocked rows, then the remaining rows.
+  for (int c = cols8; c < cols; ++c)
+    for (int r = 0; r < rows8; ++r) dst[c * dst_ld + r] = scale * static_cast<acc_t>(src[r * src_ld + c]);
+  for (int c = 0; c < cols; ++c)
+    for (int r = rows8; r < rows; ++r) dst[c * dst_ld + r] = scale * static_cast<acc_t>(src[r * src_ld + c]);
+}
+
+template <typename acc_t, typename scalar_t>
+FLASHATTN_SIMD_CLONES void store_tile(const acc_t* src, int64_t src_ld, int rows, int cols, acc_t scale, scalar_t* dst,
+                                      int64_t dst_ld) {
+  for (int r = 0; r < rows; ++r) {
+    const acc_t* s = src + r * src_ld;
+    scalar_t* d = dst + r * dst_ld;
+    for (int c = 0; c < cols; ++c) d[c] = static_cast<scalar_t>(scale * s[c]);
+  }
+}
+
+template <typename acc_t, typename scalar_t>
+FLASHATTN_SIMD_CLONES void store_tile_transposed(const acc_t* src, int64_t src_ld, int rows, int cols, acc_t scale,
+                                                 const acc_t* row_scale, scalar_t* dst, int64_t dst_ld) {
+  auto factor = [&](int r) { return row_scale ? scale * row_scale[r] : scale; };
+  int rows8 = 0, cols8 = 0;  // the part done in 8 x 8 blocks
+#if FLASHATTN_VECTOR_EXT
+  if constexpr (std::is_same_v<acc_t, float>) {
+    rows8 = rows / 8 * 8, cols8 = cols / 8 * 8;
+    for (int r0 = 0; r0 < rows8; r0 += 8) {
+      for (int c0 = 0; c0 < cols8; c0 += 8) {
+        Vec8f block[8];
+        for (int i = 0; i < 8; ++i) block[i] = load8(src + (c0 + i) * src_ld + r0);
+        transpose8x8(block);
+        for (int i = 0; i < 8; ++i) store8(dst + (r0 + i) * dst_ld + c0, block[i] * factor(r0 + i));
+      }
+    }
+  }
+#endif
+  for (int r = 0; r < rows8; ++r)
+    for (int c = cols8; c < cols; ++c) dst[r * dst_ld + c] = static_cast<scalar_t>(factor(r) * src[c * src_ld + r]);
+  for (int r = rows8; r < rows; ++r)
+    for (int c = 0; c < cols; ++c) dst[r * dst_ld + c] = static_cast<scalar_t>(factor(r) * src[c * src_ld + r]);
+}
+
+template <typename scalar_t, typename acc_t>
+FLASHATTN_SIMD_CLONES void row_dot(const scalar_t* a, int64_t a_ld, const scalar_t* b, int64_t b_ld, int rows, int cols,
+                                   acc_t* out) {
+  constexpr int W = kLanes<acc_t>;
+  for (int r = 0; r < rows; ++r) {
+    const scalar_t* x = a + r * a_ld;
+    const scalar_t* y = b + r * b_ld;
+    acc_t lane[W] = {};
+    int c = 0;
+    for (; c + W <= cols; c += W)
+      for (int l = 0; l < W; ++l) lane[l] += static_cast<acc_t>(x[c + l]) * static_cast<acc_t>(y[c + l]);
+    for (int l = 0; c < cols; ++c, ++l) lane[l] += static_cast<acc_t>(x[c]) * static_cast<acc_t>(y[c]);
+    out[r] = fold_sum<W>(lane);
+  }
+}
+
+template <typename acc_t>
+FLASHATTN_SIMD_CLONES void online_softmax_step(acc_t* s_t, int64_t ld, int keys, int queries, const int* query_lo,
+                                               const int* query_hi, acc_t* row_max, acc_t* row_sum, acc_t* o_t,
+                                               int64_t o_ld, int head_dim, acc_t* work) {
+  constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
+  acc_t* __restrict alpha = work;            // queries: tile max, then exp(m_old - m_new)
+  acc_t* __restrict shift = work + queries;  // queries: exponent shift, m_new or 0
+  acc_t* __restrict tile_sum = work + 2 * queries;
+
+  // Masked scores become -inf: they cannot raise the max and exp gives 0.
+  if (query_lo) {
+    for (int j = 0; j < keys; ++j) {
+      acc_t* s = s_t + j * ld;
+      const int lo = std::min(query_lo[j], queries), hi = std::max(query_hi[j], lo);
+      fill(s, lo, kNegInf);
+      fill(s + hi, queries - hi, kNegInf);
+    }
+  }
+
+  fill(alpha, queries, kNegInf);
+  for (int j = 0; j < keys; ++j) {
+    const acc_t* __restrict s = s_t + j * ld;
+    for (int i = 0; i < queries; ++i) alpha[i] = std::max(alpha[i], s[i]);
+  }
+  for (int i = 0; i < queries; ++i) {
+    const acc_t m_old = row_max[i];
+    const acc_t m_new = std::max(m_old, alpha[i]);
+    // A query with no visible key so far keeps m = -inf but shifts by 0,
+    // so its P column is exp(-inf) = 0 and its alpha exp(-inf) = 0.
+    shift[i] = m_new == kNegInf ? acc_t(0) : m_new;
+    alpha[i] = exp_approx(m_old - shift[i]);
+    row_max[i] = m_new;
+    tile_sum[i] = 0;
+  }
+  for (int j = 0; j < keys; ++j) {
+    acc_t* __restrict s = s_t + j * ld;
+    for (int i = 0; i < queries; ++i) {
+      const acc_t p = exp_approx(s[i] - shift[i]);
+      s[i] = p;
+      tile_sum[i] += p;
+    }
+  }
+  for (int i = 0; i < queries; ++i) row_sum[i] = row_sum[i] * alpha[i] + tile_sum[i];
+  for (int d = 0; d < head_dim; ++d) {
+    acc_t* __restrict o = o_t + d * o_ld;
+    for (int i = 0; i < queries; ++i) o[i] *= alpha[i];
+  }
+}
+
+template <typename acc_t>
+FLASHATTN_SIMD_CLONES void probs_and_dscores_t(acc_t* s_t, acc_t* dp_t, int64_t ld, int keys, int queries, acc_t scale,
+                                               const acc_t* neg_lse, const acc_t* dsum, const int* query_lo,
+                                               const int* query_hi) {
+  for (int j = 0; j < keys; ++j) {
+    acc_t* __restrict p = s_t + j * ld;
+    acc_t* __restrict ds = dp_t + j * ld;
+    const int lo = query_lo ? std::min(query_lo[j], queries) : 0;
+    const int hi = query_hi ? std::max(query_hi[j], lo) : queries;
+    fill(p, lo, acc_t(0));
+    fill(ds, lo, acc_t(0));
+    fill(p + hi, queries - hi, acc_t(0));
+    fill(ds + hi, queries - hi, acc_t(0));
+    for (int i = lo; i < hi; ++i) {
+      // neg_lse = -inf (row without keys) gives exp(-inf) = 0, not a NaN.
+      const acc_t prob = exp_approx(scale * p[i] + neg_lse[i]);
+      p[i] = prob;
+      ds[i] = prob * (ds[i] - dsum[i]);
+    }
+  }
+}
+
+// Instantiations.
+#define FLASHATTN_INSTANTIATE_IO(scalar_t, acc_t)                                                                  \
+  template void load_tile<scalar_t, acc_t>(const scalar_t*, int64_t, int, int, acc_t*, int64_t);                   \
+  template void load_tile_transposed<scalar_t, acc_t>(const scalar_t*, int64_t, int, int, acc_t, acc_t*, int64_t); \
+  template void store_tile<acc_t, scalar_t>(const acc_t*, int64_t, int, int, acc_t, scalar_t*, int64_t);           \
+  template void store_tile_transposed<acc_t, scalar_t>(const acc_t*, int64_t, int, int, acc_t, const acc_t*,       \
+                                                       scalar_t*, int64_t);                                        \
+  template void row_dot<scalar_t, acc_t>(const scalar_t*, int64_t, const scalar_t*, int64_t, int, int, acc_t*);
+
+FLASHATTN_INSTANTIATE_IO(float, float)
+FLASHATTN_INSTANTIATE_IO(c10::BFloat16, float)
+FLASHATTN_INSTANTIATE_IO(c10::Half, float)
+FLASHATTN_INSTANTIATE_IO(double, double)
+#undef FLASHATTN_INSTANTIATE_IO
+
+#define FLASHATTN_INSTANTIATE_MATH(acc_t)                                                                             \
+  template void online_softmax_step<acc_t>(acc_t*, int64_t, int, int, const int*, const int*, acc_t*, acc_t*, acc_t*, \
+                                           int64_t, int, acc_t*);                                                     \
+  template void probs_and_dscores_t<acc_t>(acc_t*, acc_t*, int64_t, int, int, acc_t, const acc_t*, const acc_t*,      \
+                                           const int*, const int*);
+
+FLASHATTN_INSTANTIATE_MATH(float)
+FLASHATTN_INSTANTIATE_MATH(double)
+#undef FLASHATTN_INSTANTIATE_MATH
+
+}  // namespace cpu
+}  // namespace flashattn

@@ -1,0 +1,96 @@
+// Element-wise operations on the tiles of the CPU kernels: loads and stores
+// that convert between the input dtype and the accumulation type (float, or
+// double for double inputs) and optionally transpose, the online-softmax step
+// of the forward and the probability / score-gradient step of the backward.
+//
+// A tile is a row-major block of `rows` x `cols` elements with a leading
+// dimension `ld` (row stride, in elements) and a unit column stride. Tiles in
+// the accumulation type live in per-thread scratch buffers; tiles in the
+// input dtype are views of q, k, v, o, dout, dq, dk, dv.
+//
+// Score tiles are key-major in both passes (row = key, column = query), so
+// that every per-query statistic (running max, running sum, lse, dsum) is a
+// vector along the rows and all the arithmetic is vertical: no horizontal
+// reduction inside a row, which costs more than the row itself on short rows.
+//
+// Instantiated (tile_ops.cpp) for (scalar_t, acc_t) in
+//   (float, float), (c10::BFloat16, float), (c10::Half, float), (double, double).
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+namespace flashattn {
+namespace cpu {
+
+// dst[r][c] = src[r][c]                                  dst: rows x cols
+template <typename scalar_t, typename acc_t>
+void load_tile(const scalar_t* src, int64_t src_ld, int rows, int cols, acc_t* dst, int64_t dst_ld);
+
+// dst[c][r] = scale * src[r][c]                          dst: cols x rows
+template <typename scalar_t, typename acc_t>
+void load_tile_transposed(const scalar_t* src, int64_t src_ld, int rows, int cols, acc_t scale, acc_t* dst,
+                          int64_t dst_ld);
+
+// dst[r][c] = scale * src[r][c]                          src, dst: rows x cols
+template <typename acc_t, typename scalar_t>
+void store_tile(const acc_t* src, int64_t src_ld, int rows, int cols, acc_t scale, scalar_t* dst, int64_t dst_ld);
+
+// dst[r][c] = scale * row_scale[r] * src[c][r]           src: cols x rows, dst: rows x cols
+// (row_scale may be nullptr: all ones)
+template <typename acc_t, typename scalar_t>
+void store_tile_transposed(const acc_t* src, int64_t src_ld, int rows, int cols, acc_t scale, const acc_t* row_scale,
+                           scalar_t* dst, int64_t dst_ld);
+
+// out[r] = sum_c a[r][c] * b[r][c], in acc_t            a, b: rows x cols
+template <typename scalar_t, typename acc_t>
+void row_dot(const scalar_t* a, int64_t a_ld, const scalar_t* b, int64_t b_ld, int rows, int cols, acc_t* out);
+
+// One step of the forward's online softmax: a key tile meets a query block.
+//   s_t       keys x queries, in: scaled scores; out: P^T = exp(s - m_new),
+//             0 where masked
+//   query_lo, query_hi  per key, the queries [lo, hi) that see it, in block
+//             coordinates; nullptr when every query sees every key
+//   row_max   per query, running max m of the scores (-inf before any key)
+//   row_sum   per query, running sum l of exp(s - m)
+//   o_t       head_dim x queries, unnormalized O^T, rescaled by exp(m_old - m_new)
+//   work      3 * queries elements of scratch
+// A query that has seen no key yet keeps m = -inf, l = 0, O = 0 and gets a
+// zero column of P: the exponent shift of such a column is 0, never -inf, so
+// no exp(-inf - (-inf)) = NaN can arise.
+template <typename acc_t>
+void online_softmax_step(acc_t* s_t, int64_t ld, int keys, int queries, const int* query_lo, const int* query_hi,
+                         acc_t* row_max, acc_t* row_sum, acc_t* o_t, int64_t o_ld, int head_dim, acc_t* work);
+
+// The backward's element-wise step, key-major:
+//   s_t    keys x queries, in: raw products k.q; out: P^T = exp(scale * s - lse[i])
+//   dp_t   keys x queries, in: dP^T = v.do;      out: dS^T = P^T * (dP^T - dsum[i])
+//   neg_lse  per query, -lse; -inf for a row that saw no key, so that its P is 0
+//   dsum     per query, rowsum(dO * O)
+//   query_lo, query_hi  as above
+// Masked entries get P = dS = 0.
+template <typename acc_t>
+void probs_and_dscores_t(acc_t* s_t, acc_t* dp_t, int64_t ld, int keys, int queries, acc_t scale, const acc_t* neg_lse,
+                         const acc_t* dsum, const int* query_lo, const int* query_hi);
+
+// A tile of a strided input as a GEMM operand in acc_t: the input itself when
+// it already is one (same type, rows at least `cols` apart, as the GEMM
+// needs), else a converted copy written to `buffer`.
+template <typename acc_t>
+struct Operand {
+  const acc_t* ptr;
+  int64_t ld;
+};
+
+template <typename scalar_t, typename acc_t>
+inline Operand<acc_t> as_operand(const scalar_t* src, int64_t src_ld, int rows, int cols, acc_t* buffer,
+                                 int64_t buffer_ld) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    if (src_ld >= cols) return {src, src_ld};
+  }
+  load_tile(src, src_ld, rows, cols, buffer, buffer_ld);
+  return {buffer, buffer_ld};
+}
+
+}  // namespace cpu
+}  // namespace flashattn

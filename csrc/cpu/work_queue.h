@@ -1,0 +1,71 @@
+// How the CPU kernels spread work over threads, and the per-thread scratch
+// memory each worker keeps for its whole run.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <c10/core/impl/alloc_cpu.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+namespace flashattn {
+namespace cpu {
+
+// Runs process(item, scratch) for every item of [0, num_items) on up to
+// at::get_num_threads() workers. Each worker builds one scratch with
+// make_scratch() and then pulls items from a shared counter until none is
+// left: a dynamic schedule, because items differ in cost (a causal query tile
+// near the end sees many more keys than one near the start) and the machine
+// may be shared, which a static split of the range handles badly.
+//
+// Which worker runs an item does not change its result: every item writes its
+// own outputs with a fixed order of operations, so the kernels stay bitwise
+// deterministic. Inside an outer parallel region at::parallel_for runs inline
+// and the single worker processes every item.
+template <typename MakeScratch, typename Process>
+void for_each_item_in_parallel(int64_t num_items, MakeScratch make_scratch, Process process) {
+  if (num_items <= 0) return;
+  const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), num_items);
+  std::atomic<int64_t> next_item{0};
+  at::parallel_for(0, num_workers, /*grain_size=*/1, [&](int64_t, int64_t) {
+    auto scratch = make_scratch();
+    for (int64_t item = next_item.fetch_add(1); item < num_items; item = next_item.fetch_add(1)) {
+      process(item, scratch);
+    }
+  });
+}
+
+// A 64-byte aligned array from c10's CPU allocator, uninitialized.
+template <typename T>
+class ScratchArray {
+ public:
+  ScratchArray() = default;
+  explicit ScratchArray(size_t n) : data_(static_cast<T*>(c10::alloc_cpu(std::max<size_t>(n, 1) * sizeof(T)))) {}
+  T* get() const { return data_.get(); }
+
+ private:
+  struct Free {
+    void operator()(T* p) const { c10::free_cpu(p); }
+  };
+  std::unique_ptr<T, Free> data_;
+};
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Rows per query block: `largest`, halved down to `smallest` while the blocks
+// of all (batch, head) pairs would be fewer than 32 items, so that a small
+// problem still spreads over the threads. It depends on the shape only, not
+// on the thread count, which keeps results bitwise identical across thread
+// counts (the block size can change the GEMMs' rounding).
+inline int query_block_size(int64_t batch_heads, int64_t seqlen_q, int largest, int smallest) {
+  constexpr int64_t kWantedItems = 32;
+  int block = largest;
+  while (block > smallest && batch_heads * ceil_div(seqlen_q, block) < kWantedItems) block /= 2;
+  return block;
+}
+
+}  // namespace cpu
+}  // namespace flashattn

@@ -1,0 +1,327 @@
+"""Kernel-level tests of the CPU forward and backward (csrc/cpu/).
+
+Every result is compared with a naive attention computed in float64 from the
+same (already rounded) inputs. The rule (docs: /work/shared/GUIDE.md, the
+FlashAttention rule): the kernel's max error against that oracle must be at
+most 2x (3x for gradients) the error of the same naive computation done in
+the input's own precision (float32 for float32, bfloat16 for bfloat16, ...),
+plus a small floor for rounding noise.
+
+The kernels receive softmax_scale as float32 (flash_params.h); the tests use
+scales exactly representable in float32 so that float64 inputs can be held to
+float64 accuracy.
+
+Inputs are fresh random numbers on each run; each test draws its own seed
+and prints it on failure (re-run a case with FLASHATTN_TEST_SEED=<seed>).
+"""
+
+import math
+import os
+import random
+
+import pytest
+import torch
+
+import flashattn_ext
+
+fwd_op = torch.ops.flashattn_ext.fwd
+bwd_op = torch.ops.flashattn_ext.bwd
+
+# Error floors: absolute for float32 / float64; for the 16-bit types relative
+# to max(max|oracle|, 1) (their naive error can be tiny by luck on small cases,
+# e.g. exactly 0 where a single visible key makes dq vanish).
+FLOOR_ABS = {torch.float32: 1e-5, torch.float64: 1e-12}
+FLOOR_REL = {torch.bfloat16: 1e-3, torch.float16: 1e-3}
+
+# mask name -> (window_left, window_right, bottom_right)
+MASKS = {
+    "none": (-1, -1, False),
+    "causal": (-1, 0, False),  # torch SDPA's is_causal (top-left diagonal)
+    "causal_br": (-1, 0, True),  # FlashAttention's causal (bottom-right diagonal)
+    "window": (24, 8, True),  # sliding window around the bottom-right diagonal
+    "window_left": (16, -1, False),  # keys at most 16 behind the diagonal, any ahead
+}
+
+
+@pytest.fixture
+def seed():
+    s = int(os.environ.get("FLASHATTN_TEST_SEED", random.SystemRandom().randrange(2**31)))
+    torch.manual_seed(s)
+    return s
+
+
+def f32_scale(head_dim):
+    """1/sqrt(head_dim) rounded to float32 (the kernels' softmax_scale type)."""
+    return float(torch.tensor(1.0 / math.sqrt(head_dim), dtype=torch.float32))
+
+
+def visible(seqlen_q, seqlen_k, window_left, window_right, bottom_right):
+    """(seqlen_q, seqlen_k) bool: key j visible from query i (flash_params.h MaskParams)."""
+    i = torch.arange(seqlen_q)[:, None]
+    j = torch.arange(seqlen_k)[None, :]
+    diag = seqlen_k - seqlen_q if bottom_right else 0
+    vis = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool)
+    if window_right >= 0:
+        vis &= j <= i + diag + window_right
+    if window_left >= 0:
+        vis &= j >= i + diag - window_left
+    return vis
+
+
+def naive_attention(q, k, v, scale, window_left, window_right, bottom_right):
+    """Scores, mask, softmax, weighted sum, in the dtype of q; differentiable.
+
+    q (b, n_q, h_q, d), k/v (b, n_k, h_kv, d) -> out like q, lse (b, h_q, n_q).
+    A query that sees no key gets output 0 and lse -inf (and zero gradients)."""
+    n_q, h_q, n_k, h_kv = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
+    k = k.repeat_interleave(h_q // h_kv, dim=2)
+    v = v.repeat_interleave(h_q // h_kv, dim=2)
+    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))  # (b, h, n, d)
+    scores = (qh @ kh.transpose(-1, -2)) * scale
+    vis = visible(n_q, n_k, window_left, window_right, bottom_right)
+    has_key = vis.any(dim=-1, keepdim=True)  # (n_q, 1)
+    # Rows without keys get finite dummy scores (no NaN anywhere), zeroed after.
+    scores = scores.masked_fill(~vis, float("-inf")).masked_fill(~has_key, 0.0)
+    probs = torch.softmax(scores, dim=-1) * has_key
+    out = (probs @ vh).transpose(1, 2)
+    lse = torch.logsumexp(scores, dim=-1).masked_fill(~has_key.squeeze(-1), float("-inf"))
+    return out, lse
+
+
+def max_err(a, b):
+    """max |a - b| over finite entries of b (-inf lse entries are checked apart)."""
+    finite = torch.isfinite(b)
+    if not finite.any():
+        return 0.0
+    return (a.double() - b.double())[finite].abs().max().item()
+
+
+def check_close(name, ours, oracle, naive_lp, dtype, factor, seed):
+    assert not torch.isnan(ours).any(), f"{name}: NaN in the kernel's result (seed {seed})"
+    err = max_err(ours, oracle)
+    naive_err = max_err(naive_lp, oracle)
+    if dtype in FLOOR_ABS:
+        floor = FLOOR_ABS[dtype]
+    else:
+        finite = oracle[torch.isfinite(oracle)]
+        floor = FLOOR_REL[dtype] * max(finite.abs().max().item() if finite.numel() else 0.0, 1.0)
+    bound = factor * naive_err + floor
+    assert err <= bound, (
+        f"{name}: error {err:.3e} > {factor} x naive {naive_err:.3e} + floor {floor:.1e} "
+        f"(dtype {dtype}, seed {seed})"
+    )
+
+
+def make_inputs(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, noncontiguous=False, logit_gain=1.0):
+    """q (b, n_q, h_q, d), k, v (b, n_k, h_kv, d), dout like q; optionally as
+    transposed views of (b, h, n, d) tensors (non-contiguous, unit last stride).
+    logit_gain multiplies the scores (q and k each by its square root)."""
+
+    def rand(n, h, gain=1.0):
+        if noncontiguous:
+            return (torch.randn(batch, h, n, head_dim) * gain).to(dtype).transpose(1, 2)
+        return (torch.randn(batch, n, h, head_dim) * gain).to(dtype)
+
+    g = math.sqrt(logit_gain)
+    q, k, v = rand(seqlen_q, heads_q, g), rand(seqlen_k, heads_kv, g), rand(seqlen_k, heads_kv)
+    dout = rand(seqlen_q, heads_q)
+    return q, k, v, dout
+
+
+def run_case(seed, dtype, seqlen_q, seqlen_k, head_dim, heads_q=2, heads_kv=2, mask="none", batch=2,
+             noncontiguous=False, logit_gain=1.0, check_grads=True):
+    window_left, window_right, bottom_right = MASKS[mask] if isinstance(mask, str) else mask
+    scale = f32_scale(head_dim)
+    q, k, v, dout = make_inputs(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, noncontiguous,
+                                logit_gain)
+    if noncontiguous and heads_q > 1 and seqlen_q > 1:  # (with one head or row the view is contiguous)
+        assert not q.is_contiguous() and q.stride(-1) == 1
+
+    out, lse = fwd_op(q, k, v, scale, window_left, window_right, bottom_right, False)
+
+    # Oracle: float64 from the same rounded inputs; naive: the same in dtype.
+    leaves64 = [x.detach().double().requires_grad_(check_grads) for x in (q, k, v)]
+    out64, lse64 = naive_attention(*leaves64, scale, window_left, window_right, bottom_right)
+    leaves_lp = [x.detach().clone().requires_grad_(check_grads) for x in (q, k, v)]
+    out_lp, lse_lp = naive_attention(*leaves_lp, scale, window_left, window_right, bottom_right)
+
+    assert out.shape == q.shape and out.dtype == dtype
+    assert lse.shape == (batch, heads_q, seqlen_q)
+    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse64)), f"lse -inf pattern differs (seed {seed})"
+    check_close("out", out, out64, out_lp, dtype, 2, seed)
+    check_close("lse", lse, lse64, lse_lp.float() if dtype != torch.float64 else lse_lp, dtype, 2, seed)
+
+    empty_rows = ~visible(seqlen_q, seqlen_k, window_left, window_right, bottom_right).any(dim=-1)
+    if empty_rows.any():
+        assert (out[:, empty_rows] == 0).all(), f"rows without keys must be 0 (seed {seed})"
+
+    if not check_grads:
+        return
+    dq, dk, dv = bwd_op(dout, q, k, v, out, lse, scale, window_left, window_right, bottom_right, False)
+    grads64 = torch.autograd.grad(out64, leaves64, dout.double())
+    grads_lp = torch.autograd.grad(out_lp, leaves_lp, dout)
+    for name, ours, oracle, naive_lp in zip(("dq", "dk", "dv"), (dq, dk, dv), grads64, grads_lp):
+        assert ours.shape == oracle.shape and ours.dtype == dtype
+        check_close(name, ours, oracle, naive_lp, dtype, 3, seed)
+    if empty_rows.any():
+        assert (dq[:, empty_rows] == 0).all(), f"dq of rows without keys must be 0 (seed {seed})"
+
+
+# ---------------------------------------------------------------------------
+# dtype x mask on odd sizes, head dims spread over the cases.
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+DTYPE_MASK_CASES = [
+    # (seqlen_q, seqlen_k, head_dim) per mask, q and k lengths different both ways
+    ("none", 113, 211, 40),
+    ("causal", 211, 113, 80),
+    ("causal_br", 113, 211, 96),
+    ("window", 211, 211, 8),
+    ("window_left", 150, 97, 64),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("mask,seqlen_q,seqlen_k,head_dim", DTYPE_MASK_CASES, ids=lambda x: str(x))
+def test_dtype_and_mask(seed, dtype, mask, seqlen_q, seqlen_k, head_dim):
+    run_case(seed, dtype, seqlen_q, seqlen_k, head_dim, mask=mask)
+
+
+# ---------------------------------------------------------------------------
+# Sequence lengths: 1, 17, 113 and the tile edges around 1024, both orders.
+
+SEQLEN_CASES = [
+    (1, 1, "none"),
+    (1, 17, "none"),
+    (17, 1, "causal_br"),  # 16 of 17 rows see no key
+    (1, 113, "causal"),
+    (113, 17, "causal"),
+    (17, 113, "causal_br"),
+    (1023, 1025, "causal_br"),
+    (1025, 1023, "none"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("seqlen_q,seqlen_k,mask", SEQLEN_CASES, ids=lambda x: str(x))
+def test_seqlens(seed, dtype, seqlen_q, seqlen_k, mask):
+    big = max(seqlen_q, seqlen_k) > 1000
+    run_case(seed, dtype, seqlen_q, seqlen_k, 64, mask=mask, batch=1 if big else 2, heads_q=2, heads_kv=1)
+
+
+# ---------------------------------------------------------------------------
+# Head dims, including ones that are not multiples of 8 (the vector edges).
+
+@pytest.mark.parametrize("head_dim", [1, 8, 40, 64, 80, 96, 128, 192, 256, 13, 200])
+def test_head_dims(seed, head_dim):
+    dtype = torch.float32 if head_dim % 2 else torch.bfloat16
+    run_case(seed, dtype, 77, 133, head_dim, mask="causal_br")
+    run_case(seed, torch.float32, 133, 77, head_dim, mask="none", batch=1)
+
+
+# ---------------------------------------------------------------------------
+# GQA / MQA, non-contiguous views, rows without keys, large logits.
+
+@pytest.mark.parametrize("heads_q,heads_kv", [(6, 2), (6, 1), (3, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=lambda d: str(d).split(".")[-1])
+def test_gqa_mqa(seed, heads_q, heads_kv, dtype):
+    run_case(seed, dtype, 97, 150, 64, heads_q=heads_q, heads_kv=heads_kv, mask="causal_br")
+    run_case(seed, dtype, 150, 97, 32, heads_q=heads_q, heads_kv=heads_kv, mask="window")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_noncontiguous(seed, dtype, mask):
+    run_case(seed, dtype, 130, 70, 48, heads_q=4, heads_kv=2, mask=mask, noncontiguous=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_rows_without_keys(seed, dtype):
+    # Bottom-right causal with seqlen_q > seqlen_k: the first 200 - 70 rows see no key.
+    run_case(seed, dtype, 200, 70, 64, mask="causal_br")
+    # A window narrower than the offset leaves rows without keys at the start too.
+    q, k, v, dout = make_inputs(1, 90, 40, 2, 2, 16, dtype)
+    out, lse = fwd_op(q, k, v, 0.25, 3, 0, True, False)
+    dq, dk, dv = bwd_op(dout, q, k, v, out, lse, 0.25, 3, 0, True, False)
+    assert (out[:, :50] == 0).all() and torch.isneginf(lse[:, :, :50]).all() and (dq[:, :50] == 0).all()
+    for t in (out, lse, dq, dk, dv):
+        assert not torch.isnan(t).any(), f"NaN (seed {seed})"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
+def test_large_logits(seed, dtype):
+    # Scores 100x larger (~1e2..1e3): exp must not overflow, the softmax is
+    # nearly one-hot. (Only q and k grow: with v and dout ~1e2 as well, dS =
+    # P (dP - rowsum(dO O)) cancels two numbers ~1e3 in float32, an error of
+    # the FlashAttention backward itself, while the naive softmax backward
+    # happens to get exactly 0 for a one-hot row; the comparison would then
+    # measure that luck rather than the kernel.)
+    run_case(seed, dtype, 113, 130, 64, mask="causal", logit_gain=100.0)
+
+
+def test_large_query_blocks(seed):
+    # Enough (batch, head, block) items for the forward's 128-query blocks
+    # (smaller problems get smaller blocks, see work_queue.h).
+    run_case(seed, torch.float32, 513, 257, 64, batch=2, heads_q=8, heads_kv=2, mask="causal_br")
+    run_case(seed, torch.bfloat16, 300, 700, 128, batch=2, heads_q=8, heads_kv=4, mask="window")
+
+
+# ---------------------------------------------------------------------------
+# Random configurations: a different set on every run (the seed is printed
+# on failure together with the case).
+
+@pytest.mark.parametrize("case", range(16))
+def test_random_config(seed, case):
+    rng = random.Random(seed * 1000 + case)
+    lengths = [1, 2, 7, 31, 63, 64, 65, 127, 128, 129, 200, 300]
+    heads_kv = rng.choice([1, 2, 3])
+    config = dict(
+        dtype=rng.choice(DTYPES),
+        seqlen_q=rng.choice(lengths),
+        seqlen_k=rng.choice(lengths),
+        head_dim=rng.choice([1, 3, 8, 16, 24, 32, 40, 48, 64, 72, 96, 112, 128, 160, 192, 256]),
+        heads_q=heads_kv * rng.choice([1, 2, 3]),
+        heads_kv=heads_kv,
+        # (window_left, window_right, bottom_right); (0, 0) is the diagonal alone.
+        mask=(rng.choice([-1, -1, 0, 1, 5, 40]), rng.choice([-1, -1, 0, 0, 3, 50]), rng.random() < 0.5),
+        batch=rng.choice([1, 2]),
+        noncontiguous=rng.random() < 0.3,
+    )
+    try:
+        run_case(seed, **config)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\nconfig: {config}") from None
+
+
+# ---------------------------------------------------------------------------
+# Determinism and the autograd path.
+
+@pytest.mark.parametrize("seqlen", [300, 40])
+def test_deterministic_and_thread_invariant(seed, seqlen):
+    q, k, v, dout = make_inputs(2, seqlen, seqlen - 40 + 1, 6, 2, 64, torch.float32)
+    args = (0.125, -1, 0, True, True)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (threads, threads, 1):
+            torch.set_num_threads(n)
+            out, lse = fwd_op(q, k, v, *args)
+            results.append((out, lse) + tuple(bwd_op(dout, q, k, v, out, lse, *args)))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b), f"results differ between runs / thread counts (seed {seed})"
+
+
+def test_autograd_matches_ops(seed):
+    q, k, v, dout = make_inputs(1, 65, 129, 4, 2, 32, torch.float32, noncontiguous=True)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out, lse = flashattn_ext._ops.fwd(*leaves, 0.25, -1, 0, False, False)
+    out.backward(dout)
+    out2, lse2 = fwd_op(q, k, v, 0.25, -1, 0, False, False)
+    dq, dk, dv = bwd_op(dout, q, k, v, out2, lse2, 0.25, -1, 0, False, False)
+    assert torch.equal(out.detach(), out2) and torch.equal(lse.detach(), lse2)
+    for leaf, g in zip(leaves, (dq, dk, dv)):
+        assert torch.equal(leaf.grad, g)
