@@ -186,7 +186,7 @@ AttnFwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at
   p.seqlen_k = static_cast<int>(k.size(1));
   p.heads_kv = static_cast<int>(k.size(2));
   p.dtype = scalar_kind(q.scalar_type());
-  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.softmax_scale = softmax_scale;
   p.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
   p.mask = mask;
   return p;

@@ -67,9 +67,10 @@ struct AttnFwdParams {
 
   ScalarKind dtype = ScalarKind::kFloat32;
 
-  // Scores are softmax_scale * q.k; scale_log2 = softmax_scale * log2(e) lets
-  // the kernels use exp2 with the scale folded in.
-  float softmax_scale = 1.f;
+  // Scores are softmax_scale * q.k (kept in double for the float64 CPU path);
+  // scale_log2 = softmax_scale * log2(e) lets the CUDA kernels use exp2 with
+  // the scale folded in.
+  double softmax_scale = 1.0;
   float softmax_scale_log2 = 1.f;
 
   MaskParams mask;

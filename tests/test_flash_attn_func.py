@@ -215,11 +215,6 @@ def test_return_lse_shape_and_no_grad(device, dtype):
 
 
 @pytest.mark.dtypes(torch.float64)
-@pytest.mark.xfail(
-    reason="AttnFwdParams carries softmax_scale and softmax_scale_log2 as float32, so float64 "
-    "results are only float32-accurate in the scale (relative error ~2^-24 * |logit|)",
-    strict=False,
-)
 def test_float64_accuracy(device, dtype):
     """float64 inputs should give float64-accurate results (error ~1e-13)."""
     q = randn((1, 50, 2, 40), dtype, device)
