@@ -27,11 +27,15 @@ import flashattn_ext
 fwd_op = torch.ops.flashattn_ext.fwd
 bwd_op = torch.ops.flashattn_ext.bwd
 
-# Error floors: absolute for float32 / float64; for the 16-bit types relative
-# to max(max|oracle|, 1) (their naive error can be tiny by luck on small cases,
-# e.g. exactly 0 where a single visible key makes dq vanish).
+# Error floors: absolute for float32 / float64 (5x for gradients); for the
+# 16-bit types relative to max(max|oracle|, 1). They matter where the naive
+# error is 0 by luck: with a single visible key (or a one-hot softmax) the
+# naive backward gets dS = 0 exactly, while the FlashAttention backward forms
+# dS = P (dP - rowsum(dO O)) as a difference of two dot products, ~1e-6 apart
+# in float32 at head_dim 256 (summed over a few hundred queries for dk).
 FLOOR_ABS = {torch.float32: 1e-5, torch.float64: 1e-12}
 FLOOR_REL = {torch.bfloat16: 1e-3, torch.float16: 1e-3}
+GRAD_FLOOR_FACTOR = 5
 
 # mask name -> (window_left, window_right, bottom_right)
 MASKS = {
@@ -101,7 +105,7 @@ def check_close(name, ours, oracle, naive_lp, dtype, factor, seed):
     err = max_err(ours, oracle)
     naive_err = max_err(naive_lp, oracle)
     if dtype in FLOOR_ABS:
-        floor = FLOOR_ABS[dtype]
+        floor = FLOOR_ABS[dtype] * (GRAD_FLOOR_FACTOR if name.startswith("d") else 1)
     else:
         finite = oracle[torch.isfinite(oracle)]
         floor = FLOOR_REL[dtype] * max(finite.abs().max().item() if finite.numel() else 0.0, 1.0)
@@ -274,7 +278,7 @@ def test_large_query_blocks(seed):
 @pytest.mark.parametrize("case", range(16))
 def test_random_config(seed, case):
     rng = random.Random(seed * 1000 + case)
-    lengths = [1, 2, 7, 31, 63, 64, 65, 127, 128, 129, 200, 300]
+    lengths = [1, 2, 7, 8, 9, 31, 63, 64, 65, 127, 128, 129, 200, 300]
     heads_kv = rng.choice([1, 2, 3])
     config = dict(
         dtype=rng.choice(DTYPES),
