@@ -133,9 +133,9 @@ def make_inputs(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, n
 
 
 def run_case(seed, dtype, seqlen_q, seqlen_k, head_dim, heads_q=2, heads_kv=2, mask="none", batch=2,
-             noncontiguous=False, logit_gain=1.0, check_grads=True):
+             noncontiguous=False, logit_gain=1.0, check_grads=True, scale=None):
     window_left, window_right, bottom_right = MASKS[mask] if isinstance(mask, str) else mask
-    scale = f32_scale(head_dim)
+    scale = f32_scale(head_dim) if scale is None else scale
     q, k, v, dout = make_inputs(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, noncontiguous,
                                 logit_gain)
     if noncontiguous and heads_q > 1 and seqlen_q > 1:  # (with one head or row the view is contiguous)
@@ -262,6 +262,14 @@ def test_large_logits(seed, dtype):
     # happens to get exactly 0 for a one-hot row; the comparison would then
     # measure that luck rather than the kernel.)
     run_case(seed, dtype, 113, 130, 64, mask="causal", logit_gain=100.0)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.375, 2.0])
+def test_softmax_scale(seed, scale):
+    # Any finite scale: zero (uniform softmax), negative (the max of the
+    # scaled scores comes from the smallest products), large.
+    run_case(seed, torch.float32, 70, 150, 32, mask="causal_br", scale=scale)
+    run_case(seed, torch.float32, 5, 150, 32, mask="window", scale=scale)
 
 
 def test_large_query_blocks(seed):

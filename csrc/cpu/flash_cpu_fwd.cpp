@@ -19,6 +19,9 @@
 // and their JIT-compiled kernels are reused); the loop visits only the tiles
 // the mask leaves visible to some query of the block, and applies the element
 // mask only on tiles that are not fully visible.
+//
+// Calls with at most kFewQueries queries (decoding) take a direct path
+// instead, fwd_few_queries, which reads the k and v rows in place.
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
