@@ -27,7 +27,6 @@ FLASHATTN_INLINE void fill(T* x, int n, T value) {
 // AVX-512 / AVX2 shuffles in those clones and to SSE pairs in the baseline.
 
 typedef float Vec8f __attribute__((vector_size(32)));
-typedef int32_t Vec8i __attribute__((vector_size(32)));
 typedef uint32_t Vec8u32 __attribute__((vector_size(32)));
 typedef uint16_t Vec8u16 __attribute__((vector_size(16)));
 
@@ -91,8 +90,8 @@ FLASHATTN_INLINE void transpose8x8(Vec8f r[8]) {
 #endif  // FLASHATTN_VECTOR_EXT
 
 // ---------------------------------------------------------------------------
-// Row reductions (row_dot only: the softmax steps reduce vertically) keep W
-// independent partial results, so that the inner loop vectorizes without
+// Row reductions (row_dot and the few-queries path: the tiled softmax steps
+// reduce vertically) keep W independent partial results, so that the inner loop vectorizes without
 // reassociating one sum (which the compiler may not do without -ffast-math),
 // then fold them pairwise.
 
