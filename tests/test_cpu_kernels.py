@@ -1,8 +1,8 @@
 """Kernel-level tests of the CPU forward and backward (csrc/cpu/).
 
 Every result is compared with a naive attention computed in float64 from the
-same (already rounded) inputs. The rule (docs: /work/shared/GUIDE.md, the
-FlashAttention rule): the kernel's max error against that oracle must be at
+same (already rounded) inputs. The rule (the project guide's, taken from
+FlashAttention's tests): the kernel's max error against that oracle must be at
 most 2x (3x for gradients) the error of the same naive computation done in
 the input's own precision (float32 for float32, bfloat16 for bfloat16, ...),
 plus a small floor for rounding noise.
