@@ -22,6 +22,12 @@ FLASHATTN_INLINE void fill(T* x, int n, T value) {
 }
 
 #if FLASHATTN_VECTOR_EXT
+// Vector types cross no call boundary outside this file (every helper is
+// inlined), so GCC's note that their calling convention differs between
+// targets (-Wpsabi) does not apply.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
 // ---------------------------------------------------------------------------
 // 8 x 8 float blocks in GCC vector extensions: the same source compiles to
 // AVX-512 / AVX2 shuffles in those clones and to SSE pairs in the baseline.
