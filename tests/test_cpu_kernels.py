@@ -1,8 +1,8 @@
 """Kernel-level tests of the CPU forward and backward (csrc/cpu/).
 
 Every result is compared with a naive attention computed in float64 from the
-same (already rounded) inputs. The rule (docs: /work/shared/GUIDE.md, the
-FlashAttention rule): the kernel's max error against that oracle must be at
+same (already rounded) inputs. The rule (the project guide's, taken from
+FlashAttention's tests): the kernel's max error against that oracle must be at
 most 2x (3x for gradients) the error of the same naive computation done in
 the input's own precision (float32 for float32, bfloat16 for bfloat16, ...),
 plus a small floor for rounding noise.
@@ -27,11 +27,15 @@ import flashattn_ext
 fwd_op = torch.ops.flashattn_ext.fwd
 bwd_op = torch.ops.flashattn_ext.bwd
 
-# Error floors: absolute for float32 / float64; for the 16-bit types relative
-# to max(max|oracle|, 1) (their naive error can be tiny by luck on small cases,
-# e.g. exactly 0 where a single visible key makes dq vanish).
+# Error floors: absolute for float32 / float64 (5x for gradients); for the
+# 16-bit types relative to max(max|oracle|, 1). They matter where the naive
+# error is 0 by luck: with a single visible key (or a one-hot softmax) the
+# naive backward gets dS = 0 exactly, while the FlashAttention backward forms
+# dS = P (dP - rowsum(dO O)) as a difference of two dot products, ~1e-6 apart
+# in float32 at head_dim 256 (summed over a few hundred queries for dk).
 FLOOR_ABS = {torch.float32: 1e-5, torch.float64: 1e-12}
 FLOOR_REL = {torch.bfloat16: 1e-3, torch.float16: 1e-3}
+GRAD_FLOOR_FACTOR = 5
 
 # mask name -> (window_left, window_right, bottom_right)
 MASKS = {
@@ -101,7 +105,7 @@ def check_close(name, ours, oracle, naive_lp, dtype, factor, seed):
     err = max_err(ours, oracle)
     naive_err = max_err(naive_lp, oracle)
     if dtype in FLOOR_ABS:
-        floor = FLOOR_ABS[dtype]
+        floor = FLOOR_ABS[dtype] * (GRAD_FLOOR_FACTOR if name.startswith("d") else 1)
     else:
         finite = oracle[torch.isfinite(oracle)]
         floor = FLOOR_REL[dtype] * max(finite.abs().max().item() if finite.numel() else 0.0, 1.0)
@@ -129,9 +133,9 @@ def make_inputs(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, n
 
 
 def run_case(seed, dtype, seqlen_q, seqlen_k, head_dim, heads_q=2, heads_kv=2, mask="none", batch=2,
-             noncontiguous=False, logit_gain=1.0, check_grads=True):
+             noncontiguous=False, logit_gain=1.0, check_grads=True, scale=None):
     window_left, window_right, bottom_right = MASKS[mask] if isinstance(mask, str) else mask
-    scale = f32_scale(head_dim)
+    scale = f32_scale(head_dim) if scale is None else scale
     q, k, v, dout = make_inputs(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, noncontiguous,
                                 logit_gain)
     if noncontiguous and heads_q > 1 and seqlen_q > 1:  # (with one head or row the view is contiguous)
@@ -236,6 +240,28 @@ def test_noncontiguous(seed, dtype, mask):
     run_case(seed, dtype, 130, 70, 48, heads_q=4, heads_kv=2, mask=mask, noncontiguous=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
+def test_zero_row_stride(seed, dtype):
+    # k expanded along seqlen (row stride 0, rows "overlapping"): the kernels
+    # cannot use such a tile as a GEMM operand in place and must copy it.
+    q = torch.randn(2, 150, 4, 32).to(dtype)
+    k = torch.randn(2, 1, 2, 32).to(dtype).expand(2, 130, 2, 32)
+    v = torch.randn(2, 130, 2, 32).to(dtype)
+    dout = torch.randn_like(q)
+    scale, args = 0.25, (-1, 0, True)
+    out, lse = fwd_op(q, k, v, scale, *args, False)
+    grads = bwd_op(dout, q, k, v, out, lse, scale, *args, False)
+    leaves64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    out64, lse64 = naive_attention(*leaves64, scale, *args)
+    leaves_lp = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out_lp, lse_lp = naive_attention(*leaves_lp, scale, *args)
+    check_close("out", out, out64, out_lp, dtype, 2, seed)
+    grads64 = torch.autograd.grad(out64, leaves64, dout.double())
+    grads_lp = torch.autograd.grad(out_lp, leaves_lp, dout)
+    for name, ours, oracle, naive_lp in zip(("dq", "dk", "dv"), grads, grads64, grads_lp):
+        check_close(name, ours, oracle, naive_lp, dtype, 3, seed)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 def test_rows_without_keys(seed, dtype):
     # Bottom-right causal with seqlen_q > seqlen_k: the first 200 - 70 rows see no key.
@@ -260,6 +286,14 @@ def test_large_logits(seed, dtype):
     run_case(seed, dtype, 113, 130, 64, mask="causal", logit_gain=100.0)
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.375, 2.0])
+def test_softmax_scale(seed, scale):
+    # Any finite scale: zero (uniform softmax), negative (the max of the
+    # scaled scores comes from the smallest products), large.
+    run_case(seed, torch.float32, 70, 150, 32, mask="causal_br", scale=scale)
+    run_case(seed, torch.float32, 5, 150, 32, mask="window", scale=scale)
+
+
 def test_large_query_blocks(seed):
     # Enough (batch, head, block) items for the forward's 128-query blocks
     # (smaller problems get smaller blocks, see work_queue.h).
@@ -274,7 +308,7 @@ def test_large_query_blocks(seed):
 @pytest.mark.parametrize("case", range(16))
 def test_random_config(seed, case):
     rng = random.Random(seed * 1000 + case)
-    lengths = [1, 2, 7, 31, 63, 64, 65, 127, 128, 129, 200, 300]
+    lengths = [1, 2, 7, 8, 9, 31, 63, 64, 65, 127, 128, 129, 200, 300]
     heads_kv = rng.choice([1, 2, 3])
     config = dict(
         dtype=rng.choice(DTYPES),

@@ -19,6 +19,9 @@
 // and their JIT-compiled kernels are reused); the loop visits only the tiles
 // the mask leaves visible to some query of the block, and applies the element
 // mask only on tiles that are not fully visible.
+//
+// Calls with at most kFewQueries queries (decoding) take a direct path
+// instead, fwd_few_queries, which reads the k and v rows in place.
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
@@ -149,11 +152,96 @@ void fwd_query_block(const AttnFwdParams& p, const AttnMask& mask, int64_t b, in
   store_tile_transposed(o_t, block_q, rows, d, acc_t(1), inv_sum, o, p.o_row_stride);
 }
 
+// Decode-shaped problems: up to kFewQueries query rows per (batch, head)
+// are too few for GEMM tiles (their products would be padded to a vector's
+// width and every value tile transposed for one query): attend_few_queries
+// works row-major on the k and v rows in place, kFewBlockK keys at a time.
+constexpr int kFewQueries = 8;
+constexpr int kFewBlockK = 256;
+
+template <typename acc_t>
+struct FewQueriesScratch {
+  explicit FewQueriesScratch(int d)
+      : q(kFewQueries * d),
+        o(kFewQueries * d),
+        scores(kFewQueries * kFewBlockK),
+        kv_row(d),
+        row_max(kFewQueries),
+        row_sum(kFewQueries),
+        key_lo(kFewQueries),
+        key_hi(kFewQueries) {}
+
+  ScratchArray<acc_t> q;       // rows x d           scale * Q
+  ScratchArray<acc_t> o;       // rows x d           unnormalized O
+  ScratchArray<acc_t> scores;  // rows x kFewBlockK  S, then P
+  ScratchArray<acc_t> kv_row;  // d                  one k or v row in acc_t
+  ScratchArray<acc_t> row_max, row_sum;
+  ScratchArray<int> key_lo, key_hi;
+};
+
+template <typename scalar_t, typename acc_t>
+void fwd_few_queries(const AttnFwdParams& p, const AttnMask& mask, int64_t b, int64_t h,
+                     FewQueriesScratch<acc_t>& scratch) {
+  const int d = p.head_dim;
+  const int rows = p.seqlen_q;
+  const int64_t h_kv = h / p.heads_ratio();
+  const scalar_t* q = static_cast<const scalar_t*>(p.q_ptr) + b * p.q_batch_stride + h * p.q_head_stride;
+  const scalar_t* k = static_cast<const scalar_t*>(p.k_ptr) + b * p.k_batch_stride + h_kv * p.k_head_stride;
+  const scalar_t* v = static_cast<const scalar_t*>(p.v_ptr) + b * p.v_batch_stride + h_kv * p.v_head_stride;
+  scalar_t* o = static_cast<scalar_t*>(p.o_ptr) + b * p.o_batch_stride + h * p.o_head_stride;
+  acc_t* lse = static_cast<acc_t*>(p.lse_ptr) + (b * p.heads_q + h) * p.seqlen_q;
+
+  constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
+  acc_t* row_max = scratch.row_max.get();
+  acc_t* row_sum = scratch.row_sum.get();
+  acc_t* o_acc = scratch.o.get();
+  std::fill(row_max, row_max + rows, kNegInf);
+  std::fill(row_sum, row_sum + rows, acc_t(0));
+  std::fill(o_acc, o_acc + rows * d, acc_t(0));
+  const acc_t scale = static_cast<acc_t>(p.softmax_scale);
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < d; ++c) scratch.q.get()[r * d + c] = scale * static_cast<acc_t>(q[r * p.q_row_stride + c]);
+
+  const int64_t key_begin = mask.tile_key_begin(0);
+  const int64_t key_end = mask.tile_key_end(rows);
+  for (int64_t k0 = key_begin; k0 < key_end; k0 += kFewBlockK) {
+    const int cols = static_cast<int>(std::min<int64_t>(kFewBlockK, key_end - k0));
+    const int* key_lo = nullptr;
+    const int* key_hi = nullptr;
+    if (!mask.block_fully_visible(0, rows, k0, k0 + cols)) {
+      for (int r = 0; r < rows; ++r) {
+        scratch.key_lo.get()[r] = static_cast<int>(std::clamp<int64_t>(mask.key_begin(r) - k0, 0, cols));
+        scratch.key_hi.get()[r] = static_cast<int>(std::clamp<int64_t>(mask.key_end(r) - k0, 0, cols));
+      }
+      key_lo = scratch.key_lo.get();
+      key_hi = scratch.key_hi.get();
+    }
+    attend_few_queries(scratch.q.get(), rows, d, k + k0 * p.k_row_stride, p.k_row_stride, v + k0 * p.v_row_stride,
+                       p.v_row_stride, cols, key_lo, key_hi, row_max, row_sum, o_acc, scratch.scores.get(),
+                       scratch.kv_row.get());
+  }
+
+  for (int r = 0; r < rows; ++r) {
+    const bool empty = row_sum[r] == acc_t(0);
+    const acc_t inv_sum = empty ? acc_t(0) : acc_t(1) / row_sum[r];
+    lse[r] = empty ? kNegInf : row_max[r] + std::log(row_sum[r]);
+    store_tile(o_acc + r * d, d, 1, d, inv_sum, o + r * p.o_row_stride, p.o_row_stride);
+  }
+}
+
 template <typename scalar_t>
 void fwd(const AttnFwdParams& p) {
   using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
   const AttnMask mask(p.mask, p.seqlen_q, p.seqlen_k);
   const int64_t batch_heads = static_cast<int64_t>(p.batch) * p.heads_q;
+  if (p.seqlen_q <= kFewQueries) {
+    for_each_item_in_parallel(
+        batch_heads, [&] { return FewQueriesScratch<acc_t>(p.head_dim); },
+        [&](int64_t bh, FewQueriesScratch<acc_t>& scratch) {
+          fwd_few_queries<scalar_t, acc_t>(p, mask, bh / p.heads_q, bh % p.heads_q, scratch);
+        });
+    return;
+  }
   const int block_q = query_block_size(batch_heads, p.seqlen_q, kMaxBlockQ, kMinBlockQ);
   const int64_t q_blocks = ceil_div(p.seqlen_q, block_q);
   for_each_item_in_parallel(

@@ -36,6 +36,12 @@ FLASHATTN_INLINE void gemm_scalar(int64_t m, int64_t n, int64_t k, const T* a, i
 }
 
 #if FLASHATTN_VECTOR_EXT
+// Vector types cross no call boundary outside this file (every helper is
+// inlined), so GCC's note that their calling convention differs between
+// targets (-Wpsabi) does not apply.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
 template <typename T>
 struct Vec64 {  // 64 bytes of T: one AVX-512 register, two AVX2 ones
   typedef T type __attribute__((vector_size(64)));

@@ -22,12 +22,17 @@ FLASHATTN_INLINE void fill(T* x, int n, T value) {
 }
 
 #if FLASHATTN_VECTOR_EXT
+// Vector types cross no call boundary outside this file (every helper is
+// inlined), so GCC's note that their calling convention differs between
+// targets (-Wpsabi) does not apply.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
 // ---------------------------------------------------------------------------
 // 8 x 8 float blocks in GCC vector extensions: the same source compiles to
 // AVX-512 / AVX2 shuffles in those clones and to SSE pairs in the baseline.
 
 typedef float Vec8f __attribute__((vector_size(32)));
-typedef int32_t Vec8i __attribute__((vector_size(32)));
 typedef uint32_t Vec8u32 __attribute__((vector_size(32)));
 typedef uint16_t Vec8u16 __attribute__((vector_size(16)));
 
@@ -91,19 +96,90 @@ FLASHATTN_INLINE void transpose8x8(Vec8f r[8]) {
 #endif  // FLASHATTN_VECTOR_EXT
 
 // ---------------------------------------------------------------------------
-// Row reductions (row_dot only: the softmax steps reduce vertically) keep W
-// independent partial results, so that the inner loop vectorizes without
+// Row reductions (row_dot and the few-queries path: the tiled softmax steps
+// reduce vertically) keep W independent partial results, so that the inner loop vectorizes without
 // reassociating one sum (which the compiler may not do without -ffast-math),
 // then fold them pairwise.
 
 template <typename acc_t>
 constexpr int kLanes = 64 / sizeof(acc_t);
 
+template <int W, typename acc_t, typename Op>
+FLASHATTN_INLINE acc_t fold_lanes(acc_t* lane, Op op) {
+  for (int half = W / 2; half >= 1; half /= 2)
+    for (int l = 0; l < half; ++l) lane[l] = op(lane[l], lane[l + half]);
+  return lane[0];
+}
+
 template <int W, typename acc_t>
 FLASHATTN_INLINE acc_t fold_sum(acc_t* lane) {
-  for (int half = W / 2; half >= 1; half /= 2)
-    for (int l = 0; l < half; ++l) lane[l] += lane[l + half];
-  return lane[0];
+  return fold_lanes<W>(lane, [](acc_t a, acc_t b) { return a + b; });
+}
+
+// sum_i x[i] * y[i]
+template <typename acc_t>
+FLASHATTN_INLINE acc_t dot(const acc_t* __restrict x, const acc_t* __restrict y, int n) {
+  constexpr int W = kLanes<acc_t>;
+  acc_t lane[W] = {};
+  int i = 0;
+  for (; i + W <= n; i += W)
+    for (int l = 0; l < W; ++l) lane[l] += x[i + l] * y[i + l];
+  for (int l = 0; i < n; ++i, ++l) lane[l] += x[i] * y[i];
+  return fold_sum<W>(lane);
+}
+
+// max_i x[i] (-inf when n = 0)
+template <typename acc_t>
+FLASHATTN_INLINE acc_t max_of(const acc_t* __restrict x, int n) {
+  constexpr int W = kLanes<acc_t>;
+  acc_t lane[W];
+  for (int l = 0; l < W; ++l) lane[l] = -std::numeric_limits<acc_t>::infinity();
+  int i = 0;
+  for (; i + W <= n; i += W)
+    for (int l = 0; l < W; ++l) lane[l] = std::max(lane[l], x[i + l]);
+  for (int l = 0; i < n; ++i, ++l) lane[l] = std::max(lane[l], x[i]);
+  return fold_lanes<W>(lane, [](acc_t a, acc_t b) { return std::max(a, b); });
+}
+
+// x[i] = exp(x[i] - shift); returns the sum of the new x.
+template <typename acc_t>
+FLASHATTN_INLINE acc_t exp_shifted_sum(acc_t* __restrict x, int n, acc_t shift) {
+  constexpr int W = kLanes<acc_t>;
+  acc_t lane[W] = {};
+  int i = 0;
+  for (; i + W <= n; i += W) {
+    for (int l = 0; l < W; ++l) {
+      x[i + l] = exp_approx(x[i + l] - shift);
+      lane[l] += x[i + l];
+    }
+  }
+  for (int l = 0; i < n; ++i, ++l) {
+    x[i] = exp_approx(x[i] - shift);
+    lane[l] += x[i];
+  }
+  return fold_sum<W>(lane);
+}
+
+// Asks for the cache lines of a row ahead of its use. Rows of k and v are
+// often far apart (the heads of a (batch, seqlen, heads, dim) tensor sit
+// between them), which the hardware prefetchers follow poorly.
+template <typename scalar_t>
+FLASHATTN_INLINE void prefetch_row(const scalar_t* row, int n) {
+#if defined(__GNUC__)
+  for (int i = 0; i < n; i += 64 / sizeof(scalar_t)) __builtin_prefetch(row + i);
+#endif
+}
+
+// The row of a strided input as acc_t: in place when it already is, else
+// converted into `buffer`.
+template <typename scalar_t, typename acc_t>
+FLASHATTN_INLINE const acc_t* row_as_acc(const scalar_t* row, int n, acc_t* buffer) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    return row;
+  } else {
+    for (int i = 0; i < n; ++i) buffer[i] = static_cast<acc_t>(row[i]);
+    return buffer;
+  }
 }
 
 }  // namespace
@@ -263,14 +339,64 @@ FLASHATTN_SIMD_CLONES void probs_and_dscores_t(acc_t* s_t, acc_t* dp_t, int64_t 
   }
 }
 
+template <typename scalar_t, typename acc_t>
+FLASHATTN_SIMD_CLONES void attend_few_queries(const acc_t* q, int rows, int head_dim, const scalar_t* k, int64_t k_ld,
+                                              const scalar_t* v, int64_t v_ld, int cols, const int* key_lo,
+                                              const int* key_hi, acc_t* row_max, acc_t* row_sum, acc_t* o,
+                                              acc_t* scores, acc_t* kv_row) {
+  constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
+  const int d = head_dim;
+  // S = Q K^T, one key row at a time (shared by every query row).    rows x cols
+  constexpr int kAhead = 16;  // rows
+  for (int j = 0; j < cols; ++j) {
+    if (j + kAhead < cols) prefetch_row(k + (j + kAhead) * k_ld, d);
+    const acc_t* k_row = row_as_acc(k + j * k_ld, d, kv_row);
+    for (int r = 0; r < rows; ++r) scores[r * cols + j] = dot(q + r * d, k_row, d);
+  }
+  // Online softmax per query row, as in online_softmax_step.
+  for (int r = 0; r < rows; ++r) {
+    acc_t* s = scores + r * cols;
+    const int lo = key_lo ? key_lo[r] : 0;
+    const int hi = key_hi ? std::max(key_hi[r], lo) : cols;
+    fill(s, lo, acc_t(0));
+    fill(s + hi, cols - hi, acc_t(0));
+    const acc_t m_old = row_max[r];
+    const acc_t m_new = std::max(m_old, max_of(s + lo, hi - lo));
+    if (m_new == kNegInf) {  // no visible key so far: P = 0, state unchanged
+      fill(s + lo, hi - lo, acc_t(0));
+      continue;
+    }
+    const acc_t tile_sum = exp_shifted_sum(s + lo, hi - lo, m_new);
+    const acc_t alpha = exp_approx(m_old - m_new);  // 0 for the first keys a row sees
+    row_sum[r] = row_sum[r] * alpha + tile_sum;
+    row_max[r] = m_new;
+    acc_t* o_row = o + r * d;
+    if (alpha != acc_t(1))
+      for (int c = 0; c < d; ++c) o_row[c] *= alpha;
+  }
+  // O += P V, one value row at a time.                                rows x d
+  for (int j = 0; j < cols; ++j) {
+    if (j + kAhead < cols) prefetch_row(v + (j + kAhead) * v_ld, d);
+    const acc_t* v_row = row_as_acc(v + j * v_ld, d, kv_row);
+    for (int r = 0; r < rows; ++r) {
+      const acc_t p = scores[r * cols + j];
+      acc_t* __restrict o_row = o + r * d;
+      for (int c = 0; c < d; ++c) o_row[c] += p * v_row[c];
+    }
+  }
+}
+
 // Instantiations.
-#define FLASHATTN_INSTANTIATE_IO(scalar_t, acc_t)                                                                  \
-  template void load_tile<scalar_t, acc_t>(const scalar_t*, int64_t, int, int, acc_t*, int64_t);                   \
-  template void load_tile_transposed<scalar_t, acc_t>(const scalar_t*, int64_t, int, int, acc_t, acc_t*, int64_t); \
-  template void store_tile<acc_t, scalar_t>(const acc_t*, int64_t, int, int, acc_t, scalar_t*, int64_t);           \
-  template void store_tile_transposed<acc_t, scalar_t>(const acc_t*, int64_t, int, int, acc_t, const acc_t*,       \
-                                                       scalar_t*, int64_t);                                        \
-  template void row_dot<scalar_t, acc_t>(const scalar_t*, int64_t, const scalar_t*, int64_t, int, int, acc_t*);
+#define FLASHATTN_INSTANTIATE_IO(scalar_t, acc_t)                                                                      \
+  template void load_tile<scalar_t, acc_t>(const scalar_t*, int64_t, int, int, acc_t*, int64_t);                       \
+  template void load_tile_transposed<scalar_t, acc_t>(const scalar_t*, int64_t, int, int, acc_t, acc_t*, int64_t);     \
+  template void store_tile<acc_t, scalar_t>(const acc_t*, int64_t, int, int, acc_t, scalar_t*, int64_t);               \
+  template void store_tile_transposed<acc_t, scalar_t>(const acc_t*, int64_t, int, int, acc_t, const acc_t*,           \
+                                                       scalar_t*, int64_t);                                            \
+  template void row_dot<scalar_t, acc_t>(const scalar_t*, int64_t, const scalar_t*, int64_t, int, int, acc_t*);        \
+  template void attend_few_queries<scalar_t, acc_t>(const acc_t*, int, int, const scalar_t*, int64_t, const scalar_t*, \
+                                                    int64_t, int, const int*, const int*, acc_t*, acc_t*, acc_t*,      \
+                                                    acc_t*, acc_t*);
 
 FLASHATTN_INSTANTIATE_IO(float, float)
 FLASHATTN_INSTANTIATE_IO(c10::BFloat16, float)

@@ -73,6 +73,22 @@ template <typename acc_t>
 void probs_and_dscores_t(acc_t* s_t, acc_t* dp_t, int64_t ld, int keys, int queries, acc_t scale, const acc_t* neg_lse,
                          const acc_t* dsum, const int* query_lo, const int* query_hi);
 
+// The forward for a handful of query rows against one key tile, row-major,
+// with dot products and axpys on the k and v rows read in place: for
+// decode-shaped problems, where a query block is too short for GEMMs (padded
+// to vector width) and for transposing a value tile per block to pay off.
+//   q         rows x head_dim (ld head_dim), scaled queries
+//   k, v      cols rows of the input with strides k_ld, v_ld
+//   key_lo, key_hi  per query, the visible keys [lo, hi) in tile coordinates;
+//             nullptr when every query sees every key
+//   row_max, row_sum, o  the online-softmax state (m, l, unnormalized O,
+//             rows x head_dim, ld head_dim), updated as online_softmax_step does
+//   scores    rows x cols scratch; kv_row head_dim scratch
+template <typename scalar_t, typename acc_t>
+void attend_few_queries(const acc_t* q, int rows, int head_dim, const scalar_t* k, int64_t k_ld, const scalar_t* v,
+                        int64_t v_ld, int cols, const int* key_lo, const int* key_hi, acc_t* row_max, acc_t* row_sum,
+                        acc_t* o, acc_t* scores, acc_t* kv_row);
+
 // A tile of a strided input as a GEMM operand in acc_t: the input itself when
 // it already is one (same type, rows at least `cols` apart, as the GEMM
 // needs), else a converted copy written to `buffer`.
