@@ -13,6 +13,15 @@ fwd = torch.ops.flashattn_ext.fwd.default
 bwd = torch.ops.flashattn_ext.bwd.default
 
 
+def unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    """The kernels need stride 1 on head_dim; copy only when it is not already so."""
+    if x.dim() > 0 and x.stride(-1) != 1:
+        x = x.contiguous()
+        if x.stride(-1) != 1:  # a size-1 head_dim keeps any stride through .contiguous()
+            x = x.clone(memory_format=torch.contiguous_format)
+    return x
+
+
 def _lse_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -49,13 +58,9 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     if dout is None:
         return None, None, None, None, None, None, None, None
-    # The kernels need a unit stride on head_dim; incoming gradients from
-    # transposes and reshapes usually have it already, so this rarely copies.
-    if dout.stride(-1) != 1:
-        dout = dout.contiguous()
-        if dout.stride(-1) != 1:  # head_dim of size 1 keeps any stride through .contiguous()
-            dout = dout.clone(memory_format=torch.contiguous_format)
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, *ctx.args)
+    # Incoming gradients from transposes and reshapes usually have a unit
+    # head_dim stride already, so this rarely copies.
+    dq, dk, dv = bwd(unit_last_stride(dout), q, k, v, out, lse, *ctx.args)
     return dq, dk, dv, None, None, None, None, None
 
 

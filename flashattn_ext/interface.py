@@ -90,15 +90,6 @@ def _cuda_arch_supported(device_index: int) -> bool:
     return any(a // 10 == major and a <= cap for a in _BUILD["archs"])
 
 
-def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
-    """The kernels need stride 1 on head_dim; copy only when it is not already so."""
-    if x.dim() > 0 and x.stride(-1) != 1:
-        x = x.contiguous()
-        if x.stride(-1) != 1:  # size-1 head_dim keeps any stride through .contiguous()
-            x = x.clone(memory_format=torch.contiguous_format)
-    return x
-
-
 def _check_cuda_build(q: torch.Tensor) -> None:
     if q.is_cuda and not _BUILD["cuda"]:
         raise RuntimeError(
@@ -158,7 +149,7 @@ def flash_attn_func(
     if causal:
         window_right = 0
     deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
-    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+    q, k, v = _ops.unit_last_stride(q), _ops.unit_last_stride(k), _ops.unit_last_stride(v)
     if dropout_p > 0.0:
         return _flash_attn_dropout_fallback(q, k, v, dropout_p, scale, window_left, window_right, return_lse)
     out, lse = _ops.fwd(q, k, v, float(scale), int(window_left), int(window_right), True, deterministic)
@@ -416,9 +407,9 @@ def scaled_dot_product_attention(
         scale = 1.0 / math.sqrt(query.shape[-1])
     deterministic = torch.are_deterministic_algorithms_enabled()
     # (B, H, L, E) -> (B, L, H, E) views: no copy unless head_dim is strided.
-    q = _unit_last_stride(query.transpose(1, 2))
-    k = _unit_last_stride(key.transpose(1, 2))
-    v = _unit_last_stride(value.transpose(1, 2))
+    q = _ops.unit_last_stride(query.transpose(1, 2))
+    k = _ops.unit_last_stride(key.transpose(1, 2))
+    v = _ops.unit_last_stride(value.transpose(1, 2))
     out, _ = _ops.fwd(q, k, v, float(scale), -1, 0 if is_causal else -1, False, deterministic)
     out = out.transpose(1, 2)
     return out.squeeze(1) if rank3 else out

@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <string>
+#include <type_traits>
 
 #include "../attention_api.h"
 #include "dispatch.h"
@@ -91,54 +92,37 @@ void check_grid(int64_t blocks, const char* what) {
                     " thread blocks, more than a CUDA grid holds (2^31 - 1); split the batch");
 }
 
-template <typename T>
-cudaError_t dispatch_fwd(int kernel_dim, const AttnFwdParams& p, cudaStream_t stream) {
+// Calls f(std::integral_constant<int, D>) for the compiled kernel head dim D
+// (FA2's static_switch idea: a run-time value becomes a template argument).
+template <typename F>
+cudaError_t with_kernel_head_dim(int kernel_dim, F&& f) {
   switch (kernel_dim) {
 #ifdef FLASHATTN_HDIM_32
-    case 32: return run_fwd<T, 32>(p, stream);
+    case 32: return f(std::integral_constant<int, 32>{});
 #endif
 #ifdef FLASHATTN_HDIM_64
-    case 64: return run_fwd<T, 64>(p, stream);
+    case 64: return f(std::integral_constant<int, 64>{});
 #endif
 #ifdef FLASHATTN_HDIM_96
-    case 96: return run_fwd<T, 96>(p, stream);
+    case 96: return f(std::integral_constant<int, 96>{});
 #endif
 #ifdef FLASHATTN_HDIM_128
-    case 128: return run_fwd<T, 128>(p, stream);
+    case 128: return f(std::integral_constant<int, 128>{});
 #endif
 #ifdef FLASHATTN_HDIM_192
-    case 192: return run_fwd<T, 192>(p, stream);
+    case 192: return f(std::integral_constant<int, 192>{});
 #endif
 #ifdef FLASHATTN_HDIM_256
-    case 256: return run_fwd<T, 256>(p, stream);
+    case 256: return f(std::integral_constant<int, 256>{});
 #endif
     default: return cudaErrorInvalidValue;
   }
 }
 
-template <typename T>
-cudaError_t dispatch_bwd(int kernel_dim, const AttnBwdParams& p, cudaStream_t stream) {
-  switch (kernel_dim) {
-#ifdef FLASHATTN_HDIM_32
-    case 32: return run_bwd<T, 32>(p, stream);
-#endif
-#ifdef FLASHATTN_HDIM_64
-    case 64: return run_bwd<T, 64>(p, stream);
-#endif
-#ifdef FLASHATTN_HDIM_96
-    case 96: return run_bwd<T, 96>(p, stream);
-#endif
-#ifdef FLASHATTN_HDIM_128
-    case 128: return run_bwd<T, 128>(p, stream);
-#endif
-#ifdef FLASHATTN_HDIM_192
-    case 192: return run_bwd<T, 192>(p, stream);
-#endif
-#ifdef FLASHATTN_HDIM_256
-    case 256: return run_bwd<T, 256>(p, stream);
-#endif
-    default: return cudaErrorInvalidValue;
-  }
+// The same for the element type: bfloat16 or float16.
+template <typename F>
+cudaError_t with_element_type(at::ScalarType dtype, F&& f) {
+  return dtype == at::kBFloat16 ? f(__nv_bfloat16{}) : f(__half{});
 }
 
 void check_launch(cudaError_t err, const char* what) {
@@ -159,8 +143,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   check_grid((q.size(1) + 63) / 64 * q.size(0) * q.size(2), "forward");
   const auto params = make_fwd_params(q, k, v, out, lse, softmax_scale, mask);
   const auto stream = at::cuda::getCurrentCUDAStream().stream();
-  const cudaError_t err = q.scalar_type() == at::kBFloat16 ? dispatch_fwd<__nv_bfloat16>(kdim, params, stream)
-                                                            : dispatch_fwd<__half>(kdim, params, stream);
+  const cudaError_t err = with_element_type(q.scalar_type(), [&](auto elem) {
+    return with_kernel_head_dim(kdim, [&](auto dim) { return run_fwd<decltype(elem), decltype(dim)::value>(params, stream); });
+  });
   check_launch(err, "forward");
   return {unpad(out, head_dim), lse};
 }
@@ -202,8 +187,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_i
     params.dq_accum_row_stride = dq_accum.stride(2);
   }
   const auto stream = at::cuda::getCurrentCUDAStream().stream();
-  const cudaError_t err = q.scalar_type() == at::kBFloat16 ? dispatch_bwd<__nv_bfloat16>(kdim, params, stream)
-                                                            : dispatch_bwd<__half>(kdim, params, stream);
+  const cudaError_t err = with_element_type(q.scalar_type(), [&](auto elem) {
+    return with_kernel_head_dim(kdim, [&](auto dim) { return run_bwd<decltype(elem), decltype(dim)::value>(params, stream); });
+  });
   check_launch(err, "backward");
   return {unpad(dq, head_dim), unpad(dk, head_dim), unpad(dv, head_dim)};
 }

@@ -315,13 +315,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dq_kernel(const At
   T* sV = sK + TileKV::kElems;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
-  const int num_m_blocks = ceil_div(p.seqlen_q, kBlockM);
-  const int m_block = num_m_blocks - 1 - static_cast<int>(blockIdx.x % num_m_blocks);
-  const int bh = static_cast<int>(blockIdx.x / num_m_blocks);
-  const int h = bh % p.heads_q, b = bh / p.heads_q;
-  const int h_kv = h / p.heads_ratio();
-  const int m0 = m_block * kBlockM;
-  const int rows = min(kBlockM, p.seqlen_q - m0);
+  const QueryBlockOfCta<kBlockM> blk(p);
+  const int h = blk.h, b = blk.b, h_kv = blk.h_kv, m0 = blk.m0, rows = blk.rows;
   const int warp_row0 = warp * Kt::kRowsPerWarp;
   const int g = lane >> 2;
 

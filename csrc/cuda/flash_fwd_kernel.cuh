@@ -38,14 +38,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
   T* sV = sK + Kt::kStages * Kt::kStageElems;  // [kStages] V blocks
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
-  const int num_m_blocks = ceil_div(p.seqlen_q, kBlockM);
-  // Heaviest query blocks (last rows, most keys under a causal mask) first.
-  const int m_block = num_m_blocks - 1 - static_cast<int>(blockIdx.x % num_m_blocks);
-  const int bh = static_cast<int>(blockIdx.x / num_m_blocks);
-  const int h = bh % p.heads_q, b = bh / p.heads_q;
-  const int h_kv = h / p.heads_ratio();
-  const int m0 = m_block * kBlockM;
-  const int rows = min(kBlockM, p.seqlen_q - m0);
+  const QueryBlockOfCta<kBlockM> blk(p);
+  const int h = blk.h, b = blk.b, h_kv = blk.h_kv, m0 = blk.m0, rows = blk.rows;
 
   const T* gQ = static_cast<const T*>(p.q_ptr) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
   const T* gK = static_cast<const T*>(p.k_ptr) + b * p.k_batch_stride + h_kv * p.k_head_stride;

@@ -69,6 +69,28 @@ struct BlockMask {
   }
 };
 
+// The query block, head and batch a CTA of a one-dimensional query-block grid
+// owns (the forward and the deterministic dQ kernel). blockIdx.x runs over
+// query blocks fastest, so the CTAs of one head are co-resident and share K/V
+// in L2, and the heaviest query blocks (last rows: the most keys under a causal
+// mask) start first.
+template <int kBlockM>
+struct QueryBlockOfCta {
+  int h, b, h_kv;  // query head, batch, key/value head
+  int m0, rows;    // first row, valid rows
+
+  __device__ __forceinline__ explicit QueryBlockOfCta(const AttnFwdParams& p) {
+    const int num_m_blocks = ceil_div(p.seqlen_q, kBlockM);
+    const int m_block = num_m_blocks - 1 - static_cast<int>(blockIdx.x % num_m_blocks);
+    const int bh = static_cast<int>(blockIdx.x / num_m_blocks);
+    h = bh % p.heads_q;
+    b = bh / p.heads_q;
+    h_kv = h / p.heads_ratio();
+    m0 = m_block * kBlockM;
+    rows = min(kBlockM, p.seqlen_q - m0);
+  }
+};
+
 // Sets to `fill` the entries of invisible keys in a warp's accumulator tile
 // (-inf for scores, 0 for probabilities). Rows are queries r0 + mi*16 + g (+8);
 // columns are keys c0 + ni*8 + 2t (+1).

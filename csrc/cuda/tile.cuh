@@ -152,21 +152,23 @@ __device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&c)[kNT]
 
 // ---- warp-level products --------------------------------------------------
 // acc[kMT][kNT][4] += A (kMT*16 rows) x B (kNT*8 columns), contracting kK.
-
-// A from a [m][k] tile, B from an [n][k] tile: S = Q K^T and its relatives.
-template <int kMT, int kNT, int kK, typename T, typename TileA, typename TileB>
-__device__ __forceinline__ void gemm_ss_nk(float (&acc)[kMT][kNT][4], const LdsmA<TileA>& sA, const LdsmB<TileB>& sB,
-                                           uint32_t b_offset = 0) {
+//
+// Every product shares one loop nest: per 16-wide k step, the A fragments of
+// all m-tiles, then the B fragments of two n-tiles at a time (one ldmatrix.x4),
+// each B fragment feeding every m-tile. The operands differ only in where the
+// fragments come from: load_a(a, mi, ks) and load_b(r, np, ks).
+template <int kMT, int kNT, int kK, typename T, typename LoadA, typename LoadB>
+__device__ __forceinline__ void warp_gemm(float (&acc)[kMT][kNT][4], LoadA&& load_a, LoadB&& load_b) {
   static_assert(kNT % 2 == 0, "n-tiles come in pairs");
 #pragma unroll
   for (int ks = 0; ks < kK / 16; ++ks) {
     uint32_t a[kMT][4];
 #pragma unroll
-    for (int mi = 0; mi < kMT; ++mi) ldmatrix_x4(a[mi], sA(mi * 16, ks * 16));
+    for (int mi = 0; mi < kMT; ++mi) load_a(a[mi], mi, ks);
 #pragma unroll
     for (int np = 0; np < kNT / 2; ++np) {
       uint32_t r[4], b0[2], b1[2];
-      ldmatrix_x4(r, sB(np * 16, ks * 16) + b_offset);
+      load_b(r, np, ks);
       split_b(b0, b1, r);
 #pragma unroll
       for (int mi = 0; mi < kMT; ++mi) {
@@ -177,24 +179,27 @@ __device__ __forceinline__ void gemm_ss_nk(float (&acc)[kMT][kNT][4], const Ldsm
   }
 }
 
+// A from a [m][k] tile, B from an [n][k] tile: S = Q K^T and its relatives.
+// b_offset selects a buffer stage of B (bytes).
+template <int kMT, int kNT, int kK, typename T, typename TileA, typename TileB>
+__device__ __forceinline__ void gemm_ss_nk(float (&acc)[kMT][kNT][4], const LdsmA<TileA>& sA, const LdsmB<TileB>& sB,
+                                           uint32_t b_offset = 0) {
+  warp_gemm<kMT, kNT, kK, T>(
+      acc, [&](uint32_t (&a)[4], int mi, int ks) { ldmatrix_x4(a, sA(mi * 16, ks * 16)); },
+      [&](uint32_t (&r)[4], int np, int ks) { ldmatrix_x4(r, sB(np * 16, ks * 16) + b_offset); });
+}
+
 // A already in registers (a[mi][ks]), B from an [n][k] tile.
 template <int kMT, int kNT, int kK, typename T, typename TileB>
-__device__ __forceinline__ void gemm_rs_nk(float (&acc)[kMT][kNT][4], const uint32_t (&a)[kMT][kK / 16][4],
+__device__ __forceinline__ void gemm_rs_nk(float (&acc)[kMT][kNT][4], const uint32_t (&a_regs)[kMT][kK / 16][4],
                                            const LdsmB<TileB>& sB, uint32_t b_offset = 0) {
+  warp_gemm<kMT, kNT, kK, T>(
+      acc,
+      [&](uint32_t (&a)[4], int mi, int ks) {
 #pragma unroll
-  for (int ks = 0; ks < kK / 16; ++ks) {
-#pragma unroll
-    for (int np = 0; np < kNT / 2; ++np) {
-      uint32_t r[4], b0[2], b1[2];
-      ldmatrix_x4(r, sB(np * 16, ks * 16) + b_offset);
-      split_b(b0, b1, r);
-#pragma unroll
-      for (int mi = 0; mi < kMT; ++mi) {
-        mma_16816<T>(acc[mi][2 * np], a[mi][ks], b0);
-        mma_16816<T>(acc[mi][2 * np + 1], a[mi][ks], b1);
-      }
-    }
-  }
+        for (int i = 0; i < 4; ++i) a[i] = a_regs[mi][ks][i];
+      },
+      [&](uint32_t (&r)[4], int np, int ks) { ldmatrix_x4(r, sB(np * 16, ks * 16) + b_offset); });
 }
 
 // A from the accumulators of a previous product (kK/8 n-tiles), B from a
@@ -202,67 +207,25 @@ __device__ __forceinline__ void gemm_rs_nk(float (&acc)[kMT][kNT][4], const uint
 template <int kMT, int kNT, int kK, typename T, typename TileB>
 __device__ __forceinline__ void gemm_rc_kn(float (&acc)[kMT][kNT][4], const float (&c)[kMT][kK / 8][4],
                                            const LdsmA<TileB>& sB, uint32_t b_offset = 0) {
-#pragma unroll
-  for (int kk = 0; kk < kK / 16; ++kk) {
-    uint32_t a[kMT][4];
-#pragma unroll
-    for (int mi = 0; mi < kMT; ++mi) acc_to_a<T>(a[mi], c[mi], kk);
-#pragma unroll
-    for (int np = 0; np < kNT / 2; ++np) {
-      uint32_t r[4], b0[2], b1[2];
-      ldmatrix_x4_trans(r, sB(kk * 16, np * 16) + b_offset);
-      split_b(b0, b1, r);
-#pragma unroll
-      for (int mi = 0; mi < kMT; ++mi) {
-        mma_16816<T>(acc[mi][2 * np], a[mi], b0);
-        mma_16816<T>(acc[mi][2 * np + 1], a[mi], b1);
-      }
-    }
-  }
+  warp_gemm<kMT, kNT, kK, T>(
+      acc, [&](uint32_t (&a)[4], int mi, int kk) { acc_to_a<T>(a, c[mi], kk); },
+      [&](uint32_t (&r)[4], int np, int kk) { ldmatrix_x4_trans(r, sB(kk * 16, np * 16) + b_offset); });
 }
 
 // A from a [m][k] tile, B from a [k][n] tile: dV += P^T dO with P^T in shared memory.
 template <int kMT, int kNT, int kK, typename T, typename TileA, typename TileB>
 __device__ __forceinline__ void gemm_ss_kn(float (&acc)[kMT][kNT][4], const LdsmA<TileA>& sA, const LdsmA<TileB>& sB) {
-#pragma unroll
-  for (int kk = 0; kk < kK / 16; ++kk) {
-    uint32_t a[kMT][4];
-#pragma unroll
-    for (int mi = 0; mi < kMT; ++mi) ldmatrix_x4(a[mi], sA(mi * 16, kk * 16));
-#pragma unroll
-    for (int np = 0; np < kNT / 2; ++np) {
-      uint32_t r[4], b0[2], b1[2];
-      ldmatrix_x4_trans(r, sB(kk * 16, np * 16));
-      split_b(b0, b1, r);
-#pragma unroll
-      for (int mi = 0; mi < kMT; ++mi) {
-        mma_16816<T>(acc[mi][2 * np], a[mi], b0);
-        mma_16816<T>(acc[mi][2 * np + 1], a[mi], b1);
-      }
-    }
-  }
+  warp_gemm<kMT, kNT, kK, T>(
+      acc, [&](uint32_t (&a)[4], int mi, int kk) { ldmatrix_x4(a, sA(mi * 16, kk * 16)); },
+      [&](uint32_t (&r)[4], int np, int kk) { ldmatrix_x4_trans(r, sB(kk * 16, np * 16)); });
 }
 
-// A from a [k][m] tile (transposed), B from a [k][n] tile.
+// A from a [k][m] tile (transposed), B from a [k][n] tile: dQ += dS K with dS^T in shared memory.
 template <int kMT, int kNT, int kK, typename T, typename TileA, typename TileB>
 __device__ __forceinline__ void gemm_tt_kn(float (&acc)[kMT][kNT][4], const LdsmB<TileA>& sA, const LdsmA<TileB>& sB) {
-#pragma unroll
-  for (int kk = 0; kk < kK / 16; ++kk) {
-    uint32_t a[kMT][4];
-#pragma unroll
-    for (int mi = 0; mi < kMT; ++mi) ldmatrix_x4_trans(a[mi], sA(kk * 16, mi * 16));
-#pragma unroll
-    for (int np = 0; np < kNT / 2; ++np) {
-      uint32_t r[4], b0[2], b1[2];
-      ldmatrix_x4_trans(r, sB(kk * 16, np * 16));
-      split_b(b0, b1, r);
-#pragma unroll
-      for (int mi = 0; mi < kMT; ++mi) {
-        mma_16816<T>(acc[mi][2 * np], a[mi], b0);
-        mma_16816<T>(acc[mi][2 * np + 1], a[mi], b1);
-      }
-    }
-  }
+  warp_gemm<kMT, kNT, kK, T>(
+      acc, [&](uint32_t (&a)[4], int mi, int kk) { ldmatrix_x4_trans(a, sA(kk * 16, mi * 16)); },
+      [&](uint32_t (&r)[4], int np, int kk) { ldmatrix_x4_trans(r, sB(kk * 16, np * 16)); });
 }
 
 template <int kMT, int kNT>
