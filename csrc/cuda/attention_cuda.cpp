@@ -125,8 +125,16 @@ cudaError_t with_element_type(at::ScalarType dtype, F&& f) {
   return dtype == at::kBFloat16 ? f(__nv_bfloat16{}) : f(__half{});
 }
 
-void check_launch(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, "flashattn_ext: CUDA ", what, " kernel failed: ", cudaGetErrorString(err));
+// cudaFuncSetAttribute answers "invalid argument" when a kernel asks for more
+// shared memory per block than the device has: say so, with the numbers.
+void check_launch(cudaError_t err, const char* what, int kernel_dim, const at::Tensor& q) {
+  if (err == cudaSuccess) return;
+  const auto* prop = at::cuda::getDeviceProperties(q.device().index());
+  TORCH_CHECK(err != cudaErrorInvalidValue, "flashattn_ext: CUDA ", what, " kernel for head dim ", kernel_dim,
+              " failed to launch (", cudaGetErrorString(err), "); a likely cause is shared memory: the kernels for ",
+              "head dims >= 128 take up to 161 KiB per block and this GPU (", prop->name, ") allows ",
+              prop->sharedMemPerBlockOptin / 1024, " KiB; use a smaller head dim, or torch's attention on this GPU");
+  TORCH_CHECK(false, "flashattn_ext: CUDA ", what, " kernel failed: ", cudaGetErrorString(err));
 }
 
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
@@ -146,7 +154,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   const cudaError_t err = with_element_type(q.scalar_type(), [&](auto elem) {
     return with_kernel_head_dim(kdim, [&](auto dim) { return run_fwd<decltype(elem), decltype(dim)::value>(params, stream); });
   });
-  check_launch(err, "forward");
+  check_launch(err, "forward", kdim, q);
   return {unpad(out, head_dim), lse};
 }
 
@@ -190,7 +198,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_i
   const cudaError_t err = with_element_type(q.scalar_type(), [&](auto elem) {
     return with_kernel_head_dim(kdim, [&](auto dim) { return run_bwd<decltype(elem), decltype(dim)::value>(params, stream); });
   });
-  check_launch(err, "backward");
+  check_launch(err, "backward", kdim, q);
   return {unpad(dq, head_dim), unpad(dk, head_dim), unpad(dv, head_dim)};
 }
 
