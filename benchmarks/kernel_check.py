@@ -172,8 +172,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-perf", action="store_true")
     args = ap.parse_args()
-    info = dict(kv.split("=", 1) for kv in torch.ops.flashattn_ext.build_info().split(";"))
-    dims = [int(x) for x in info["head_dims"].split(",") if x]
+    info = flashattn_ext.build_info()
+    dims = list(info["head_dims"])
     print(f"build {info}; device {torch.cuda.get_device_name()}; torch {torch.__version__}", flush=True)
 
     cases = []

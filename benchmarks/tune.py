@@ -17,22 +17,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashattn_ext  # noqa: F401
 from flashattn_ext import _ops
+from kernel_check import bench  # noqa: E402  (benchmarks/ is the script's directory)
 
 VARIANTS = {"fwd": {64: 2, 128: 2}, "bwd": {64: 2, 128: 2}}
-
-
-def bench(fn, reps=40):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for s, e in ev:
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    t = sorted(s.elapsed_time(e) for s, e in ev)
-    return t[len(t) // 2]
 
 
 def main():

@@ -37,6 +37,7 @@
 
 #include "attn_mask.h"
 #include "flash_cpu.h"
+#include "scalar_dispatch.h"
 #include "tile_gemm.h"
 #include "tile_ops.h"
 #include "work_queue.h"
@@ -290,17 +291,7 @@ void bwd(const AttnBwdParams& p) {
 }  // namespace cpu
 
 void run_bwd_cpu(const AttnBwdParams& params) {
-  switch (params.dtype) {
-    case ScalarKind::kFloat32:
-      return cpu::bwd<float>(params);
-    case ScalarKind::kFloat64:
-      return cpu::bwd<double>(params);
-    case ScalarKind::kBFloat16:
-      return cpu::bwd<c10::BFloat16>(params);
-    case ScalarKind::kFloat16:
-      return cpu::bwd<c10::Half>(params);
-  }
-  TORCH_CHECK(false, "flashattn_ext: unknown dtype in the CPU backward");
+  cpu::with_scalar_type(params.dtype, "backward", [&](auto elem) { cpu::bwd<decltype(elem)>(params); });
 }
 
 }  // namespace flashattn

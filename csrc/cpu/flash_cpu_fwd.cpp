@@ -33,6 +33,7 @@
 
 #include "attn_mask.h"
 #include "flash_cpu.h"
+#include "scalar_dispatch.h"
 #include "tile_gemm.h"
 #include "tile_ops.h"
 #include "work_queue.h"
@@ -259,17 +260,7 @@ void fwd(const AttnFwdParams& p) {
 }  // namespace cpu
 
 void run_fwd_cpu(const AttnFwdParams& params) {
-  switch (params.dtype) {
-    case ScalarKind::kFloat32:
-      return cpu::fwd<float>(params);
-    case ScalarKind::kFloat64:
-      return cpu::fwd<double>(params);
-    case ScalarKind::kBFloat16:
-      return cpu::fwd<c10::BFloat16>(params);
-    case ScalarKind::kFloat16:
-      return cpu::fwd<c10::Half>(params);
-  }
-  TORCH_CHECK(false, "flashattn_ext: unknown dtype in the CPU forward");
+  cpu::with_scalar_type(params.dtype, "forward", [&](auto elem) { cpu::fwd<decltype(elem)>(params); });
 }
 
 }  // namespace flashattn
