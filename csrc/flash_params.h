@@ -37,8 +37,6 @@ struct MaskParams {
   int window_left = -1;   // -1: unbounded
   int window_right = -1;  // -1: unbounded; 0: causal
   int diag_offset = 0;
-
-  FLASHATTN_HOST_DEVICE bool is_local() const { return window_left >= 0 || window_right >= 0; }
 };
 
 struct AttnFwdParams {

@@ -64,6 +64,18 @@ struct AttnMask {
   bool block_fully_visible(int64_t q0, int64_t q1, int64_t k0, int64_t k1) const {
     return key_begin(q1 - 1) <= k0 && key_end(q0) >= k1;
   }
+
+  // The element mask of block (queries [q0, q0 + rows), keys [k0, k0 + cols))
+  // as, per key j, the visible queries [lo[j], hi[j]) in block coordinates.
+  // Returns false (lo, hi untouched) when the whole block is visible.
+  bool block_query_ranges(int64_t q0, int rows, int64_t k0, int cols, int* lo, int* hi) const {
+    if (block_fully_visible(q0, q0 + rows, k0, k0 + cols)) return false;
+    for (int j = 0; j < cols; ++j) {
+      lo[j] = static_cast<int>(clamp(query_begin(k0 + j) - q0, rows));
+      hi[j] = static_cast<int>(clamp(query_end(k0 + j) - q0, rows));
+    }
+    return true;
+  }
 };
 
 }  // namespace cpu

@@ -134,16 +134,9 @@ void recompute_block(const AttnBwdParams& p, const AttnMask& mask, const HeadVie
   gemm_nn(cols, rows, d, k_op.ptr, k_op.ld, scratch.q_t.get(), kBlockQ, s_t, kBlockQ, false, full_tile);  // S^T = K Q^T
   gemm_nn(cols, rows, d, v_op.ptr, v_op.ld, scratch.do_t.get(), kBlockQ, dp_t, kBlockQ, false, full_tile);  // dP^T
 
-  const int* query_lo = nullptr;
-  const int* query_hi = nullptr;
-  if (!mask.block_fully_visible(q0, q0 + rows, k0, k0 + cols)) {
-    for (int j = 0; j < cols; ++j) {
-      scratch.query_lo.get()[j] = static_cast<int>(std::clamp<int64_t>(mask.query_begin(k0 + j) - q0, 0, rows));
-      scratch.query_hi.get()[j] = static_cast<int>(std::clamp<int64_t>(mask.query_end(k0 + j) - q0, 0, rows));
-    }
-    query_lo = scratch.query_lo.get();
-    query_hi = scratch.query_hi.get();
-  }
+  const bool masked = mask.block_query_ranges(q0, rows, k0, cols, scratch.query_lo.get(), scratch.query_hi.get());
+  const int* query_lo = masked ? scratch.query_lo.get() : nullptr;
+  const int* query_hi = masked ? scratch.query_hi.get() : nullptr;
   probs_and_dscores_t(s_t, dp_t, kBlockQ, cols, rows, static_cast<acc_t>(p.softmax_scale), head.stats.neg_lse + q0,
                       head.stats.dsum + q0, query_lo, query_hi);
 }

@@ -122,16 +122,9 @@ void fwd_query_block(const AttnFwdParams& p, const AttnMask& mask, int64_t b, in
               full_tile);
 
       // Element mask, only where some entry of the block is hidden.
-      const int* query_lo = nullptr;
-      const int* query_hi = nullptr;
-      if (!mask.block_fully_visible(q0, q0 + rows, k0, k0 + cols)) {
-        for (int j = 0; j < cols; ++j) {
-          scratch.query_lo.get()[j] = static_cast<int>(std::clamp<int64_t>(mask.query_begin(k0 + j) - q0, 0, rows));
-          scratch.query_hi.get()[j] = static_cast<int>(std::clamp<int64_t>(mask.query_end(k0 + j) - q0, 0, rows));
-        }
-        query_lo = scratch.query_lo.get();
-        query_hi = scratch.query_hi.get();
-      }
+      const bool masked = mask.block_query_ranges(q0, rows, k0, cols, scratch.query_lo.get(), scratch.query_hi.get());
+      const int* query_lo = masked ? scratch.query_lo.get() : nullptr;
+      const int* query_hi = masked ? scratch.query_hi.get() : nullptr;
       // S^T -> P^T, update m and l, rescale O^T.
       online_softmax_step(s_t, block_q, cols, rows, query_lo, query_hi, row_max, row_sum, o_t, block_q, d,
                           scratch.softmax_work.get());
