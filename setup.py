@@ -107,7 +107,12 @@ def extensions():
         "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
     ] + defines
     for a in archs:
+        # sm90 is built as sm90a: the Hopper kernels use wgmma, which only the
+        # arch-specific target has (the binary runs on H100/H200 either way).
+        a = "90a" if a == "90" else a
         nvcc_flags += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+    if "90" in archs:
+        nvcc_flags += ["-DFLASHATTN_SM90"]
     if os.environ.get("FLASHATTN_PTXAS_VERBOSE", "0") == "1":
         nvcc_flags += ["-Xptxas", "-v"]
     print(f"flashattn_ext: building CUDA kernels for archs {archs}, head dims {dims}")

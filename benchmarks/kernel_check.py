@@ -8,6 +8,7 @@ failure. Usage: python benchmarks/kernel_check.py [--json PATH] [--quick]
 import argparse
 import json
 import math
+import os
 import sys
 import time
 
@@ -140,6 +141,12 @@ def quick_perf(dims):
                 res["ours_bwd"] = bench(
                     lambda: _ops.bwd(dout, q, k, v, out, lse, d**-0.5, -1, 0 if causal else -1, True, False)
                 )
+                if torch.cuda.get_device_capability() == (9, 0):  # the mma.sync backward, for comparison
+                    os.environ["FLASHATTN_DISABLE_SM90"] = "1"
+                    res["sm80_bwd"] = bench(
+                        lambda: _ops.bwd(dout, q, k, v, out, lse, d**-0.5, -1, 0 if causal else -1, True, False)
+                    )
+                    del os.environ["FLASHATTN_DISABLE_SM90"]
                 qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
                 for name, be in (("fa2", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
                     try:
@@ -159,7 +166,8 @@ def quick_perf(dims):
                 print(
                     f"perf d{d} n{n} causal={causal}: fwd ours {res.get('ours_fwd_tflops', 0):.0f} "
                     f"fa2 {res.get('fa2_fwd_tflops', 0):.0f} cudnn {res.get('cudnn_fwd_tflops', 0):.0f} | "
-                    f"bwd ours {res.get('ours_bwd_tflops', 0):.0f} fa2 {res.get('fa2_bwd_tflops', 0):.0f} "
+                    f"bwd ours {res.get('ours_bwd_tflops', 0):.0f} (mma.sync {res.get('sm80_bwd_tflops', 0):.0f}) "
+                    f"fa2 {res.get('fa2_bwd_tflops', 0):.0f} "
                     f"cudnn {res.get('cudnn_bwd_tflops', 0):.0f} TFLOP/s",
                     flush=True,
                 )

@@ -73,6 +73,10 @@ struct AttnFwdParams {
 
   MaskParams mask;
 
+  // Compute capability x 10 of the device the CUDA kernels run on (90 for
+  // H100/H200): picks architecture-specific kernels. 0 on the CPU.
+  int device_arch = 0;
+
   // Room for what comes next. None of these is read by a kernel yet; the
   // binding layer rejects any call that would need one (see attention_api.cpp).
   //   softcap > 0            : scores -> softcap * tanh(scores / softcap)

@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -137,6 +138,16 @@ void check_launch(cudaError_t err, const char* what, int kernel_dim, const at::T
   TORCH_CHECK(false, "flashattn_ext: CUDA ", what, " kernel failed: ", cudaGetErrorString(err));
 }
 
+// Compute capability x 10 of q's device, which picks architecture-specific
+// kernels. FLASHATTN_DISABLE_SM90=1 (read on every call) reports an sm90
+// device as 80, so that the mma.sync kernels can be timed against the wgmma ones.
+int device_arch(const at::Tensor& q) {
+  const auto* prop = at::cuda::getDeviceProperties(q.device().index());
+  const int arch = prop->major * 10 + prop->minor;
+  const char* disable = std::getenv("FLASHATTN_DISABLE_SM90");
+  return (arch == 90 && disable != nullptr && std::string(disable) == "1") ? 80 : arch;
+}
+
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                             double softmax_scale, int64_t window_left, int64_t window_right,
                                             bool bottom_right, bool /*deterministic: for the backward*/) {
@@ -149,7 +160,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   const at::Tensor q = make_kernel_ready(q_in), k = make_kernel_ready(k_in), v = make_kernel_ready(v_in);
   auto [out, lse] = alloc_fwd_outputs(q);
   check_grid((q.size(1) + 63) / 64 * q.size(0) * q.size(2), "forward");
-  const auto params = make_fwd_params(q, k, v, out, lse, softmax_scale, mask);
+  auto params = make_fwd_params(q, k, v, out, lse, softmax_scale, mask);
+  params.device_arch = device_arch(q);
   const auto stream = at::cuda::getCurrentCUDAStream().stream();
   const cudaError_t err = with_element_type(q.scalar_type(), [&](auto elem) {
     return with_kernel_head_dim(kdim, [&](auto dim) { return run_fwd<decltype(elem), decltype(dim)::value>(params, stream); });
@@ -188,6 +200,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_i
 
   auto params = make_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, mask, deterministic);
   params.dsum_ptr = dsum.data_ptr();
+  params.device_arch = device_arch(q);
   if (!deterministic) {
     params.dq_accum_ptr = dq_accum.data_ptr();
     params.dq_accum_batch_stride = dq_accum.stride(0);

@@ -6,6 +6,7 @@
 #include "dispatch.h"
 #include "flash_bwd_kernel.cuh"
 #include "flash_fwd_kernel.cuh"
+#include "hopper/flash_bwd_sm90_kernel.cuh"
 #include "kernel_configs.h"
 
 namespace flashattn {
@@ -29,17 +30,29 @@ cudaError_t launch_fwd(const AttnFwdParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// D = rowsum(dO * O): one warp per row.
+template <typename T>
+cudaError_t launch_bwd_preprocess(const AttnBwdParams& p, cudaStream_t stream) {
+  const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
+  constexpr int kThreads = 256;
+  bwd_preprocess_kernel<T><<<static_cast<unsigned>((rows * 32 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// dq = scale * dq_accum in the input dtype.
+template <typename T>
+cudaError_t launch_convert_dq(const AttnBwdParams& p, cudaStream_t stream) {
+  const int64_t chunks = int64_t(p.batch) * p.heads_q * p.seqlen_q * (p.head_dim / 8);
+  constexpr int kThreads = 256;
+  convert_dq_kernel<T><<<static_cast<unsigned>((chunks + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
 template <typename Kt, typename KtDq>
 cudaError_t launch_bwd(const AttnBwdParams& p, cudaStream_t stream) {
   using T = typename Kt::Element;
   static_assert(Kt::kBlockM <= kBwdBlockM && kBwdBlockM % Kt::kBlockM == 0, "the dQ accumulator is padded to kBwdBlockM rows");
-
-  {  // D = rowsum(dO * O): one warp per row.
-    const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
-    constexpr int kThreads = 256;
-    bwd_preprocess_kernel<T><<<static_cast<unsigned>((rows * 32 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p);
-    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  }
+  if (cudaError_t err = launch_bwd_preprocess<T>(p, stream); err != cudaSuccess) return err;
 
   const int64_t dkdv_blocks = int64_t(ceil_div(p.seqlen_k, Kt::kBlockN)) * Kt::kDSplit * p.heads_kv * p.batch;
   if (!p.deterministic) {
@@ -47,10 +60,7 @@ cudaError_t launch_bwd(const AttnBwdParams& p, cudaStream_t stream) {
     if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
     kernel<<<static_cast<unsigned>(dkdv_blocks), Kt::kNThreads, Kt::kSmemBytes, stream>>>(p);
     if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-    const int64_t chunks = int64_t(p.batch) * p.heads_q * p.seqlen_q * (p.head_dim / 8);
-    constexpr int kThreads = 256;
-    convert_dq_kernel<T><<<static_cast<unsigned>((chunks + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p);
-    return cudaGetLastError();
+    return launch_convert_dq<T>(p, stream);
   }
 
   auto dkdv = &flash_bwd_dkdv_kernel<Kt, false>;
@@ -62,6 +72,20 @@ cudaError_t launch_bwd(const AttnBwdParams& p, cudaStream_t stream) {
   const int64_t dq_blocks = int64_t(ceil_div(p.seqlen_q, KtDq::kBlockM)) * p.batch * p.heads_q;
   dq<<<static_cast<unsigned>(dq_blocks), KtDq::kNThreads, KtDq::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
+}
+
+// Hopper: the wgmma dK/dV/dQ kernel (non-deterministic dQ atomics).
+template <typename Kt>
+cudaError_t launch_bwd_sm90(const AttnBwdParams& p, cudaStream_t stream) {
+  using T = typename Kt::Element;
+  static_assert(kBwdBlockM % Kt::kBlockM == 0, "the dQ accumulator is padded to kBwdBlockM rows");
+  if (cudaError_t err = launch_bwd_preprocess<T>(p, stream); err != cudaSuccess) return err;
+  auto kernel = &flash_bwd_sm90_kernel<Kt>;
+  if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
+  const int64_t blocks = int64_t(ceil_div(p.seqlen_k, Kt::kBlockN)) * p.heads_kv * p.batch;
+  kernel<<<static_cast<unsigned>(blocks), Kt::kNThreads, Kt::kSmemBytes, stream>>>(p);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  return launch_convert_dq<T>(p, stream);
 }
 
 #ifdef FLASHATTN_TUNING
@@ -101,6 +125,13 @@ cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
 
 template <typename T, int kHeadDim>
 cudaError_t run_bwd(const AttnBwdParams& p, cudaStream_t stream) {
+#ifdef FLASHATTN_SM90
+  // Built for sm90a and running on an sm90 device: the wgmma kernel, for the
+  // head dims it has and the (non-deterministic) dQ atomics.
+  if constexpr (kHeadDim == 64 || kHeadDim == 128) {
+    if (p.device_arch == 90 && !p.deterministic) return launch_bwd_sm90<BwdSm90Traits<kHeadDim, T>>(p, stream);
+  }
+#endif
 #ifdef FLASHATTN_TUNING
   return run_bwd_variant<T, kHeadDim>(typename TuneVariants<kHeadDim, T>::Bwd{}, p, stream);
 #else

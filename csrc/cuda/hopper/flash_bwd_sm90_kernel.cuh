@@ -1,0 +1,265 @@
+// The backward dK/dV(/dQ) kernel for Hopper (sm90a): the same algorithm as
+// flash_bwd_dkdv_kernel (see ../flash_bwd_kernel.cuh), with every product on
+// wgmma instead of mma.sync. wgmma reads its shared-memory operands once per
+// warpgroup instead of once per warp through ldmatrix, which is what bounds the
+// mma.sync backward; it also runs asynchronously, so the softmax work of one
+// product overlaps the next.
+//
+// A CTA owns kBlockN = 128 keys and sweeps the query blocks (64 rows) of every
+// query head of its GQA group. Two warpgroups of 4 warps each own 64 keys:
+//
+//   S^T  = K_w Q^T            wgmma SS, both K-major             (64 x 64)
+//   dP^T = V_w dO^T           wgmma SS, both K-major             (64 x 64)
+//   P^T  = exp2(S^T * scale_log2 - lse), dS^T = P^T * (dP^T - D)  (registers)
+//   dV_w += P^T dO            wgmma RS, P^T from registers, dO N-major
+//   dK_w += dS^T Q            wgmma RS, dS^T from registers, Q N-major
+//   dQ   += dS K              wgmma SS, dS^T from shared memory (M-major), K N-major
+//
+// dQ needs dS for all 128 keys: dS^T goes to shared memory. At head dim 128
+// the warpgroups split dQ by columns (64 each, contracting all keys); at head
+// dim 64 by keys (each contracts its own 64 keys over all 64 columns, and the
+// two partial sums meet in the fp32 atomics).
+#pragma once
+
+#include "../flash_bwd_kernel.cuh"
+#include "wgmma.cuh"
+
+namespace flashattn {
+
+template <int kHeadDim_, typename Element_>
+struct BwdSm90Traits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 64;    // queries per step (wgmma's M)
+  static constexpr int kBlockN = 128;   // keys per CTA
+  static constexpr int kNWarps = 8;     // two warpgroups
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kWgKeys = kBlockN / 2;  // keys of a warpgroup
+  static constexpr int kQStages = 2;            // Q / dO double buffering
+  static constexpr int kDSplit = 1;
+  static constexpr bool kDqSplitKeys = kHeadDim == 64;
+  static constexpr int kDqCols = 64;  // dQ columns of a warpgroup
+
+  using TileQ = SmemTile<kBlockM, kHeadDim>;   // Q and dO blocks
+  using TileKV = SmemTile<kBlockN, kHeadDim>;  // K and V
+  using TileDS = SmemTile<kBlockN, kBlockM>;   // dS^T, [key][query]
+  static constexpr int kPanelQ = TileQ::kRows * 128;    // bytes of one 64-column panel
+  static constexpr int kPanelKV = TileKV::kRows * 128;
+  static constexpr int kPanelDS = TileDS::kRows * 128;
+  // +1024: the start of dynamic shared memory is rounded up to a 1024-byte
+  // boundary (wgmma's swizzle repeats every 1024 bytes).
+  static constexpr int kSmemBytes =
+      1024 + (2 * TileKV::kElems + 2 * kQStages * TileQ::kElems + TileDS::kElems) * 2 + 2 * kQStages * kBlockM * 4;
+
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims of the Hopper backward");
+  static_assert(TileQ::kPanel == 64 && TileKV::kPanel == 64 && TileDS::kPanel == 64, "128-byte panels");
+};
+
+template <typename Kt>
+__global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_sm90_kernel(const AttnBwdParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = typename Kt::Element;
+  using TileQ = typename Kt::TileQ;
+  using TileKV = typename Kt::TileKV;
+  using TileDS = typename Kt::TileDS;
+  constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
+  constexpr int kNThreads = Kt::kNThreads, kStages = Kt::kQStages;
+  constexpr int kKSteps = kHeadDim / 16;  // k-steps of S^T and dP^T
+  constexpr int kQSteps = kBlockM / 16;   // k-steps of dV and dK (over queries)
+  constexpr int kDT = kHeadDim / 8;       // n-tiles of a dK / dV row
+
+  extern __shared__ char smem_raw[];
+  char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  T* sK = reinterpret_cast<T*>(smem);
+  T* sV = sK + TileKV::kElems;
+  T* sQ = sV + TileKV::kElems;            // [kStages] Q blocks
+  T* sdO = sQ + kStages * TileQ::kElems;  // [kStages] dO blocks
+  T* sdS = sdO + kStages * TileQ::kElems;  // dS^T of the current tile
+  float* sLse = reinterpret_cast<float*>(sdS + TileDS::kElems);  // [kStages][kBlockM]
+  float* sDsum = sLse + kStages * kBlockM;                       // [kStages][kBlockM]
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
+  const int wg = warp / 4, warp_in_wg = warp % 4;
+  const int g = lane >> 2, t = lane & 3;
+  const int num_n_blocks = ceil_div(p.seqlen_k, kBlockN);
+  const int n_block = static_cast<int>(blockIdx.x % num_n_blocks);
+  const int h_kv = static_cast<int>((blockIdx.x / num_n_blocks) % p.heads_kv);
+  const int b = static_cast<int>(blockIdx.x / num_n_blocks / p.heads_kv);
+  const int ratio = p.heads_ratio();
+  const int n0 = n_block * kBlockN;
+  const int keys = min(kBlockN, p.seqlen_k - n0);
+
+  const T* gK = static_cast<const T*>(p.k_ptr) + b * p.k_batch_stride + h_kv * p.k_head_stride + n0 * p.k_row_stride;
+  const T* gV = static_cast<const T*>(p.v_ptr) + b * p.v_batch_stride + h_kv * p.v_head_stride + n0 * p.v_row_stride;
+  T* gdK = static_cast<T*>(p.dk_ptr) + b * p.dk_batch_stride + h_kv * p.dk_head_stride + n0 * p.dk_row_stride;
+  T* gdV = static_cast<T*>(p.dv_ptr) + b * p.dv_batch_stride + h_kv * p.dv_head_stride + n0 * p.dv_row_stride;
+
+  const BlockMask mask(p);
+  int m_min, m_max;
+  mask.query_block_range<kBlockM>(n0, keys, m_min, m_max);
+  const int m_blocks = m_max - m_min;
+  const int iters = m_blocks * ratio;
+  const int wg_key0 = wg * Kt::kWgKeys;         // this warpgroup's first key in the block
+  const int warp_key0 = wg_key0 + warp_in_wg * 16;  // this warp's rows of S^T, dK, dV
+
+  // Step `it` visits query head hq and query block m0; the key blocks of a head
+  // start their sweeps at different query blocks (spreads the dQ atomics).
+  auto query_block = [&](int it, int& hq, int& m0) {
+    const int j = (it + n_block) % iters;
+    hq = h_kv * ratio + j / m_blocks;
+    m0 = (m_min + j % m_blocks) * kBlockM;
+  };
+  auto load_q_block = [&](int it, int stage) {
+    int hq, m0;
+    query_block(it, hq, m0);
+    const int rows = min(kBlockM, p.seqlen_q - m0);
+    const T* gQ = static_cast<const T*>(p.q_ptr) + b * p.q_batch_stride + hq * p.q_head_stride + m0 * p.q_row_stride;
+    const T* gdO =
+        static_cast<const T*>(p.do_ptr) + b * p.do_batch_stride + hq * p.do_head_stride + m0 * p.do_row_stride;
+    const int64_t vec = (int64_t(b) * p.heads_q + hq) * p.seqlen_q + m0;
+    copy_tile_async<TileQ, kNThreads>(sQ + stage * TileQ::kElems, gQ, p.q_row_stride, rows, p.head_dim, tid);
+    copy_tile_async<TileQ, kNThreads>(sdO + stage * TileQ::kElems, gdO, p.do_row_stride, rows, p.head_dim, tid);
+    copy_rowvec_async<kBlockM, kNThreads>(sLse + stage * kBlockM, static_cast<const float*>(p.lse_ptr) + vec, rows,
+                                          tid);
+    copy_rowvec_async<kBlockM, kNThreads>(sDsum + stage * kBlockM, static_cast<const float*>(p.dsum_ptr) + vec, rows,
+                                          tid);
+  };
+
+  // Descriptors: K-major operands step 32 bytes per 16 columns inside a panel
+  // and a panel per 64; N/M-major operands step 16 rows (2048 bytes) per k-step.
+  constexpr uint32_t kSbo = 1024;
+  const uint64_t desc_k = smem_desc(smem_u32(sK) + wg_key0 * 128, 16, kSbo);  // A of S^T (K-major)
+  const uint64_t desc_v = smem_desc(smem_u32(sV) + wg_key0 * 128, 16, kSbo);  // A of dP^T
+  auto kmajor_step = [](int ks, uint32_t panel_bytes) { return (ks / 4) * panel_bytes + (ks % 4) * 32; };
+  // dQ: warpgroup wg contracts keys [dq_key0, dq_key0 + dq_keys) into columns [dq_col0, dq_col0 + 64).
+  constexpr int kDqKSteps = (Kt::kDqSplitKeys ? Kt::kWgKeys : kBlockN) / 16;
+  const int dq_key0 = Kt::kDqSplitKeys ? wg_key0 : 0;
+  const int dq_col0 = Kt::kDqSplitKeys ? 0 : wg * Kt::kDqCols;
+  const uint64_t desc_ds = smem_desc(smem_u32(sdS) + dq_key0 * 128, Kt::kPanelDS, kSbo);  // A of dS K (M-major)
+  const uint64_t desc_k_n =
+      smem_desc(smem_u32(sK) + (dq_col0 / 64) * Kt::kPanelKV + dq_key0 * 128, Kt::kPanelKV, kSbo);  // B (N-major)
+
+  float acc_dk[1][kDT][4], acc_dv[1][kDT][4];
+  clear(acc_dk);
+  clear(acc_dv);
+
+  if (iters > 0) {
+    copy_tile_async<TileKV, kNThreads>(sK, gK, p.k_row_stride, keys, p.head_dim, tid);
+    copy_tile_async<TileKV, kNThreads>(sV, gV, p.v_row_stride, keys, p.head_dim, tid);
+    load_q_block(0, 0);
+    cp_async_commit();
+  }
+
+  for (int it = 0; it < iters; ++it) {
+    const int stage = it % kStages;
+    int hq, m0;
+    query_block(it, hq, m0);
+    const uint32_t q_addr = smem_u32(sQ + stage * TileQ::kElems), do_addr = smem_u32(sdO + stage * TileQ::kElems);
+    const uint64_t desc_q = smem_desc(q_addr, 16, kSbo), desc_do = smem_desc(do_addr, 16, kSbo);  // K-major B
+    const uint64_t desc_q_n = smem_desc(q_addr, Kt::kPanelQ, kSbo);                               // N-major B
+    const uint64_t desc_do_n = smem_desc(do_addr, Kt::kPanelQ, kSbo);
+    const float* sLses = sLse + stage * kBlockM;
+    const float* sDsums = sDsum + stage * kBlockM;
+
+    cp_async_wait<0>();
+    fence_proxy_async_smem();  // the cp.async data is read by wgmma
+    __syncthreads();           // this stage has landed; every warp is done with the previous tile
+    if (it + 1 < iters) {
+      load_q_block(it + 1, (it + 1) % kStages);
+      cp_async_commit();
+    }
+
+    // S^T and dP^T, issued back to back: the exponentials of S^T overlap dP^T.
+    float acc_s[1][8][4], acc_dp[1][8][4];
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks)
+      Wgmma<64, T>::template ss<0, 0>(acc_s[0], desc_add(desc_k, kmajor_step(ks, Kt::kPanelKV)),
+                                      desc_add(desc_q, kmajor_step(ks, Kt::kPanelQ)), ks > 0);
+    wgmma_commit();
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks)
+      Wgmma<64, T>::template ss<0, 0>(acc_dp[0], desc_add(desc_v, kmajor_step(ks, Kt::kPanelKV)),
+                                      desc_add(desc_do, kmajor_step(ks, Kt::kPanelQ)), ks > 0);
+    wgmma_commit();
+
+    wgmma_wait<1>();
+    pin_registers(acc_s[0]);
+#pragma unroll
+    for (int qi = 0; qi < 8; ++qi)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int q = qi * 8 + 2 * t + e;
+        const float lse_log2 = (m0 + q < p.seqlen_q) ? lse_to_log2(sLses[q]) : INFINITY;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float& x = acc_s[0][qi][2 * h + e];
+          x = fast_exp2(x * p.softmax_scale_log2 - lse_log2);
+        }
+      }
+    if (mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0)) apply_mask_cols(acc_s, mask, n0 + warp_key0, m0, lane, 0.f);
+
+    wgmma_wait<0>();
+    pin_registers(acc_dp[0]);
+#pragma unroll
+    for (int qi = 0; qi < 8; ++qi)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float dsum = sDsums[qi * 8 + 2 * t + e];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float& x = acc_dp[0][qi][2 * h + e];
+          x = acc_s[0][qi][2 * h + e] * (x - dsum);
+        }
+      }
+
+    // dV += P^T dO and dK += dS^T Q, with P^T and dS^T as register A operands.
+    uint32_t a_p[kQSteps][4], a_ds[kQSteps][4];
+#pragma unroll
+    for (int kk = 0; kk < kQSteps; ++kk) {
+      acc_to_a<T>(a_p[kk], acc_s[0], kk);
+      acc_to_a<T>(a_ds[kk], acc_dp[0], kk);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kQSteps; ++kk) Wgmma<kHeadDim, T>::template rs<1>(acc_dv[0], a_p[kk], desc_add(desc_do_n, kk * 2048), 1);
+#pragma unroll
+    for (int kk = 0; kk < kQSteps; ++kk) Wgmma<kHeadDim, T>::template rs<1>(acc_dk[0], a_ds[kk], desc_add(desc_q_n, kk * 2048), 1);
+    wgmma_commit();
+
+    // dQ = dS K: dS^T through shared memory (the other warpgroup's keys too).
+    store_acc<TileDS>(sdS, acc_dp, warp_key0, 0, lane);
+    fence_proxy_async_smem();
+    __syncthreads();
+    float acc_dq[8][4];
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kDqKSteps; ++ks)
+      Wgmma<64, T>::template ss<1, 1>(acc_dq, desc_add(desc_ds, ks * 2048), desc_add(desc_k_n, ks * 2048), ks > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    pin_registers(acc_dq);
+    pin_registers(acc_dv[0]);
+    pin_registers(acc_dk[0]);
+
+    float* gdq = static_cast<float*>(p.dq_accum_ptr) + b * p.dq_accum_batch_stride + hq * p.dq_accum_head_stride +
+                 (m0 + warp_in_wg * 16) * p.dq_accum_row_stride + dq_col0;
+#pragma unroll
+    for (int di = 0; di < 8; ++di)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        atomic_add2(gdq + (g + 8 * h) * p.dq_accum_row_stride + di * 8 + 2 * t, acc_dq[di][2 * h],
+                    acc_dq[di][2 * h + 1]);
+  }
+
+  // Epilogue: stage dK (scaled) and dV through sK / sV, then 16-byte stores.
+  __syncthreads();
+  store_acc<TileKV>(sK, acc_dk, warp_key0, 0, lane, p.softmax_scale);
+  store_acc<TileKV>(sV, acc_dv, warp_key0, 0, lane);
+  __syncthreads();
+  store_tile<TileKV, kNThreads>(gdK, p.dk_row_stride, sK, keys, p.head_dim, tid);
+  store_tile<TileKV, kNThreads>(gdV, p.dv_row_stride, sV, keys, p.head_dim, tid);
+#endif
+}
+
+}  // namespace flashattn
