@@ -129,7 +129,8 @@ cudaError_t run_bwd(const AttnBwdParams& p, cudaStream_t stream) {
   // Built for sm90a and running on an sm90 device: the wgmma kernel, for the
   // head dims it has and the (non-deterministic) dQ atomics.
   if constexpr (kHeadDim == 64 || kHeadDim == 128) {
-    if (p.device_arch == 90 && !p.deterministic) return launch_bwd_sm90<BwdSm90Traits<kHeadDim, T>>(p, stream);
+    if (p.device_arch == 90 && !p.deterministic)
+      return launch_bwd_sm90<typename KernelConfig<kHeadDim, T>::BwdSm90>(p, stream);
   }
 #endif
 #ifdef FLASHATTN_TUNING

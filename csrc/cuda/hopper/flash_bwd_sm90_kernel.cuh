@@ -5,20 +5,22 @@
 // mma.sync backward; it also runs asynchronously, so the softmax work of one
 // product overlaps the next.
 //
-// A CTA owns kBlockN = 128 keys and sweeps the query blocks (64 rows) of every
-// query head of its GQA group. Two warpgroups of 4 warps each own 64 keys:
+// A CTA owns kBlockN = 128 keys and sweeps the query blocks (kBlockM rows) of
+// every query head of its GQA group. Two warpgroups of 4 warps each own 64 keys:
 //
-//   S^T  = K_w Q^T            wgmma SS, both K-major             (64 x 64)
-//   dP^T = V_w dO^T           wgmma SS, both K-major             (64 x 64)
+//   S^T  = K_w Q^T            wgmma SS, both K-major             (64 x kBlockM)
+//   dP^T = V_w dO^T           wgmma SS, both K-major             (64 x kBlockM)
 //   P^T  = exp2(S^T * scale_log2 - lse), dS^T = P^T * (dP^T - D)  (registers)
 //   dV_w += P^T dO            wgmma RS, P^T from registers, dO N-major
 //   dK_w += dS^T Q            wgmma RS, dS^T from registers, Q N-major
 //   dQ   += dS K              wgmma SS, dS^T from shared memory (M-major), K N-major
 //
-// dQ needs dS for all 128 keys: dS^T goes to shared memory. At head dim 128
-// the warpgroups split dQ by columns (64 each, contracting all keys); at head
-// dim 64 by keys (each contracts its own 64 keys over all 64 columns, and the
-// two partial sums meet in the fp32 atomics).
+// dQ needs dS for all 128 keys: dS^T goes to shared memory, and each
+// warpgroup computes a 64 x 64 block of dQ (kBlockM x kHeadDim in all):
+//   kBlockM 128, head dim 64:  by query rows (64 each, contracting all keys)
+//   kBlockM 64, head dim 128:  by columns (64 each, contracting all keys)
+//   kBlockM 64, head dim 64:   by keys (each contracts its own 64 keys; the two
+//                              partial sums meet in the fp32 atomics)
 #pragma once
 
 #include "../flash_bwd_kernel.cuh"
@@ -26,19 +28,21 @@
 
 namespace flashattn {
 
-template <int kHeadDim_, typename Element_>
+template <int kHeadDim_, int kBlockM_, typename Element_>
 struct BwdSm90Traits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 64;    // queries per step (wgmma's M)
+  static constexpr int kBlockM = kBlockM_;  // queries per step
   static constexpr int kBlockN = 128;   // keys per CTA
   static constexpr int kNWarps = 8;     // two warpgroups
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kWgKeys = kBlockN / 2;  // keys of a warpgroup
   static constexpr int kQStages = 2;            // Q / dO double buffering
   static constexpr int kDSplit = 1;
-  static constexpr bool kDqSplitKeys = kHeadDim == 64;
-  static constexpr int kDqCols = 64;  // dQ columns of a warpgroup
+  // The 64 x 64 dQ block of a warpgroup (see the top of the file).
+  static constexpr bool kDqSplitRows = kBlockM == 128;
+  static constexpr bool kDqSplitCols = kBlockM == 64 && kHeadDim == 128;
+  static constexpr bool kDqSplitKeys = kBlockM == 64 && kHeadDim == 64;
 
   using TileQ = SmemTile<kBlockM, kHeadDim>;   // Q and dO blocks
   using TileKV = SmemTile<kBlockN, kHeadDim>;  // K and V
@@ -51,7 +55,8 @@ struct BwdSm90Traits {
   static constexpr int kSmemBytes =
       1024 + (2 * TileKV::kElems + 2 * kQStages * TileQ::kElems + TileDS::kElems) * 2 + 2 * kQStages * kBlockM * 4;
 
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims of the Hopper backward");
+  static_assert((kHeadDim == 64 || kHeadDim == 128) && (kBlockM == 64 || kBlockM == 128), "Hopper backward shapes");
+  static_assert(kBlockM * kHeadDim <= 128 * 64, "the dQ block is one 64 x 64 block per warpgroup");
   static_assert(TileQ::kPanel == 64 && TileKV::kPanel == 64 && TileDS::kPanel == 64, "128-byte panels");
 };
 
@@ -66,6 +71,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_sm90_kernel(const 
   constexpr int kNThreads = Kt::kNThreads, kStages = Kt::kQStages;
   constexpr int kKSteps = kHeadDim / 16;  // k-steps of S^T and dP^T
   constexpr int kQSteps = kBlockM / 16;   // k-steps of dV and dK (over queries)
+  constexpr int kQT = kBlockM / 8;        // n-tiles of an S^T row
   constexpr int kDT = kHeadDim / 8;       // n-tiles of a dK / dV row
 
   extern __shared__ char smem_raw[];
@@ -131,11 +137,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_sm90_kernel(const 
   const uint64_t desc_k = smem_desc(smem_u32(sK) + wg_key0 * 128, 16, kSbo);  // A of S^T (K-major)
   const uint64_t desc_v = smem_desc(smem_u32(sV) + wg_key0 * 128, 16, kSbo);  // A of dP^T
   auto kmajor_step = [](int ks, uint32_t panel_bytes) { return (ks / 4) * panel_bytes + (ks % 4) * 32; };
-  // dQ: warpgroup wg contracts keys [dq_key0, dq_key0 + dq_keys) into columns [dq_col0, dq_col0 + 64).
+  // dQ: warpgroup wg contracts keys [dq_key0, ..) into rows [dq_row0, +64) x columns [dq_col0, +64).
   constexpr int kDqKSteps = (Kt::kDqSplitKeys ? Kt::kWgKeys : kBlockN) / 16;
   const int dq_key0 = Kt::kDqSplitKeys ? wg_key0 : 0;
-  const int dq_col0 = Kt::kDqSplitKeys ? 0 : wg * Kt::kDqCols;
-  const uint64_t desc_ds = smem_desc(smem_u32(sdS) + dq_key0 * 128, Kt::kPanelDS, kSbo);  // A of dS K (M-major)
+  const int dq_row0 = Kt::kDqSplitRows ? wg * 64 : 0;
+  const int dq_col0 = Kt::kDqSplitCols ? wg * 64 : 0;
+  const uint64_t desc_ds =
+      smem_desc(smem_u32(sdS) + (dq_row0 / 64) * Kt::kPanelDS + dq_key0 * 128, Kt::kPanelDS, kSbo);  // A (M-major)
   const uint64_t desc_k_n =
       smem_desc(smem_u32(sK) + (dq_col0 / 64) * Kt::kPanelKV + dq_key0 * 128, Kt::kPanelKV, kSbo);  // B (N-major)
 
@@ -170,23 +178,23 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_sm90_kernel(const 
     }
 
     // S^T and dP^T, issued back to back: the exponentials of S^T overlap dP^T.
-    float acc_s[1][8][4], acc_dp[1][8][4];
+    float acc_s[1][kQT][4], acc_dp[1][kQT][4];
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks)
-      Wgmma<64, T>::template ss<0, 0>(acc_s[0], desc_add(desc_k, kmajor_step(ks, Kt::kPanelKV)),
+      Wgmma<kBlockM, T>::template ss<0, 0>(acc_s[0], desc_add(desc_k, kmajor_step(ks, Kt::kPanelKV)),
                                       desc_add(desc_q, kmajor_step(ks, Kt::kPanelQ)), ks > 0);
     wgmma_commit();
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks)
-      Wgmma<64, T>::template ss<0, 0>(acc_dp[0], desc_add(desc_v, kmajor_step(ks, Kt::kPanelKV)),
+      Wgmma<kBlockM, T>::template ss<0, 0>(acc_dp[0], desc_add(desc_v, kmajor_step(ks, Kt::kPanelKV)),
                                       desc_add(desc_do, kmajor_step(ks, Kt::kPanelQ)), ks > 0);
     wgmma_commit();
 
     wgmma_wait<1>();
     pin_registers(acc_s[0]);
 #pragma unroll
-    for (int qi = 0; qi < 8; ++qi)
+    for (int qi = 0; qi < kQT; ++qi)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int q = qi * 8 + 2 * t + e;
@@ -202,7 +210,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_sm90_kernel(const 
     wgmma_wait<0>();
     pin_registers(acc_dp[0]);
 #pragma unroll
-    for (int qi = 0; qi < 8; ++qi)
+    for (int qi = 0; qi < kQT; ++qi)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const float dsum = sDsums[qi * 8 + 2 * t + e];
@@ -243,7 +251,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_sm90_kernel(const 
     pin_registers(acc_dk[0]);
 
     float* gdq = static_cast<float*>(p.dq_accum_ptr) + b * p.dq_accum_batch_stride + hq * p.dq_accum_head_stride +
-                 (m0 + warp_in_wg * 16) * p.dq_accum_row_stride + dq_col0;
+                 (m0 + dq_row0 + warp_in_wg * 16) * p.dq_accum_row_stride + dq_col0;
 #pragma unroll
     for (int di = 0; di < 8; ++di)
 #pragma unroll
