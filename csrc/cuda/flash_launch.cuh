@@ -7,6 +7,7 @@
 #include "flash_bwd_kernel.cuh"
 #include "flash_fwd_kernel.cuh"
 #include "hopper/flash_bwd_sm90_kernel.cuh"
+#include "hopper/flash_fwd_sm90_kernel.cuh"
 #include "kernel_configs.h"
 
 namespace flashattn {
@@ -24,6 +25,16 @@ cudaError_t allow_smem(Kernel kernel, int bytes) {
 template <typename Kt>
 cudaError_t launch_fwd(const AttnFwdParams& p, cudaStream_t stream) {
   auto kernel = &flash_fwd_kernel<Kt>;
+  if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
+  const int64_t blocks = int64_t(ceil_div(p.seqlen_q, Kt::kBlockM)) * p.batch * p.heads_q;
+  kernel<<<static_cast<unsigned>(blocks), Kt::kNThreads, Kt::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// Hopper: the wgmma forward; same grid as launch_fwd.
+template <typename Kt>
+cudaError_t launch_fwd_sm90(const AttnFwdParams& p, cudaStream_t stream) {
+  auto kernel = &flash_fwd_sm90_kernel<Kt>;
   if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
   const int64_t blocks = int64_t(ceil_div(p.seqlen_q, Kt::kBlockM)) * p.batch * p.heads_q;
   kernel<<<static_cast<unsigned>(blocks), Kt::kNThreads, Kt::kSmemBytes, stream>>>(p);
@@ -116,6 +127,12 @@ cudaError_t run_bwd_variant(Variants<Kts...>, const AttnBwdParams& p, cudaStream
 
 template <typename T, int kHeadDim>
 cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
+#ifdef FLASHATTN_SM90
+  // Built for sm90a and running on an sm90 device: the wgmma kernel.
+  if constexpr (kHeadDim == 64 || kHeadDim == 128) {
+    if (p.device_arch == 90) return launch_fwd_sm90<typename KernelConfig<kHeadDim, T>::FwdSm90>(p, stream);
+  }
+#endif
 #ifdef FLASHATTN_TUNING
   return run_fwd_variant<T, kHeadDim>(typename TuneVariants<kHeadDim, T>::Fwd{}, p, stream);
 #else

@@ -6,6 +6,7 @@
 
 #include "dispatch.h"
 #include "hopper/flash_bwd_sm90_kernel.cuh"
+#include "hopper/flash_fwd_sm90_kernel.cuh"
 #include "kernel_traits.h"
 
 namespace flashattn {
@@ -16,7 +17,7 @@ struct KernelConfig;
 // FwdTraits<D, M, N, warps, minBlocks, stages>
 // BwdTraits<D, M, N, warps, dsplit, qstages, query warps of S^T (1: P^T stays in registers)>
 // BwdDqTraits<D, M, N, warps>
-// BwdSm90Traits<D, M> (Hopper wgmma backward, head dims 64 and 128)
+// FwdSm90Traits<D, N>, BwdSm90Traits<D, M> (Hopper wgmma kernels, head dims 64 and 128)
 template <typename T> struct KernelConfig<32, T> {
   using Fwd = FwdTraits<32, 128, 128, 4, 2, 1, T>;
   using Bwd = BwdTraits<32, 32, 128, 4, 1, 2, 1, T>;
@@ -26,6 +27,7 @@ template <typename T> struct KernelConfig<64, T> {
   using Fwd = FwdTraits<64, 128, 64, 4, 2, 1, T>;
   using Bwd = BwdTraits<64, 32, 128, 4, 1, 2, 1, T>;  // 32 keys per warp: half the Q/dO fragment traffic
   using BwdDq = BwdDqTraits<64, 64, 64, 4, T>;
+  using FwdSm90 = FwdSm90Traits<64, 128, T>;
   using BwdSm90 = BwdSm90Traits<64, 128, T>;  // 128 queries a step: half the dQ atomics per flop of 64
 };
 template <typename T> struct KernelConfig<96, T> {
@@ -37,6 +39,7 @@ template <typename T> struct KernelConfig<128, T> {
   using Fwd = FwdTraits<128, 128, 64, 4, 2, 2, T>;  // two K/V stages
   using Bwd = BwdTraits<128, 64, 128, 8, 1, 2, 2, T>;  // 2-D S^T tiles, P^T / dS^T through smem
   using BwdDq = BwdDqTraits<128, 64, 64, 4, T>;
+  using FwdSm90 = FwdSm90Traits<128, 128, T>;
   using BwdSm90 = BwdSm90Traits<128, 64, T>;
 };
 template <typename T> struct KernelConfig<192, T> {

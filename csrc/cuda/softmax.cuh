@@ -28,9 +28,11 @@ struct OnlineSoftmax {
   }
 
   // s: scores of one key block (masked entries -inf), overwritten with P.
-  // o: output accumulator, rescaled to the new row max.
-  template <bool kPositiveScale, int kNT, int kDT>
-  __device__ __forceinline__ void update(float (&s)[kMT][kNT][4], float (&o)[kMT][kDT][4], float scale_log2) {
+  // correction: the factor the output rows must be multiplied by for the new
+  // row max (see rescale); kept apart so a kernel can compute P while the
+  // previous block's P V is still running into O.
+  template <bool kPositiveScale, int kNT>
+  __device__ __forceinline__ void softmax_rows(float (&s)[kMT][kNT][4], float scale_log2, float (&correction)[kMT][2]) {
 #pragma unroll
     for (int mi = 0; mi < kMT; ++mi)
 #pragma unroll
@@ -52,7 +54,7 @@ struct OnlineSoftmax {
         // A row that has seen only masked keys keeps max -inf; use 0 as its
         // shift so exp2(-inf - shift) is 0 rather than NaN.
         const float shift = (mx == -INFINITY) ? 0.f : mx * sc;
-        const float correction = fast_exp2(row_max[mi][h] * sc - shift);
+        correction[mi][h] = fast_exp2(row_max[mi][h] * sc - shift);
         row_max[mi][h] = mx;
         float sum = 0.f;
 #pragma unroll
@@ -63,10 +65,26 @@ struct OnlineSoftmax {
             s[mi][ni][2 * h + e] = pv;
             sum += pv;
           }
-        row_sum[mi][h] = row_sum[mi][h] * correction + sum;
-#pragma unroll
-        for (int di = 0; di < kDT; ++di) o[mi][di][2 * h] *= correction, o[mi][di][2 * h + 1] *= correction;
+        row_sum[mi][h] = row_sum[mi][h] * correction[mi][h] + sum;
       }
+  }
+
+  template <int kDT>
+  __device__ __forceinline__ static void rescale(float (&o)[kMT][kDT][4], const float (&correction)[kMT][2]) {
+#pragma unroll
+    for (int mi = 0; mi < kMT; ++mi)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int di = 0; di < kDT; ++di) o[mi][di][2 * h] *= correction[mi][h], o[mi][di][2 * h + 1] *= correction[mi][h];
+  }
+
+  // Both at once: P for this block and O rescaled.
+  template <bool kPositiveScale, int kNT, int kDT>
+  __device__ __forceinline__ void update(float (&s)[kMT][kNT][4], float (&o)[kMT][kDT][4], float scale_log2) {
+    float correction[kMT][2];
+    softmax_rows<kPositiveScale>(s, scale_log2, correction);
+    rescale(o, correction);
   }
 
   // O /= l, and lse (natural log of the scaled scores); rows that saw no key
