@@ -143,6 +143,7 @@ def quick_perf(dims):
                 )
                 if torch.cuda.get_device_capability() == (9, 0):  # the mma.sync backward, for comparison
                     os.environ["FLASHATTN_DISABLE_SM90"] = "1"
+                    res["sm80_fwd"] = bench(lambda: _ops.fwd(q, k, v, d**-0.5, -1, 0 if causal else -1, True, False))
                     res["sm80_bwd"] = bench(
                         lambda: _ops.bwd(dout, q, k, v, out, lse, d**-0.5, -1, 0 if causal else -1, True, False)
                     )
@@ -165,6 +166,7 @@ def quick_perf(dims):
                 rows.append(res)
                 print(
                     f"perf d{d} n{n} causal={causal}: fwd ours {res.get('ours_fwd_tflops', 0):.0f} "
+                    f"(mma.sync {res.get('sm80_fwd_tflops', 0):.0f}) "
                     f"fa2 {res.get('fa2_fwd_tflops', 0):.0f} cudnn {res.get('cudnn_fwd_tflops', 0):.0f} | "
                     f"bwd ours {res.get('ours_bwd_tflops', 0):.0f} (mma.sync {res.get('sm80_bwd_tflops', 0):.0f}) "
                     f"fa2 {res.get('fa2_bwd_tflops', 0):.0f} "
