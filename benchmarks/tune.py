@@ -19,7 +19,10 @@ import flashattn_ext  # noqa: F401
 from flashattn_ext import _ops
 from kernel_check import bench  # noqa: E402  (benchmarks/ is the script's directory)
 
-VARIANTS = {"fwd": {64: 2, 128: 2}, "bwd": {64: 2, 128: 2}}
+# Entries of TuneVariants (csrc/cuda/kernel_configs.h) per pass and head dim:
+# the wgmma lists (FwdSm90 / BwdSm90) on an sm90 device, the mma.sync ones elsewhere.
+VARIANTS_SM90 = {"fwd": {64: 3, 128: 3}, "bwd": {64: 2, 128: 1}}
+VARIANTS_SM80 = {"fwd": {64: 2, 128: 2}, "bwd": {64: 2, 128: 2}}
 
 
 def main():
@@ -29,6 +32,8 @@ def main():
     ap.add_argument("--seqlens", default="512,2048,8192")
     args = ap.parse_args()
     assert "tuning=1" in torch.ops.flashattn_ext.build_info(), "needs a FLASHATTN_TUNING=1 build"
+    sm90 = torch.cuda.get_device_capability() == (9, 0) and os.environ.get("FLASHATTN_DISABLE_SM90") != "1"
+    VARIANTS = VARIANTS_SM90 if sm90 else VARIANTS_SM80
     rows = []
     for d in (int(x) for x in args.dims.split(",")):
         for causal in (False, True):

@@ -106,21 +106,13 @@ inline int tune_variant(const char* name) {
   return v ? std::atoi(v) : 0;
 }
 
-template <typename T, int kHeadDim, typename... Kts>
-cudaError_t run_fwd_variant(Variants<Kts...>, const AttnFwdParams& p, cudaStream_t stream) {
-  const int want = tune_variant("FLASHATTN_FWD_VARIANT");
+// Calls launch(Kt{}) for the entry of `variants` that the environment variable names.
+template <typename... Kts, typename Launch>
+cudaError_t run_variant(Variants<Kts...>, const char* env, Launch&& launch) {
+  const int want = tune_variant(env);
   int i = 0;
   cudaError_t err = cudaErrorInvalidValue;
-  ((i++ == want ? (err = launch_fwd<Kts>(p, stream), 0) : 0), ...);
-  return err;
-}
-
-template <typename T, int kHeadDim, typename... Kts>
-cudaError_t run_bwd_variant(Variants<Kts...>, const AttnBwdParams& p, cudaStream_t stream) {
-  const int want = tune_variant("FLASHATTN_BWD_VARIANT");
-  int i = 0;
-  cudaError_t err = cudaErrorInvalidValue;
-  ((i++ == want ? (err = launch_bwd<Kts, typename KernelConfig<kHeadDim, T>::BwdDq>(p, stream), 0) : 0), ...);
+  ((i++ == want ? (err = launch(Kts{}), 0) : 0), ...);
   return err;
 }
 #endif
@@ -130,11 +122,19 @@ cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
 #ifdef FLASHATTN_SM90
   // Built for sm90a and running on an sm90 device: the wgmma kernel.
   if constexpr (kHeadDim == 64 || kHeadDim == 128) {
-    if (p.device_arch == 90) return launch_fwd_sm90<typename KernelConfig<kHeadDim, T>::FwdSm90>(p, stream);
+    if (p.device_arch == 90) {
+#ifdef FLASHATTN_TUNING
+      return run_variant(typename TuneVariants<kHeadDim, T>::FwdSm90{}, "FLASHATTN_FWD_VARIANT",
+                         [&](auto kt) { return launch_fwd_sm90<decltype(kt)>(p, stream); });
+#else
+      return launch_fwd_sm90<typename KernelConfig<kHeadDim, T>::FwdSm90>(p, stream);
+#endif
+    }
   }
 #endif
 #ifdef FLASHATTN_TUNING
-  return run_fwd_variant<T, kHeadDim>(typename TuneVariants<kHeadDim, T>::Fwd{}, p, stream);
+  return run_variant(typename TuneVariants<kHeadDim, T>::Fwd{}, "FLASHATTN_FWD_VARIANT",
+                     [&](auto kt) { return launch_fwd<decltype(kt)>(p, stream); });
 #else
   return launch_fwd<typename KernelConfig<kHeadDim, T>::Fwd>(p, stream);
 #endif
@@ -142,18 +142,25 @@ cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
 
 template <typename T, int kHeadDim>
 cudaError_t run_bwd(const AttnBwdParams& p, cudaStream_t stream) {
+  using Cfg = KernelConfig<kHeadDim, T>;
 #ifdef FLASHATTN_SM90
   // Built for sm90a and running on an sm90 device: the wgmma kernel, for the
   // head dims it has and the (non-deterministic) dQ atomics.
   if constexpr (kHeadDim == 64 || kHeadDim == 128) {
-    if (p.device_arch == 90 && !p.deterministic)
-      return launch_bwd_sm90<typename KernelConfig<kHeadDim, T>::BwdSm90>(p, stream);
+    if (p.device_arch == 90 && !p.deterministic) {
+#ifdef FLASHATTN_TUNING
+      return run_variant(typename TuneVariants<kHeadDim, T>::BwdSm90{}, "FLASHATTN_BWD_VARIANT",
+                         [&](auto kt) { return launch_bwd_sm90<decltype(kt)>(p, stream); });
+#else
+      return launch_bwd_sm90<typename Cfg::BwdSm90>(p, stream);
+#endif
+    }
   }
 #endif
 #ifdef FLASHATTN_TUNING
-  return run_bwd_variant<T, kHeadDim>(typename TuneVariants<kHeadDim, T>::Bwd{}, p, stream);
+  return run_variant(typename TuneVariants<kHeadDim, T>::Bwd{}, "FLASHATTN_BWD_VARIANT",
+                     [&](auto kt) { return launch_bwd<decltype(kt), typename Cfg::BwdDq>(p, stream); });
 #else
-  using Cfg = KernelConfig<kHeadDim, T>;
   return launch_bwd<typename Cfg::Bwd, typename Cfg::BwdDq>(p, stream);
 #endif
 }

@@ -17,7 +17,7 @@ struct KernelConfig;
 // FwdTraits<D, M, N, warps, minBlocks, stages>
 // BwdTraits<D, M, N, warps, dsplit, qstages, query warps of S^T (1: P^T stays in registers)>
 // BwdDqTraits<D, M, N, warps>
-// FwdSm90Traits<D, N>, BwdSm90Traits<D, M> (Hopper wgmma kernels, head dims 64 and 128)
+// FwdSm90Traits<D, N, minBlocksPerSm>, BwdSm90Traits<D, M> (Hopper wgmma kernels, head dims 64 and 128)
 template <typename T> struct KernelConfig<32, T> {
   using Fwd = FwdTraits<32, 128, 128, 4, 2, 1, T>;
   using Bwd = BwdTraits<32, 32, 128, 4, 1, 2, 1, T>;
@@ -65,10 +65,14 @@ struct TuneVariants {
 template <typename T> struct TuneVariants<64, T> {
   using Fwd = Variants<typename KernelConfig<64, T>::Fwd, FwdTraits<64, 128, 64, 4, 2, 2, T>>;
   using Bwd = Variants<typename KernelConfig<64, T>::Bwd, BwdTraits<64, 32, 128, 4, 1, 2, 1, T, false>>;
+  using FwdSm90 = Variants<typename KernelConfig<64, T>::FwdSm90, FwdSm90Traits<64, 64, T, 2>, FwdSm90Traits<64, 64, T>>;
+  using BwdSm90 = Variants<typename KernelConfig<64, T>::BwdSm90, BwdSm90Traits<64, 64, T>>;
 };
 template <typename T> struct TuneVariants<128, T> {
   using Fwd = Variants<typename KernelConfig<128, T>::Fwd, FwdTraits<128, 128, 64, 4, 2, 1, T>>;
   using Bwd = Variants<typename KernelConfig<128, T>::Bwd, BwdTraits<128, 64, 128, 8, 1, 2, 2, T, false>>;
+  using FwdSm90 = Variants<typename KernelConfig<128, T>::FwdSm90, FwdSm90Traits<128, 64, T>, FwdSm90Traits<128, 64, T, 2>>;
+  using BwdSm90 = Variants<typename KernelConfig<128, T>::BwdSm90>;
 };
 
 }  // namespace flashattn

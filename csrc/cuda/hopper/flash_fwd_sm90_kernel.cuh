@@ -27,7 +27,7 @@
 
 namespace flashattn {
 
-template <int kHeadDim_, int kBlockN_, typename Element_>
+template <int kHeadDim_, int kBlockN_, typename Element_, int kMinBlocksPerSm_ = 1>
 struct FwdSm90Traits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -35,7 +35,7 @@ struct FwdSm90Traits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kNWarps = 8;
   static constexpr int kNThreads = kNWarps * 32;
-  static constexpr int kMinBlocksPerSm = 1;
+  static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;  // 2: registers capped at 128 a thread
 
   using TileQ = SmemTile<kBlockM, kHeadDim>;
   using TileKV = SmemTile<kBlockN, kHeadDim>;
@@ -49,7 +49,7 @@ struct FwdSm90Traits {
 };
 
 template <typename Kt>
-__global__ void __launch_bounds__(Kt::kNThreads, 1) flash_fwd_sm90_kernel(const AttnFwdParams p) {
+__global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_sm90_kernel(const AttnFwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T = typename Kt::Element;
   using TileQ = typename Kt::TileQ;
