@@ -17,7 +17,7 @@ struct KernelConfig;
 // FwdTraits<D, M, N, warps, minBlocks, stages>
 // BwdTraits<D, M, N, warps, dsplit, qstages, query warps of S^T (1: P^T stays in registers)>
 // BwdDqTraits<D, M, N, warps>
-// FwdSm90Traits<D, N, minBlocksPerSm>, BwdSm90Traits<D, M> (Hopper wgmma kernels, head dims 64 and 128)
+// FwdSm90Traits<D, N, minBlocksPerSm>, BwdSm90Traits<D, M, warpgroups> (Hopper wgmma kernels, head dims 64 and 128)
 template <typename T> struct KernelConfig<32, T> {
   using Fwd = FwdTraits<32, 128, 128, 4, 2, 1, T>;
   using Bwd = BwdTraits<32, 32, 128, 4, 1, 2, 1, T>;
@@ -27,7 +27,7 @@ template <typename T> struct KernelConfig<64, T> {
   using Fwd = FwdTraits<64, 128, 64, 4, 2, 1, T>;
   using Bwd = BwdTraits<64, 32, 128, 4, 1, 2, 1, T>;  // 32 keys per warp: half the Q/dO fragment traffic
   using BwdDq = BwdDqTraits<64, 64, 64, 4, T>;
-  using FwdSm90 = FwdSm90Traits<64, 128, T>;
+  using FwdSm90 = FwdSm90Traits<64, 64, T, 2>;  // 64 keys a block, two CTAs an SM
   using BwdSm90 = BwdSm90Traits<64, 128, T>;  // 128 queries a step: half the dQ atomics per flop of 64
 };
 template <typename T> struct KernelConfig<96, T> {
@@ -65,8 +65,8 @@ struct TuneVariants {
 template <typename T> struct TuneVariants<64, T> {
   using Fwd = Variants<typename KernelConfig<64, T>::Fwd, FwdTraits<64, 128, 64, 4, 2, 2, T>>;
   using Bwd = Variants<typename KernelConfig<64, T>::Bwd, BwdTraits<64, 32, 128, 4, 1, 2, 1, T, false>>;
-  using FwdSm90 = Variants<typename KernelConfig<64, T>::FwdSm90, FwdSm90Traits<64, 64, T, 2>, FwdSm90Traits<64, 64, T>>;
-  using BwdSm90 = Variants<typename KernelConfig<64, T>::BwdSm90, BwdSm90Traits<64, 64, T>>;
+  using FwdSm90 = Variants<typename KernelConfig<64, T>::FwdSm90, FwdSm90Traits<64, 128, T>, FwdSm90Traits<64, 64, T>>;
+  using BwdSm90 = Variants<typename KernelConfig<64, T>::BwdSm90, BwdSm90Traits<64, 128, T, 1>, BwdSm90Traits<64, 64, T>>;
 };
 template <typename T> struct TuneVariants<128, T> {
   using Fwd = Variants<typename KernelConfig<128, T>::Fwd, FwdTraits<128, 128, 64, 4, 2, 1, T>>;

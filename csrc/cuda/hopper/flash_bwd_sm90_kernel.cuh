@@ -5,8 +5,9 @@
 // mma.sync backward; it also runs asynchronously, so the softmax work of one
 // product overlaps the next.
 //
-// A CTA owns kBlockN = 128 keys and sweeps the query blocks (kBlockM rows) of
-// every query head of its GQA group. Two warpgroups of 4 warps each own 64 keys:
+// A CTA owns kBlockN = 64 keys per warpgroup (one or two warpgroups) and
+// sweeps the query blocks (kBlockM rows) of every query head of its GQA group.
+// Each warpgroup of 4 warps owns 64 keys:
 //
 //   S^T  = K_w Q^T            wgmma SS, both K-major             (64 x kBlockM)
 //   dP^T = V_w dO^T           wgmma SS, both K-major             (64 x kBlockM)
@@ -15,12 +16,15 @@
 //   dK_w += dS^T Q            wgmma RS, dS^T from registers, Q N-major
 //   dQ   += dS K              wgmma SS, dS^T from shared memory (M-major), K N-major
 //
-// dQ needs dS for all 128 keys: dS^T goes to shared memory, and each
-// warpgroup computes a 64 x 64 block of dQ (kBlockM x kHeadDim in all):
-//   kBlockM 128, head dim 64:  by query rows (64 each, contracting all keys)
-//   kBlockM 64, head dim 128:  by columns (64 each, contracting all keys)
-//   kBlockM 64, head dim 64:   by keys (each contracts its own 64 keys; the two
-//                              partial sums meet in the fp32 atomics)
+// dQ needs dS for all of the CTA's keys: dS^T goes to shared memory. The
+// kBlockM x kHeadDim dQ tile is cut into 64 x 64 blocks dealt to the
+// warpgroups, each contracting all keys; with one block and two warpgroups
+// (kBlockM 64, head dim 64) the warpgroups split the keys instead and the two
+// partial sums meet in the fp32 atomics.
+//
+// One warpgroup per CTA (kNWarpgroups = 1) halves the keys a CTA owns and lets
+// two CTAs share an SM: the prologue and epilogue of one overlap the other's
+// main loop, which matters when the query sweeps are short.
 #pragma once
 
 #include "../flash_bwd_kernel.cuh"
@@ -28,21 +32,25 @@
 
 namespace flashattn {
 
-template <int kHeadDim_, int kBlockM_, typename Element_>
+template <int kHeadDim_, int kBlockM_, typename Element_, int kNWarpgroups_ = 2>
 struct BwdSm90Traits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;  // queries per step
-  static constexpr int kBlockN = 128;   // keys per CTA
-  static constexpr int kNWarps = 8;     // two warpgroups
+  static constexpr int kNWarpgroups = kNWarpgroups_;
+  static constexpr int kWgKeys = 64;                     // keys of a warpgroup
+  static constexpr int kBlockN = kWgKeys * kNWarpgroups;  // keys per CTA
+  static constexpr int kNWarps = 4 * kNWarpgroups;
   static constexpr int kNThreads = kNWarps * 32;
-  static constexpr int kWgKeys = kBlockN / 2;  // keys of a warpgroup
+  static constexpr int kMinBlocksPerSm = kNWarpgroups == 1 ? 2 : 1;
   static constexpr int kQStages = 2;            // Q / dO double buffering
   static constexpr int kDSplit = 1;
-  // The 64 x 64 dQ block of a warpgroup (see the top of the file).
-  static constexpr bool kDqSplitRows = kBlockM == 128;
-  static constexpr bool kDqSplitCols = kBlockM == 64 && kHeadDim == 128;
-  static constexpr bool kDqSplitKeys = kBlockM == 64 && kHeadDim == 64;
+  // The 64 x 64 dQ blocks (see the top of the file): kDqBlocksPerWg per
+  // warpgroup over all keys, or one block split over the warpgroups by keys.
+  static constexpr int kDqColBlocks = kHeadDim / 64;
+  static constexpr int kDqBlocks = (kBlockM / 64) * kDqColBlocks;
+  static constexpr bool kDqSplitKeys = kDqBlocks < kNWarpgroups;
+  static constexpr int kDqBlocksPerWg = kDqSplitKeys ? 1 : kDqBlocks / kNWarpgroups;
 
   using TileQ = SmemTile<kBlockM, kHeadDim>;   // Q and dO blocks
   using TileKV = SmemTile<kBlockN, kHeadDim>;  // K and V
@@ -56,12 +64,13 @@ struct BwdSm90Traits {
       1024 + (2 * TileKV::kElems + 2 * kQStages * TileQ::kElems + TileDS::kElems) * 2 + 2 * kQStages * kBlockM * 4;
 
   static_assert((kHeadDim == 64 || kHeadDim == 128) && (kBlockM == 64 || kBlockM == 128), "Hopper backward shapes");
-  static_assert(kBlockM * kHeadDim <= 128 * 64, "the dQ block is one 64 x 64 block per warpgroup");
+  static_assert(kNWarpgroups == 1 || kNWarpgroups == 2, "warpgroups");
+  static_assert(kDqSplitKeys || kDqBlocks % kNWarpgroups == 0, "dQ blocks deal evenly");
   static_assert(TileQ::kPanel == 64 && TileKV::kPanel == 64 && TileDS::kPanel == 64, "128-byte panels");
 };
 
 template <typename Kt>
-__global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_sm90_kernel(const AttnBwdParams p) {
+__global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_bwd_sm90_kernel(const AttnBwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T = typename Kt::Element;
   using TileQ = typename Kt::TileQ;
@@ -137,15 +146,22 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_sm90_kernel(const 
   const uint64_t desc_k = smem_desc(smem_u32(sK) + wg_key0 * 128, 16, kSbo);  // A of S^T (K-major)
   const uint64_t desc_v = smem_desc(smem_u32(sV) + wg_key0 * 128, 16, kSbo);  // A of dP^T
   auto kmajor_step = [](int ks, uint32_t panel_bytes) { return (ks / 4) * panel_bytes + (ks % 4) * 32; };
-  // dQ: warpgroup wg contracts keys [dq_key0, ..) into rows [dq_row0, +64) x columns [dq_col0, +64).
+  // dQ: block i of warpgroup wg contracts keys [dq_key0, ..) into rows
+  // [dq_row0(i), +64) x columns [dq_col0(i), +64).
   constexpr int kDqKSteps = (Kt::kDqSplitKeys ? Kt::kWgKeys : kBlockN) / 16;
+  constexpr int kDqPerWg = Kt::kDqBlocksPerWg;
   const int dq_key0 = Kt::kDqSplitKeys ? wg_key0 : 0;
-  const int dq_row0 = Kt::kDqSplitRows ? wg * 64 : 0;
-  const int dq_col0 = Kt::kDqSplitCols ? wg * 64 : 0;
-  const uint64_t desc_ds =
-      smem_desc(smem_u32(sdS) + (dq_row0 / 64) * Kt::kPanelDS + dq_key0 * 128, Kt::kPanelDS, kSbo);  // A (M-major)
-  const uint64_t desc_k_n =
-      smem_desc(smem_u32(sK) + (dq_col0 / 64) * Kt::kPanelKV + dq_key0 * 128, Kt::kPanelKV, kSbo);  // B (N-major)
+  auto dq_block = [&](int i) { return Kt::kDqSplitKeys ? 0 : wg * kDqPerWg + i; };
+  auto dq_row0 = [&](int i) { return dq_block(i) / Kt::kDqColBlocks * 64; };
+  auto dq_col0 = [&](int i) { return dq_block(i) % Kt::kDqColBlocks * 64; };
+  uint64_t desc_ds[kDqPerWg], desc_k_n[kDqPerWg];
+#pragma unroll
+  for (int i = 0; i < kDqPerWg; ++i) {
+    desc_ds[i] = smem_desc(smem_u32(sdS) + (dq_row0(i) / 64) * Kt::kPanelDS + dq_key0 * 128, Kt::kPanelDS,
+                           kSbo);  // A (M-major)
+    desc_k_n[i] = smem_desc(smem_u32(sK) + (dq_col0(i) / 64) * Kt::kPanelKV + dq_key0 * 128, Kt::kPanelKV,
+                            kSbo);  // B (N-major)
+  }
 
   float acc_dk[1][kDT][4], acc_dv[1][kDT][4];
   clear(acc_dk);
@@ -239,25 +255,32 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_sm90_kernel(const 
     store_acc<TileDS>(sdS, acc_dp, warp_key0, 0, lane);
     fence_proxy_async_smem();
     __syncthreads();
-    float acc_dq[8][4];
+    float acc_dq[kDqPerWg][8][4];
     wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < kDqKSteps; ++ks)
-      Wgmma<64, T>::template ss<1, 1>(acc_dq, desc_add(desc_ds, ks * 2048), desc_add(desc_k_n, ks * 2048), ks > 0);
+    for (int i = 0; i < kDqPerWg; ++i)
+#pragma unroll
+      for (int ks = 0; ks < kDqKSteps; ++ks)
+        Wgmma<64, T>::template ss<1, 1>(acc_dq[i], desc_add(desc_ds[i], ks * 2048), desc_add(desc_k_n[i], ks * 2048),
+                                        ks > 0);
     wgmma_commit();
     wgmma_wait<0>();
-    pin_registers(acc_dq);
+#pragma unroll
+    for (int i = 0; i < kDqPerWg; ++i) pin_registers(acc_dq[i]);
     pin_registers(acc_dv[0]);
     pin_registers(acc_dk[0]);
 
-    float* gdq = static_cast<float*>(p.dq_accum_ptr) + b * p.dq_accum_batch_stride + hq * p.dq_accum_head_stride +
-                 (m0 + dq_row0 + warp_in_wg * 16) * p.dq_accum_row_stride + dq_col0;
 #pragma unroll
-    for (int di = 0; di < 8; ++di)
+    for (int i = 0; i < kDqPerWg; ++i) {
+      float* gdq = static_cast<float*>(p.dq_accum_ptr) + b * p.dq_accum_batch_stride + hq * p.dq_accum_head_stride +
+                   (m0 + dq_row0(i) + warp_in_wg * 16) * p.dq_accum_row_stride + dq_col0(i);
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
-        atomic_add2(gdq + (g + 8 * h) * p.dq_accum_row_stride + di * 8 + 2 * t, acc_dq[di][2 * h],
-                    acc_dq[di][2 * h + 1]);
+      for (int di = 0; di < 8; ++di)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          atomic_add2(gdq + (g + 8 * h) * p.dq_accum_row_stride + di * 8 + 2 * t, acc_dq[i][di][2 * h],
+                      acc_dq[i][di][2 * h + 1]);
+    }
   }
 
   // Epilogue: stage dK (scaled) and dV through sK / sV, then 16-byte stores.
