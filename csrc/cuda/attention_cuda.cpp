@@ -194,7 +194,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_i
   // dQ accumulates in fp32 across key blocks: rows padded to the kernel's
   // query block, columns to the kernel head dim (atomics touch all of them).
   const int64_t seqlen_q_padded = (seqlen_q + kBwdBlockM - 1) / kBwdBlockM * kBwdBlockM;
-  at::Tensor dq_accum = deterministic ? at::Tensor() : at::zeros({batch, heads_q, seqlen_q_padded, kdim}, f32);
+  // bwd_preprocess_kernel zeroes the part of it that is read back.
+  at::Tensor dq_accum = deterministic ? at::Tensor() : at::empty({batch, heads_q, seqlen_q_padded, kdim}, f32);
   check_grid((k.size(1) + 63) / 64 * 2 * batch * k.size(2), "backward");
   check_grid((seqlen_q + 63) / 64 * batch * heads_q, "backward");
 

@@ -29,30 +29,45 @@ constexpr float kLog2e = 1.4426950408889634f;
 // that exp2(s - lse) is 0 there instead of inf.
 __device__ __forceinline__ float lse_to_log2(float lse) { return lse == -INFINITY ? INFINITY : lse * kLog2e; }
 
-// D[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d], one warp per row.
-template <typename T>
+// D[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d], kLanesPerRow lanes a row
+// (8 elements each), several rows a warp. In the atomic-dQ mode it also zeroes
+// dq_accum[b, h, i, 0:head_dim], the only part convert_dq_kernel reads (the
+// atomics also land on padding rows and columns, which nothing reads): this
+// saves a separate memset of the accumulator.
+template <typename T, int kLanesPerRow>
 __global__ void bwd_preprocess_kernel(const AttnBwdParams p) {
-  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;  // over (b, h, i)
-  const int lane = threadIdx.x & 31;
+  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kLanesPerRow;  // over (b, h, i)
+  const int sub = threadIdx.x % kLanesPerRow;
   const int64_t total = int64_t(p.batch) * p.heads_q * p.seqlen_q;
-  if (row >= total) return;
-  const int i = static_cast<int>(row % p.seqlen_q);
-  const int h = static_cast<int>((row / p.seqlen_q) % p.heads_q);
-  const int b = static_cast<int>(row / (int64_t(p.seqlen_q) * p.heads_q));
-  const T* o = static_cast<const T*>(p.o_ptr) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
-  const T* dout = static_cast<const T*>(p.do_ptr) + b * p.do_batch_stride + i * p.do_row_stride + h * p.do_head_stride;
+  const bool valid = row < total;  // no early return: the whole warp takes part in the shuffles
   float sum = 0.f;
-  for (int c = lane * 8; c < p.head_dim; c += 32 * 8) {
-    const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
-    const uint4 dv = *reinterpret_cast<const uint4*>(dout + c);
-    const T* oe = reinterpret_cast<const T*>(&ov);
-    const T* de = reinterpret_cast<const T*>(&dv);
+  if (valid) {
+    const int i = static_cast<int>(row % p.seqlen_q);
+    const int h = static_cast<int>((row / p.seqlen_q) % p.heads_q);
+    const int b = static_cast<int>(row / (int64_t(p.seqlen_q) * p.heads_q));
+    const T* o = static_cast<const T*>(p.o_ptr) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
+    const T* dout =
+        static_cast<const T*>(p.do_ptr) + b * p.do_batch_stride + i * p.do_row_stride + h * p.do_head_stride;
+    float* acc = p.dq_accum_ptr == nullptr
+                     ? nullptr
+                     : static_cast<float*>(p.dq_accum_ptr) + b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride +
+                           i * p.dq_accum_row_stride;
+    for (int c = sub * 8; c < p.head_dim; c += kLanesPerRow * 8) {
+      const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
+      const uint4 dv = *reinterpret_cast<const uint4*>(dout + c);
+      const T* oe = reinterpret_cast<const T*>(&ov);
+      const T* de = reinterpret_cast<const T*>(&dv);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) sum += to_float(oe[e]) * to_float(de[e]);
+      for (int e = 0; e < 8; ++e) sum += to_float(oe[e]) * to_float(de[e]);
+      if (acc != nullptr) {
+        reinterpret_cast<float4*>(acc + c)[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+        reinterpret_cast<float4*>(acc + c)[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
   }
 #pragma unroll
-  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
-  if (lane == 0) static_cast<float*>(p.dsum_ptr)[row] = sum;
+  for (int off = kLanesPerRow / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
+  if (valid && sub == 0) static_cast<float*>(p.dsum_ptr)[row] = sum;
 }
 
 // dq[b, i, h, :] = scale * dq_accum[b, h, i, :], in the input dtype.

@@ -41,13 +41,20 @@ cudaError_t launch_fwd_sm90(const AttnFwdParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// D = rowsum(dO * O): one warp per row.
+// D = rowsum(dO * O) (and dq_accum zeroed): head_dim / 8 lanes a row, rounded up to a power of two.
 template <typename T>
 cudaError_t launch_bwd_preprocess(const AttnBwdParams& p, cudaStream_t stream) {
   const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
   constexpr int kThreads = 256;
-  bwd_preprocess_kernel<T><<<static_cast<unsigned>((rows * 32 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  auto launch = [&](auto kernel, int lanes_per_row) {
+    kernel<<<static_cast<unsigned>((rows * lanes_per_row + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+  };
+  const int chunks = p.head_dim / 8;
+  if (chunks <= 4) return launch(&bwd_preprocess_kernel<T, 4>, 4);
+  if (chunks <= 8) return launch(&bwd_preprocess_kernel<T, 8>, 8);
+  if (chunks <= 16) return launch(&bwd_preprocess_kernel<T, 16>, 16);
+  return launch(&bwd_preprocess_kernel<T, 32>, 32);
 }
 
 // dq = scale * dq_accum in the input dtype.
