@@ -1,6 +1,6 @@
 // The operator schema, declared once. Each backend registers its kernels with
-// TORCH_LIBRARY_IMPL in its own file (csrc/cpu/, csrc/cuda/); the fake (meta)
-// kernels and the autograd formula are registered from Python
+// TORCH_LIBRARY_IMPL in its own file (csrc/cpu/, csrc/cuda/); the autograd
+// formula in csrc/autograd.cpp; the fake (meta) kernels from Python
 // (flashattn_ext/_ops.py) so that torch.compile traces through both ops.
 #include <Python.h>
 #include <torch/library.h>

@@ -1,5 +1,6 @@
 """Python side of the ops declared in csrc/ops.cpp: fake (meta) kernels so that
-torch.compile can trace them, and the autograd formula that links fwd to bwd.
+torch.compile can trace them (the autograd formula linking fwd to bwd is in
+csrc/autograd.cpp).
 
 The ops take the FlashAttention layout, q (batch, seqlen_q, heads_q, head_dim),
 k and v (batch, seqlen_k, heads_kv, head_dim), and return out with q's shape
@@ -42,26 +43,6 @@ def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
     )
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, window_left, window_right, bottom_right, deterministic = inputs
-    out, lse = output
-    # lse carries no gradient: the bwd kernels take none for it, and a gradient
-    # silently dropped would be a wrong answer. Marked non-differentiable, it
-    # shows requires_grad=False, and backpropagating through it alone raises.
-    ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = (softmax_scale, window_left, window_right, bottom_right, deterministic)
-
-
-def _backward(ctx, dout, dlse):
-    # dlse is always None or zeros: lse is non-differentiable (see above).
-    q, k, v, out, lse = ctx.saved_tensors
-    if dout is None:
-        return None, None, None, None, None, None, None, None
-    # Incoming gradients from transposes and reshapes usually have a unit
-    # head_dim stride already, so this rarely copies.
-    dq, dk, dv = bwd(unit_last_stride(dout), q, k, v, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None
-
-
-torch.library.register_autograd("flashattn_ext::fwd", _backward, setup_context=_setup_context)
+# The autograd formula (fwd saves q, k, v, out, lse; its backward calls bwd) is
+# registered in C++ (csrc/autograd.cpp): a C++ autograd function costs a few
+# microseconds of host time per call where register_autograd cost tens.
