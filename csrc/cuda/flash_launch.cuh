@@ -128,7 +128,7 @@ template <typename T, int kHeadDim>
 cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
 #ifdef FLASHATTN_SM90
   // Built for sm90a and running on an sm90 device: the wgmma kernel.
-  if constexpr (kHeadDim == 64 || kHeadDim == 128) {
+  if constexpr (kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256) {
     if (p.device_arch == 90) {
 #ifdef FLASHATTN_TUNING
       return run_variant(typename TuneVariants<kHeadDim, T>::FwdSm90{}, "FLASHATTN_FWD_VARIANT",

@@ -17,7 +17,7 @@ struct KernelConfig;
 // FwdTraits<D, M, N, warps, minBlocks, stages>
 // BwdTraits<D, M, N, warps, dsplit, qstages, query warps of S^T (1: P^T stays in registers)>
 // BwdDqTraits<D, M, N, warps>
-// FwdSm90Traits<D, N, minBlocksPerSm>, BwdSm90Traits<D, M, warpgroups> (Hopper wgmma kernels, head dims 64 and 128)
+// FwdSm90Traits<D, N, minBlocksPerSm>, BwdSm90Traits<D, M, warpgroups> (Hopper wgmma kernels: forward 64/128/192/256, backward 64/128)
 template <typename T> struct KernelConfig<32, T> {
   using Fwd = FwdTraits<32, 128, 128, 4, 2, 1, T>;
   using Bwd = BwdTraits<32, 32, 128, 4, 1, 2, 1, T>;
@@ -44,11 +44,13 @@ template <typename T> struct KernelConfig<128, T> {
 };
 template <typename T> struct KernelConfig<192, T> {
   using Fwd = FwdTraits<192, 128, 64, 8, 1, 1, T>;
+  using FwdSm90 = FwdSm90Traits<192, 64, T>;
   using Bwd = BwdTraits<192, 64, 64, 8, 1, 2, 4, T>;  // 2-D: dK/dV tiles of 32 keys x 48 columns a warp
   using BwdDq = BwdDqTraits<192, 64, 64, 4, T>;
 };
 template <typename T> struct KernelConfig<256, T> {
   using Fwd = FwdTraits<256, 128, 64, 8, 1, 1, T>;
+  using FwdSm90 = FwdSm90Traits<256, 64, T>;  // O is 128 registers a thread: 64-key blocks
   using Bwd = BwdTraits<256, 64, 64, 8, 1, 1, 4, T>;  // 2-D: dK/dV tiles of 32 keys x 64 columns a warp
   using BwdDq = BwdDqTraits<256, 64, 64, 4, T>;
 };
@@ -73,6 +75,16 @@ template <typename T> struct TuneVariants<128, T> {
   using Bwd = Variants<typename KernelConfig<128, T>::Bwd, BwdTraits<128, 64, 128, 8, 1, 2, 2, T, false>>;
   using FwdSm90 = Variants<typename KernelConfig<128, T>::FwdSm90, FwdSm90Traits<128, 64, T>, FwdSm90Traits<128, 64, T, 2>>;
   using BwdSm90 = Variants<typename KernelConfig<128, T>::BwdSm90>;
+};
+template <typename T> struct TuneVariants<192, T> {
+  using Fwd = Variants<typename KernelConfig<192, T>::Fwd>;
+  using Bwd = Variants<typename KernelConfig<192, T>::Bwd>;
+  using FwdSm90 = Variants<typename KernelConfig<192, T>::FwdSm90>;
+};
+template <typename T> struct TuneVariants<256, T> {
+  using Fwd = Variants<typename KernelConfig<256, T>::Fwd>;
+  using Bwd = Variants<typename KernelConfig<256, T>::Bwd>;
+  using FwdSm90 = Variants<typename KernelConfig<256, T>::FwdSm90>;
 };
 
 }  // namespace flashattn
