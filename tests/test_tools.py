@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -189,3 +190,25 @@ def test_train_gpt_compare_smoke(tmp_path):
     assert set(data["runs"]) == {"ours", "torch"}
     assert len(data["runs"]["ours"]["losses"]) == 6
     assert data["max_loss_diff_early"] < 1e-3
+
+
+def _run_generator(script, tmp_path):
+    """Runs a code generator on a copy of its folder; returns that copy."""
+    src = os.path.dirname(script)
+    dst = tmp_path / "gen"
+    shutil.copytree(src, dst)
+    subprocess.run([sys.executable, str(dst / os.path.basename(script))], check=True)
+    return dst
+
+
+def test_generated_sources_are_current(tmp_path):
+    """The committed generated sources equal what their generators write now
+    (an edit to a generator without re-running it would fail here)."""
+    root = os.path.join(ROOT, "csrc", "cuda")
+    gen = _run_generator(os.path.join(root, "hopper", "generate_wgmma.py"), tmp_path)
+    with open(os.path.join(root, "hopper", "wgmma_ops.cuh")) as f:
+        assert (gen / "wgmma_ops.cuh").read_text() == f.read()
+    gen = _run_generator(os.path.join(root, "generate_instantiations.py"), tmp_path / "inst")
+    for name in os.listdir(gen / "instantiations"):
+        with open(os.path.join(root, "instantiations", name)) as f:
+            assert (gen / "instantiations" / name).read_text() == f.read(), name
