@@ -23,8 +23,9 @@
 // partial sums meet in the fp32 atomics.
 //
 // One warpgroup per CTA (kNWarpgroups = 1) halves the keys a CTA owns and lets
-// two CTAs share an SM: the prologue and epilogue of one overlap the other's
-// main loop, which matters when the query sweeps are short.
+// two CTAs share an SM, so that the prologue and epilogue of one overlap the
+// other's main loop. It is a tuning candidate only: on the H200 it measured
+// slower than two warpgroups at every size tried (benchmarks/NOTES.md).
 #pragma once
 
 #include "../flash_bwd_kernel.cuh"

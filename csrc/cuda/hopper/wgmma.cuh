@@ -53,10 +53,4 @@ __device__ __forceinline__ void pin_registers(float (&acc)[kN][4]) {
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(acc[i][e])::"memory");
 }
 
-// Named barrier over `threads` threads (a multiple of 32): lets one
-// warpgroup synchronise without stopping the other.
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
 }  // namespace flashattn
