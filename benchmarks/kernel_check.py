@@ -141,13 +141,17 @@ def quick_perf(dims):
                 res["ours_bwd"] = bench(
                     lambda: _ops.bwd(dout, q, k, v, out, lse, d**-0.5, -1, 0 if causal else -1, True, False)
                 )
-                if torch.cuda.get_device_capability() == (9, 0):  # the mma.sync backward, for comparison
+                if torch.cuda.get_device_capability() == (9, 0):  # the mma.sync kernels, for comparison
                     os.environ["FLASHATTN_DISABLE_SM90"] = "1"
-                    res["sm80_fwd"] = bench(lambda: _ops.fwd(q, k, v, d**-0.5, -1, 0 if causal else -1, True, False))
-                    res["sm80_bwd"] = bench(
-                        lambda: _ops.bwd(dout, q, k, v, out, lse, d**-0.5, -1, 0 if causal else -1, True, False)
-                    )
-                    del os.environ["FLASHATTN_DISABLE_SM90"]
+                    try:
+                        res["sm80_fwd"] = bench(
+                            lambda: _ops.fwd(q, k, v, d**-0.5, -1, 0 if causal else -1, True, False)
+                        )
+                        res["sm80_bwd"] = bench(
+                            lambda: _ops.bwd(dout, q, k, v, out, lse, d**-0.5, -1, 0 if causal else -1, True, False)
+                        )
+                    finally:
+                        del os.environ["FLASHATTN_DISABLE_SM90"]
                 qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
                 for name, be in (("fa2", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
                     try:

@@ -64,8 +64,11 @@ class FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
     ctx->saved_data["window_right"] = window_right;
     ctx->saved_data["bottom_right"] = bottom_right;
     ctx->saved_data["deterministic"] = deterministic;
+    // lse carries no gradient (the bwd kernels take none for it, and one
+    // silently dropped would be a wrong answer): marked non-differentiable it
+    // shows requires_grad=False and backpropagating through it alone raises.
     ctx->mark_non_differentiable({lse});
-    ctx->set_materialize_grads(false);  // no zero tensor for lse's (absent) gradient
+    ctx->set_materialize_grads(false);  // so no zero tensor is made for it either
     return {out, lse};
   }
 

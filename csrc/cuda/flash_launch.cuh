@@ -127,8 +127,9 @@ cudaError_t run_variant(Variants<Kts...>, const char* env, Launch&& launch) {
 template <typename T, int kHeadDim>
 cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
 #ifdef FLASHATTN_SM90
-  // Built for sm90a and running on an sm90 device: the wgmma kernel.
-  if constexpr (kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256) {
+  // Built for sm90a and running on an sm90 device: the wgmma kernel, for the
+  // head dims KernelConfig gives one.
+  if constexpr (HasFwdSm90<KernelConfig<kHeadDim, T>>::value) {
     if (p.device_arch == 90) {
 #ifdef FLASHATTN_TUNING
       return run_variant(typename TuneVariants<kHeadDim, T>::FwdSm90{}, "FLASHATTN_FWD_VARIANT",
@@ -152,8 +153,8 @@ cudaError_t run_bwd(const AttnBwdParams& p, cudaStream_t stream) {
   using Cfg = KernelConfig<kHeadDim, T>;
 #ifdef FLASHATTN_SM90
   // Built for sm90a and running on an sm90 device: the wgmma kernel, for the
-  // head dims it has and the (non-deterministic) dQ atomics.
-  if constexpr (kHeadDim == 64 || kHeadDim == 128) {
+  // head dims KernelConfig gives one and the (non-deterministic) dQ atomics.
+  if constexpr (HasBwdSm90<Cfg>::value) {
     if (p.device_arch == 90 && !p.deterministic) {
 #ifdef FLASHATTN_TUNING
       return run_variant(typename TuneVariants<kHeadDim, T>::BwdSm90{}, "FLASHATTN_BWD_VARIANT",

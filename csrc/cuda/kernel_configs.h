@@ -4,6 +4,8 @@
 // TuneVariants so benchmarks/tune.py can time them side by side.
 #pragma once
 
+#include <type_traits>
+
 #include "dispatch.h"
 #include "hopper/flash_bwd_sm90_kernel.cuh"
 #include "hopper/flash_fwd_sm90_kernel.cuh"
@@ -54,6 +56,16 @@ template <typename T> struct KernelConfig<256, T> {
   using Bwd = BwdTraits<256, 64, 64, 8, 1, 1, 4, T>;  // 2-D: dK/dV tiles of 32 keys x 64 columns a warp
   using BwdDq = BwdDqTraits<256, 64, 64, 4, T>;
 };
+
+// Whether a head dim has a Hopper (wgmma) kernel: KernelConfig names one.
+template <typename Cfg, typename = void>
+struct HasFwdSm90 : std::false_type {};
+template <typename Cfg>
+struct HasFwdSm90<Cfg, std::void_t<typename Cfg::FwdSm90>> : std::true_type {};
+template <typename Cfg, typename = void>
+struct HasBwdSm90 : std::false_type {};
+template <typename Cfg>
+struct HasBwdSm90<Cfg, std::void_t<typename Cfg::BwdSm90>> : std::true_type {};
 
 template <typename... Kts>
 struct Variants {};
