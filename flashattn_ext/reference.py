@@ -47,7 +47,7 @@ import math
 
 import torch
 
-__all__ = ["attention_ref", "sdpa_ref", "visible_mask", "compute_dtype"]
+__all__ = ["attention_ref", "sdpa_ref", "visible_mask", "compute_dtype", "attention_flops"]
 
 
 def compute_dtype(dtype: torch.dtype, upcast=True) -> torch.dtype:
@@ -59,6 +59,16 @@ def compute_dtype(dtype: torch.dtype, upcast=True) -> torch.dtype:
     if dtype in (torch.float32, torch.float64):
         return torch.float64
     return torch.float32
+
+
+def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal=False, mode="fwd") -> float:
+    """The FLOP count every figure of this project uses (FlashAttention's
+    convention): forward 4 * b * h * n_q * n_k * d, halved when causal;
+    backward 2.5x the forward; "fwd+bwd" 3.5x."""
+    f = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
+    if causal:
+        f /= 2
+    return f * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[mode]
 
 
 def visible_mask(seqlen_q, seqlen_k, window_left=-1, window_right=-1, diag_offset=0, device=None):
