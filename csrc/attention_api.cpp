@@ -109,6 +109,35 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   check_last_dim_contiguous(v, "v");
 }
 
+void reject_backend(const std::vector<std::pair<const at::Tensor*, const char*>>& tensors) {
+  for (const auto& [t, name] : tensors) {
+    if (!t->defined()) continue;
+    TORCH_CHECK_TYPE(!t->is_nested(), "flashattn_ext: ", name, " is a nested tensor; the kernels take dense ",
+                     "(strided) tensors of one shape: pad the batch, or use torch.nn.functional.scaled_dot_product_attention");
+    TORCH_CHECK_TYPE(!t->is_quantized(), "flashattn_ext: ", name, " is quantized (", t->scalar_type(),
+                     "); pass ", name, ".dequantize()");
+    TORCH_CHECK_TYPE(t->layout() == at::kStrided && !t->is_mkldnn(), "flashattn_ext: ", name, " has layout ",
+                     t->layout(), "; the kernels take dense (strided) tensors: pass ", name, ".to_dense()");
+    const auto type = t->device().type();
+#ifdef FLASHATTN_WITH_CUDA
+    const bool has_kernels = type == at::kCPU || type == at::kCUDA || type == at::kMeta;
+#else
+    TORCH_CHECK_NOT_IMPLEMENTED(type != at::kCUDA, "flashattn_ext: ", name, " is on ", t->device(),
+                                " but this build of flashattn_ext has no CUDA kernels (built without nvcc or with "
+                                "FLASHATTN_CPU_ONLY=1); rebuild with CUDA, or use the CPU");
+    const bool has_kernels = type == at::kCPU || type == at::kMeta;
+#endif
+    TORCH_CHECK_NOT_IMPLEMENTED(has_kernels, "flashattn_ext: ", name, " is on ", t->device(),
+                                ", which has no flashattn_ext kernels (cpu and cuda only); move the tensors, or use "
+                                "torch.nn.functional.scaled_dot_product_attention");
+  }
+  std::ostringstream os;
+  for (const auto& [t, name] : tensors) {
+    if (t->defined()) os << " " << name << ": " << t->toString() << " on " << t->device() << ";";
+  }
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "flashattn_ext: no kernel for these inputs (", os.str(), ")");
+}
+
 void check_bwd_extras(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out, const at::Tensor& lse) {
   check_same_device(dout, "dout", q);
   check_same_device(out, "out", q);

@@ -24,6 +24,12 @@ constexpr int kMaxHeadDim = 256;
 // Validates q, k, v for either pass: rank, dtype, device, sizes, strides.
 void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const BackendSpec& spec);
 
+// For the catch-all kernels (csrc/autograd.cpp), which the dispatcher reaches
+// for every backend without kernels of its own (sparse, mkldnn, quantized,
+// nested, MPS, XPU, ..., and CUDA in a CPU-only build): raises the error that
+// names the first argument no kernel takes, and why. Never returns.
+[[noreturn]] void reject_backend(const std::vector<std::pair<const at::Tensor*, const char*>>& tensors);
+
 // Validates dout, out and lse of the backward against q.
 void check_bwd_extras(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out, const at::Tensor& lse);
 

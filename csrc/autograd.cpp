@@ -1,33 +1,75 @@
-// The autograd formula of flashattn_ext::fwd, registered in C++ for the
-// Autograd dispatch key: out = attention(q, k, v) saves (q, k, v, out, lse)
-// and its backward calls flashattn_ext::bwd. A C++ autograd function costs a
-// few microseconds of host time per call where torch.library's Python
-// register_autograd cost tens; on small problems (GPT-2 sized layers) the host
-// path, not the kernels, set the pace.
+// Everything between the Python API and the backend kernels that is not a
+// backend: the autograd formula, the autocast kernels and the catch-all
+// kernels of the three ops (schema in csrc/ops.cpp).
 //
-// Both ops are called through the dispatcher below the Autograd key, so the
-// backend kernels, the fake kernels (flashattn_ext/_ops.py) and torch.compile's
-// tracing all see the same two ops.
+// Autograd. flashattn_ext::attention is the differentiable op: its kernel on
+// the Autograd key runs fwd below autograd and, when an input requires grad,
+// records a FlashAttnBackward node holding (q, k, v, out, lse) and the scalar
+// arguments, deterministic included; the node's backward calls bwd. The node
+// is written the way torch's generated autograd kernels are (a Node subclass
+// with SavedVariables, set_history), not as a torch::autograd::Function: that
+// costs a few microseconds of host time per call where torch.library's Python
+// register_autograd cost tens, and it works under torch.func transforms
+// (grad, vjp, jacrev), which refuse C++ autograd Functions. vmap has rules of
+// its own (flashattn_ext/_ops.py).
+//
+// fwd and bwd are not differentiable. Their Autograd kernels attach an Error
+// node when an input requires grad, so that backpropagating through them
+// raises with a message that says so (torch's default for an op without a
+// formula is a warning and a silently wrong gradient). For bwd this is the
+// double backward (a gradient penalty, create_graph=True), which torch's SDPA
+// flash/efficient/cuDNN backends refuse too. Forward-mode AD (jvp, jacfwd)
+// raises at once on all three ops.
+//
+// Autocast (AutocastCPU, AutocastCUDA): attention and fwd cast floating q, k,
+// v (not float64) to the autocast dtype, as torch's autocast does for its
+// scaled_dot_product_attention.
+//
+// Catch-all (CompositeExplicitAutograd): for fwd and bwd, every backend
+// without kernels of its own reaches a kernel that raises an error naming the
+// offending argument; for attention it is fwd itself (so inference mode, which
+// skips the Autograd key, still runs the kernels).
+#include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/autograd.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
+#include <mutex>
+#include <string>
 #include <tuple>
+
+#include "attention_api.h"
 
 namespace {
 
-using torch::autograd::AutogradContext;
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 
+using FwdSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                                                  int64_t, int64_t, bool);
+using AttnSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                                                   int64_t, int64_t, bool, bool, bool);
+using BwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                              const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                              double, int64_t, int64_t, bool, bool);
+
 std::tuple<at::Tensor, at::Tensor> call_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                            double scale, int64_t window_left, int64_t window_right, bool bottom_right,
-                                            bool deterministic) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("flashattn_ext::fwd", "")
-                       .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                                 const at::Tensor&, double, int64_t, int64_t, bool,
-                                                                 bool)>();
-  return op.call(q, k, v, scale, window_left, window_right, bottom_right, deterministic);
+                                            double scale, int64_t window_left, int64_t window_right,
+                                            bool bottom_right) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::fwd", "").typed<FwdSig>();
+  return op.call(q, k, v, scale, window_left, window_right, bottom_right);
+}
+
+std::tuple<at::Tensor, at::Tensor> call_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                  double scale, int64_t window_left, int64_t window_right,
+                                                  bool bottom_right, bool deterministic, bool bhsd) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::attention", "").typed<AttnSig>();
+  return op.call(q, k, v, scale, window_left, window_right, bottom_right, deterministic, bhsd);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> call_bwd(const at::Tensor& dout, const at::Tensor& q,
@@ -35,11 +77,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> call_bwd(const at::Tensor& dout, 
                                                         const at::Tensor& out, const at::Tensor& lse, double scale,
                                                         int64_t window_left, int64_t window_right, bool bottom_right,
                                                         bool deterministic) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("flashattn_ext::bwd", "")
-                       .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-                           const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                           const at::Tensor&, const at::Tensor&, double, int64_t, int64_t, bool, bool)>();
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::bwd", "").typed<BwdSig>();
   return op.call(dout, q, k, v, out, lse, scale, window_left, window_right, bottom_right, deterministic);
 }
 
@@ -51,48 +89,217 @@ at::Tensor unit_last_stride(const at::Tensor& x) {
   return y.stride(-1) == 1 ? y : y.clone(at::MemoryFormat::Contiguous);
 }
 
-class FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
- public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               double scale, int64_t window_left, int64_t window_right, bool bottom_right,
-                               bool deterministic) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, lse] = call_fwd(q, k, v, scale, window_left, window_right, bottom_right, deterministic);
-    ctx->save_for_backward({q, k, v, out, lse});
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["window_left"] = window_left;
-    ctx->saved_data["window_right"] = window_right;
-    ctx->saved_data["bottom_right"] = bottom_right;
-    ctx->saved_data["deterministic"] = deterministic;
-    // lse carries no gradient (the bwd kernels take none for it, and one
-    // silently dropped would be a wrong answer): marked non-differentiable it
-    // shows requires_grad=False and backpropagating through it alone raises.
-    ctx->mark_non_differentiable({lse});
-    ctx->set_materialize_grads(false);  // so no zero tensor is made for it either
-    return {out, lse};
+// An input of attention as fwd / bwd take it: (batch, seqlen, heads, head_dim)
+// with a unit head_dim stride. A view unless the head_dim was strided. (A
+// tensor of another rank passes unchanged: the kernels' check names it.)
+at::Tensor kernel_layout(const at::Tensor& x, bool bhsd) {
+  return unit_last_stride(bhsd && x.dim() == 4 ? x.transpose(1, 2) : x);
+}
+
+// The kernels' (batch, seqlen, heads, head_dim) output in the caller's layout.
+at::Tensor caller_layout(const at::Tensor& x, bool bhsd) { return bhsd ? x.transpose(1, 2) : x; }
+
+template <typename... Tensors>
+void check_no_forward_ad(const char* op, const Tensors&... tensors) {
+  const bool any = (torch::autograd::isFwGradDefined(tensors) || ...);
+  TORCH_CHECK_NOT_IMPLEMENTED(!any,
+                              "flashattn_ext: forward-mode AD (torch.func.jvp, torch.func.jacfwd, torch.func.hessian, "
+                              "torch.autograd.forward_ad) is not supported (flashattn_ext::", op,
+                              " has no forward derivative); use reverse mode (backward, torch.func.grad, vjp, jacrev)");
+}
+
+// The backward of attention. Inputs: q, k, v (next edges 0, 1, 2); one
+// incoming gradient, that of out (lse is not differentiable).
+struct FlashAttnBackward : public Node {
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const at::Tensor& dout = grads[0];
+    if (!dout.defined()) return variable_list(3);
+    const at::Tensor q = q_.unpack(), k = k_.unpack(), v = v_.unpack();
+    const at::Tensor out = out_.unpack(shared_from_this()), lse = lse_.unpack();
+    auto [dq, dk, dv] = call_bwd(kernel_layout(dout, bhsd), kernel_layout(q, bhsd), kernel_layout(k, bhsd),
+                                 kernel_layout(v, bhsd), kernel_layout(out, bhsd), lse, scale, window_left,
+                                 window_right, bottom_right, deterministic);
+    return {caller_layout(dq, bhsd), caller_layout(dk, bhsd), caller_layout(dv, bhsd)};
+  }
+  std::string name() const override { return "FlashAttnBackward"; }
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    q_.reset_data();
+    k_.reset_data();
+    v_.reset_data();
+    out_.reset_data();
+    lse_.reset_data();
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const at::Tensor& dout = grads[0];
-    if (!dout.defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-                                 at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-    const auto saved = ctx->get_saved_variables();
-    auto [dq, dk, dv] =
-        call_bwd(unit_last_stride(dout), saved[0], saved[1], saved[2], saved[3], saved[4],
-                 ctx->saved_data["scale"].toDouble(), ctx->saved_data["window_left"].toInt(),
-                 ctx->saved_data["window_right"].toInt(), ctx->saved_data["bottom_right"].toBool(),
-                 ctx->saved_data["deterministic"].toBool());
-    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-  }
+  // q, k, v as the caller passed them (the kernels' views are remade in the
+  // backward, so that the version checks of autograd see the inputs
+  // themselves); out as returned (caller's layout).
+  SavedVariable q_, k_, v_, out_, lse_;
+  double scale = 0;
+  int64_t window_left = -1, window_right = -1;
+  bool bottom_right = false, deterministic = false, bhsd = false;
 };
+
+std::tuple<at::Tensor, at::Tensor> attention_below_autograd(const at::Tensor& q, const at::Tensor& k,
+                                                            const at::Tensor& v, double scale, int64_t window_left,
+                                                            int64_t window_right, bool bottom_right, bool bhsd) {
+  auto [out, lse] = call_fwd(kernel_layout(q, bhsd), kernel_layout(k, bhsd), kernel_layout(v, bhsd), scale,
+                             window_left, window_right, bottom_right);
+  return {caller_layout(out, bhsd), lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                      double scale, int64_t window_left, int64_t window_right,
+                                                      bool bottom_right, bool deterministic, bool bhsd) {
+  check_no_forward_ad("attention", q, k, v);
+  at::Tensor out, lse;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    std::tie(out, lse) = attention_below_autograd(q, k, v, scale, window_left, window_right, bottom_right, bhsd);
+  }
+  if (torch::autograd::compute_requires_grad(q, k, v)) {
+    auto node = std::shared_ptr<FlashAttnBackward>(new FlashAttnBackward(), torch::autograd::deleteNode);
+    node->set_next_edges(torch::autograd::collect_next_edges(q, k, v));
+    node->q_ = SavedVariable(q, false);
+    node->k_ = SavedVariable(k, false);
+    node->v_ = SavedVariable(v, false);
+    node->scale = scale;
+    node->window_left = window_left;
+    node->window_right = window_right;
+    node->bottom_right = bottom_right;
+    node->deterministic = deterministic;
+    node->bhsd = bhsd;
+    // out gets the history; lse none: it shows requires_grad=False, and
+    // backpropagating through it alone raises (the kernels take no gradient
+    // for it, and one silently dropped would be a wrong answer).
+    torch::autograd::set_history(out, node);
+    node->out_ = SavedVariable(out, true);
+    node->lse_ = SavedVariable(lse, false);
+  }
+  return {out, lse};
+}
+
+// Outputs of a non-differentiable op get an Error node when an input requires
+// grad: the backward through them raises `message`.
+template <typename... Tensors>
+void attach_error(const std::vector<at::Tensor>& outputs, const char* message, const Tensors&... inputs) {
+  if (!torch::autograd::compute_requires_grad(inputs...)) return;
+  auto node = std::shared_ptr<torch::autograd::Error>(
+      new torch::autograd::Error(message, torch::autograd::collect_next_edges(inputs...)), torch::autograd::deleteNode);
+  for (const auto& t : outputs) {
+    if (torch::autograd::isDifferentiableType(t.scalar_type())) torch::autograd::set_history(t, node);
+  }
+}
+
+constexpr const char* kFwdNotDifferentiable =
+    "flashattn_ext::fwd is the forward kernel alone and has no derivative; call flashattn_ext::attention "
+    "(what flash_attn_func and scaled_dot_product_attention call), whose autograd formula runs flashattn_ext::bwd";
+
+constexpr const char* kNoDoubleBackward =
+    "flashattn_ext: double backward through flash attention is not supported (a gradient of a gradient, e.g. a "
+    "gradient penalty computed with create_graph=True): the backward kernels have no derivative of their own, as in "
+    "torch's flash, efficient and cuDNN SDPA backends. Compute such terms with "
+    "torch.nn.functional.scaled_dot_product_attention under "
+    "torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH)";
 
 std::tuple<at::Tensor, at::Tensor> fwd_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                 double scale, int64_t window_left, int64_t window_right,
-                                                bool bottom_right, bool deterministic) {
-  auto r = FlashAttnFunction::apply(q, k, v, scale, window_left, window_right, bottom_right, deterministic);
-  return {r[0], r[1]};
+                                                bool bottom_right) {
+  check_no_forward_ad("fwd", q, k, v);
+  at::Tensor out, lse;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    std::tie(out, lse) = call_fwd(q, k, v, scale, window_left, window_right, bottom_right);
+  }
+  attach_error({out}, kFwdNotDifferentiable, q, k, v);
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_autograd(const at::Tensor& dout, const at::Tensor& q,
+                                                            const at::Tensor& k, const at::Tensor& v,
+                                                            const at::Tensor& out, const at::Tensor& lse,
+                                                            double scale, int64_t window_left, int64_t window_right,
+                                                            bool bottom_right, bool deterministic) {
+  check_no_forward_ad("bwd", dout, q, k, v, out, lse);
+  at::Tensor dq, dk, dv;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    std::tie(dq, dk, dv) =
+        call_bwd(dout, q, k, v, out, lse, scale, window_left, window_right, bottom_right, deterministic);
+  }
+  attach_error({dq, dk, dv}, kNoDoubleBackward, dout, q, k, v, out, lse);
+  return {dq, dk, dv};
+}
+
+// ---------------------------------------------------------------------------
+// Autocast
+
+template <c10::DeviceType device_type>
+at::Tensor autocast_arg(const at::Tensor& t) {
+  return at::autocast::cached_cast(at::autocast::get_autocast_dtype(device_type), t, device_type);
+}
+
+template <c10::DeviceType device_type>
+std::tuple<at::Tensor, at::Tensor> attention_autocast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                      double scale, int64_t window_left, int64_t window_right,
+                                                      bool bottom_right, bool deterministic, bool bhsd) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
+  return call_attention(autocast_arg<device_type>(q), autocast_arg<device_type>(k), autocast_arg<device_type>(v),
+                        scale, window_left, window_right, bottom_right, deterministic, bhsd);
+}
+
+template <c10::DeviceType device_type>
+std::tuple<at::Tensor, at::Tensor> fwd_autocast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                double scale, int64_t window_left, int64_t window_right,
+                                                bool bottom_right) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
+  return call_fwd(autocast_arg<device_type>(q), autocast_arg<device_type>(k), autocast_arg<device_type>(v), scale,
+                  window_left, window_right, bottom_right);
+}
+
+// ---------------------------------------------------------------------------
+// Catch-all kernels
+
+std::tuple<at::Tensor, at::Tensor> attention_composite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                       double scale, int64_t window_left, int64_t window_right,
+                                                       bool bottom_right, bool /*deterministic: for the backward*/,
+                                                       bool bhsd) {
+  return attention_below_autograd(q, k, v, scale, window_left, window_right, bottom_right, bhsd);
+}
+
+std::tuple<at::Tensor, at::Tensor> fwd_unsupported(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                   double, int64_t, int64_t, bool) {
+  flashattn::reject_backend({{&q, "q"}, {&k, "k"}, {&v, "v"}});
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_unsupported(const at::Tensor& dout, const at::Tensor& q,
+                                                               const at::Tensor& k, const at::Tensor& v,
+                                                               const at::Tensor& out, const at::Tensor& lse, double,
+                                                               int64_t, int64_t, bool, bool) {
+  flashattn::reject_backend({{&q, "q"}, {&k, "k"}, {&v, "v"}, {&dout, "dout"}, {&out, "out"}, {&lse, "lse"}});
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(flashattn_ext, Autograd, m) { m.impl("fwd", &fwd_autograd); }
+TORCH_LIBRARY_IMPL(flashattn_ext, Autograd, m) {
+  m.impl("attention", &attention_autograd);
+  m.impl("fwd", &fwd_autograd);
+  m.impl("bwd", &bwd_autograd);
+}
+
+TORCH_LIBRARY_IMPL(flashattn_ext, AutocastCPU, m) {
+  m.impl("attention", &attention_autocast<c10::DeviceType::CPU>);
+  m.impl("fwd", &fwd_autocast<c10::DeviceType::CPU>);
+}
+
+TORCH_LIBRARY_IMPL(flashattn_ext, AutocastCUDA, m) {
+  m.impl("attention", &attention_autocast<c10::DeviceType::CUDA>);
+  m.impl("fwd", &fwd_autocast<c10::DeviceType::CUDA>);
+}
+
+TORCH_LIBRARY_IMPL(flashattn_ext, CompositeExplicitAutograd, m) {
+  m.impl("attention", &attention_composite);
+  m.impl("fwd", &fwd_unsupported);
+  m.impl("bwd", &bwd_unsupported);
+}

@@ -1,7 +1,8 @@
 // The operator schema, declared once. Each backend registers its kernels with
 // TORCH_LIBRARY_IMPL in its own file (csrc/cpu/, csrc/cuda/); the autograd
-// formula in csrc/autograd.cpp; the fake (meta) kernels from Python
-// (flashattn_ext/_ops.py) so that torch.compile traces through both ops.
+// formula, the autocast kernels and the catch-all kernels that reject every
+// other backend in csrc/autograd.cpp; the fake (meta) kernels, which validate
+// like the real ones, and the vmap rules from Python (flashattn_ext/_ops.py).
 #include <Python.h>
 #include <torch/library.h>
 
@@ -47,12 +48,27 @@ TORCH_LIBRARY(flashattn_ext, m) {
   // inputs); -inf on rows that see no key.
   // window_left / window_right: -1 unbounded; causal is window_right = 0.
   // bottom_right: align the diagonal to the last key (FlashAttention) instead of
-  // the first (torch SDPA). deterministic is only recorded for the backward.
+  // the first (torch SDPA).
+  //
+  // attention: the differentiable op the Python API calls. Its autograd formula
+  // (csrc/autograd.cpp) saves q, k, v, out, lse and calls bwd; deterministic is
+  // only used there (it picks the backward kernels). Below autograd it is fwd.
+  // Unlike fwd it takes any strides (a strided head_dim is copied) and, with
+  // bhsd=True, q, k, v and out in torch's (batch, heads, seqlen, head_dim)
+  // layout (scaled_dot_product_attention): the transpositions are views made
+  // here, in C++, where they cost no autograd bookkeeping. lse is
+  // (batch, heads_q, seqlen_q) either way.
+  m.def(
+      "attention(Tensor q, Tensor k, Tensor v, float softmax_scale, int window_left, int window_right, "
+      "bool bottom_right, bool deterministic, bool bhsd=False) -> (Tensor out, Tensor lse)");
+  // The forward kernels alone. Not differentiable: backpropagating through it
+  // raises (use attention).
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, int window_left, int window_right, "
-      "bool bottom_right, bool deterministic) -> (Tensor out, Tensor lse)");
+      "bool bottom_right) -> (Tensor out, Tensor lse)");
   // Recomputes the probabilities tile by tile from lse; returns gradients with
-  // the shapes of q, k, v.
+  // the shapes of q, k, v. Not differentiable (no double backward): its
+  // gradients, when something asks for them, raise.
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float softmax_scale, "
       "int window_left, int window_right, bool bottom_right, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");

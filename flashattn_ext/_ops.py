@@ -1,17 +1,35 @@
-"""Python side of the ops declared in csrc/ops.cpp: fake (meta) kernels so that
-torch.compile can trace them (the autograd formula linking fwd to bwd is in
-csrc/autograd.cpp).
+"""Python side of the ops declared in csrc/ops.cpp (the autograd formula,
+autocast and catch-all kernels are in C++, csrc/autograd.cpp):
+
+* fake (meta) kernels, so that torch.compile can trace the ops and meta
+  tensors get shapes. They validate exactly as the real kernels do
+  (csrc/attention_api.cpp: same checks, same messages), so that an input the
+  kernels reject is rejected while tracing or on meta tensors too, and a mix of
+  devices (a CPU q with meta k, v) raises instead of returning memory nobody
+  wrote;
+* vmap rules (torch.func.vmap, and jacrev/hessian through it): the vmapped
+  dimension is folded into the batch dimension.
 
 The ops take the FlashAttention layout, q (batch, seqlen_q, heads_q, head_dim),
 k and v (batch, seqlen_k, heads_kv, head_dim), and return out with q's shape
 plus lse (batch, heads_q, seqlen_q)."""
 
+import math
+
 import torch
 
 from . import _C  # noqa: F401  (loads the library, which registers the ops)
 
-fwd = torch.ops.flashattn_ext.fwd.default
+attention = torch.ops.flashattn_ext.attention.default  # differentiable; what the Python API calls
+fwd_op = torch.ops.flashattn_ext.fwd.default  # the forward kernels alone
 bwd = torch.ops.flashattn_ext.bwd.default
+# The benchmarks (benchmarks/kernel_check.py, tune.py, bench_cpu.py) call
+# _ops.fwd(q, k, v, scale, window_left, window_right, bottom_right, deterministic)
+# and backpropagate through it: the differentiable op, under its old name.
+fwd = attention
+
+_MAX_HEAD_DIM = 256
+_INT_MAX = 2**31 - 1
 
 
 def unit_last_stride(x: torch.Tensor) -> torch.Tensor:
@@ -27,15 +45,217 @@ def _lse_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-@torch.library.register_fake("flashattn_ext::fwd")
-def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, bottom_right, deterministic):
+# ----------------------------------------------------------------------------- validation
+# A copy of csrc/attention_api.cpp's checks, in its order and words
+# (tests/test_errors.py runs every case through both).
+
+# c10's names of the dtypes (what the C++ messages print).
+_C10_NAMES = {
+    torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float32: "Float", torch.float64: "Double",
+    torch.uint8: "Byte", torch.int8: "Char", torch.int16: "Short", torch.int32: "Int", torch.int64: "Long",
+    torch.bool: "Bool", torch.complex32: "ComplexHalf", torch.complex64: "ComplexFloat",
+    torch.complex128: "ComplexDouble",
+}
+
+_KERNEL_DTYPES = {
+    "cpu": (torch.float32, torch.float64, torch.bfloat16, torch.float16),
+    "cuda": (torch.float16, torch.bfloat16),
+}
+_CUDA_DTYPE_HINT = (
+    "; cast float32 inputs to bfloat16 or float16 (flashattn_ext.scaled_dot_product_attention falls back to "
+    "torch for float32 on CUDA)"
+)
+
+
+def _c10(dtype):
+    return _C10_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def _sizes(t):
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def _strides(t):
+    return "[" + ", ".join(str(s) for s in t.stride()) + "]"
+
+
+def _rank4(t, name, layout):
+    if t.dim() != 4:
+        raise ValueError(
+            f"flashattn_ext: {name} must have 4 dimensions {layout}, got shape {_sizes(t)}; reshape it "
+            "(flash_attn_func takes (batch, seqlen, heads, head_dim))"
+        )
+
+
+def _same_device(t, name, q):
+    if t.device != q.device:
+        raise ValueError(f"flashattn_ext: {name} is on {t.device} but q is on {q.device}; move them to one device")
+
+
+def _same_dtype(t, name, q):
+    if t.dtype != q.dtype:
+        raise TypeError(f"flashattn_ext: {name} has dtype {_c10(t.dtype)} but q has dtype {_c10(q.dtype)}; cast them to one dtype")
+
+
+def _no_zero_size(t, name):
+    for s in t.shape:
+        if s <= 0:
+            raise ValueError(
+                f"flashattn_ext: {name} has a zero-size dimension (shape {_sizes(t)}); every dimension must be at least 1"
+            )
+
+
+def _fits_int(t, name):
+    for i, s in enumerate(t.shape):
+        if s > _INT_MAX:
+            raise ValueError(f"flashattn_ext: {name} dimension {i} has size {s}, larger than 2^31 - 1; split the call")
+
+
+def _last_dim_contiguous(t, name):
+    if t.stride(-1) != 1:
+        raise ValueError(
+            f"flashattn_ext: {name} must have stride 1 in its last (head_dim) dimension, got strides {_strides(t)}; "
+            f"pass {name}.contiguous() (flash_attn_func and scaled_dot_product_attention do this only when needed)"
+        )
+
+
+def check_qkv(q, k, v, unit_stride=True):
+    """csrc/attention_api.cpp check_qkv, for the device q is on (meta tensors:
+    any dtype some backend takes). unit_stride=False: the strides are the
+    attention op's business (it copies a strided head_dim)."""
+    _rank4(q, "q", "(batch, seqlen_q, heads_q, head_dim)")
+    _rank4(k, "k", "(batch, seqlen_k, heads_kv, head_dim)")
+    _rank4(v, "v", "(batch, seqlen_k, heads_kv, head_dim)")
+    _same_device(k, "k", q)
+    _same_device(v, "v", q)
+    _same_dtype(k, "k", q)
+    _same_dtype(v, "v", q)
+    backend = q.device.type
+    dtypes = _KERNEL_DTYPES.get(backend, _KERNEL_DTYPES["cpu"])
+    if q.dtype not in dtypes:
+        name = {"cpu": "CPU", "cuda": "CUDA"}.get(backend, backend)
+        hint = _CUDA_DTYPE_HINT if backend == "cuda" else ""
+        raise TypeError(
+            f"flashattn_ext: q has dtype {_c10(q.dtype)}, which the {name} kernels do not support; use one of "
+            f"{', '.join(_c10(d) for d in dtypes)}{hint}"
+        )
+    _no_zero_size(q, "q")
+    _no_zero_size(k, "k")
+    _no_zero_size(v, "v")
+    _fits_int(q, "q")
+    _fits_int(k, "k")
+    head_dim = q.shape[3]
+    if k.shape[3] != head_dim:
+        raise ValueError(
+            f"flashattn_ext: k has head_dim {k.shape[3]} but q has head_dim {head_dim}; q and k must share their last dimension"
+        )
+    if v.shape[3] != head_dim:
+        raise ValueError(
+            f"flashattn_ext: v has head_dim {v.shape[3]} but q has {head_dim}; a value head dim different from the "
+            "query's is not supported by the kernels (scaled_dot_product_attention falls back to torch for it)"
+        )
+    if head_dim > _MAX_HEAD_DIM:
+        raise ValueError(
+            f"flashattn_ext: head_dim {head_dim} is larger than {_MAX_HEAD_DIM}, the largest the kernels support; "
+            "split the heads or use torch's attention"
+        )
+    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"flashattn_ext: batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}; q, k and v must share dimension 0"
+        )
+    if v.shape[1] != k.shape[1]:
+        raise ValueError(f"flashattn_ext: v has seqlen {v.shape[1]} but k has {k.shape[1]}; k and v must share dimension 1 (seqlen_k)")
+    if v.shape[2] != k.shape[2]:
+        raise ValueError(f"flashattn_ext: v has {v.shape[2]} heads but k has {k.shape[2]}; k and v must share dimension 2 (heads_kv)")
+    if q.shape[2] % k.shape[2] != 0:
+        raise ValueError(
+            f"flashattn_ext: q has {q.shape[2]} heads, not a multiple of the {k.shape[2]} heads of k and v; for "
+            "GQA/MQA the key/value heads must divide the query heads"
+        )
+    if unit_stride:
+        _last_dim_contiguous(q, "q")
+        _last_dim_contiguous(k, "k")
+        _last_dim_contiguous(v, "v")
+    if backend == "cuda":
+        from .interface import _BUILD  # the compiled CUDA head dims
+
+        if head_dim > max(_BUILD["head_dims"], default=0):
+            raise ValueError(
+                f"flashattn_ext: no CUDA kernel for head_dim {head_dim} in this build (compiled head dims: "
+                f"{','.join(str(d) for d in _BUILD['head_dims'])}); rebuild with FLASHATTN_HEAD_DIMS including a head "
+                f"dim >= {head_dim}"
+            )
+
+
+def check_scalars(softmax_scale, window_left, window_right):
+    """csrc/attention_api.cpp make_mask and make_fwd_params."""
+    if window_left < -1 or window_right < -1:
+        raise ValueError(
+            f"flashattn_ext: window sizes must be -1 (unbounded) or >= 0, got window_left={window_left}, "
+            f"window_right={window_right}"
+        )
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"flashattn_ext: softmax_scale must be finite, got {softmax_scale}")
+
+
+def check_bwd_extras(dout, q, out, lse):
+    """csrc/attention_api.cpp check_bwd_extras."""
+    _same_device(dout, "dout", q)
+    _same_device(out, "out", q)
+    _same_device(lse, "lse", q)
+    _same_dtype(dout, "dout", q)
+    _same_dtype(out, "out", q)
+    if dout.shape != q.shape:
+        raise ValueError(
+            f"flashattn_ext: dout has shape {_sizes(dout)} but q has {_sizes(q)}; dout must have the shape of the forward output"
+        )
+    if out.shape != q.shape:
+        raise ValueError(f"flashattn_ext: out has shape {_sizes(out)} but q has {_sizes(q)}; pass the output of the forward")
+    if lse.dtype != _lse_dtype(q.dtype):
+        raise TypeError(
+            f"flashattn_ext: lse has dtype {_c10(lse.dtype)}, expected {_c10(_lse_dtype(q.dtype))}; pass the lse of the forward"
+        )
+    b, s, h = q.shape[0], q.shape[1], q.shape[2]
+    if lse.dim() != 3 or lse.shape[0] != b or lse.shape[1] != h or lse.shape[2] != s:
+        raise ValueError(
+            f"flashattn_ext: lse has shape {_sizes(lse)}, expected (batch, heads_q, seqlen_q) = ({b}, {h}, {s}); "
+            "pass the lse of the forward"
+        )
+    if not lse.is_contiguous():
+        raise ValueError("flashattn_ext: lse must be contiguous; pass the lse of the forward")
+    _last_dim_contiguous(dout, "dout")
+    _last_dim_contiguous(out, "out")
+
+
+# ----------------------------------------------------------------------------- fake kernels
+
+
+def _fwd_fake_impl(q, k, v, softmax_scale, window_left, window_right, unit_stride=True):
+    check_qkv(q, k, v, unit_stride)
+    check_scalars(softmax_scale, window_left, window_right)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q.dtype), device=q.device)
     return out, lse
 
 
+@torch.library.register_fake("flashattn_ext::fwd")
+def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, bottom_right):
+    return _fwd_fake_impl(q, k, v, softmax_scale, window_left, window_right)
+
+
+@torch.library.register_fake("flashattn_ext::attention")
+def _attention_fake(q, k, v, softmax_scale, window_left, window_right, bottom_right, deterministic, bhsd=False):
+    if bhsd:  # csrc/autograd.cpp kernel_layout / caller_layout
+        q, k, v = (x.transpose(1, 2) if x.dim() == 4 else x for x in (q, k, v))
+    out, lse = _fwd_fake_impl(q, k, v, softmax_scale, window_left, window_right, unit_stride=False)
+    return (out.transpose(1, 2) if bhsd else out), lse
+
+
 @torch.library.register_fake("flashattn_ext::bwd")
 def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, bottom_right, deterministic):
+    check_qkv(q, k, v)
+    check_bwd_extras(dout, q, out, lse)
+    check_scalars(softmax_scale, window_left, window_right)
     return (
         torch.empty(q.shape, dtype=q.dtype, device=q.device),
         torch.empty(k.shape, dtype=k.dtype, device=k.device),
@@ -43,6 +263,42 @@ def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
     )
 
 
-# The autograd formula (fwd saves q, k, v, out, lse; its backward calls bwd) is
-# registered in C++ (csrc/autograd.cpp): a C++ autograd function costs a few
-# microseconds of host time per call where register_autograd cost tens.
+# ----------------------------------------------------------------------------- vmap rules
+# The vmapped dimension (moved to the front; an unbatched argument is expanded)
+# is folded into the batch dimension: one call of the op at the level below.
+
+
+def _fold(x, bdim, size):
+    x = x.unsqueeze(0).expand(size, *x.shape) if bdim is None else x.movedim(bdim, 0)
+    return unit_last_stride(x.reshape(size * x.shape[1], *x.shape[2:]))
+
+
+def _unfold(x, size):
+    return x.unflatten(0, (size, x.shape[0] // size))
+
+
+def _fwd_vmap_impl(op, info, in_dims, q, k, v, *scalars):
+    n = info.batch_size
+    q, k, v = (_fold(x, d, n) for x, d in zip((q, k, v), in_dims[:3]))
+    out, lse = op(q, k, v, *scalars)
+    return (_unfold(out, n), _unfold(lse, n)), (0, 0)
+
+
+@torch.library.register_vmap("flashattn_ext::attention")
+def _attention_vmap(info, in_dims, q, k, v, *scalars):
+    return _fwd_vmap_impl(attention, info, in_dims, q, k, v, *scalars)
+
+
+@torch.library.register_vmap("flashattn_ext::fwd")
+def _fwd_vmap(info, in_dims, q, k, v, *scalars):
+    return _fwd_vmap_impl(fwd_op, info, in_dims, q, k, v, *scalars)
+
+
+@torch.library.register_vmap("flashattn_ext::bwd")
+def _bwd_vmap(info, in_dims, dout, q, k, v, out, lse, *scalars):
+    n = info.batch_size
+    tensors = [_fold(x, d, n) for x, d in zip((dout, q, k, v, out, lse), in_dims[:6])]
+    # lse must be contiguous (batch, heads, seqlen): folding keeps it so unless it was expanded.
+    tensors[5] = tensors[5].contiguous()
+    dq, dk, dv = bwd(*tensors, *scalars)
+    return (_unfold(dq, n), _unfold(dk, n), _unfold(dv, n)), (0, 0, 0)

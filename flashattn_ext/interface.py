@@ -11,11 +11,13 @@
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from . import _ops
 from .reference import visible_mask
@@ -61,7 +63,7 @@ def _parse_build_info(info: str) -> dict:
 _BUILD = _parse_build_info(torch.ops.flashattn_ext.build_info())
 
 
-def build_info() -> dict:
+def build_info() -> dict[str, Union[bool, tuple[int, ...]]]:
     """What this build holds: {"cuda": bool, "archs": (80, 90), "head_dims": (32, ...)}."""
     return dict(_BUILD)
 
@@ -82,20 +84,90 @@ def _warn_once(key: str, message: str, stacklevel: int) -> bool:
     return True
 
 
+_cuda_arch_ok: dict = {}  # device index -> whether the compiled archs run there
+
+
 @torch.compiler.assume_constant_result
 def _cuda_arch_supported(device_index: int) -> bool:
-    major, minor = torch.cuda.get_device_capability(device_index)
-    cap = 10 * major + minor
-    # A cubin for sm_XY runs on sm_XZ with Z >= Y (same major); no PTX is shipped.
-    return any(a // 10 == major and a <= cap for a in _BUILD["archs"])
+    ok = _cuda_arch_ok.get(device_index)
+    if ok is None:
+        major, minor = torch.cuda.get_device_capability(device_index)
+        cap = 10 * major + minor
+        # A cubin for sm_XY runs on sm_XZ with Z >= Y (same major); no PTX is shipped.
+        ok = _cuda_arch_ok[device_index] = any(a // 10 == major and a <= cap for a in _BUILD["archs"])
+    return ok
 
 
-def _check_cuda_build(q: torch.Tensor) -> None:
-    if q.is_cuda and not _BUILD["cuda"]:
-        raise RuntimeError(
-            "flashattn_ext: q is on CUDA but this build of flashattn_ext has no CUDA kernels "
-            "(built without nvcc or with FLASHATTN_CPU_ONLY=1); rebuild with CUDA, or use the CPU"
+# --------------------------------------------------------------------------
+# Argument checks of flash_attn_func. The common call (tensors, Python bools,
+# a tuple of ints, a float or None) passes a few type tests; anything else
+# goes through these, which convert what flash-attn accepts and raise a
+# TypeError / ValueError naming the argument for the rest. Tensor checks
+# (rank, dtype, device, shapes, strides) are the op's (csrc/attention_api.cpp).
+
+
+def _type_name(x) -> str:
+    t = type(x)
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def _require_tensors(fn: str, names: tuple, values: tuple) -> None:
+    for name, t in zip(names, values):
+        if not isinstance(t, Tensor):
+            hint = f"; convert it with torch.from_numpy({name})" if type(t).__module__ == "numpy" else ""
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {_type_name(t)}{hint}")
+
+
+def _require_bool(fn: str, name: str, x) -> bool:
+    if type(x) is bool:
+        return x
+    if type(x).__module__ == "numpy" and type(x).__name__ in ("bool", "bool_"):
+        return bool(x)
+    raise TypeError(f"{fn}: {name} must be a bool, got {_type_name(x)} {x!r}")
+
+
+def _real(fn: str, name: str, x) -> float:
+    """A Python/NumPy real number or a one-element tensor, as a float."""
+    if isinstance(x, numbers.Real) and not isinstance(x, bool):
+        return float(x)
+    if isinstance(x, Tensor) and x.numel() == 1 and (x.is_floating_point() or not x.is_complex()) and x.dtype != torch.bool:
+        return float(x.item())
+    raise TypeError(f"{fn}: {name} must be a real number, got {_type_name(x)} {x!r}")
+
+
+def _window_size(x) -> tuple:
+    """(left, right) as ints, -1 unbounded; widths beyond any sequence (>= 2^31) are unbounded."""
+    fn = "flash_attn_func"
+    if isinstance(x, (str, bytes)) or not hasattr(x, "__len__") or len(x) != 2:
+        raise TypeError(
+            f"{fn}: window_size must be a pair (left, right) of ints, -1 for unbounded, got {_type_name(x)} {x!r}; "
+            "e.g. window_size=(128, 0) for a causal window of 128 past keys, (-1, -1) for none"
         )
+    out = []
+    for side, w in zip(("left", "right"), x):
+        if isinstance(w, bool) or not (isinstance(w, numbers.Integral) or (isinstance(w, Tensor) and w.numel() == 1
+                                                                          and not w.is_floating_point()
+                                                                          and not w.is_complex())):
+            raise TypeError(f"{fn}: window_size ({side}) must be an int, got {_type_name(w)} {w!r}")
+        w = int(w)
+        if w < -1:
+            raise ValueError(
+                f"{fn}: window_size ({side}) must be -1 (unbounded) or >= 0, got {w}; window_size=(-1, -1) is no window"
+            )
+        out.append(-1 if w > _INT_MAX else w)
+    return out[0], out[1]
+
+
+def _dropout_p(fn: str, x) -> float:
+    p = _real(fn, "dropout_p", x)
+    if not 0.0 <= p <= 1.0:  # NaN fails too
+        raise ValueError(f"{fn}: dropout_p must be in [0, 1], got {p}")
+    return p
+
+
+def _default_scale(q: Tensor) -> float:
+    d = q.shape[-1] if q.dim() > 0 else 1
+    return 1.0 / math.sqrt(d) if d > 0 else 1.0  # the op rejects a zero-size head dim
 
 
 # --------------------------------------------------------------------------
@@ -103,23 +175,26 @@ def _check_cuda_build(q: torch.Tensor) -> None:
 
 
 def flash_attn_func(
-    q,
-    k,
-    v,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-    return_lse=False,
-):
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    return_lse: bool = False,
+) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Exact attention, flash-attn's ``flash_attn_func`` interface.
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim),
-    heads_kv dividing heads_q (GQA/MQA). Returns out with q's shape, and with
+    heads_kv dividing heads_q (GQA/MQA). Note the layout: torch's (batch, heads,
+    seqlen, head_dim) tensors must be transposed (``q.transpose(1, 2)``) or given
+    to ``scaled_dot_product_attention`` instead; a wrong layout cannot be detected
+    when its sizes happen to fit. Returns out with q's shape, and with
     ``return_lse=True`` also lse (batch, heads_q, seqlen_q) in float32 (float64 for
     float64 inputs), the natural-log log-sum-exp of the scaled scores (-inf on rows
     that see no key; it carries no gradient).
@@ -129,38 +204,62 @@ def flash_attn_func(
     flash-attn >= 2.1; window_size (left, right): -1 is unbounded, causal sets right
     to 0. A query row that sees no key outputs zeros. deterministic: bitwise
     reproducible backward (also on when torch.use_deterministic_algorithms(True)).
+    A NaN or infinity in q, k or v reaches exactly the output rows that see it
+    (see README, "Non-finite inputs").
 
-    Not supported: softcap, alibi_slopes, return_attn_probs (NotImplementedError).
-    dropout_p > 0 is computed by torch's scaled_dot_product_attention with an
-    explicit mask (one-time FlashAttnFallbackWarning; O(seqlen_q * seqlen_k) memory).
+    Not supported: softcap, alibi_slopes, return_attn_probs (NotImplementedError);
+    double backward (raises when attempted). dropout_p in (0, 1] is computed by
+    torch's scaled_dot_product_attention with an explicit mask (one-time
+    FlashAttnFallbackWarning; O(seqlen_q * seqlen_k) memory).
     """
-    if softcap != 0.0:
-        raise NotImplementedError(f"flash_attn_func: softcap={softcap} is not supported by flashattn_ext; pass softcap=0.0")
+    fn = "flash_attn_func"
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
+        _require_tensors(fn, ("q", "k", "v"), (q, k, v))
+    if type(causal) is not bool:
+        causal = _require_bool(fn, "causal", causal)
+    if type(deterministic) is not bool:
+        deterministic = _require_bool(fn, "deterministic", deterministic)
+    if type(return_lse) is not bool:
+        return_lse = _require_bool(fn, "return_lse", return_lse)
+    if return_attn_probs is not False:
+        if _require_bool(fn, "return_attn_probs", return_attn_probs):
+            raise NotImplementedError(
+                f"{fn}: return_attn_probs=True is not supported by flashattn_ext (the kernels never "
+                "materialize the probabilities); use return_lse=True for the log-sum-exp"
+            )
+    if softcap is not None and not (type(softcap) is float and softcap == 0.0):
+        if _real(fn, "softcap", softcap) != 0.0:
+            raise NotImplementedError(f"{fn}: softcap={softcap} is not supported by flashattn_ext; pass softcap=0.0")
     if alibi_slopes is not None:
-        raise NotImplementedError("flash_attn_func: alibi_slopes is not supported by flashattn_ext; pass alibi_slopes=None")
-    if return_attn_probs:
-        raise NotImplementedError(
-            "flash_attn_func: return_attn_probs=True is not supported by flashattn_ext (the kernels never "
-            "materialize the probabilities); use return_lse=True for the log-sum-exp"
-        )
-    _check_cuda_build(q)
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    window_left, window_right = window_size
+        raise NotImplementedError(f"{fn}: alibi_slopes is not supported by flashattn_ext; pass alibi_slopes=None")
+    if type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int \
+            and type(window_size[1]) is int and -1 <= window_size[0] <= _INT_MAX and -1 <= window_size[1] <= _INT_MAX:
+        window_left, window_right = window_size
+    else:
+        window_left, window_right = _window_size(window_size)
     if causal:
         window_right = 0
-    deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
-    q, k, v = _ops.unit_last_stride(q), _ops.unit_last_stride(k), _ops.unit_last_stride(v)
-    if dropout_p > 0.0:
-        return _flash_attn_dropout_fallback(q, k, v, dropout_p, scale, window_left, window_right, return_lse)
-    out, lse = _ops.fwd(q, k, v, float(scale), int(window_left), int(window_right), True, deterministic)
+    if softmax_scale is None:
+        scale = _default_scale(q)
+    elif type(softmax_scale) is float:
+        scale = softmax_scale
+    else:
+        scale = _real(fn, "softmax_scale", softmax_scale)
+    if not (type(dropout_p) is float and dropout_p == 0.0) and _dropout_p(fn, dropout_p) > 0.0:
+        return _flash_attn_dropout_fallback(q, k, v, float(dropout_p), scale, window_left, window_right, return_lse)
+    # The op takes any strides (it copies a strided head_dim, nothing else).
+    out, lse = _ops.attention(
+        q, k, v, scale, window_left, window_right, True, deterministic or torch.are_deterministic_algorithms_enabled()
+    )
     return (out, lse) if return_lse else out
 
 
 def _flash_attn_dropout_fallback(q, k, v, dropout_p, scale, window_left, window_right, return_lse):
     # The op validates the inputs (same errors as the kernel path) and gives the
     # lse, which dropout does not change.
+    q, k, v = _ops.unit_last_stride(q), _ops.unit_last_stride(k), _ops.unit_last_stride(v)
     with torch.no_grad():
-        _, lse = _ops.fwd(q, k, v, float(scale), int(window_left), int(window_right), True, False)
+        _, lse = _ops.fwd_op(q, k, v, scale, window_left, window_right, True)
     _warn_once(
         "flash_attn_func:dropout",
         "flashattn_ext: dropout_p > 0 is not implemented by the kernels; flash_attn_func computes it with "
@@ -183,9 +282,50 @@ def _flash_attn_dropout_fallback(q, k, v, dropout_p, scale, window_left, window_
 
 
 # --------------------------------------------------------------------------
-# scaled_dot_product_attention: eligibility as small predicates, each returning
-# None (fine) or the reason it refuses. The first refusal sends the call to
-# torch; the warning is keyed by the predicate, so each reason warns once.
+# scaled_dot_product_attention.
+#
+# The common eligible call is recognized by _fast_eligible: a few attribute
+# tests, inline, no allocation. Everything else goes through _sdpa_refusal,
+# which walks the conditions in order and returns the first reason the kernels
+# cannot take the call (the key of the one-time warning) or None when they can
+# after all (rank-3 inputs, autocast, a scale given as an int, ...).
+
+_CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_CUDA_DTYPES = (torch.float16, torch.bfloat16)
+_DTYPES = {"cpu": _CPU_DTYPES, "cuda": _CUDA_DTYPES}
+_CUDA_MAX_HEAD_DIM = min(_MAX_HEAD_DIM, max(_BUILD["head_dims"], default=0))
+
+
+def _fast_eligible(query, key, value, enable_gqa) -> bool:
+    """The kernels take the call as it is (rank-4 dense tensors of one
+    supported dtype and device, shapes they cover). False means "look closer",
+    not "refused"."""
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return False
+    if query.layout is not torch.strided or key.layout is not torch.strided or value.layout is not torch.strided:
+        return False
+    if query.is_nested or key.is_nested or value.is_nested:
+        return False
+    dtype = query.dtype
+    if key.dtype is not dtype or value.dtype is not dtype:
+        return False
+    b, h, l, e = query.shape
+    bk, hk, s, ek = key.shape
+    bv, hv, sv, ev = value.shape
+    if b != bk or b != bv or e != ek or e != ev or s != sv or hk != hv:
+        return False
+    if hk != h and hk != 1 and not (enable_gqa and h % hk == 0):
+        return False
+    if min(b, h, l, e, hk, s) < 1 or max(b, h, l, hk, s) > _INT_MAX:
+        return False
+    dev = query.device
+    if key.device != dev or value.device != dev:
+        return False
+    if dev.type == "cpu":
+        return dtype in _CPU_DTYPES and e <= _MAX_HEAD_DIM
+    if dev.type == "cuda":
+        return dtype in _CUDA_DTYPES and e <= _CUDA_MAX_HEAD_DIM and _BUILD["cuda"] and _cuda_arch_supported(dev.index)
+    return False
 
 
 def _dims(t):
@@ -195,141 +335,74 @@ def _dims(t):
     return tuple(t.shape)
 
 
-def _check_tensors(query, key, value, **_):
+def _sdpa_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """(key, reason) of the first condition the kernels do not meet, or (None, None)."""
     for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor):
-            return f"{name} is not a tensor"
+        if not isinstance(t, Tensor):
+            return "tensors", f"{name} is not a tensor"
         if t.layout != torch.strided or t.is_nested:
-            return f"{name} is not a dense strided tensor (layout {t.layout}, nested={t.is_nested})"
-    return None
-
-
-def _check_rank(query, key, value, **_):
+            return "tensors", f"{name} is not a dense strided tensor (layout {t.layout}, nested={t.is_nested})"
+    if type(is_causal) is not bool or type(enable_gqa) is not bool:
+        return "args", f"is_causal / enable_gqa of types {_type_name(is_causal)} / {_type_name(enable_gqa)}, not bool"
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            return "args", f"scale of type {_type_name(scale)}"
+        if not math.isfinite(scale):
+            return "scale", f"scale={scale} is not finite"
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        return "args", f"dropout_p of type {_type_name(dropout_p)}"
     if query.dim() not in (3, 4) or key.dim() != query.dim() or value.dim() != query.dim():
-        return (
+        return "rank", (
             f"the kernels take rank-4 (batch, heads, L, E) or rank-3 inputs of one rank, got query, key, value "
             f"of ranks {query.dim()}, {key.dim()}, {value.dim()}"
         )
-    return None
-
-
-def _check_device(query, key, value, **_):
     dev = query.device
     if key.device != dev or value.device != dev:
-        return f"query, key, value are on different devices ({dev}, {key.device}, {value.device})"
-    if dev.type == "cpu":
-        return None
-    if dev.type != "cuda":
-        return f"device {dev.type} has no flashattn_ext kernels (cpu and cuda only)"
-    if not _BUILD["cuda"]:
-        return "this build of flashattn_ext has no CUDA kernels"
-    if not _cuda_arch_supported(dev.index if dev.index is not None else torch.cuda.current_device()):
-        return f"the CUDA kernels were built for archs {_BUILD['archs']}, which cannot run on this GPU"
-    return None
-
-
-_DTYPES = {
-    "cpu": (torch.float32, torch.float64, torch.bfloat16, torch.float16),
-    "cuda": (torch.float16, torch.bfloat16),
-}
-
-
-def _check_dtype(query, key, value, **_):
-    if key.dtype != query.dtype or value.dtype != query.dtype:
-        return f"query, key, value have different dtypes ({query.dtype}, {key.dtype}, {value.dtype})"
-    if query.dtype not in _DTYPES[query.device.type]:
-        return f"dtype {query.dtype} is not supported by the {query.device.type} kernels (they take {_DTYPES[query.device.type]})"
-    return None
-
-
-def _check_attn_mask(attn_mask, **_):
+        return "device", f"query, key, value are on different devices ({dev}, {key.device}, {value.device})"
+    if dev.type not in ("cpu", "cuda"):
+        return "device", f"device {dev.type} has no flashattn_ext kernels (cpu and cuda only)"
+    if dev.type == "cuda":
+        if not _BUILD["cuda"]:
+            return "device", "this build of flashattn_ext has no CUDA kernels"
+        if not _cuda_arch_supported(dev.index if dev.index is not None else torch.cuda.current_device()):
+            return "device", f"the CUDA kernels were built for archs {_BUILD['archs']}, which cannot run on this GPU"
+    dtypes = {query.dtype, key.dtype, value.dtype}
+    if torch.is_autocast_enabled(dev.type):
+        # torch's autocast casts floating inputs (float64 aside) to its dtype; so does ours (csrc/autograd.cpp).
+        low = torch.get_autocast_dtype(dev.type)
+        dtypes = {low if d.is_floating_point and d != torch.float64 else d for d in dtypes}
+    if len(dtypes) != 1:
+        return "dtype", f"query, key, value have different dtypes ({query.dtype}, {key.dtype}, {value.dtype})"
+    (dtype,) = dtypes
+    if dtype not in _DTYPES[dev.type]:
+        return "dtype", f"dtype {dtype} is not supported by the {dev.type} kernels (they take {_DTYPES[dev.type]})"
     if attn_mask is not None:
-        return "attn_mask is given (the kernels support no mask or is_causal only)"
-    return None
-
-
-def _check_dropout(dropout_p, **_):
-    if dropout_p > 0.0:
-        return "dropout_p > 0 (the kernels have no dropout; note torch applies it whenever dropout_p > 0, training or not)"
-    return None
-
-
-def _check_shapes(query, key, value, **_):
+        return "attn_mask", "attn_mask is given (the kernels support no mask or is_causal only)"
+    if dropout_p != 0.0:
+        return "dropout", "dropout_p > 0 (the kernels have no dropout; note torch applies it whenever dropout_p > 0, training or not)"
     bq, hq, lq, e = _dims(query)
     bk, hk, sk, ek = _dims(key)
     bv, hv, sv, ev = _dims(value)
     if not (bq == bk == bv):
-        return f"batch sizes differ (query {bq}, key {bk}, value {bv}): broadcasting is left to torch"
+        return "shapes", f"batch sizes differ (query {bq}, key {bk}, value {bv}): broadcasting is left to torch"
     if ek != e:
-        return f"key head dim {ek} differs from query head dim {e}"
+        return "shapes", f"key head dim {ek} differs from query head dim {e}"
     if sv != sk or hv != hk:
-        return f"key {tuple(key.shape)} and value {tuple(value.shape)} disagree on heads or length"
-    return None
-
-
-def _check_value_head_dim(query, value, **_):
-    if value.shape[-1] != query.shape[-1]:
-        return f"value head dim {value.shape[-1]} differs from query head dim {query.shape[-1]}"
-    return None
-
-
-def _check_heads(query, key, enable_gqa, **_):
-    hq, hk = _dims(query)[1], _dims(key)[1]
-    if hq == hk or hk == 1:  # hk == 1: torch broadcasts the single key/value head (MQA)
-        return None
-    if enable_gqa and hq % hk == 0:
-        return None
-    return f"{hq} query heads and {hk} key/value heads (GQA needs enable_gqa=True and divisibility)"
-
-
-def _check_sizes(query, key, value, **_):
+        return "shapes", f"key {tuple(key.shape)} and value {tuple(value.shape)} disagree on heads or length"
+    if ev != e:
+        return "value_head_dim", f"value head dim {ev} differs from query head dim {e}"
+    if not (hq == hk or hk == 1 or (enable_gqa and hq % hk == 0)):  # hk == 1: torch broadcasts (MQA)
+        return "heads", f"{hq} query heads and {hk} key/value heads (GQA needs enable_gqa=True and divisibility)"
     for name, t in (("query", query), ("key", key), ("value", value)):
-        for s in t.shape:
-            if s == 0:
-                return f"{name} has a zero-size dimension {tuple(t.shape)}"
-            if s > _INT_MAX:
-                return f"{name} has a dimension larger than 2^31 - 1 {tuple(t.shape)}"
-    return None
-
-
-def _check_head_dim(query, **_):
-    e = query.shape[-1]
+        for size in t.shape:
+            if size == 0:
+                return "sizes", f"{name} has a zero-size dimension {tuple(t.shape)}"
+            if size > _INT_MAX:
+                return "sizes", f"{name} has a dimension larger than 2^31 - 1 {tuple(t.shape)}"
     if e > _MAX_HEAD_DIM:
-        return f"head dim {e} is larger than {_MAX_HEAD_DIM}"
-    if query.device.type == "cuda" and e > max(_BUILD["head_dims"], default=0):
-        return f"head dim {e} is larger than the largest compiled CUDA head dim {max(_BUILD['head_dims'], default=0)}"
-    return None
-
-
-_SDPA_CHECKS = (
-    _check_tensors,
-    _check_rank,
-    _check_device,
-    _check_dtype,
-    _check_attn_mask,
-    _check_dropout,
-    _check_shapes,
-    _check_value_head_dim,
-    _check_heads,
-    _check_sizes,
-    _check_head_dim,
-)
-
-
-def _sdpa_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    for check in _SDPA_CHECKS:
-        reason = check(
-            query=query,
-            key=key,
-            value=value,
-            attn_mask=attn_mask,
-            dropout_p=dropout_p,
-            is_causal=is_causal,
-            scale=scale,
-            enable_gqa=enable_gqa,
-        )
-        if reason is not None:
-            return check.__name__[len("_check_"):], reason
+        return "head_dim", f"head dim {e} is larger than {_MAX_HEAD_DIM}"
+    if dev.type == "cuda" and e > _CUDA_MAX_HEAD_DIM:
+        return "head_dim", f"head dim {e} is larger than the largest compiled CUDA head dim {_CUDA_MAX_HEAD_DIM}"
     return None, None
 
 
@@ -338,7 +411,7 @@ def _check_invalid_for_torch(query, key, value):
     # flash backend returns an answer for key/value lengths that differ, and its
     # CUDA backends crash the process on a key head dim different from the
     # query's. Raise here instead of handing them over.
-    tensors = all(isinstance(t, torch.Tensor) and t.dim() >= 2 for t in (query, key, value))
+    tensors = all(isinstance(t, Tensor) and t.dim() >= 2 for t in (query, key, value))
     if not tensors:
         return
     if key.shape[-2] != value.shape[-2]:
@@ -356,60 +429,94 @@ def _check_invalid_for_torch(query, key, value):
 def _zero_dead_rows(out, attn_mask):
     """Rows whose boolean mask admits no key are zero (torch's documented
     semantics; some of its CUDA backends return NaN there)."""
-    if attn_mask is None or attn_mask.dtype != torch.bool:
+    if not isinstance(attn_mask, Tensor) or attn_mask.dtype != torch.bool:
         return out
     dead = ~attn_mask.any(dim=-1, keepdim=True)  # (..., L, 1), broadcasts against out
     return out.masked_fill(dead, 0.0)
 
 
 def sdpa_fallback_reason(
-    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
 ) -> Optional[str]:
     """Why ``scaled_dot_product_attention`` would hand this call to torch, or None
     when the flashattn_ext kernels compute it."""
     return _sdpa_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)[1]
 
 
+def _sdpa_kernels(query, key, value, is_causal, scale):
+    """The kernel path. The op takes the (B, H, L, E) tensors as they are (bhsd=True:
+    it reads them through (B, L, H, E) views, copying only a strided head_dim) and
+    returns a (B, H, L, E) view of a (B, L, H, E) buffer."""
+    if query.dim() == 3:
+        return _sdpa_kernels(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), is_causal, scale).squeeze(1)
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    elif type(scale) is not float:
+        scale = float(scale)
+    wr = 0 if is_causal else -1
+    return _ops.attention(query, key, value, scale, -1, wr, False, torch.are_deterministic_algorithms_enabled(), True)[0]
+
+
 def scaled_dot_product_attention(
-    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
-):
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+) -> Tensor:
     """Drop-in replacement of ``torch.nn.functional.scaled_dot_product_attention``.
 
     Same layout (N, ..., L, E) and semantics: is_causal aligned top-left (query i
     sees keys 0..i), default scale 1 / sqrt(E), GQA only with enable_gqa=True
-    (a single key/value head broadcasts, as in torch). The flashattn_ext kernels
-    run for rank-3/4 inputs without attn_mask and dropout whose dtype/device they
+    (a single key/value head broadcasts, as in torch), the inputs cast to the
+    autocast dtype under torch.autocast. The flashattn_ext kernels run for
+    rank-3/4 inputs without attn_mask and dropout whose dtype/device they
     support; the output is then a (B, H, L, E)-shaped view of a (B, L, H, E)
     buffer, like torch's flash backend returns. Every other call goes to torch's
     function, with a one-time FlashAttnFallbackWarning per reason (see
     ``sdpa_fallback_reason``); invalid inputs raise torch's own errors.
     """
+    if (
+        attn_mask is None
+        and (scale is None or type(scale) is float)
+        and type(is_causal) is bool
+        and type(enable_gqa) is bool
+        and type(dropout_p) is float
+        and dropout_p == 0.0
+        and isinstance(query, Tensor)
+        and isinstance(key, Tensor)
+        and isinstance(value, Tensor)
+        and _fast_eligible(query, key, value, enable_gqa)
+        and (scale is None or math.isfinite(scale))
+    ):
+        if scale is None:
+            scale = 1.0 / math.sqrt(query.shape[-1])
+        wr = 0 if is_causal else -1
+        return _ops.attention(query, key, value, scale, -1, wr, False, torch.are_deterministic_algorithms_enabled(), True)[0]
     _check_invalid_for_torch(query, key, value)
     key_name, reason = _sdpa_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    if reason is not None:
-        kwargs = {"enable_gqa": True} if enable_gqa else {}
-        out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kwargs
-        )
-        out = _zero_dead_rows(out, attn_mask)
-        # Only after torch accepted the call: invalid inputs raise torch's error, unwarned.
-        _warn_once(
-            "sdpa:" + key_name,
-            f"flashattn_ext.scaled_dot_product_attention: {reason}; "
-            "using torch.nn.functional.scaled_dot_product_attention for such calls",
-            3,
-        )
-        return out
-    rank3 = query.dim() == 3
-    if rank3:
-        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-    if scale is None:
-        scale = 1.0 / math.sqrt(query.shape[-1])
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    # (B, H, L, E) -> (B, L, H, E) views: no copy unless head_dim is strided.
-    q = _ops.unit_last_stride(query.transpose(1, 2))
-    k = _ops.unit_last_stride(key.transpose(1, 2))
-    v = _ops.unit_last_stride(value.transpose(1, 2))
-    out, _ = _ops.fwd(q, k, v, float(scale), -1, 0 if is_causal else -1, False, deterministic)
-    out = out.transpose(1, 2)
-    return out.squeeze(1) if rank3 else out
+    if reason is None:
+        return _sdpa_kernels(query, key, value, is_causal, scale)
+    kwargs = {"enable_gqa": enable_gqa} if enable_gqa is not False else {}
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kwargs
+    )
+    out = _zero_dead_rows(out, attn_mask)
+    # Only after torch accepted the call: invalid inputs raise torch's error, unwarned.
+    _warn_once(
+        "sdpa:" + key_name,
+        f"flashattn_ext.scaled_dot_product_attention: {reason}; "
+        "using torch.nn.functional.scaled_dot_product_attention for such calls",
+        3,
+    )
+    return out

@@ -188,7 +188,22 @@ def default_scale(d):
     return 1.0 / math.sqrt(d)
 
 
+class KernelCalls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the flashattn_ext::fwd / bwd calls (their arguments as the
+    kernels get them: the Python API and the attention op's autograd formula,
+    in C++, call them below autograd, where a dispatch mode sees them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []  # (op name, args)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "flashattn_ext":
+            self.calls.append((func._opname, args))
+        return func(*args, **(kwargs or {}))
+
+
 __all__ = [
     "ALL_DTYPES", "DTYPES", "FLOOR", "assert_rule", "check_flash", "check_lse", "make_bshd", "max_err",
-    "oracle_and_naive", "randn", "sdpa_ref", "attention_ref", "compute_dtype", "default_scale",
+    "oracle_and_naive", "randn", "sdpa_ref", "attention_ref", "compute_dtype", "default_scale", "KernelCalls",
 ]

@@ -13,6 +13,7 @@ import flashattn_ext
 from flashattn_ext import FlashAttnFallbackWarning
 from helpers import make_bshd, randn
 
+attention = torch.ops.flashattn_ext.attention.default
 fwd = torch.ops.flashattn_ext.fwd.default
 bwd = torch.ops.flashattn_ext.bwd.default
 
@@ -36,14 +37,15 @@ def _samples(device):
 def test_opcheck_fwd(device):
     for args in _samples(device):
         q, k, v = (x.detach().requires_grad_() for x in args[:3])
-        torch.library.opcheck(fwd, (q, k, v) + args[3:])
-        torch.library.opcheck(fwd, args)  # without requires_grad
+        torch.library.opcheck(attention, (q, k, v) + args[3:])
+        torch.library.opcheck(attention, args)  # without requires_grad
+        torch.library.opcheck(fwd, args[:-1])  # the forward alone: no deterministic, not differentiable
 
 
 def test_opcheck_bwd(device):
     for args in _samples(device):
         q, k, v = args[:3]
-        out, lse = fwd(*args)
+        out, lse = fwd(*args[:-1])
         dout = randn(out.shape, out.dtype, q.device)
         torch.library.opcheck(bwd, (dout, q, k, v, out, lse) + args[3:])
 
@@ -53,12 +55,12 @@ def test_fake_shapes():
 
     with FakeTensorMode():
         q, k, v = torch.empty(2, 9, 4, 16, dtype=torch.float16), torch.empty(2, 13, 2, 16, dtype=torch.float16), torch.empty(2, 13, 2, 16, dtype=torch.float16)
-        out, lse = fwd(q, k, v, 0.25, -1, 0, True, False)
+        out, lse = fwd(q, k, v, 0.25, -1, 0, True)
         assert out.shape == q.shape and out.dtype == q.dtype
         assert lse.shape == (2, 4, 9) and lse.dtype == torch.float32
         dq, dk, dv = bwd(out, q, k, v, out, lse, 0.25, -1, 0, True, False)
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
-        _, lse64 = fwd(q.double(), k.double(), v.double(), 0.25, -1, 0, True, False)
+        _, lse64 = attention(q.double(), k.double(), v.double(), 0.25, -1, 0, True, False)
         assert lse64.dtype == torch.float64
 
 

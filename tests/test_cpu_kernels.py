@@ -144,7 +144,7 @@ def run_case(seed, dtype, seqlen_q, seqlen_k, head_dim, heads_q=2, heads_kv=2, m
     if noncontiguous and heads_q > 1 and seqlen_q > 1:  # (with one head or row the view is contiguous)
         assert not q.is_contiguous() and q.stride(-1) == 1
 
-    out, lse = fwd_op(q, k, v, scale, window_left, window_right, bottom_right, False)
+    out, lse = fwd_op(q, k, v, scale, window_left, window_right, bottom_right)
 
     # Oracle: float64 from the same rounded inputs; naive: the same in dtype.
     leaves64 = [x.detach().double().requires_grad_(check_grads) for x in (q, k, v)]
@@ -255,7 +255,7 @@ def test_zero_row_stride(seed, dtype):
     v = torch.randn(2, 130, 2, 32).to(dtype)
     dout = torch.randn_like(q)
     scale, args = 0.25, (-1, 0, True)
-    out, lse = fwd_op(q, k, v, scale, *args, False)
+    out, lse = fwd_op(q, k, v, scale, *args)
     grads = bwd_op(dout, q, k, v, out, lse, scale, *args, False)
     leaves64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
     out64, lse64 = naive_attention(*leaves64, scale, *args)
@@ -274,7 +274,7 @@ def test_rows_without_keys(seed, dtype):
     run_case(seed, dtype, 200, 70, 64, mask="causal_br")
     # A window narrower than the offset leaves rows without keys at the start too.
     q, k, v, dout = make_inputs(1, 90, 40, 2, 2, 16, dtype)
-    out, lse = fwd_op(q, k, v, 0.25, 3, 0, True, False)
+    out, lse = fwd_op(q, k, v, 0.25, 3, 0, True)
     dq, dk, dv = bwd_op(dout, q, k, v, out, lse, 0.25, 3, 0, True, False)
     assert (out[:, :50] == 0).all() and torch.isneginf(lse[:, :, :50]).all() and (dq[:, :50] == 0).all()
     for t in (out, lse, dq, dk, dv):
@@ -346,7 +346,7 @@ def test_deterministic_and_thread_invariant(seed, seqlen):
     try:
         for n in (threads, threads, 1):
             torch.set_num_threads(n)
-            out, lse = fwd_op(q, k, v, *args)
+            out, lse = fwd_op(q, k, v, *args[:-1])  # deterministic: the backward's
             results.append((out, lse) + tuple(bwd_op(dout, q, k, v, out, lse, *args)))
     finally:
         torch.set_num_threads(threads)
@@ -358,9 +358,9 @@ def test_deterministic_and_thread_invariant(seed, seqlen):
 def test_autograd_matches_ops(seed):
     q, k, v, dout = make_inputs(1, 65, 129, 4, 2, 32, torch.float32, noncontiguous=True)
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    out, lse = flashattn_ext._ops.fwd(*leaves, 0.25, -1, 0, False, False)
+    out, lse = flashattn_ext._ops.attention(*leaves, 0.25, -1, 0, False, False)
     out.backward(dout)
-    out2, lse2 = fwd_op(q, k, v, 0.25, -1, 0, False, False)
+    out2, lse2 = fwd_op(q, k, v, 0.25, -1, 0, False)
     dq, dk, dv = bwd_op(dout, q, k, v, out2, lse2, 0.25, -1, 0, False, False)
     assert torch.equal(out.detach(), out2) and torch.equal(lse.detach(), lse2)
     for leaf, g in zip(leaves, (dq, dk, dv)):

@@ -24,7 +24,7 @@ def _qkv(device, b=2, sq=5, sk=7, hq=4, hkv=2, d=16, dtype=None):
 
 
 def _fwd(q, k, v, scale=0.25, wl=-1, wr=-1):
-    return fwd(q, k, v, scale, wl, wr, True, False)
+    return fwd(q, k, v, scale, wl, wr, True)
 
 
 # name -> (builder(q, k, v) -> (q, k, v), exception type, message regex)
@@ -88,7 +88,7 @@ def test_bad_window(device, window):
     q, k, v = _qkv(device)
     with pytest.raises(ValueError, match=r"window sizes must be -1 \(unbounded\) or >= 0, got window_left=-?\d+, window_right=-?\d+"):
         _fwd(q, k, v, wl=window[0], wr=window[1])
-    with pytest.raises(ValueError, match="window sizes"):
+    with pytest.raises(ValueError, match=r"window_size \((left|right)\) must be -1 \(unbounded\) or >= 0, got -\d"):
         flashattn_ext.flash_attn_func(q, k, v, window_size=window)
 
 

@@ -10,6 +10,7 @@ import flashattn_ext
 from flashattn_ext import _ops
 from helpers import (
     ALL_DTYPES,
+    KernelCalls,
     assert_rule,
     attention_ref,
     check_flash,
@@ -69,22 +70,16 @@ def test_noncontiguous(device, dtype, layout):
 
 
 @pytest.mark.dtypes(torch.float32, torch.bfloat16)
-def test_no_copy_unless_needed(device, dtype, monkeypatch):
+def test_no_copy_unless_needed(device, dtype):
     """Views with a unit stride on head_dim reach the kernels as they are; only a
     strided head_dim is made contiguous."""
-    seen = []
-    real = _ops.fwd
-
-    def spy(q, k, v, *args):
-        seen.append((q, k, v))
-        return real(q, k, v, *args)
-
-    monkeypatch.setattr(_ops, "fwd", spy)
     q = make_bshd(2, 9, 4, 16, dtype, device, "transposed")
     k = make_bshd(2, 11, 2, 16, dtype, device, "sliced")
     v = make_bshd(2, 11, 2, 16, dtype, device, "strided_last")
-    flashattn_ext.flash_attn_func(q, k, v)
-    sq, sk, sv = seen[-1]
+    with KernelCalls() as spy:
+        flashattn_ext.flash_attn_func(q, k, v)
+    (name, (sq, sk, sv, *_)), = spy.calls
+    assert name == "fwd"
     assert sq.data_ptr() == q.data_ptr() and sq.stride() == q.stride()
     assert sk.data_ptr() == k.data_ptr() and sk.stride() == k.stride()
     assert sv.data_ptr() != v.data_ptr() and sv.stride(-1) == 1 and sv.is_contiguous()
@@ -228,13 +223,13 @@ def test_float64_accuracy(device, dtype):
 @pytest.mark.dtypes(torch.float32, torch.float16)
 def test_deterministic_flag_reaches_the_op(device, dtype, monkeypatch):
     seen = []
-    real = _ops.fwd
+    real = _ops.attention
 
     def spy(*args):
         seen.append(args[-1])
         return real(*args)
 
-    monkeypatch.setattr(_ops, "fwd", spy)
+    monkeypatch.setattr(_ops, "attention", spy)
     q = randn((1, 4, 1, 8), dtype, device)
     torch.use_deterministic_algorithms(False)
     flashattn_ext.flash_attn_func(q, q, q)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import flashattn_ext
 from flashattn_ext import FlashAttnFallbackWarning, _ops
 from flashattn_ext import scaled_dot_product_attention as sdpa
-from helpers import assert_rule, compute_dtype, randn, sdpa_ref
+from helpers import KernelCalls, assert_rule, compute_dtype, randn, sdpa_ref
 
 
 @contextlib.contextmanager
@@ -95,25 +95,19 @@ def test_grads(device, dtype):
 
 
 @pytest.mark.dtypes(torch.float32, torch.float16)
-def test_output_is_view_without_copies(device, dtype, monkeypatch):
-    seen = []
-    real = _ops.fwd
-
-    def spy(q, k, v, *args):
-        seen.append((q, k, v, args))
-        return real(q, k, v, *args)
-
-    monkeypatch.setattr(_ops, "fwd", spy)
+def test_output_is_view_without_copies(device, dtype):
     q = randn((2, 4, 10, 16), dtype, device)
     k = randn((2, 12, 4, 16), dtype, device).transpose(1, 2)  # (B, H, S, E) view of a (B, S, H, E) buffer
     v = randn((2, 4, 12, 16), dtype, device)
-    out = sdpa(q, k, v, is_causal=True)
+    with KernelCalls() as spy:
+        out = sdpa(q, k, v, is_causal=True)
     assert out.shape == (2, 4, 10, 16)
-    assert out._base is not None and out.transpose(1, 2).is_contiguous(), "a (B, H, L, E) view of a (B, L, H, E) buffer"
-    sq, sk, sv, args = seen[-1]
+    assert out.transpose(1, 2).is_contiguous(), "a (B, H, L, E) view of a (B, L, H, E) buffer"
+    (name, (sq, sk, sv, *args)), = spy.calls
+    assert name == "fwd"
     for a, b in ((sq, q), (sk, k), (sv, v)):
-        assert a.data_ptr() == b.data_ptr() and a.shape == b.transpose(1, 2).shape, "inputs reach the op as views"
-    assert args[:4] == (1.0 / math.sqrt(16), -1, 0, False)  # scale, window (-1, 0), top-left
+        assert a.data_ptr() == b.data_ptr() and a.shape == b.transpose(1, 2).shape, "inputs reach the kernels as views"
+    assert tuple(args) == (1.0 / math.sqrt(16), -1, 0, False)  # scale, window (-1, 0), top-left
 
 
 def test_rank3(device, dtype):
@@ -125,8 +119,8 @@ def test_rank3(device, dtype):
 @pytest.mark.dtypes(torch.float32, torch.float16)
 def test_deterministic_follows_torch_setting(device, dtype, monkeypatch):
     seen = []
-    real = _ops.fwd
-    monkeypatch.setattr(_ops, "fwd", lambda *a: seen.append(a[-1]) or real(*a))
+    real = _ops.attention
+    monkeypatch.setattr(_ops, "attention", lambda *a: seen.append(a[7]) or real(*a))  # deterministic
     q = randn((1, 1, 4, 8), dtype, device)
     prev = torch.are_deterministic_algorithms_enabled()
     try:

@@ -12,7 +12,7 @@ const BackendSpec kCpuSpec{"CPU", {at::kFloat, at::kDouble, at::kBFloat16, at::k
 
 std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                            double softmax_scale, int64_t window_left, int64_t window_right,
-                                           bool bottom_right, bool /*deterministic: the CPU path always is*/) {
+                                           bool bottom_right) {
   check_qkv(q, k, v, kCpuSpec);
   auto mask = make_mask(window_left, window_right, bottom_right, q.size(1), k.size(1));
   auto [out, lse] = alloc_fwd_outputs(q);
@@ -24,7 +24,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dout, c
                                                        const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                                                        const at::Tensor& lse, double softmax_scale,
                                                        int64_t window_left, int64_t window_right, bool bottom_right,
-                                                       bool deterministic) {
+                                                       bool deterministic /*the CPU backward always is*/) {
   check_qkv(q, k, v, kCpuSpec);
   check_bwd_extras(dout, q, out, lse);
   auto mask = make_mask(window_left, window_right, bottom_right, q.size(1), k.size(1));

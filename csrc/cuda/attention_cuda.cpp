@@ -150,7 +150,7 @@ int device_arch(const at::Tensor& q) {
 
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                             double softmax_scale, int64_t window_left, int64_t window_right,
-                                            bool bottom_right, bool /*deterministic: for the backward*/) {
+                                            bool bottom_right) {
   check_qkv(q_in, k_in, v_in, kCudaSpec);
   check_device(q_in);
   const c10::cuda::CUDAGuard guard(q_in.device());
