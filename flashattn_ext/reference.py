@@ -36,6 +36,16 @@ that sees no key outputs zeros, has lse = -inf and receives zero gradients
 (never NaN). GQA/MQA: query head h reads key/value head h // (heads_q // heads_kv)
 (repeat_interleave of the key/value heads).
 
+Non-finite inputs: an output row depends only on the keys it can see. A NaN in
+q, or in k or v at a visible key, makes the row's output NaN (k: the whole row;
+v: the columns where v has it; an infinity in v gives an infinity or NaN there);
+a NaN or infinity in k or v at a key the row cannot see (outside its causal
+diagonal or window) never reaches it, and a row that sees no key is 0. (torch's
+math backend lets masked value rows through as 0 * NaN = NaN, and its CPU flash
+backend does so for every row of a tile the key lies in.) The kernels apply the
+same rule to the gradients: dq of a row depends only on the keys it sees, dk/dv
+of a key only on the queries that see it.
+
 lse is the natural-log log-sum-exp of the scaled, masked scores, shaped
 (batch, heads, seqlen_q) for ``attention_ref`` and (..., heads, L) for
 ``sdpa_ref``, in the compute dtype.
@@ -103,8 +113,13 @@ def _attention_core(q, k, v, scale, keep=None, bias=None, dtype=None, return_lse
     # Step 2: softmax.
     p = torch.softmax(scores, dim=-1)
     p = p.masked_fill(dead, 0.0)
-    # Step 3: weighted sum of the values.
-    out = torch.matmul(p, v)
+    # Step 3: weighted sum of the values. A key a row cannot see contributes
+    # nothing to it, not even a NaN or an infinity of its value row (the
+    # product 0 * NaN of a plain matmul would be NaN): the rule of the kernels.
+    if keep is not None and not bool(torch.isfinite(v).all()):
+        out = torch.where(keep.unsqueeze(-1), p.unsqueeze(-1) * v.unsqueeze(-3), 0.0).sum(-2)
+    else:
+        out = torch.matmul(p, v)
     return (out, lse) if return_lse else out
 
 

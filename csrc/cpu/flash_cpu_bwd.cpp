@@ -79,8 +79,11 @@ struct BwdScratch {
         dk_acc(kBlockK * d),
         dv_acc(kBlockK * d),
         dq_t_acc(d * kBlockQ),
+        probe(kBlockK),
         query_lo(kBlockK),
-        query_hi(kBlockK) {}
+        query_hi(kBlockK),
+        bad(std::max(kBlockK, kBlockQ)),
+        bad2(kBlockQ) {}
 
   ScratchArray<acc_t> q_t;       // d x kBlockQ        query tile, transposed
   ScratchArray<acc_t> do_t;      // d x kBlockQ        output-gradient tile, transposed
@@ -94,9 +97,42 @@ struct BwdScratch {
   ScratchArray<acc_t> dk_acc;    // kBlockK x d        pass 1
   ScratchArray<acc_t> dv_acc;    // kBlockK x d        pass 1
   ScratchArray<acc_t> dq_t_acc;  // d x kBlockQ        pass 2
+  ScratchArray<acc_t> probe;     // kBlockK            non-finite search
   ScratchArray<int> query_lo;    // kBlockK            visible queries of each key, in tile coordinates
   ScratchArray<int> query_hi;    // kBlockK
+  ScratchArray<int> bad;         // rows / keys of an operand tile that are not finite (masked blocks)
+  ScratchArray<int> bad2;
 };
+
+// Masked blocks and non-finite operands (tile_ops.h): rows of an input tile
+// that hold a NaN or an infinity leave the GEMM (zeroed in a copy) and their
+// products are added over the visible entries only.
+
+// The rows x d tile at src as a GEMM operand with the rows `bad` zeroed (a
+// converted copy in buffer).
+template <typename scalar_t, typename acc_t>
+Operand<acc_t> operand_without_rows(const scalar_t* src, int64_t src_ld, int rows, int d, const int* bad, int num_bad,
+                                    acc_t* buffer) {
+  load_tile(src, src_ld, rows, d, buffer, d);
+  for (int n = 0; n < num_bad; ++n) std::fill(buffer + bad[n] * d, buffer + (bad[n] + 1) * d, acc_t(0));
+  return {buffer, d};
+}
+
+// acc[j][:] += w_t[j][i] * x[i][:] for the query rows i in `bad` and the keys j
+// that see them (acc: cols x d, ld d; w_t: cols x rows, ld kBlockQ).
+template <typename scalar_t, typename acc_t>
+void add_query_rows_over_visible_keys(const int* bad, int num_bad, const scalar_t* x, int64_t x_ld, int d,
+                                      const acc_t* w_t, int cols, const int* query_lo, const int* query_hi,
+                                      acc_t* acc) {
+  for (int n = 0; n < num_bad; ++n) {
+    const int i = bad[n];
+    for (int j = 0; j < cols; ++j) {
+      if (i < query_lo[j] || i >= query_hi[j]) continue;
+      const acc_t w = w_t[j * kBlockQ + i];
+      for (int c = 0; c < d; ++c) acc[j * d + c] += w * static_cast<acc_t>(x[i * x_ld + c]);
+    }
+  }
+}
 
 // Pointers of one (batch, head) slice of every tensor.
 template <typename scalar_t, typename acc_t>
@@ -123,8 +159,10 @@ HeadView<scalar_t, acc_t> head_view(const AttnBwdParams& p, const RowStats<acc_t
 // [q0, q0 + rows) of one head, with the key tile as operands k_op, v_op
 // (cols x d) and the query tile transposed in scratch.q_t, scratch.do_t
 // (d x rows), leaves P^T in scratch.s_t and dS^T in scratch.dp_t (cols x rows).
+// Returns whether the block is masked (then scratch.query_lo / query_hi hold
+// the visible queries of each key).
 template <typename scalar_t, typename acc_t>
-void recompute_block(const AttnBwdParams& p, const AttnMask& mask, const HeadView<scalar_t, acc_t>& head, int64_t k0,
+bool recompute_block(const AttnBwdParams& p, const AttnMask& mask, const HeadView<scalar_t, acc_t>& head, int64_t k0,
                      int cols, int64_t q0, int rows, Operand<acc_t> k_op, Operand<acc_t> v_op,
                      BwdScratch<acc_t>& scratch) {
   const int d = p.head_dim;
@@ -139,6 +177,7 @@ void recompute_block(const AttnBwdParams& p, const AttnMask& mask, const HeadVie
   const int* query_hi = masked ? scratch.query_hi.get() : nullptr;
   probs_and_dscores_t(s_t, dp_t, kBlockQ, cols, rows, static_cast<acc_t>(p.softmax_scale), head.stats.neg_lse + q0,
                       head.stats.dsum + q0, query_lo, query_hi);
+  return masked;
 }
 
 // Loads the transposed query and output-gradient tiles (d x rows) a block needs.
@@ -176,15 +215,32 @@ void dkdv_key_tile(const AttnBwdParams& p, const AttnMask& mask, const RowStats<
       for (int64_t q0 = query_begin / kBlockQ * kBlockQ; q0 < query_end; q0 += kBlockQ) {
         const int rows = static_cast<int>(std::min<int64_t>(kBlockQ, p.seqlen_q - q0));
         load_query_tile_transposed(p, head, q0, rows, scratch);
-        recompute_block(p, mask, head, k0, cols, q0, rows, k_op, v_op, scratch);
+        const bool masked = recompute_block(p, mask, head, k0, cols, q0, rows, k_op, v_op, scratch);
         // dV += P^T dO,  dK += dS^T Q                                       cols x d
+        const scalar_t* dout_tile = head.dout + q0 * p.do_row_stride;
+        const scalar_t* q_tile = head.q + q0 * p.q_row_stride;
+        const int bad_do = masked ? nonfinite_rows<scalar_t, acc_t>(dout_tile, p.do_row_stride, rows, d,
+                                                                    scratch.bad.get())
+                                  : 0;
+        const int bad_q =
+            masked ? nonfinite_rows<scalar_t, acc_t>(q_tile, p.q_row_stride, rows, d, scratch.bad2.get()) : 0;
         const Operand<acc_t> do_op =
-            as_operand(head.dout + q0 * p.do_row_stride, p.do_row_stride, rows, d, scratch.dout.get(), d);
+            bad_do > 0
+                ? operand_without_rows(dout_tile, p.do_row_stride, rows, d, scratch.bad.get(), bad_do, scratch.dout.get())
+                : as_operand(dout_tile, p.do_row_stride, rows, d, scratch.dout.get(), d);
         const Operand<acc_t> q_op =
-            as_operand(head.q + q0 * p.q_row_stride, p.q_row_stride, rows, d, scratch.q.get(), d);
+            bad_q > 0 ? operand_without_rows(q_tile, p.q_row_stride, rows, d, scratch.bad2.get(), bad_q, scratch.q.get())
+                      : as_operand(q_tile, p.q_row_stride, rows, d, scratch.q.get(), d);
         const bool full_tile = is_full_tile(rows, cols);
         gemm_nn(cols, d, rows, scratch.s_t.get(), kBlockQ, do_op.ptr, do_op.ld, dv_acc, d, true, full_tile);
         gemm_nn(cols, d, rows, scratch.dp_t.get(), kBlockQ, q_op.ptr, q_op.ld, dk_acc, d, true, full_tile);
+        if (bad_do > 0)
+          add_query_rows_over_visible_keys(scratch.bad.get(), bad_do, dout_tile, p.do_row_stride, d,
+                                           scratch.s_t.get(), cols, scratch.query_lo.get(), scratch.query_hi.get(),
+                                           dv_acc);
+        if (bad_q > 0)
+          add_query_rows_over_visible_keys(scratch.bad2.get(), bad_q, q_tile, p.q_row_stride, d, scratch.dp_t.get(),
+                                           cols, scratch.query_lo.get(), scratch.query_hi.get(), dk_acc);
       }
     }
   }
@@ -216,11 +272,25 @@ void dq_query_tile(const AttnBwdParams& p, const AttnMask& mask, const RowStats<
       const int cols = static_cast<int>(std::min<int64_t>(kBlockK, p.seqlen_k - k0));
       const Operand<acc_t> k_op = as_operand(head.k + k0 * p.k_row_stride, p.k_row_stride, cols, d, scratch.k.get(), d);
       const Operand<acc_t> v_op = as_operand(head.v + k0 * p.v_row_stride, p.v_row_stride, cols, d, scratch.v.get(), d);
-      recompute_block(p, mask, head, k0, cols, q0, rows, k_op, v_op, scratch);
+      const bool masked = recompute_block(p, mask, head, k0, cols, q0, rows, k_op, v_op, scratch);
       // dQ^T += K^T dS^T                                                   d x rows
       load_tile_transposed(head.k + k0 * p.k_row_stride, p.k_row_stride, cols, d, acc_t(1), scratch.k_t.get(), kBlockK);
+      const int bad = masked ? take_nonfinite_columns(scratch.k_t.get(), kBlockK, d, cols, scratch.probe.get(),
+                                                      scratch.bad.get())
+                             : 0;
       gemm_nn(d, rows, cols, scratch.k_t.get(), kBlockK, scratch.dp_t.get(), kBlockQ, dq_t_acc, kBlockQ, true,
               is_full_tile(rows, cols));
+      // Keys whose row is not finite, over the queries that see them.
+      for (int n = 0; n < bad; ++n) {
+        const int j = scratch.bad.get()[n];
+        const int lo = std::min(scratch.query_lo.get()[j], rows), hi = std::max(scratch.query_hi.get()[j], lo);
+        const scalar_t* k_row = head.k + (k0 + j) * p.k_row_stride;
+        const acc_t* ds_t = scratch.dp_t.get() + j * kBlockQ;
+        for (int c = 0; c < d; ++c) {
+          const acc_t kc = static_cast<acc_t>(k_row[c]);
+          for (int i = lo; i < hi; ++i) dq_t_acc[c * kBlockQ + i] += kc * ds_t[i];
+        }
+      }
     }
   }
 

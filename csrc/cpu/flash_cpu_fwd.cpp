@@ -65,8 +65,10 @@ struct FwdScratch {
         row_sum(block_q_),
         row_scale(block_q_),
         softmax_work(3 * block_q_),
+        probe(kBlockK),
         query_lo(kBlockK),
-        query_hi(kBlockK) {}
+        query_hi(kBlockK),
+        bad_keys(kBlockK) {}
 
   const int block_q;                 // queries per block (kBlockK keys per tile)
   ScratchArray<acc_t> q_t;           // d x block_q        scale * Q^T
@@ -78,9 +80,27 @@ struct FwdScratch {
   ScratchArray<acc_t> row_sum;       // block_q            l
   ScratchArray<acc_t> row_scale;     // block_q            1 / l at the end
   ScratchArray<acc_t> softmax_work;  // 3 x block_q
+  ScratchArray<acc_t> probe;         // kBlockK            non-finite search
   ScratchArray<int> query_lo;        // kBlockK            queries that see each key, in block coordinates
   ScratchArray<int> query_hi;        // kBlockK
+  ScratchArray<int> bad_keys;        // kBlockK            keys whose value row is not finite (masked tiles)
 };
+
+// O^T += V^T P^T for the keys `keys` of a masked tile, each over the queries
+// that see it only (their value rows were taken out of the GEMM: tile_ops.h).
+template <typename scalar_t, typename acc_t>
+void add_keys_over_visible_queries(const int* keys, int num_keys, const scalar_t* v, int64_t v_ld, int d,
+                                   const acc_t* p_t, int64_t p_ld, const int* query_lo, const int* query_hi,
+                                   int queries, acc_t* o_t, int64_t o_ld) {
+  for (int n = 0; n < num_keys; ++n) {
+    const int j = keys[n];
+    const int lo = std::min(query_lo[j], queries), hi = std::max(query_hi[j], lo);
+    for (int c = 0; c < d; ++c) {
+      const acc_t vc = static_cast<acc_t>(v[j * v_ld + c]);
+      for (int i = lo; i < hi; ++i) o_t[c * o_ld + i] += p_t[j * p_ld + i] * vc;
+    }
+  }
+}
 
 template <typename scalar_t, typename acc_t>
 void fwd_query_block(const AttnFwdParams& p, const AttnMask& mask, int64_t b, int64_t h, int64_t q_block,
@@ -131,7 +151,13 @@ void fwd_query_block(const AttnFwdParams& p, const AttnMask& mask, int64_t b, in
 
       // O^T += V^T P^T                                                     d x rows
       load_tile_transposed(v + k0 * p.v_row_stride, p.v_row_stride, cols, d, acc_t(1), scratch.v_t.get(), kBlockK);
+      const int bad = masked ? take_nonfinite_columns(scratch.v_t.get(), kBlockK, d, cols, scratch.probe.get(),
+                                                      scratch.bad_keys.get())
+                             : 0;
       gemm_nn(d, rows, cols, scratch.v_t.get(), kBlockK, s_t, block_q, o_t, block_q, /*accumulate=*/true, full_tile);
+      if (bad > 0)
+        add_keys_over_visible_queries(scratch.bad_keys.get(), bad, v + k0 * p.v_row_stride, p.v_row_stride, d, s_t,
+                                      block_q, query_lo, query_hi, rows, o_t, block_q);
     }
   }
 

@@ -3,6 +3,7 @@
 #include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -154,7 +155,27 @@ void gemm_nn_registers(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda,
 }
 #endif  // FLASHATTN_VECTOR_EXT
 
+// The leading dimensions admitted in place (tile_ops.h), process-wide; 0 is a
+// free slot. At most kMaxInPlaceLds distinct strides ever reach the JIT cache
+// besides the scratch tiles' own.
+constexpr int kMaxInPlaceLds = 16;
+std::atomic<int64_t> in_place_lds[kMaxInPlaceLds];
+
 }  // namespace
+
+bool ld_admitted_in_place(int64_t ld) {
+  thread_local int64_t last_admitted = 0;
+  if (ld == last_admitted) return true;
+  for (auto& slot : in_place_lds) {
+    int64_t seen = slot.load(std::memory_order_acquire);
+    if (seen == 0 && slot.compare_exchange_strong(seen, ld, std::memory_order_acq_rel)) seen = ld;
+    if (seen == ld) {
+      last_admitted = ld;
+      return true;
+    }
+  }
+  return false;
+}
 
 void gemm_nn(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
              int64_t ldc, bool accumulate, bool full_tile) {

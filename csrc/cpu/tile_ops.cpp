@@ -362,28 +362,63 @@ FLASHATTN_SIMD_CLONES void attend_few_queries(const acc_t* q, int rows, int head
     fill(s + hi, cols - hi, acc_t(0));
     const acc_t m_old = row_max[r];
     const acc_t m_new = std::max(m_old, max_of(s + lo, hi - lo));
-    if (m_new == kNegInf) {  // no visible key so far: P = 0, state unchanged
-      fill(s + lo, hi - lo, acc_t(0));
-      continue;
-    }
-    const acc_t tile_sum = exp_shifted_sum(s + lo, hi - lo, m_new);
-    const acc_t alpha = exp_approx(m_old - m_new);  // 0 for the first keys a row sees
+    // As in online_softmax_step: a row with no finite score so far keeps
+    // m = -inf and shifts by 0, so that its P is exp(-inf) = 0 for masked or
+    // -inf scores and NaN for NaN scores (max_of skips NaNs: a NaN in q or k
+    // must still poison the rows that see it, not make them look key-less).
+    const acc_t shift = m_new == kNegInf ? acc_t(0) : m_new;
+    const acc_t tile_sum = exp_shifted_sum(s + lo, hi - lo, shift);
+    const acc_t alpha = exp_approx(m_old - shift);  // 0 for the first keys a row sees
     row_sum[r] = row_sum[r] * alpha + tile_sum;
     row_max[r] = m_new;
     acc_t* o_row = o + r * d;
     if (alpha != acc_t(1))
       for (int c = 0; c < d; ++c) o_row[c] *= alpha;
   }
-  // O += P V, one value row at a time.                                rows x d
+  // O += P V, one value row at a time, over the rows that see it (a masked P
+  // is 0, but 0 * NaN is not: see tile_ops.h).                         rows x d
   for (int j = 0; j < cols; ++j) {
     if (j + kAhead < cols) prefetch_row(v + (j + kAhead) * v_ld, d);
     const acc_t* v_row = row_as_acc(v + j * v_ld, d, kv_row);
     for (int r = 0; r < rows; ++r) {
+      if (key_lo && (j < key_lo[r] || j >= key_hi[r])) continue;
       const acc_t p = scores[r * cols + j];
       acc_t* __restrict o_row = o + r * d;
       for (int c = 0; c < d; ++c) o_row[c] += p * v_row[c];
     }
   }
+}
+
+template <typename acc_t>
+FLASHATTN_SIMD_CLONES int take_nonfinite_columns(acc_t* t, int64_t ld, int rows, int cols, acc_t* work, int* index) {
+  // x * 0 is (+-)0 for a finite x and NaN otherwise.
+  fill(work, cols, acc_t(0));
+  for (int r = 0; r < rows; ++r) {
+    const acc_t* __restrict row = t + r * ld;
+    for (int j = 0; j < cols; ++j) work[j] += row[j] * acc_t(0);
+  }
+  int n = 0;
+  for (int j = 0; j < cols; ++j)
+    if (work[j] != acc_t(0)) index[n++] = j;
+  for (int i = 0; i < n; ++i)
+    for (int r = 0; r < rows; ++r) t[r * ld + index[i]] = acc_t(0);
+  return n;
+}
+
+template <typename scalar_t, typename acc_t>
+FLASHATTN_SIMD_CLONES int nonfinite_rows(const scalar_t* t, int64_t ld, int rows, int cols, int* index) {
+  constexpr int W = kLanes<acc_t>;
+  int n = 0;
+  for (int r = 0; r < rows; ++r) {
+    const scalar_t* x = t + r * ld;
+    acc_t lane[W] = {};
+    int c = 0;
+    for (; c + W <= cols; c += W)
+      for (int l = 0; l < W; ++l) lane[l] += static_cast<acc_t>(x[c + l]) * acc_t(0);
+    for (int l = 0; c < cols; ++c, ++l) lane[l] += static_cast<acc_t>(x[c]) * acc_t(0);
+    if (fold_sum<W>(lane) != acc_t(0)) index[n++] = r;
+  }
+  return n;
 }
 
 // Instantiations.
@@ -396,7 +431,8 @@ FLASHATTN_SIMD_CLONES void attend_few_queries(const acc_t* q, int rows, int head
   template void row_dot<scalar_t, acc_t>(const scalar_t*, int64_t, const scalar_t*, int64_t, int, int, acc_t*);        \
   template void attend_few_queries<scalar_t, acc_t>(const acc_t*, int, int, const scalar_t*, int64_t, const scalar_t*, \
                                                     int64_t, int, const int*, const int*, acc_t*, acc_t*, acc_t*,      \
-                                                    acc_t*, acc_t*);
+                                                    acc_t*, acc_t*);                                                   \
+  template int nonfinite_rows<scalar_t, acc_t>(const scalar_t*, int64_t, int, int, int*);
 
 FLASHATTN_INSTANTIATE_IO(float, float)
 FLASHATTN_INSTANTIATE_IO(c10::BFloat16, float)
@@ -408,7 +444,8 @@ FLASHATTN_INSTANTIATE_IO(double, double)
   template void online_softmax_step<acc_t>(acc_t*, int64_t, int, int, const int*, const int*, acc_t*, acc_t*, acc_t*, \
                                            int64_t, int, acc_t*);                                                     \
   template void probs_and_dscores_t<acc_t>(acc_t*, acc_t*, int64_t, int, int, acc_t, const acc_t*, const acc_t*,      \
-                                           const int*, const int*);
+                                           const int*, const int*);                                                   \
+  template int take_nonfinite_columns<acc_t>(acc_t*, int64_t, int, int, acc_t*, int*);
 
 FLASHATTN_INSTANTIATE_MATH(float)
 FLASHATTN_INSTANTIATE_MATH(double)

@@ -89,9 +89,38 @@ void attend_few_queries(const acc_t* q, int rows, int head_dim, const scalar_t* 
                         int64_t v_ld, int cols, const int* key_lo, const int* key_hi, acc_t* row_max, acc_t* row_sum,
                         acc_t* o, acc_t* scores, acc_t* kv_row);
 
+// Non-finite inputs on masked blocks. A masked entry has P = dS = 0 exactly,
+// but a GEMM still multiplies it with the operand row of the key (or query)
+// the entry hides, and 0 * NaN = NaN (0 * inf too): a NaN or infinity in a v
+// row would reach query rows that cannot see that key, and which rows depended
+// on how keys fall into tiles. The kernels keep the rule "an output (or
+// gradient) row depends only on the keys (queries) it can see": on masked
+// blocks only (the tiles the mask cuts through), the operand rows holding a
+// non-finite value leave the GEMM and are added exactly over the visible
+// entries. Finding none costs one pass over the operand tile.
+
+// Columns of the rows x cols tile t holding a NaN or an infinity: zeroed in t,
+// their indices written to `index`; returns their count. work: cols elements.
+template <typename acc_t>
+int take_nonfinite_columns(acc_t* t, int64_t ld, int rows, int cols, acc_t* work, int* index);
+
+// Rows of the rows x cols input tile t holding a NaN or an infinity: their
+// indices written to `index`; returns their count.
+template <typename scalar_t, typename acc_t>
+int nonfinite_rows(const scalar_t* t, int64_t ld, int rows, int cols, int* index);
+
+// Whether an input's row stride may be the leading dimension of a GEMM
+// operand in place. The JIT-compiled GEMM (tile_gemm.h) keeps one compiled
+// kernel per leading dimension in a per-thread cache that is never emptied, so
+// a program whose strides change from call to call (views into buffers of
+// growing size) would grow it without bound: the first few distinct strides of
+// the process are admitted, any other is copied into a scratch tile (same
+// GEMM, same results, one copy of the tile more).
+bool ld_admitted_in_place(int64_t ld);
+
 // A tile of a strided input as a GEMM operand in acc_t: the input itself when
 // it already is one (same type, rows at least `cols` apart, as the GEMM
-// needs), else a converted copy written to `buffer`.
+// needs, and a stride admitted above), else a converted copy written to `buffer`.
 template <typename acc_t>
 struct Operand {
   const acc_t* ptr;
@@ -102,7 +131,7 @@ template <typename scalar_t, typename acc_t>
 inline Operand<acc_t> as_operand(const scalar_t* src, int64_t src_ld, int rows, int cols, acc_t* buffer,
                                  int64_t buffer_ld) {
   if constexpr (std::is_same_v<scalar_t, acc_t>) {
-    if (src_ld >= cols) return {src, src_ld};
+    if (src_ld >= cols && (src_ld == buffer_ld || ld_admitted_in_place(src_ld))) return {src, src_ld};
   }
   load_tile(src, src_ld, rows, cols, buffer, buffer_ld);
   return {buffer, buffer_ld};
