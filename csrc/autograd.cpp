@@ -93,6 +93,7 @@ at::Tensor unit_last_stride(const at::Tensor& x) {
 // with a unit head_dim stride. A view unless the head_dim was strided. (A
 // tensor of another rank passes unchanged: the kernels' check names it.)
 at::Tensor kernel_layout(const at::Tensor& x, bool bhsd) {
+  if (x.layout() != at::kStrided || x.is_nested() || x.is_mkldnn()) return x;  // for the catch-all to name
   return unit_last_stride(bhsd && x.dim() == 4 ? x.transpose(1, 2) : x);
 }
 

@@ -170,6 +170,15 @@ def _default_scale(q: Tensor) -> float:
     return 1.0 / math.sqrt(d) if d > 0 else 1.0  # the op rejects a zero-size head dim
 
 
+def _reject_nested(names: tuple, values: tuple) -> None:
+    for name, t in zip(names, values):
+        if t.is_nested:
+            raise TypeError(
+                f"flash_attn_func: {name} is a nested tensor; the kernels take dense (batch, seqlen, heads, head_dim) "
+                "tensors of one shape: pad the batch (varlen batches are not supported yet)"
+            )
+
+
 # --------------------------------------------------------------------------
 # flash_attn_func
 
@@ -215,6 +224,8 @@ def flash_attn_func(
     fn = "flash_attn_func"
     if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
         _require_tensors(fn, ("q", "k", "v"), (q, k, v))
+    if q.is_nested or k.is_nested or v.is_nested:  # before any size is read: they have none
+        _reject_nested(("q", "k", "v"), (q, k, v))
     if type(causal) is not bool:
         causal = _require_bool(fn, "causal", causal)
     if type(deterministic) is not bool:
@@ -406,14 +417,20 @@ def _sdpa_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     return None, None
 
 
-def _check_invalid_for_torch(query, key, value):
+def _check_invalid_for_torch(query, key, value, attn_mask):
     # Invalid inputs that torch 2.11 mishandles instead of rejecting: its CPU
-    # flash backend returns an answer for key/value lengths that differ, and its
+    # flash backend returns an answer for key/value lengths that differ, its
     # CUDA backends crash the process on a key head dim different from the
-    # query's. Raise here instead of handing them over.
+    # query's, and a mask on the meta device gives uninitialised memory on the
+    # CPU. Raise here instead of handing them over.
     tensors = all(isinstance(t, Tensor) and t.dim() >= 2 for t in (query, key, value))
     if not tensors:
         return
+    if isinstance(attn_mask, Tensor) and attn_mask.device != query.device:
+        raise RuntimeError(
+            f"flashattn_ext.scaled_dot_product_attention: attn_mask is on {attn_mask.device} but query is on "
+            f"{query.device}; move attn_mask to the query's device"
+        )
     if key.shape[-2] != value.shape[-2]:
         raise RuntimeError(
             f"flashattn_ext.scaled_dot_product_attention: key has {key.shape[-2]} positions but value has "
@@ -503,7 +520,7 @@ def scaled_dot_product_attention(
             scale = 1.0 / math.sqrt(query.shape[-1])
         wr = 0 if is_causal else -1
         return _ops.attention(query, key, value, scale, -1, wr, False, torch.are_deterministic_algorithms_enabled(), True)[0]
-    _check_invalid_for_torch(query, key, value)
+    _check_invalid_for_torch(query, key, value, attn_mask)
     key_name, reason = _sdpa_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if reason is None:
         return _sdpa_kernels(query, key, value, is_causal, scale)

@@ -40,6 +40,9 @@ def test_opcheck_fwd(device):
         torch.library.opcheck(attention, (q, k, v) + args[3:])
         torch.library.opcheck(attention, args)  # without requires_grad
         torch.library.opcheck(fwd, args[:-1])  # the forward alone: no deterministic, not differentiable
+        # torch's (B, H, L, E) layout, as the SDPA drop-in passes it
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        torch.library.opcheck(attention, (qt, kt, vt) + args[3:] + (True,))
 
 
 def test_opcheck_bwd(device):

@@ -1,6 +1,8 @@
 """Every bad input is rejected with an error that names the argument: the
 checks of csrc/attention_api.cpp through the raw ops and through
-flash_attn_func, and the Python-level refusals of flash_attn_func."""
+flash_attn_func, the same checks in the fake (meta) kernels, and the
+Python-level refusals of flash_attn_func. The full table of bad-input kinds is
+tests/test_bad_inputs.py."""
 
 import math
 
@@ -80,6 +82,23 @@ def test_fwd_op_errors(device, case):
         flashattn_ext.flash_attn_func(q, k, v)  # the Python API makes head_dim contiguous instead
     else:
         with pytest.raises(exc, match=msg):  # the same error through the Python API
+            flashattn_ext.flash_attn_func(q, k, v)
+
+
+def _to_meta(x):
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+
+
+@pytest.mark.parametrize("case", list(FWD_CASES))
+def test_fwd_op_errors_meta(device, case):
+    """The fake (meta) kernels validate exactly like the real ones: meta tensors
+    and torch.compile's tracing see the same errors (issue #9, finding 3)."""
+    build, exc, msg = FWD_CASES[case]
+    q, k, v = (_to_meta(x) for x in build(*_qkv(device)))
+    with pytest.raises(exc, match=msg):
+        _fwd(q, k, v)
+    if case not in ("q_last_stride", "k_last_stride", "v_last_stride"):
+        with pytest.raises(exc, match=msg):
             flashattn_ext.flash_attn_func(q, k, v)
 
 
@@ -168,6 +187,16 @@ def test_bwd_op_errors(device, case):
     t = _bwd_inputs(device)
     _call_bwd(t)  # valid as built
     t[field] = transform(t[field])
+    with pytest.raises(exc, match=msg):
+        _call_bwd(t)
+
+
+@pytest.mark.parametrize("case", list(BWD_CASES))
+def test_bwd_op_errors_meta(device, case):
+    field, transform, exc, msg = BWD_CASES[case]
+    t = _bwd_inputs(device)
+    t[field] = transform(t[field])
+    t = {name: _to_meta(x) for name, x in t.items()}
     with pytest.raises(exc, match=msg):
         _call_bwd(t)
 
