@@ -11,7 +11,8 @@ causal) fwd+bwd timed three ways per implementation:
 causal), where the kernels take a few microseconds and the rest is Python,
 dispatch and autograd bookkeeping: torch's SDPA, our drop-in and our
 flash_attn_func, forward alone (no grad) and forward + backward
-(torch.autograd.grad), median over --repeats batches of --calls calls.
+(torch.autograd.grad); --repeats batches of --calls calls each, the
+implementations interleaved batch by batch; min and median per call.
 
 Usage: python benchmarks/host_overhead.py [--device cpu|cuda] [--json PATH]"""
 
@@ -100,18 +101,6 @@ def cuda_main(args):
             "case": [b, h, n, d, "fp16", "causal"], "rows": rows}
 
 
-def host_us(fn, calls, repeats):
-    for _ in range(max(50, calls // 10)):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(times), min(times)
-
-
 def cpu_main(args):
     b, h, n, d = 1, 2, 8, 16
     torch.set_num_threads(1)
@@ -121,25 +110,39 @@ def cpu_main(args):
     dot = do.transpose(1, 2).contiguous()
     sdpa, ours_sdpa = F.scaled_dot_product_attention, flashattn_ext.scaled_dot_product_attention
 
+    def no_grad(fn):
+        def run():
+            with torch.no_grad():
+                fn()
+        return run
+
     cases = {
-        ("torch_sdpa", "fwd"): lambda: sdpa(qt, kt, vt, is_causal=True),
-        ("flashattn_ext_sdpa", "fwd"): lambda: ours_sdpa(qt, kt, vt, is_causal=True),
-        ("flash_attn_func", "fwd"): lambda: flash_attn_func(q, k, v, causal=True),
+        ("torch_sdpa", "fwd"): no_grad(lambda: sdpa(qt, kt, vt, is_causal=True)),
+        ("flashattn_ext_sdpa", "fwd"): no_grad(lambda: ours_sdpa(qt, kt, vt, is_causal=True)),
+        ("flash_attn_func", "fwd"): no_grad(lambda: flash_attn_func(q, k, v, causal=True)),
         ("torch_sdpa", "fwd+bwd"): lambda: torch.autograd.grad(sdpa(qt, kt, vt, is_causal=True), (qt, kt, vt), dot),
         ("flashattn_ext_sdpa", "fwd+bwd"):
             lambda: torch.autograd.grad(ours_sdpa(qt, kt, vt, is_causal=True), (qt, kt, vt), dot),
         ("flash_attn_func", "fwd+bwd"):
             lambda: torch.autograd.grad(flash_attn_func(q, k, v, causal=True), (q, k, v), do),
     }
+    # The machine may be shared: the implementations are interleaved batch by
+    # batch, and the minimum over batches is the figure to compare.
+    times = {key: [] for key in cases}
+    for fn in cases.values():
+        for _ in range(max(50, args.calls // 10)):
+            fn()
+    for _ in range(args.repeats):
+        for key, fn in cases.items():
+            t0 = time.perf_counter()
+            for _ in range(args.calls):
+                fn()
+            times[key].append((time.perf_counter() - t0) / args.calls * 1e6)
     rows = []
-    for (impl, mode), fn in cases.items():
-        if mode == "fwd":
-            with torch.no_grad():
-                med, best = host_us(fn, args.calls, args.repeats)
-        else:
-            med, best = host_us(fn, args.calls, args.repeats)
+    for (impl, mode), ts in times.items():
+        med, best = statistics.median(ts), min(ts)
         rows.append({"impl": impl, "mode": mode, "median_us": med, "min_us": best})
-        print(f"{impl:20s} {mode:8s} median {med:7.1f} us   min {best:7.1f} us", flush=True)
+        print(f"{impl:20s} {mode:8s} min {best:7.1f} us   median {med:7.1f} us", flush=True)
     return {"device": "cpu", "torch": torch.__version__, "case": [b, h, n, d, "float32", "causal"],
             "threads": torch.get_num_threads(), "calls": args.calls, "repeats": args.repeats, "rows": rows}
 
@@ -147,8 +150,8 @@ def cpu_main(args):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--calls", type=int, default=2000, help="calls per timed batch (cpu)")
-    ap.add_argument("--repeats", type=int, default=7, help="timed batches (cpu)")
+    ap.add_argument("--calls", type=int, default=500, help="calls per timed batch (cpu)")
+    ap.add_argument("--repeats", type=int, default=15, help="timed batches per implementation (cpu)")
     ap.add_argument("--json")
     args = ap.parse_args()
     report = cpu_main(args) if args.device == "cpu" else cuda_main(args)

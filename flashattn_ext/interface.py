@@ -307,35 +307,37 @@ _DTYPES = {"cpu": _CPU_DTYPES, "cuda": _CUDA_DTYPES}
 _CUDA_MAX_HEAD_DIM = min(_MAX_HEAD_DIM, max(_BUILD["head_dims"], default=0))
 
 
+_STRIDED = torch.strided
+
+
 def _fast_eligible(query, key, value, enable_gqa) -> bool:
     """The kernels take the call as it is (rank-4 dense tensors of one
     supported dtype and device, shapes they cover). False means "look closer",
     not "refused"."""
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return False
-    if query.layout is not torch.strided or key.layout is not torch.strided or value.layout is not torch.strided:
+    if query.layout is not _STRIDED or key.layout is not _STRIDED or value.layout is not _STRIDED:
         return False
     if query.is_nested or key.is_nested or value.is_nested:
-        return False
-    dtype = query.dtype
-    if key.dtype is not dtype or value.dtype is not dtype:
         return False
     b, h, l, e = query.shape
     bk, hk, s, ek = key.shape
     bv, hv, sv, ev = value.shape
+    dtype = query.dtype
+    if key.dtype is not dtype or value.dtype is not dtype:
+        return False
     if b != bk or b != bv or e != ek or e != ev or s != sv or hk != hv:
         return False
     if hk != h and hk != 1 and not (enable_gqa and h % hk == 0):
         return False
     if min(b, h, l, e, hk, s) < 1 or max(b, h, l, hk, s) > _INT_MAX:
         return False
-    dev = query.device
-    if key.device != dev or value.device != dev:
-        return False
-    if dev.type == "cpu":
-        return dtype in _CPU_DTYPES and e <= _MAX_HEAD_DIM
-    if dev.type == "cuda":
-        return dtype in _CUDA_DTYPES and e <= _CUDA_MAX_HEAD_DIM and _BUILD["cuda"] and _cuda_arch_supported(dev.index)
+    if query.is_cpu:
+        return key.is_cpu and value.is_cpu and dtype in _CPU_DTYPES and e <= _MAX_HEAD_DIM
+    if query.is_cuda:
+        index = query.get_device()
+        return (key.get_device() == index and value.get_device() == index and dtype in _CUDA_DTYPES
+                and e <= _CUDA_MAX_HEAD_DIM and _BUILD["cuda"] and _cuda_arch_supported(index))
     return False
 
 
