@@ -130,7 +130,7 @@ def _real(fn: str, name: str, x) -> float:
     """A Python/NumPy real number or a one-element tensor, as a float."""
     if isinstance(x, numbers.Real) and not isinstance(x, bool):
         return float(x)
-    if isinstance(x, Tensor) and x.numel() == 1 and (x.is_floating_point() or not x.is_complex()) and x.dtype != torch.bool:
+    if isinstance(x, Tensor) and x.numel() == 1 and not x.is_complex() and x.dtype != torch.bool:
         return float(x.item())
     raise TypeError(f"{fn}: {name} must be a real number, got {_type_name(x)} {x!r}")
 
@@ -214,7 +214,7 @@ def flash_attn_func(
     to 0. A query row that sees no key outputs zeros. deterministic: bitwise
     reproducible backward (also on when torch.use_deterministic_algorithms(True)).
     A NaN or infinity in q, k or v reaches exactly the output rows that see it
-    (see README, "Non-finite inputs").
+    (README, "Errors, non-finite inputs and transforms").
 
     Not supported: softcap, alibi_slopes, return_attn_probs (NotImplementedError);
     double backward (raises when attempted). dropout_p in (0, 1] is computed by

@@ -256,6 +256,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
             x = acc_s[mi][qi][2 * h + e] * (x - dsum);
           }
       }
+    // A masked dS is 0 even where dP - D is not finite (0 * NaN): non-finite
+    // inputs reach only the rows that see them (README, "Errors, non-finite inputs and transforms").
+    if (mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0)) {
+      apply_mask_cols(acc_dp, mask, n0 + s_key0, m0 + s_q0, lane, 0.f);
+    }
 
     // dV += P^T dO and dK += dS^T Q over this CTA's head-dim slice.
     if constexpr (!Kt::kPInSmem) {
@@ -398,6 +403,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dq_kernel(const At
       for (int ni = 0; ni < kNT; ++ni)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_dp[mi][ni][e] = acc_s[mi][ni][e] * (acc_dp[mi][ni][e] - dsum[mi][e / 2]);
+    // A masked dS is 0 even where dP - D is not finite (0 * NaN): non-finite
+    // inputs reach only the rows that see them (README, "Errors, non-finite inputs and transforms").
+    if (mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0)) apply_mask_rows(acc_dp, mask, m0 + warp_row0, n0, lane, 0.f);
 
     gemm_rc_kn<kMT, kDT, kBlockN, T>(acc_dq, acc_dp, ldsm_k_t);
     __syncthreads();  // every warp is done with K / V before the next block overwrites them

@@ -98,7 +98,7 @@ struct OnlineSoftmax {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float l = quad_sum(row_sum[mi][h]);
-        const bool empty = !(l > 0.f);
+        const bool empty = l == 0.f;  // a NaN l (a NaN score the row sees) is not "no key": it propagates
         const float inv = empty ? 0.f : 1.f / l;
         const float m_log2 = positive_scale ? row_max[mi][h] * scale_log2 : row_max[mi][h];
         lse[mi][h] = empty ? -INFINITY : (m_log2 + __log2f(l)) * kLn2;

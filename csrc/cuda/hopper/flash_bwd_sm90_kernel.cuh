@@ -237,6 +237,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_bwd_
           x = acc_s[0][qi][2 * h + e] * (x - dsum);
         }
       }
+    // A masked dS is 0 even where dP - D is not finite (0 * NaN): non-finite
+    // inputs reach only the rows that see them (README, "Errors, non-finite inputs and transforms").
+    if (mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0)) apply_mask_cols(acc_dp, mask, n0 + warp_key0, m0, lane, 0.f);
 
     // dV += P^T dO and dK += dS^T Q, with P^T and dS^T as register A operands.
     uint32_t a_p[kQSteps][4], a_ds[kQSteps][4];
