@@ -141,6 +141,14 @@ def quick_perf(dims):
                 res["ours_bwd"] = bench(
                     lambda: _ops.bwd(dout, q, k, v, out, lse, d**-0.5, -1, 0 if causal else -1, True, False)
                 )
+                if torch.cuda.get_device_capability() == (9, 0):  # the Hopper forward without TMA, for comparison
+                    os.environ["FLASHATTN_DISABLE_TMA"] = "1"
+                    try:
+                        res["notma_fwd"] = bench(
+                            lambda: _ops.fwd(q, k, v, d**-0.5, -1, 0 if causal else -1, True, False)
+                        )
+                    finally:
+                        del os.environ["FLASHATTN_DISABLE_TMA"]
                 if torch.cuda.get_device_capability() == (9, 0):  # the mma.sync kernels, for comparison
                     os.environ["FLASHATTN_DISABLE_SM90"] = "1"
                     try:
@@ -170,7 +178,7 @@ def quick_perf(dims):
                 rows.append(res)
                 print(
                     f"perf d{d} n{n} causal={causal}: fwd ours {res.get('ours_fwd_tflops', 0):.0f} "
-                    f"(mma.sync {res.get('sm80_fwd_tflops', 0):.0f}) "
+                    f"(no TMA {res.get('notma_fwd_tflops', 0):.0f}, mma.sync {res.get('sm80_fwd_tflops', 0):.0f}) "
                     f"fa2 {res.get('fa2_fwd_tflops', 0):.0f} cudnn {res.get('cudnn_fwd_tflops', 0):.0f} | "
                     f"bwd ours {res.get('ours_bwd_tflops', 0):.0f} (mma.sync {res.get('sm80_bwd_tflops', 0):.0f}) "
                     f"fa2 {res.get('fa2_bwd_tflops', 0):.0f} "
@@ -230,7 +238,7 @@ def main():
     print(f"race check (bitwise equal over repeats): {race}", flush=True)
     failures += not all(race.values())
 
-    perf = [] if args.no_perf else quick_perf([d for d in (64, 128) if d in dims])
+    perf = [] if args.no_perf else quick_perf([d for d in (64, 128, 256) if d in dims])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"results": results, "race": race, "perf": perf, "device": torch.cuda.get_device_name(),

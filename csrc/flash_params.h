@@ -76,6 +76,9 @@ struct AttnFwdParams {
   // Compute capability x 10 of the device the CUDA kernels run on (90 for
   // H100/H200): picks architecture-specific kernels. 0 on the CPU.
   int device_arch = 0;
+  // Hopper: the warp-specialized TMA kernels may run (FLASHATTN_DISABLE_TMA=1
+  // clears it, to time the cp.async Hopper kernels beside them).
+  bool allow_tma = true;
 
   // Room for what comes next. None of these is read by a kernel yet; the
   // binding layer rejects any call that would need one (see attention_api.cpp).

@@ -138,14 +138,18 @@ void check_launch(cudaError_t err, const char* what, int kernel_dim, const at::T
   TORCH_CHECK(false, "flashattn_ext: CUDA ", what, " kernel failed: ", cudaGetErrorString(err));
 }
 
+bool env_flag(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr && std::string(value) == "1";
+}
+
 // Compute capability x 10 of q's device, which picks architecture-specific
 // kernels. FLASHATTN_DISABLE_SM90=1 (read on every call) reports an sm90
 // device as 80, so that the mma.sync kernels can be timed against the wgmma ones.
 int device_arch(const at::Tensor& q) {
   const auto* prop = at::cuda::getDeviceProperties(q.device().index());
   const int arch = prop->major * 10 + prop->minor;
-  const char* disable = std::getenv("FLASHATTN_DISABLE_SM90");
-  return (arch == 90 && disable != nullptr && std::string(disable) == "1") ? 80 : arch;
+  return (arch == 90 && env_flag("FLASHATTN_DISABLE_SM90")) ? 80 : arch;
 }
 
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
@@ -162,6 +166,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   check_grid((q.size(1) + 63) / 64 * q.size(0) * q.size(2), "forward");
   auto params = make_fwd_params(q, k, v, out, lse, softmax_scale, mask);
   params.device_arch = device_arch(q);
+  params.allow_tma = !env_flag("FLASHATTN_DISABLE_TMA");
   const auto stream = at::cuda::getCurrentCUDAStream().stream();
   const cudaError_t err = with_element_type(q.scalar_type(), [&](auto elem) {
     return with_kernel_head_dim(kdim, [&](auto dim) { return run_fwd<decltype(elem), decltype(dim)::value>(params, stream); });
