@@ -22,6 +22,20 @@ cudaError_t allow_smem(Kernel kernel, int bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
+// Multiprocessors of the current device (persistent grids), read once per device.
+inline int sm_count() {
+  static int counts[64] = {};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 0 || dev >= 64) dev = 0;
+  if (counts[dev] == 0) {
+    int n = 0;
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    counts[dev] = n > 0 ? n : 1;
+  }
+  return counts[dev];
+}
+
 // All grids are one-dimensional: blockIdx.x goes to 2^31 - 1, where y and z
 // stop at 65535 (batch x heads can exceed that). The binding layer checks the
 // block count fits.
@@ -63,8 +77,9 @@ cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool
   if (!described) return cudaSuccess;
   auto kernel = &flash_fwd_sm90_ws_kernel<Kt>;
   if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
-  const int64_t blocks = int64_t(ceil_div(p.seqlen_q, Kt::kBlockM)) * p.batch * p.heads_q;
-  kernel<<<static_cast<unsigned>(blocks), Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, maps);
+  const FwdSchedule sched = FwdSchedule::make(p, Kt::kBlockM);
+  const int ctas = sched.num_tiles < sm_count() ? sched.num_tiles : sm_count();  // persistent: one CTA an SM
+  kernel<<<ctas, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, maps, sched);
   *launched = true;
   return cudaGetLastError();
 }
@@ -160,7 +175,17 @@ cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
   if constexpr (HasFwdSm90Ws<KernelConfig<kHeadDim, T>>::value) {
     if (p.device_arch == 90 && p.allow_tma) {
       bool launched = false;
+#ifdef FLASHATTN_TUNING
+      cudaError_t err = cudaSuccess;
+      if constexpr (HasFwdSm90WsVariants<TuneVariants<kHeadDim, T>>::value) {
+        err = run_variant(typename TuneVariants<kHeadDim, T>::FwdSm90Ws{}, "FLASHATTN_FWD_VARIANT",
+                          [&](auto kt) { return launch_fwd_sm90_ws<decltype(kt)>(p, stream, &launched); });
+      } else {
+        err = launch_fwd_sm90_ws<typename KernelConfig<kHeadDim, T>::FwdSm90Ws>(p, stream, &launched);
+      }
+#else
       const cudaError_t err = launch_fwd_sm90_ws<typename KernelConfig<kHeadDim, T>::FwdSm90Ws>(p, stream, &launched);
+#endif
       if (launched || err != cudaSuccess) return err;
     }
   }

@@ -80,6 +80,11 @@ struct HasBwdSm90<Cfg, std::void_t<typename Cfg::BwdSm90>> : std::true_type {};
 template <typename... Kts>
 struct Variants {};
 
+template <typename Tv, typename = void>
+struct HasFwdSm90WsVariants : std::false_type {};
+template <typename Tv>
+struct HasFwdSm90WsVariants<Tv, std::void_t<typename Tv::FwdSm90Ws>> : std::true_type {};
+
 // Candidates for benchmarks/tune.py; element 0 of each list is KernelConfig's.
 template <int kHeadDim, typename T>
 struct TuneVariants {
@@ -90,12 +95,16 @@ template <typename T> struct TuneVariants<64, T> {
   using Fwd = Variants<typename KernelConfig<64, T>::Fwd, FwdTraits<64, 128, 64, 4, 2, 2, T>>;
   using Bwd = Variants<typename KernelConfig<64, T>::Bwd, BwdTraits<64, 32, 128, 4, 1, 2, 1, T, false>>;
   using FwdSm90 = Variants<typename KernelConfig<64, T>::FwdSm90, FwdSm90Traits<64, 128, T>, FwdSm90Traits<64, 64, T>>;
+  using FwdSm90Ws = Variants<typename KernelConfig<64, T>::FwdSm90Ws, FwdSm90WsTraits<64, 128, 2, 2, T>,
+                             FwdSm90WsTraits<64, 64, 3, 2, T>, FwdSm90WsTraits<64, 192, 2, 2, T>>;
   using BwdSm90 = Variants<typename KernelConfig<64, T>::BwdSm90, BwdSm90Traits<64, 128, T, 1>, BwdSm90Traits<64, 64, T>>;
 };
 template <typename T> struct TuneVariants<128, T> {
   using Fwd = Variants<typename KernelConfig<128, T>::Fwd, FwdTraits<128, 128, 64, 4, 2, 1, T>>;
   using Bwd = Variants<typename KernelConfig<128, T>::Bwd, BwdTraits<128, 64, 128, 8, 1, 2, 2, T, false>>;
   using FwdSm90 = Variants<typename KernelConfig<128, T>::FwdSm90, FwdSm90Traits<128, 64, T>, FwdSm90Traits<128, 64, T, 2>>;
+  using FwdSm90Ws = Variants<typename KernelConfig<128, T>::FwdSm90Ws, FwdSm90WsTraits<128, 64, 2, 2, T>,
+                             FwdSm90WsTraits<128, 192, 2, 2, T>>;
   using BwdSm90 = Variants<typename KernelConfig<128, T>::BwdSm90>;
 };
 template <typename T> struct TuneVariants<192, T> {

@@ -17,9 +17,16 @@
 //             warpgroups round robin ("ping-pong"): while one warpgroup runs
 //             its exponentials, the tensor cores run the other's GEMMs.
 //   epilogue  each consumer normalizes its O rows, writes them into its own
-//             rows of the Q tile (its last S GEMM has read them) and one
-//             thread stores them with a TMA store; rows past seqlen_q and
-//             columns past head_dim are clipped by the TMA unit.
+//             rows of an O tile in shared memory and one thread stores them
+//             with a TMA store; rows past seqlen_q and columns past head_dim
+//             are clipped by the TMA unit.
+//
+// The kernel is persistent (tile_scheduler.cuh): a CTA runs tile after tile,
+// and the K/V ring and the ping-pong turns carry on from one tile to the next.
+// Q is released as soon as a tile's last S GEMM has read it, so the producer
+// loads the next tile's Q and first K/V blocks under the current tile's last
+// P V and epilogue. Where shared memory has no room for a separate O tile
+// (head dim 256), O is staged in the Q tile and Q is released after the store.
 //
 // Key blocks are visited last first, so the blocks that need element masking
 // (causal diagonal, the ragged end of the keys) come first. The per-element
@@ -32,6 +39,7 @@
 #include "../mask.cuh"
 #include "../softmax.cuh"
 #include "../tile.cuh"
+#include "tile_scheduler.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
 
@@ -59,27 +67,33 @@ struct FwdSm90WsTraits {
   static constexpr int kPanels = kHeadDim / 64;
   static constexpr int kOStoreRows = 64;  // one consumer's rows: the box of the O tensor map
 
-  using TileQ = SmemTile<kBlockM, kHeadDim>;
+  using TileQ = SmemTile<kBlockM, kHeadDim>;  // Q, and O in the epilogue
   using TileKV = SmemTile<kBlockN, kHeadDim>;
-  static constexpr uint32_t kBytesQ = TileQ::kElems * 2;
-  static constexpr uint32_t kBytesKV = TileKV::kElems * 2;
+  static constexpr int kBytesQ = TileQ::kElems * 2;
+  static constexpr int kBytesKV = TileKV::kElems * 2;
+  static constexpr int kBarrierBytes = (4 * kStages + 2) * 8;
   // +1024: dynamic shared memory is aligned up to 1024 bytes (the swizzle atom).
-  static constexpr int kSmemBytes = 1024 + kBytesQ + 2 * kStages * kBytesKV + (4 * kStages + 1) * 8;
+  static constexpr int kSmemLimit = 227 * 1024;
+  static constexpr bool kSeparateO = 1024 + 2 * kBytesQ + 2 * kStages * kBytesKV + kBarrierBytes <= kSmemLimit;
+  static constexpr int kSmemBytes = 1024 + (kSeparateO ? 2 : 1) * kBytesQ + 2 * kStages * kBytesKV + kBarrierBytes;
 
   static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "128-byte panels; O fits the register file");
   static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "wgmma N of S (64, 128, 192, 256)");
   static_assert(kConsumers == 2 || kConsumers == 3, "register split");
   static_assert(kStages >= 2, "K runs one block ahead of V");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536, "register file");
+  static_assert(kSmemBytes <= kSmemLimit, "shared memory");
 };
 
 template <typename Kt>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
-    flash_fwd_sm90_ws_kernel(const __grid_constant__ AttnFwdParams p, const __grid_constant__ FwdTmaMaps maps) {
+    flash_fwd_sm90_ws_kernel(const __grid_constant__ AttnFwdParams p, const __grid_constant__ FwdTmaMaps maps,
+                             const FwdSchedule sched) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T = typename Kt::Element;
   using TileQ = typename Kt::TileQ;
   using TileKV = typename Kt::TileKV;
+  using Tile = FwdTile<Kt::kBlockM>;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
   constexpr int kStages = Kt::kStages, kConsumers = Kt::kConsumers;
   constexpr int kNT = kBlockN / 8;   // n-tiles of a row of S
@@ -94,35 +108,22 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   extern __shared__ char smem_raw[];
   char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   T* sQ = reinterpret_cast<T*>(smem);
-  T* sK = sQ + TileQ::kElems;            // [kStages]
-  T* sV = sK + kStages * TileKV::kElems;  // [kStages]
+  T* sO = Kt::kSeparateO ? sQ + TileQ::kElems : sQ;
+  T* sK = sO + (Kt::kSeparateO ? TileQ::kElems : 0);  // [kStages]
+  T* sV = sK + kStages * TileKV::kElems;               // [kStages]
   uint64_t* full_k = reinterpret_cast<uint64_t*>(sV + kStages * TileKV::kElems);
   uint64_t* empty_k = full_k + kStages;
   uint64_t* full_v = empty_k + kStages;
   uint64_t* empty_v = full_v + kStages;
   uint64_t* full_q = empty_v + kStages;
+  uint64_t* empty_q = full_q + 1;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
   const int wg = warp / 4;
-  const QueryBlockOfCta<kBlockM> blk(p);
-  const int h = blk.h, b = blk.b, h_kv = blk.h_kv, m0 = blk.m0, rows = blk.rows;
   const BlockMask mask(p);
-  int n_min, n_max;
-  mask.key_block_range<kBlockN>(m0, rows, n_min, n_max);
-  if (n_max <= n_min) {
-    // No query of this block sees any key: zero output, lse = -inf.
-    T* gO = static_cast<T*>(p.o_ptr) + b * p.o_batch_stride + h * p.o_head_stride + m0 * p.o_row_stride;
-    float* gLse = static_cast<float*>(p.lse_ptr) + (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0;
-    for (int i = tid; i < rows * (p.head_dim / 8); i += Kt::kNThreads) {
-      const int r = i / (p.head_dim / 8), c = (i % (p.head_dim / 8)) * 8;
-      *reinterpret_cast<uint4*>(gO + r * p.o_row_stride + c) = make_uint4(0, 0, 0, 0);
-    }
-    for (int r = tid; r < rows; r += Kt::kNThreads) gLse[r] = -INFINITY;
-    return;
-  }
-  const int blocks = n_max - n_min;  // step j visits key block n_max - 1 - j
-  auto stage = [](int j) { return j % kStages; };
-  auto parity = [](int j) { return uint32_t(j / kStages) & 1; };
+  // Use n of ring slot s (n counts the K or V blocks loaded so far) waits for parity n & 1.
+  auto stage = [](int it) { return it % kStages; };
+  auto parity = [](int it) { return uint32_t(it / kStages) & 1; };
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -132,6 +133,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       mbar_init(&empty_v[s], kConsumers * 128);
     }
     mbar_init(full_q, 1);
+    mbar_init(empty_q, kConsumers);  // one thread of each consumer
     mbar_fence_init();
   }
   __syncthreads();  // the last CTA-wide barrier: from here on the roles run apart
@@ -143,23 +145,35 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       prefetch_tensor_map(&maps.q);
       prefetch_tensor_map(&maps.k);
       prefetch_tensor_map(&maps.v);
-      mbar_arrive_expect_tx(full_q, Kt::kBytesQ);
+      int it0 = 0, q_iter = 0;
+      for (int tile = blockIdx.x; tile < sched.num_tiles; tile += gridDim.x) {
+        const Tile tl(p, sched, tile);
+        int n_min, n_max;
+        mask.key_block_range<kBlockN>(tl.m0, tl.rows, n_min, n_max);
+        if (n_max <= n_min) continue;
+        const int blocks = n_max - n_min;
+        auto load = [&](const CUtensorMap* map, T* ring, uint64_t* full, uint64_t* empty, int j) {
+          const int s = stage(it0 + j), row0 = (n_max - 1 - j) * kBlockN;
+          mbar_wait(&empty[s], parity(it0 + j) ^ 1);
+          mbar_arrive_expect_tx(&full[s], Kt::kBytesKV);
 #pragma unroll
-      for (int pn = 0; pn < Kt::kPanels; ++pn)
-        tma_load_4d(sQ + pn * TileQ::kRows * 64, &maps.q, full_q, pn * 64, h, m0, b);
-      auto load = [&](const CUtensorMap* map, T* ring, uint64_t* full, uint64_t* empty, int j) {
-        const int s = stage(j), row0 = (n_max - 1 - j) * kBlockN;
-        mbar_wait(&empty[s], parity(j) ^ 1);
-        mbar_arrive_expect_tx(&full[s], Kt::kBytesKV);
+          for (int pn = 0; pn < Kt::kPanels; ++pn)
+            tma_load_4d(ring + s * TileKV::kElems + pn * TileKV::kRows * 64, map, &full[s], pn * 64, tl.h_kv, row0,
+                        tl.b);
+        };
+        load(&maps.k, sK, full_k, empty_k, 0);
+        mbar_wait(empty_q, (q_iter & 1) ^ 1);  // the previous tile's last S GEMM (or O store) is done with sQ
+        mbar_arrive_expect_tx(full_q, Kt::kBytesQ);
 #pragma unroll
         for (int pn = 0; pn < Kt::kPanels; ++pn)
-          tma_load_4d(ring + s * TileKV::kElems + pn * TileKV::kRows * 64, map, &full[s], pn * 64, h_kv, row0, b);
-      };
-      // K one block ahead of V: S_{j+1} is issued together with P_j V_j.
-      load(&maps.k, sK, full_k, empty_k, 0);
-      for (int j = 0; j < blocks; ++j) {
-        if (j + 1 < blocks) load(&maps.k, sK, full_k, empty_k, j + 1);
-        load(&maps.v, sV, full_v, empty_v, j);
+          tma_load_4d(sQ + pn * TileQ::kRows * 64, &maps.q, full_q, pn * 64, tl.h, tl.m0, tl.b);
+        // K one block ahead of V: S_{j+1} is issued together with P_j V_j.
+        for (int j = 0; j < blocks; ++j) {
+          if (j + 1 < blocks) load(&maps.k, sK, full_k, empty_k, j + 1);
+          load(&maps.v, sV, full_v, empty_v, j);
+        }
+        it0 += blocks;
+        ++q_iter;
       }
     }
     return;
@@ -168,25 +182,24 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   // ---- consumers ----------------------------------------------------------
   warpgroup_reg_alloc<Kt::kConsumerRegs>();
   const int cwg = wg - 1;                              // consumer index
+  const int ctid = tid - 128;                         // thread index among the consumers
   const int warp_row0 = cwg * 64 + (warp % 4) * 16;  // this warp's 16 rows of the block
   const int g = lane >> 2, t = lane & 3;
+  const bool elected = (warp % 4 == 0) && lane == 0;  // issues this consumer's stores and releases
 
   // Ping-pong: consumer c issues its GEMMs after syncing on barrier c, then
-  // lets consumer c + 1 go. The last consumer opens the first turn.
+  // lets consumer c + 1 go. The last consumer opens the first turn, and
+  // consumer 0 takes the one turn left open at the end.
   auto turn_begin = [&]() { named_barrier_sync(kPingPongBar + cwg, kPingPongThreads); };
-  auto turn_end = [&](bool last_turn) {
-    // The last consumer's final arrive would open a turn nobody takes.
-    if (!(last_turn && cwg == kConsumers - 1))
-      named_barrier_arrive(kPingPongBar + (cwg + 1) % kConsumers, kPingPongThreads);
-  };
+  auto turn_end = [&]() { named_barrier_arrive(kPingPongBar + (cwg + 1) % kConsumers, kPingPongThreads); };
 
   // Q: A of S, K-major, this consumer's 64 rows. K: B of S, K-major.
   // V: B of P V, N-major (keys are the contraction, 16 rows = 2048 bytes a step).
   const uint64_t desc_q = smem_desc(smem_u32(sQ) + cwg * 64 * 128, 16, kSbo);
   auto kmajor_step = [](int ks, uint32_t panel_bytes) { return (ks / 4) * panel_bytes + (ks % 4) * 32; };
 
-  auto issue_scores = [&](float (&acc_s)[1][kNT][4], int j) {
-    const uint64_t dk = smem_desc(smem_u32(sK + stage(j) * TileKV::kElems), 16, kSbo);
+  auto issue_scores = [&](float (&acc_s)[1][kNT][4], int it) {
+    const uint64_t dk = smem_desc(smem_u32(sK + stage(it) * TileKV::kElems), 16, kSbo);
 #pragma unroll
     for (int ks = 0; ks < kHeadDim / 16; ++ks)
       Wgmma<kBlockN, T>::template ss<0, 0>(acc_s[0], desc_add(desc_q, kmajor_step(ks, kPanelQ)),
@@ -194,100 +207,138 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     wgmma_commit();
   };
   float acc_o[1][kDT][4];
-  auto issue_pv = [&](const uint32_t (&a_p)[kBlockN / 16][4], int j) {
-    const uint64_t dv = smem_desc(smem_u32(sV + stage(j) * TileKV::kElems), kPanelKV, kSbo);
+  auto issue_pv = [&](const uint32_t (&a_p)[kBlockN / 16][4], int it) {
+    const uint64_t dv = smem_desc(smem_u32(sV + stage(it) * TileKV::kElems), kPanelKV, kSbo);
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk)
       Wgmma<kHeadDim, T>::template rs<1>(acc_o[0], a_p[kk], desc_add(dv, kk * 2048), 1);
     wgmma_commit();
   };
-
   const bool positive_scale = p.softmax_scale > 0.f;
-  OnlineSoftmax<1> softmax;
-  auto softmax_step = [&](float (&acc_s)[1][kNT][4], int j, float (&correction)[1][2]) {
-    const int n0 = (n_max - 1 - j) * kBlockN;
-    if (mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0)) apply_mask_rows(acc_s, mask, m0 + warp_row0, n0, lane);
-    if (positive_scale) {
-      softmax.template softmax_rows<true>(acc_s, p.softmax_scale_log2, correction);
-    } else {
-      softmax.template softmax_rows<false>(acc_s, p.softmax_scale_log2, correction);
-    }
-  };
 
-  clear(acc_o);
-  float acc_s[1][kNT][4];
-  float correction[1][2];
-  mbar_wait(full_q, 0);
   if (cwg == kConsumers - 1) named_barrier_arrive(kPingPongBar, kPingPongThreads);
-
-  // S_0 and its softmax (O is zero: no rescale).
-  mbar_wait(&full_k[0], 0);
-  turn_begin();
-  wgmma_fence();
-  issue_scores(acc_s, 0);
-  turn_end(false);
-  wgmma_wait<0>();
-  pin_registers(acc_s[0]);
-  mbar_arrive(&empty_k[0]);
-  softmax_step(acc_s, 0, correction);
-
-  for (int j = 0; j + 1 < blocks; ++j) {
-    // P_j packed into A fragments frees acc_s for S_{j+1}.
-    uint32_t a_p[kBlockN / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a<T>(a_p[kk], acc_s[0], kk);
-    mbar_wait(&full_k[stage(j + 1)], parity(j + 1));
-    mbar_wait(&full_v[stage(j)], parity(j));
-    turn_begin();
-    wgmma_fence();
-    issue_scores(acc_s, j + 1);
-    issue_pv(a_p, j);
-    turn_end(false);
-    wgmma_wait<1>();
-    pin_registers(acc_s[0]);
-    mbar_arrive(&empty_k[stage(j + 1)]);
-    softmax_step(acc_s, j + 1, correction);
-    wgmma_wait<0>();
-    pin_registers(acc_o[0]);
-    mbar_arrive(&empty_v[stage(j)]);
-    OnlineSoftmax<1>::rescale(acc_o, correction);
-  }
-  {  // The last block: P V only.
-    uint32_t a_p[kBlockN / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a<T>(a_p[kk], acc_s[0], kk);
-    mbar_wait(&full_v[stage(blocks - 1)], parity(blocks - 1));
-    turn_begin();
-    wgmma_fence();
-    issue_pv(a_p, blocks - 1);
-    turn_end(true);
-    wgmma_wait<0>();
-    pin_registers(acc_o[0]);
-  }
-
-  // ---- epilogue -------------------------------------------------------------
-  float row_lse[1][2];
-  softmax.finalize(acc_o, p.softmax_scale_log2, positive_scale, row_lse);
-  // This consumer's rows of sQ are free: its last S GEMM has completed and no
-  // other warpgroup reads them.
-  store_acc<TileQ>(sQ, acc_o, warp_row0, 0, lane);
-  if (t == 0) {
-    float* gLse = static_cast<float*>(p.lse_ptr) + (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0;
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = warp_row0 + g + 8 * hh;
-      if (r < rows) gLse[r] = row_lse[0][hh];
+  int it0 = 0, q_iter = 0;
+  for (int tile = blockIdx.x; tile < sched.num_tiles; tile += gridDim.x) {
+    const Tile tl(p, sched, tile);
+    const int m0 = tl.m0;
+    int n_min, n_max;
+    mask.key_block_range<kBlockN>(m0, tl.rows, n_min, n_max);
+    if (n_max <= n_min) {
+      // No query of this block sees any key: zero output, lse = -inf.
+      T* gO = static_cast<T*>(p.o_ptr) + tl.b * p.o_batch_stride + tl.h * p.o_head_stride + m0 * p.o_row_stride;
+      float* gLse = static_cast<float*>(p.lse_ptr) + (int64_t(tl.b) * p.heads_q + tl.h) * p.seqlen_q + m0;
+      for (int i = ctid; i < tl.rows * (p.head_dim / 8); i += kConsumers * 128) {
+        const int r = i / (p.head_dim / 8), c = (i % (p.head_dim / 8)) * 8;
+        *reinterpret_cast<uint4*>(gO + r * p.o_row_stride + c) = make_uint4(0, 0, 0, 0);
+      }
+      for (int r = ctid; r < tl.rows; r += kConsumers * 128) gLse[r] = -INFINITY;
+      continue;
     }
-  }
-  fence_proxy_async_smem();  // the TMA store (async proxy) reads what st.shared wrote
-  named_barrier_sync(kEpilogueBar + cwg, 128);
-  if (warp % 4 == 0 && lane == 0) {
+    const int blocks = n_max - n_min;  // step j visits key block n_max - 1 - j
+
+    OnlineSoftmax<1> softmax;
+    auto softmax_step = [&](float (&acc_s)[1][kNT][4], int j, float (&correction)[1][2]) {
+      const int n0 = (n_max - 1 - j) * kBlockN;
+      if (mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0)) apply_mask_rows(acc_s, mask, m0 + warp_row0, n0, lane);
+      if (positive_scale) {
+        softmax.template softmax_rows<true>(acc_s, p.softmax_scale_log2, correction);
+      } else {
+        softmax.template softmax_rows<false>(acc_s, p.softmax_scale_log2, correction);
+      }
+    };
+    // After S_j has completed: the last S of the tile frees Q for the next tile.
+    auto scores_done = [&](int j) {
+      mbar_arrive(&empty_k[stage(it0 + j)]);
+      if (Kt::kSeparateO && j == blocks - 1 && elected) mbar_arrive(empty_q);
+    };
+
+    clear(acc_o);
+    float acc_s[1][kNT][4];
+    float correction[1][2];
+    mbar_wait(full_q, q_iter & 1);
+
+    // S_0 and its softmax (O is zero: no rescale).
+    mbar_wait(&full_k[stage(it0)], parity(it0));
+    turn_begin();
+    wgmma_fence();
+    issue_scores(acc_s, it0);
+    turn_end();
+    wgmma_wait<0>();
+    pin_registers(acc_s[0]);
+    scores_done(0);
+    softmax_step(acc_s, 0, correction);
+
+    for (int j = 0; j + 1 < blocks; ++j) {
+      // P_j packed into A fragments frees acc_s for S_{j+1}.
+      uint32_t a_p[kBlockN / 16][4];
 #pragma unroll
-    for (int pn = 0; pn < Kt::kPanels; ++pn)
-      tma_store_4d(&maps.o, sQ + pn * TileQ::kRows * 64 + cwg * 64 * 64, pn * 64, h, m0 + cwg * 64, b);
-    tma_store_commit();
-    tma_store_wait_read();
+      for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a<T>(a_p[kk], acc_s[0], kk);
+      mbar_wait(&full_k[stage(it0 + j + 1)], parity(it0 + j + 1));
+      mbar_wait(&full_v[stage(it0 + j)], parity(it0 + j));
+      turn_begin();
+      wgmma_fence();
+      issue_scores(acc_s, it0 + j + 1);
+      issue_pv(a_p, it0 + j);
+      turn_end();
+      wgmma_wait<1>();
+      pin_registers(acc_s[0]);
+      scores_done(j + 1);
+      softmax_step(acc_s, j + 1, correction);
+      wgmma_wait<0>();
+      pin_registers(acc_o[0]);
+      mbar_arrive(&empty_v[stage(it0 + j)]);
+      OnlineSoftmax<1>::rescale(acc_o, correction);
+    }
+    {  // The last block: P V only.
+      uint32_t a_p[kBlockN / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a<T>(a_p[kk], acc_s[0], kk);
+      mbar_wait(&full_v[stage(it0 + blocks - 1)], parity(it0 + blocks - 1));
+      turn_begin();
+      wgmma_fence();
+      issue_pv(a_p, it0 + blocks - 1);
+      turn_end();
+      wgmma_wait<0>();
+      pin_registers(acc_o[0]);
+      mbar_arrive(&empty_v[stage(it0 + blocks - 1)]);
+    }
+
+    // ---- epilogue -----------------------------------------------------------
+    float row_lse[1][2];
+    softmax.finalize(acc_o, p.softmax_scale_log2, positive_scale, row_lse);
+    if (Kt::kSeparateO) {
+      // This consumer's previous O store must have finished reading its rows of sO.
+      if (elected) tma_store_wait_read();
+      named_barrier_sync(kEpilogueBar + cwg, 128);
+    }
+    // (Staged in sQ: this consumer's rows are free, its last S GEMM has
+    // completed and no other warpgroup reads them.)
+    store_acc<TileQ>(sO, acc_o, warp_row0, 0, lane);
+    if (t == 0) {
+      float* gLse = static_cast<float*>(p.lse_ptr) + (int64_t(tl.b) * p.heads_q + tl.h) * p.seqlen_q + m0;
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = warp_row0 + g + 8 * hh;
+        if (r < tl.rows) gLse[r] = row_lse[0][hh];
+      }
+    }
+    fence_proxy_async_smem();  // the TMA store (async proxy) reads what st.shared wrote
+    named_barrier_sync(kEpilogueBar + cwg, 128);
+    if (elected) {
+#pragma unroll
+      for (int pn = 0; pn < Kt::kPanels; ++pn)
+        tma_store_4d(&maps.o, sO + pn * TileQ::kRows * 64 + cwg * 64 * 64, pn * 64, tl.h, m0 + cwg * 64, tl.b);
+      tma_store_commit();
+      if (!Kt::kSeparateO) {
+        tma_store_wait_read();
+        mbar_arrive(empty_q);
+      }
+    }
+    it0 += blocks;
+    ++q_iter;
   }
+  if (cwg == 0) turn_begin();  // the last consumer's final arrive
+  if (elected) tma_store_wait_all();
 #endif
 }
 
