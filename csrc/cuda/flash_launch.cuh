@@ -184,7 +184,15 @@ cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
         err = launch_fwd_sm90_ws<typename KernelConfig<kHeadDim, T>::FwdSm90Ws>(p, stream, &launched);
       }
 #else
-      const cudaError_t err = launch_fwd_sm90_ws<typename KernelConfig<kHeadDim, T>::FwdSm90Ws>(p, stream, &launched);
+      using Cfg = KernelConfig<kHeadDim, T>;
+      cudaError_t err = cudaSuccess;
+      if constexpr (HasFwdSm90WsMasked<Cfg>::value) {
+        if (p.mask.window_right >= 0 && p.seqlen_q <= 8192) {
+          err = launch_fwd_sm90_ws<typename Cfg::FwdSm90WsMasked>(p, stream, &launched);
+          if (launched || err != cudaSuccess) return err;
+        }
+      }
+      err = launch_fwd_sm90_ws<typename Cfg::FwdSm90Ws>(p, stream, &launched);
 #endif
       if (launched || err != cudaSuccess) return err;
     }

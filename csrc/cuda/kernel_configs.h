@@ -33,6 +33,8 @@ template <typename T> struct KernelConfig<64, T> {
   using BwdDq = BwdDqTraits<64, 64, 64, 4, T>;
   using FwdSm90 = FwdSm90Traits<64, 64, T, 2>;  // 64 keys a block, two CTAs an SM
   using FwdSm90Ws = FwdSm90WsTraits<64, 128, 3, 2, T>;  // 192 queries: three consumers
+  // Causal / windowed up to 8k queries: 128-query tiles waste less on the diagonal (tune.py, visit 2 of session 3).
+  using FwdSm90WsMasked = FwdSm90WsTraits<64, 128, 2, 2, T>;
   using BwdSm90 = BwdSm90Traits<64, 128, T>;  // 128 queries a step: half the dQ atomics per flop of 64
 };
 template <typename T> struct KernelConfig<96, T> {
@@ -72,6 +74,10 @@ template <typename Cfg, typename = void>
 struct HasFwdSm90Ws : std::false_type {};
 template <typename Cfg>
 struct HasFwdSm90Ws<Cfg, std::void_t<typename Cfg::FwdSm90Ws>> : std::true_type {};
+template <typename Cfg, typename = void>
+struct HasFwdSm90WsMasked : std::false_type {};
+template <typename Cfg>
+struct HasFwdSm90WsMasked<Cfg, std::void_t<typename Cfg::FwdSm90WsMasked>> : std::true_type {};
 template <typename Cfg, typename = void>
 struct HasBwdSm90 : std::false_type {};
 template <typename Cfg>

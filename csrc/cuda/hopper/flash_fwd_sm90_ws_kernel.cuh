@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   T* sQ = reinterpret_cast<T*>(smem);
   T* sO = Kt::kSeparateO ? sQ + TileQ::kElems : sQ;
-  T* sK = sO + (Kt::kSeparateO ? TileQ::kElems : 0);  // [kStages]
+  T* sK = sQ + (Kt::kSeparateO ? 2 : 1) * TileQ::kElems;  // [kStages]
   T* sV = sK + kStages * TileKV::kElems;               // [kStages]
   uint64_t* full_k = reinterpret_cast<uint64_t*>(sV + kStages * TileKV::kElems);
   uint64_t* empty_k = full_k + kStages;
