@@ -7,9 +7,6 @@
 #include <type_traits>
 
 #include "dispatch.h"
-#include "hopper/flash_bwd_sm90_kernel.cuh"
-#include "hopper/flash_fwd_sm90_kernel.cuh"
-#include "hopper/flash_fwd_sm90_ws_kernel.cuh"
 #include "kernel_traits.h"
 
 namespace flashattn {

@@ -27,27 +27,6 @@
 
 namespace flashattn {
 
-template <int kHeadDim_, int kBlockN_, typename Element_, int kMinBlocksPerSm_ = 1>
-struct FwdSm90Traits {
-  using Element = Element_;
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 128;  // two warpgroups of 64 rows
-  static constexpr int kBlockN = kBlockN_;
-  static constexpr int kNWarps = 8;
-  static constexpr int kNThreads = kNWarps * 32;
-  static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;  // 2: registers capped at 128 a thread
-
-  using TileQ = SmemTile<kBlockM, kHeadDim>;
-  using TileKV = SmemTile<kBlockN, kHeadDim>;
-  static constexpr int kPanelQ = TileQ::kRows * 128;  // bytes of one 64-column panel
-  static constexpr int kPanelKV = TileKV::kRows * 128;
-  // +1024: dynamic shared memory is rounded up to a 1024-byte boundary.
-  static constexpr int kSmemBytes = 1024 + (TileQ::kElems + 4 * TileKV::kElems) * 2;
-
-  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "128-byte panels; O fits the register file");
-  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N");
-};
-
 template <typename Kt>
 __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_sm90_kernel(const AttnFwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

@@ -52,39 +52,6 @@ struct FwdTmaMaps {
   CUtensorMap q, k, v, o;
 };
 
-template <int kHeadDim_, int kBlockN_, int kConsumers_, int kStages_, typename Element_>
-struct FwdSm90WsTraits {
-  using Element = Element_;
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kConsumers = kConsumers_;  // consumer warpgroups of 64 query rows
-  static constexpr int kBlockM = 64 * kConsumers;
-  static constexpr int kBlockN = kBlockN_;
-  static constexpr int kStages = kStages_;
-  static constexpr int kNThreads = 128 * (kConsumers + 1);
-  // 65536 registers an SM: producer + consumers must fit (24*128 + 240*256, 32*128 + 160*384).
-  static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
-  static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
-  static constexpr int kPanels = kHeadDim / 64;
-  static constexpr int kOStoreRows = 64;  // one consumer's rows: the box of the O tensor map
-
-  using TileQ = SmemTile<kBlockM, kHeadDim>;  // Q, and O in the epilogue
-  using TileKV = SmemTile<kBlockN, kHeadDim>;
-  static constexpr int kBytesQ = TileQ::kElems * 2;
-  static constexpr int kBytesKV = TileKV::kElems * 2;
-  static constexpr int kBarrierBytes = (4 * kStages + 2) * 8;
-  // +1024: dynamic shared memory is aligned up to 1024 bytes (the swizzle atom).
-  static constexpr int kSmemLimit = 227 * 1024;
-  static constexpr bool kSeparateO = 1024 + 2 * kBytesQ + 2 * kStages * kBytesKV + kBarrierBytes <= kSmemLimit;
-  static constexpr int kSmemBytes = 1024 + (kSeparateO ? 2 : 1) * kBytesQ + 2 * kStages * kBytesKV + kBarrierBytes;
-
-  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "128-byte panels; O fits the register file");
-  static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "wgmma N of S (64, 128, 192, 256)");
-  static_assert(kConsumers == 2 || kConsumers == 3, "register split");
-  static_assert(kStages >= 2, "K runs one block ahead of V");
-  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536, "register file");
-  static_assert(kSmemBytes <= kSmemLimit, "shared memory");
-};
-
 template <typename Kt>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
     flash_fwd_sm90_ws_kernel(const __grid_constant__ AttnFwdParams p, const __grid_constant__ FwdTmaMaps maps,
