@@ -64,6 +64,14 @@ def _archs():
     return archs
 
 
+# Link the C++ runtime as a shared library, named before the compiler's own
+# libraries: a toolchain that links libstdc++ statically by default (seen on a
+# GPU machine whose CXX was such a g++ wrapper) would otherwise put a second,
+# never-initialized copy of libstdc++ inside _C beside the one torch loads,
+# and the first error message that formats a number crashed the process.
+LINK_ARGS = ["-lstdc++", "-fopenmp"]
+
+
 def extensions():
     from torch.utils.cpp_extension import CppExtension, CUDAExtension
 
@@ -77,7 +85,7 @@ def extensions():
                 "flashattn_ext._C",
                 sources,
                 extra_compile_args={"cxx": cxx_flags + ["-fopenmp"]},
-                extra_link_args=["-fopenmp"],
+                extra_link_args=LINK_ARGS,
                 py_limited_api=True,
             )
         ]
@@ -121,7 +129,7 @@ def extensions():
             "flashattn_ext._C",
             sources,
             extra_compile_args={"cxx": cxx_flags + defines + ["-fopenmp"], "nvcc": nvcc_flags},
-            extra_link_args=["-fopenmp"],
+            extra_link_args=LINK_ARGS,
             py_limited_api=True,
         )
     ]
