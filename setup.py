@@ -64,18 +64,49 @@ def _archs():
     return archs
 
 
-# Link the C++ runtime as a shared library, named before the compiler's own
-# libraries: a toolchain that links libstdc++ statically by default (seen on a
-# GPU machine whose CXX was such a g++ wrapper) would otherwise put a second,
-# never-initialized copy of libstdc++ inside _C beside the one torch loads,
-# and the first error message that formats a number crashed the process.
-LINK_ARGS = ["-lstdc++", "-fopenmp"]
+def _links_libstdcxx_shared(cxx, extra):
+    """Whether `cxx` links a shared library against the shared libstdc++
+    (its NEEDED entries name libstdc++.so) when given `extra` flags."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src, lib = os.path.join(tmp, "probe.cpp"), os.path.join(tmp, "probe.so")
+        with open(src, "w") as f:
+            f.write('#include <sstream>\nstd::string probe(long x) { std::ostringstream s; s << x; return s.str(); }\n')
+        cmd = [cxx, "-shared", "-fPIC", src, "-o", lib] + extra
+        if subprocess.run(cmd, capture_output=True).returncode != 0:
+            return False
+        with open(lib, "rb") as f:
+            return b"libstdc++.so" in f.read()
+
+
+def _cxx_runtime_link_args():
+    """A compiler that links libstdc++ statically by default (seen on a GPU
+    machine whose CXX was such a g++ wrapper) puts a second, never-initialized
+    copy of the C++ runtime inside _C beside the one torch loads: the first
+    error message that formatted a number crashed the process. Such a
+    compiler is told to link the shared libstdc++ instead."""
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        if _links_libstdcxx_shared(cxx, []):
+            return []
+        for extra in (["-nostdlib++", "-lstdc++"], ["-Wl,-Bdynamic", "-lstdc++"]):
+            if _links_libstdcxx_shared(cxx, extra):
+                print(f"flashattn_ext: {cxx} links libstdc++ statically; linking with {' '.join(extra)} instead")
+                return extra
+    except OSError:
+        return []
+    print(f"flashattn_ext: WARNING: {cxx} links libstdc++ statically and no flag made it link the shared one; "
+          "the extension may crash at its first error message: set CXX to a compiler that links libstdc++ shared")
+    return []
 
 
 def extensions():
     from torch.utils.cpp_extension import CppExtension, CUDAExtension
 
     cxx_flags = ["-O3", "-std=c++17",]
+    link_args = ["-fopenmp"] + _cxx_runtime_link_args()
     sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
     with_cuda, why_not = _cuda_available()
     if not with_cuda:
@@ -85,7 +116,7 @@ def extensions():
                 "flashattn_ext._C",
                 sources,
                 extra_compile_args={"cxx": cxx_flags + ["-fopenmp"]},
-                extra_link_args=LINK_ARGS,
+                extra_link_args=link_args,
                 py_limited_api=True,
             )
         ]
@@ -129,7 +160,7 @@ def extensions():
             "flashattn_ext._C",
             sources,
             extra_compile_args={"cxx": cxx_flags + defines + ["-fopenmp"], "nvcc": nvcc_flags},
-            extra_link_args=LINK_ARGS,
+            extra_link_args=link_args,
             py_limited_api=True,
         )
     ]

@@ -113,7 +113,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       prefetch_tensor_map(&maps.k);
       prefetch_tensor_map(&maps.v);
       int it0 = 0, q_iter = 0;
-      for (int tile = blockIdx.x; tile < sched.num_tiles; tile += gridDim.x) {
+      for (int round = 0; round * int(gridDim.x) < sched.num_tiles; ++round) {
+        const int tile = fwd_tile_of_round(round, blockIdx.x, gridDim.x);
+        if (tile >= sched.num_tiles) continue;
         const Tile tl(p, sched, tile);
         int n_min, n_max;
         mask.key_block_range<kBlockN>(tl.m0, tl.rows, n_min, n_max);
@@ -185,7 +187,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 
   if (cwg == kConsumers - 1) named_barrier_arrive(kPingPongBar, kPingPongThreads);
   int it0 = 0, q_iter = 0;
-  for (int tile = blockIdx.x; tile < sched.num_tiles; tile += gridDim.x) {
+  for (int round = 0; round * int(gridDim.x) < sched.num_tiles; ++round) {
+    const int tile = fwd_tile_of_round(round, blockIdx.x, gridDim.x);
+    if (tile >= sched.num_tiles) continue;
     const Tile tl(p, sched, tile);
     const int m0 = tl.m0;
     int n_min, n_max;

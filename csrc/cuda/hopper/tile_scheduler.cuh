@@ -1,9 +1,12 @@
 // The persistent tile scheduler of the Hopper forward: which (query block,
 // head, batch) tiles a CTA processes, and in which order.
 //
-// The grid has one CTA per SM; CTA c takes tiles c, c + gridDim.x, ... of one
-// global order, so the producer can load the next tile's Q and K/V while the
-// consumers still finish the current one (no CTA start-up between tiles).
+// The grid has one CTA per SM; in round r the CTAs take tiles
+// [r * G, (r + 1) * G) of one global order (G = gridDim.x), CTA c the tile
+// c of even rounds and G - 1 - c of odd rounds (boustrophedon: the CTA that
+// took the heaviest tile of a round takes the lightest of the next). The
+// producer loads the next tile's Q and K/V while the consumers still finish
+// the current one (no CTA start-up between tiles).
 //
 // The order: (batch, head) pairs are cut into groups whose K and V fit in L2
 // together; inside a group, tiles go by query block, heaviest first (the last
@@ -38,6 +41,11 @@ struct FwdSchedule {
     return s;
   }
 };
+
+// The tile CTA `cta` of `ctas` takes in round `round` (>= num_tiles: none).
+__device__ __forceinline__ int fwd_tile_of_round(int round, int cta, int ctas) {
+  return round * ctas + ((round & 1) ? ctas - 1 - cta : cta);
+}
 
 template <int kBlockM>
 struct FwdTile {
