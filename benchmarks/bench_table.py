@@ -6,8 +6,8 @@ short text summary bench_gpu.py prints last.
     python benchmarks/bench_table.py results.json -o RESULTS.md
     python benchmarks/bench_table.py results.json --text     # the short text summary
 
-Cells follow /work/shared/ANCHORS.md: TFLOP/s at each seqlen, joined by "/"
-("-" where a point was skipped or failed); ratios are ours / peer at each seqlen.
+Each cell holds the TFLOP/s at each seqlen of the grid, joined by "/" ("-"
+where a point was skipped or failed); ratio columns are ours / peer at each seqlen.
 """
 
 import argparse
