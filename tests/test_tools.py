@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from flashattn_ext.reference import attention_flops
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 ROW_FIELDS = ("impl", "mode", "dtype", "d", "n", "b", "h", "causal", "ms", "tflops")
@@ -57,7 +59,7 @@ def synthetic_results():
                                              skipped="would need ~64 GiB (> 40 GiB)"))
                             continue
                         tf = peak * (1 - 0.4 * 512 / n) * (0.8 if causal else 1.0) * (0.8 if mode == "bwd" else 1.0)
-                        flops = 4.0 * 16384 * 2048 * n / (2 if causal else 1) * (2.5 if mode == "bwd" else 1)
+                        flops = attention_flops(16384 // n, 2048 // d, n, n, d, causal, mode)
                         rows.append(dict(impl=impl, mode=mode, dtype="bf16", d=d, n=n, b=16384 // n, h=2048 // d,
                                          causal=causal, ms=flops / (tf * 1e12) * 1e3, tflops=tf))
     memory = []
@@ -136,6 +138,11 @@ def test_bench_gpu_cpu_quick(tmp_path):
     for impl in ("fa2", "naive"):
         assert all(r["tflops"] and r["tflops"] > 0 for r in data["rows"] if r["impl"] == impl)
     assert all(r.get("skipped") for r in data["rows"] if r["impl"] in ("cudnn", "mem_efficient"))
+    # TFLOP/s from the one FLOP formula (flashattn_ext.reference.attention_flops).
+    for row in data["rows"]:
+        if row["ms"]:
+            flops = attention_flops(row["b"], row["h"], row["n"], row["n"], row["d"], row["causal"], row["mode"])
+            assert math.isclose(row["tflops"], flops / (row["ms"] * 1e-3) / 1e12, rel_tol=1e-6), row
     assert {"flashattn_ext", "cudnn", "fa2", "mem_efficient", "naive"} == {r["impl"] for r in data["rows"]}
     assert "naive" in data["gpt2"]["impls"]
     assert md.read_text().startswith("Measured by")
@@ -161,10 +168,36 @@ def test_bench_table_and_flops():
     assert "| d128 fwd |" in md and "ours / FA2 (SDPA flash)" in md and "OOM" in md
     text = bt.text_summary(data)
     assert "ours/fa2" in text and "GPT-2" in text
+    assert attention_flops(1, 1, 1024, 1024, 64, False, "fwd") == 4 * 1024 * 1024 * 64
+    assert attention_flops(1, 1, 1024, 1024, 64, True, "bwd") == 2.5 * 2 * 1024 * 1024 * 64
+    assert attention_flops(2, 3, 100, 200, 32, False, "fwd+bwd") == 3.5 * 4 * 2 * 3 * 100 * 200 * 32
     bg = _load("bench_gpu")
-    assert bg.attn_flops(1, 1, 1024, 1024, 64, False, "fwd") == 4 * 1024 * 1024 * 64
-    assert bg.attn_flops(1, 1, 1024, 1024, 64, True, "bwd") == 2.5 * 2 * 1024 * 1024 * 64
     assert math.isclose(bg.tflops(1e12, 1000.0), 1.0)
+
+
+def test_kernel_check_case_on_cpu():
+    """kernel_check.py's correctness case (the package's oracle and tolerance
+    rule), run on the CPU kernels: it passes, and a broken output fails it."""
+    pytest.importorskip("flashattn_ext.tolerance")
+    import torch
+
+    kc = _load("kernel_check")
+    for dtype in (torch.bfloat16, torch.float32):
+        ok, errs, lse_ok, comps = kc.check_case(b=1, nq=37, nk=53, hq=4, hk=2, d=32, dtype=dtype, causal=True,
+                                                bottom_right=True, window=(-1, -1), device="cpu")
+        assert ok and lse_ok, comps
+        assert set(errs) == {"out", "lse", "dq", "dk", "dv"}
+    real_fwd = kc._ops.fwd
+
+    def broken_fwd(*args):
+        out, lse = real_fwd(*args)
+        return out * 1.01, lse  # a 1% error: far above the rule's bound
+
+    kc._ops = type("Ops", (), {"fwd": staticmethod(broken_fwd)})
+    ok, errs, lse_ok, comps = kc.check_case(b=1, nq=37, nk=53, hq=4, hk=2, d=32, dtype=torch.float32, causal=True,
+                                            bottom_right=True, device="cpu")
+    assert not ok and lse_ok
+    assert [c["name"] for c in comps if not c["ok"]][0] == "out"
 
 
 def test_plot_synthetic(tmp_path):
