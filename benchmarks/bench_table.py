@@ -97,8 +97,8 @@ def markdown_report(data):
         impls_present = {i for v in table.values() for i in v}
         peers = [(k, name) for k, name in PEERS if k in impls_present]
         lines.append("TFLOP/s at seqlen " + " / ".join(_seqlen_label(n) for n in seqlens)
-                     + " (batch x seqlen = %s tokens, heads = %s / head_dim); ratios are ours / peer."
-                     % (data.get("grid", {}).get("tokens", 16384), data.get("grid", {}).get("head_total", 2048)))
+                     + f" (batch x seqlen = {data.get('grid', {}).get('tokens', 16384)} tokens, heads = "
+                     f"{data.get('grid', {}).get('head_total', 2048)} / head_dim); ratios are ours / peer.")
         lines.append("")
         hdr = ["case", "ours"] + [name for _, name in peers]
         hdr += [f"ours / {name}" for k, name in peers if k in ("cudnn", "fa2")]
