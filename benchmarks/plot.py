@@ -106,7 +106,7 @@ def plot_tflops(plt, data, outdir, mode, dtype, head_dims=None, impls_shown=MAIN
             if j == 0:
                 ax.set_ylabel("TFLOP/s")
             if i == len(dims) - 1:
-                ax.set_xlabel("seqlen (batch x seqlen = %s)" % data.get("grid", {}).get("tokens", 16384))
+                ax.set_xlabel(f"seqlen (batch x seqlen = {data.get('grid', {}).get('tokens', 16384)})")
     handles, labels = [], []
     for ax in axes.flat:
         for h, lab in zip(*ax.get_legend_handles_labels()):

@@ -17,6 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashattn_ext  # noqa: F401
 from flashattn_ext import _ops
+from flashattn_ext.reference import attention_flops
 from kernel_check import bench  # noqa: E402  (benchmarks/ is the script's directory)
 
 # Entries of TuneVariants (csrc/cuda/kernel_configs.h) per pass and head dim:
@@ -45,7 +46,8 @@ def main():
                 wr = 0 if causal else -1
                 q = torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16)
                 k, v = torch.randn_like(q), torch.randn_like(q)
-                flops = 4 * b * h * n * n * d / (2 if causal else 1)
+                flops = attention_flops(b, h, n, n, d, causal)
+                bwd_flops = attention_flops(b, h, n, n, d, causal, "bwd")
                 row = {"d": d, "n": n, "causal": causal}
                 os.environ["FLASHATTN_FWD_VARIANT"] = "0"
                 os.environ["FLASHATTN_BWD_VARIANT"] = "0"
@@ -66,7 +68,7 @@ def main():
                     grads = _ops.bwd(dout, q, k, v, out0, lse0, scale, -1, wr, True, False)
                     err = max((a.float() - b_.float()).abs().max().item() for a, b_ in zip(grads, grads0))
                     ms = bench(lambda: _ops.bwd(dout, q, k, v, out0, lse0, scale, -1, wr, True, False))
-                    row[f"bwd_v{var}"] = 2.5 * flops / ms / 1e9
+                    row[f"bwd_v{var}"] = bwd_flops / ms / 1e9
                     row[f"bwd_v{var}_err"] = err
                 os.environ["FLASHATTN_BWD_VARIANT"] = "0"
                 qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_(True) for x in (q, k, v))
@@ -75,7 +77,7 @@ def main():
                         row[f"fwd_{name}"] = flops / bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)) / 1e9
                         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
                         do = torch.randn_like(o)
-                        row[f"bwd_{name}"] = 2.5 * flops / bench(
+                        row[f"bwd_{name}"] = bwd_flops / bench(
                             lambda: torch.autograd.grad(o, (qt, kt, vt), do, retain_graph=True)) / 1e9
                 rows.append(row)
                 fv = " ".join(f"v{i}={row[f'fwd_v{i}']:.0f}" for i in range(VARIANTS["fwd"][d]) if f"fwd_v{i}" in row)

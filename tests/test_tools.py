@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from flashattn_ext.reference import attention_flops
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 ROW_FIELDS = ("impl", "mode", "dtype", "d", "n", "b", "h", "causal", "ms", "tflops")
@@ -75,7 +77,7 @@ def synthetic_results(legacy=False):
                         if tf is None:
                             row["error" if impl != "naive" else "skipped"] = "made up"
                         else:
-                            flops = 4.0 * 16384 * 2048 * n / (2 if causal else 1) * (2.5 if mode == "bwd" else 1)
+                            flops = attention_flops(16384 // n, 2048 // d, n, n, d, causal, mode)
                             row.update(ms=flops / (tf * 1e12) * 1e3, tflops=tf, frac_matmul=tf / 700.0)
                         rows.append(row)
     memory = []
