@@ -160,19 +160,28 @@ def _cxx_runtime_link_args():
     machine whose CXX was such a g++ wrapper) puts a second, never-initialized
     copy of the C++ runtime inside _C beside the one torch loads: the first
     error message that formatted a number crashed the process. Such a
-    compiler is told to link the shared libstdc++ instead."""
+    compiler is told to link the shared libstdc++ instead, and where no flag
+    does that, the build switches to the system's c++ / g++ (CXX is set for
+    the compile and link steps) when that one links it shared."""
     cxx = os.environ.get("CXX", "c++")
     try:
         if _links_libstdcxx_shared(cxx, []):
             return []
         for extra in (["-nostdlib++", "-lstdc++"], ["-Wl,-Bdynamic", "-lstdc++"]):
             if _links_libstdcxx_shared(cxx, extra):
-                print(f"flashattn_ext: {cxx} links libstdc++ statically; linking with {' '.join(extra)} instead")
+                _say(f"{cxx} links libstdc++ statically; linking with {' '.join(extra)} instead")
                 return extra
+        for other in (shutil.which("c++"), shutil.which("g++")):
+            if other and os.path.realpath(other) != os.path.realpath(shutil.which(cxx) or cxx):
+                if _links_libstdcxx_shared(other, []):
+                    _say(f"CXX={cxx} links libstdc++ statically (a second C++ runtime inside the extension "
+                         f"crashes it); building with {other} instead")
+                    os.environ["CXX"] = other
+                    return []
     except OSError:
         return []
-    print(f"flashattn_ext: WARNING: {cxx} links libstdc++ statically and no flag made it link the shared one; "
-          "the extension may crash at its first error message: set CXX to a compiler that links libstdc++ shared")
+    _say(f"WARNING: {cxx} links libstdc++ statically and no flag or other compiler links the shared one; "
+         "the extension may crash at its first error message: set CXX to a compiler that links libstdc++ shared")
     return []
 
 
