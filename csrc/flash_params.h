@@ -79,6 +79,9 @@ struct AttnFwdParams {
   // Hopper: the warp-specialized TMA kernels may run (FLASHATTN_DISABLE_TMA=1
   // clears it, to time the cp.async Hopper kernels beside them).
   bool allow_tma = true;
+  // The persistent Hopper forward's tile order alternates direction every
+  // round (FLASHATTN_FWD_STRIDED=1 clears it, to time plain striding beside it).
+  bool fwd_boustrophedon = true;
 
   FLASHATTN_HOST_DEVICE int heads_ratio() const { return heads_q / heads_kv; }
 };

@@ -77,7 +77,8 @@ cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool
   if (!described) return cudaSuccess;
   auto kernel = &flash_fwd_sm90_ws_kernel<Kt>;
   if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
-  const FwdSchedule sched = FwdSchedule::make(p, Kt::kBlockM);
+  FwdSchedule sched = FwdSchedule::make(p, Kt::kBlockM);
+  sched.boustrophedon = p.fwd_boustrophedon;
   const int ctas = sched.num_tiles < sm_count() ? sched.num_tiles : sm_count();  // persistent: one CTA an SM
   kernel<<<ctas, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, maps, sched);
   *launched = true;

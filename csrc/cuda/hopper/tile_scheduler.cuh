@@ -25,6 +25,7 @@ struct FwdSchedule {
   int num_m_blocks = 0;  // query blocks of a head
   int num_tiles = 0;     // num_m_blocks * batch * heads_q
   int group_bh = 1;      // (batch, head) pairs per L2 group
+  bool boustrophedon = true;  // false: CTA c takes tile c of every round (FLASHATTN_FWD_STRIDED=1, for timing)
 
   // L2 bytes the K/V of one group may take: about half of an H100/H200's.
   static constexpr int64_t kL2GroupBytes = int64_t(24) << 20;
@@ -43,8 +44,8 @@ struct FwdSchedule {
 };
 
 // The tile CTA `cta` of `ctas` takes in round `round` (>= num_tiles: none).
-__device__ __forceinline__ int fwd_tile_of_round(int round, int cta, int ctas) {
-  return round * ctas + ((round & 1) ? ctas - 1 - cta : cta);
+__device__ __forceinline__ int fwd_tile_of_round(const FwdSchedule& s, int round, int cta, int ctas) {
+  return round * ctas + ((s.boustrophedon && (round & 1)) ? ctas - 1 - cta : cta);
 }
 
 template <int kBlockM>
