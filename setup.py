@@ -11,8 +11,8 @@ torch's headers: C++20 where they require it (torch 2.15 and later), C++17
 before. Environment knobs:
 
     FLASHATTN_CUDA_ARCHS   CUDA archs to compile, e.g. "90" or "80;90" (default "80;90")
-    FLASHATTN_HEAD_DIMS    kernel head dims to compile, e.g. "64,128" (default all:
-                           32,64,96,128,192,256; a call with another head dim uses the
+    FLASHATTN_HEAD_DIMS    kernel head dims to compile, e.g. "64,128" (default all of
+                           csrc/cuda/generate_instantiations.py HEAD_DIMS; a call with another head dim uses the
                            next larger compiled one)
     FLASHATTN_CPU_ONLY=1   skip the CUDA kernels even when nvcc is present
     FLASHATTN_PTXAS_VERBOSE=1  print the register / shared memory report of every kernel
@@ -33,7 +33,19 @@ from setuptools import __version__ as setuptools_version
 from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-ALL_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+
+
+def _generator_head_dims():
+    """The one list of kernel head dims: csrc/cuda/generate_instantiations.py's
+    HEAD_DIMS (which also writes one kernel source per head dim)."""
+    path = os.path.join(ROOT, "csrc", "cuda", "generate_instantiations.py")
+    spec = importlib.util.spec_from_file_location("generate_instantiations", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return tuple(module.HEAD_DIMS)
+
+
+ALL_HEAD_DIMS = _generator_head_dims()
 DTYPES = ("fp16", "bf16")
 SETUP_HINT = "pip install -r requirements.txt"
 
@@ -213,7 +225,10 @@ def extensions():
         for dt in DTYPES:
             kernel_sources += sorted(glob.glob(f"csrc/cuda/instantiations/*_hdim{d}_{dt}.cu"))
     sources += sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/cuda/*.cu")) + kernel_sources
-    defines = ["-DFLASHATTN_WITH_CUDA"] + [f"-DFLASHATTN_HDIM_{d}" for d in dims]
+    defines = ["-DFLASHATTN_WITH_CUDA"]
+    # The compiled head dims, ascending: the C++ dispatch (attention_cuda.cpp, host
+    # compiler only: nvcc would split the value at its commas) unrolls over them.
+    head_dims_define = f"-DFLASHATTN_HDIMS={','.join(str(d) for d in dims)}"
     if os.environ.get("FLASHATTN_TUNING", "0") == "1":
         defines += ["-DFLASHATTN_TUNING"]
     defines += [
@@ -247,7 +262,7 @@ def extensions():
         CUDAExtension(
             "flashattn_ext._C",
             sources,
-            extra_compile_args={"cxx": cxx_flags + defines + ["-fopenmp"], "nvcc": nvcc_flags},
+            extra_compile_args={"cxx": cxx_flags + defines + [head_dims_define, "-fopenmp"], "nvcc": nvcc_flags},
             extra_link_args=link_args,
             py_limited_api=True,
         )
