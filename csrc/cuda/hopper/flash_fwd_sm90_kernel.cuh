@@ -62,12 +62,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
   int n_min, n_max;
   mask.key_block_range<kBlockN>(m0, rows, n_min, n_max);
   if (n_max <= n_min) {
-    // No query of this block sees any key: zero output, lse = -inf.
-    for (int i = tid; i < rows * (p.head_dim / 8); i += kNThreads) {
-      const int r = i / (p.head_dim / 8), c = (i % (p.head_dim / 8)) * 8;
-      *reinterpret_cast<uint4*>(gO + r * p.o_row_stride + c) = make_uint4(0, 0, 0, 0);
-    }
-    for (int r = tid; r < rows; r += kNThreads) gLse[r] = -INFINITY;
+    store_unseeing_query_block<T>(p, b, h, m0, rows, tid, kNThreads);
     return;
   }
   const int blocks = n_max - n_min;  // step j visits key block n_max - 1 - j

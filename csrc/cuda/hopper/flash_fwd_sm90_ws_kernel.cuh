@@ -195,14 +195,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     int n_min, n_max;
     mask.key_block_range<kBlockN>(m0, tl.rows, n_min, n_max);
     if (n_max <= n_min) {
-      // No query of this block sees any key: zero output, lse = -inf.
-      T* gO = static_cast<T*>(p.o_ptr) + tl.b * p.o_batch_stride + tl.h * p.o_head_stride + m0 * p.o_row_stride;
-      float* gLse = static_cast<float*>(p.lse_ptr) + (int64_t(tl.b) * p.heads_q + tl.h) * p.seqlen_q + m0;
-      for (int i = ctid; i < tl.rows * (p.head_dim / 8); i += kConsumers * 128) {
-        const int r = i / (p.head_dim / 8), c = (i % (p.head_dim / 8)) * 8;
-        *reinterpret_cast<uint4*>(gO + r * p.o_row_stride + c) = make_uint4(0, 0, 0, 0);
-      }
-      for (int r = ctid; r < tl.rows; r += kConsumers * 128) gLse[r] = -INFINITY;
+      store_unseeing_query_block<T>(p, tl.b, tl.h, m0, tl.rows, ctid, kConsumers * 128);
       continue;
     }
     const int blocks = n_max - n_min;  // step j visits key block n_max - 1 - j
