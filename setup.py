@@ -1,13 +1,18 @@
 """Builds flashattn_ext._C against the torch already installed.
 
+    pip install -r requirements.txt                 # torch==2.11.0 (CUDA 13.0), ninja, numpy, pytest, ...
     pip install --no-build-isolation -e .
 
 The CUDA kernels are compiled when torch is a CUDA build and nvcc is found;
-otherwise the extension is CPU-only and still complete. Environment knobs:
+otherwise the extension is CPU-only and still complete. The line starting
+"flashattn_ext:" says which build was chosen and why (pip shows it with -v;
+`python -m flashattn_ext` prints the build too). The C++ standard follows
+torch's headers: C++20 where they require it (torch 2.15 and later), C++17
+before. Environment knobs:
 
     FLASHATTN_CUDA_ARCHS   CUDA archs to compile, e.g. "90" or "80;90" (default "80;90")
-    FLASHATTN_HEAD_DIMS    kernel head dims to compile, e.g. "64,128" (default all:
-                           32,64,96,128,192,256; a call with another head dim uses the
+    FLASHATTN_HEAD_DIMS    kernel head dims to compile, e.g. "64,128" (default all of
+                           csrc/cuda/generate_instantiations.py HEAD_DIMS; a call with another head dim uses the
                            next larger compiled one)
     FLASHATTN_CPU_ONLY=1   skip the CUDA kernels even when nvcc is present
     FLASHATTN_PTXAS_VERBOSE=1  print the register / shared memory report of every kernel
@@ -17,15 +22,59 @@ otherwise the extension is CPU-only and still complete. Environment knobs:
 """
 
 import glob
+import importlib.util
 import os
+import re
 import shutil
+import subprocess
 import sys
 
+from setuptools import __version__ as setuptools_version
 from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-ALL_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+
+
+def _generator_head_dims():
+    """The one list of kernel head dims: csrc/cuda/generate_instantiations.py's
+    HEAD_DIMS (which also writes one kernel source per head dim)."""
+    path = os.path.join(ROOT, "csrc", "cuda", "generate_instantiations.py")
+    spec = importlib.util.spec_from_file_location("generate_instantiations", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return tuple(module.HEAD_DIMS)
+
+
+ALL_HEAD_DIMS = _generator_head_dims()
 DTYPES = ("fp16", "bf16")
+SETUP_HINT = "pip install -r requirements.txt"
+
+
+def _say(msg):
+    """One line for the person building (pip shows it with -v, or on failure)."""
+    print(f"flashattn_ext: {msg}", flush=True)
+
+
+def _fail(msg):
+    """One plain line and a non-zero exit, no traceback."""
+    print(f"flashattn_ext: {msg}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def _check_build_dependencies():
+    """What the build needs before anything imports it: torch (built against,
+    so it must be installed first and the build not isolated), wheel (setuptools
+    < 70.1 keeps bdist_wheel there) and ninja (else a slow serial build)."""
+    missing = [m for m in ("torch",) if importlib.util.find_spec(m) is None]
+    if tuple(int(x) for x in re.findall(r"\d+", setuptools_version)[:2]) < (70, 1):
+        if importlib.util.find_spec("wheel") is None:
+            missing.append("wheel")
+    if missing:
+        _fail(f"{' and '.join(missing)} not installed in {sys.executable}; run `{SETUP_HINT}` first, then "
+              "`pip install --no-build-isolation -e .` (torch must be there before the build: the kernels "
+              "compile against it)")
+    if importlib.util.find_spec("ninja") is None and shutil.which("ninja") is None:
+        _say(f"ninja not found: falling back to a slow serial build (`{SETUP_HINT}` installs it)")
 
 
 def _env_list(name, default, sep):
@@ -35,17 +84,54 @@ def _env_list(name, default, sep):
     return [x.strip() for x in raw.replace(";", sep).replace(",", sep).split(sep) if x.strip()]
 
 
+def _nvcc_version(nvcc):
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
 def _cuda_available():
+    """(True, nvcc version) or (False, why not)."""
     if os.environ.get("FLASHATTN_CPU_ONLY", "0") == "1":
         return False, "FLASHATTN_CPU_ONLY=1"
     import torch
     from torch.utils.cpp_extension import CUDA_HOME
 
     if torch.version.cuda is None:
-        return False, "torch is a CPU-only build"
-    if CUDA_HOME is None or shutil.which(os.path.join(CUDA_HOME, "bin", "nvcc")) is None:
-        return False, "nvcc not found (set CUDA_HOME)"
-    return True, ""
+        return False, f"torch {torch.__version__} is a CPU-only build"
+    nvcc = os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else None
+    if nvcc is None or shutil.which(nvcc) is None:
+        return False, "nvcc not found (install the CUDA toolkit or set CUDA_HOME)"
+    version = _nvcc_version(nvcc)
+    torch_major = int(torch.version.cuda.split(".")[0])
+    if version is not None and version[0] != torch_major:
+        _fail(f"torch {torch.__version__} is built for CUDA {torch.version.cuda} but {nvcc} is CUDA "
+              f"{version[0]}.{version[1]}: install a torch built for CUDA {version[0]} (for CUDA 13: "
+              f"`{SETUP_HINT}`, torch==2.11.0), point CUDA_HOME at a CUDA {torch_major} toolkit, or build "
+              "without the CUDA kernels with FLASHATTN_CPU_ONLY=1")
+    return True, "nvcc " + (f"{version[0]}.{version[1]}" if version else "(version unknown)") + f" at {CUDA_HOME}"
+
+
+def cxx_standard():
+    """17 or 20: the C++ standard torch's headers require. Since 2.15 ATen.h
+    stops with "#error C++20 or later compatible compiler is required"; older
+    headers ask for C++17. Read from the headers, so any torch builds."""
+    import torch
+
+    std = 17
+    include = os.path.join(os.path.dirname(torch.__file__), "include")
+    for header in ("ATen/ATen.h", "c10/macros/Macros.h", "torch/all.h"):
+        try:
+            with open(os.path.join(include, header), errors="replace") as f:
+                text = f.read()
+        except OSError:
+            continue
+        for found in re.findall(r"C\+\+\s*(\d\d) or later", text):
+            std = max(std, int(found))
+    return std
 
 
 def _head_dims():
@@ -64,20 +150,71 @@ def _archs():
     return archs
 
 
+def _links_libstdcxx_shared(cxx, extra):
+    """Whether `cxx` links a shared library against the shared libstdc++
+    (its NEEDED entries name libstdc++.so) when given `extra` flags."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src, lib = os.path.join(tmp, "probe.cpp"), os.path.join(tmp, "probe.so")
+        with open(src, "w") as f:
+            f.write('#include <sstream>\nstd::string probe(long x) { std::ostringstream s; s << x; return s.str(); }\n')
+        cmd = [cxx, "-shared", "-fPIC", src, "-o", lib] + extra
+        if subprocess.run(cmd, capture_output=True).returncode != 0:
+            return False
+        with open(lib, "rb") as f:
+            return b"libstdc++.so" in f.read()
+
+
+def _cxx_runtime_link_args():
+    """A compiler that links libstdc++ statically by default (seen on a GPU
+    machine whose CXX was such a g++ wrapper) puts a second, never-initialized
+    copy of the C++ runtime inside _C beside the one torch loads: the first
+    error message that formatted a number crashed the process. Such a
+    compiler is told to link the shared libstdc++ instead, and where no flag
+    does that, the build switches to the system's c++ / g++ (CXX is set for
+    the compile and link steps) when that one links it shared."""
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        if _links_libstdcxx_shared(cxx, []):
+            return []
+        for extra in (["-nostdlib++", "-lstdc++"], ["-Wl,-Bdynamic", "-lstdc++"]):
+            if _links_libstdcxx_shared(cxx, extra):
+                _say(f"{cxx} links libstdc++ statically; linking with {' '.join(extra)} instead")
+                return extra
+        for other in (shutil.which("c++"), shutil.which("g++")):
+            if other and os.path.realpath(other) != os.path.realpath(shutil.which(cxx) or cxx):
+                if _links_libstdcxx_shared(other, []):
+                    _say(f"CXX={cxx} links libstdc++ statically (a second C++ runtime inside the extension "
+                         f"crashes it); building with {other} instead")
+                    os.environ["CXX"] = other
+                    return []
+    except OSError:
+        return []
+    _say(f"WARNING: {cxx} links libstdc++ statically and no flag or other compiler links the shared one; "
+         "the extension may crash at its first error message: set CXX to a compiler that links libstdc++ shared")
+    return []
+
+
 def extensions():
+    import torch
     from torch.utils.cpp_extension import CppExtension, CUDAExtension
 
-    cxx_flags = ["-O3", "-std=c++17",]
+    std = cxx_standard()
+    std_note = f"C++{std} (torch {torch.__version__}" + (" requires C++20)" if std >= 20 else ")")
+    cxx_flags = ["-O3", f"-std=c++{std}"]
+    link_args = ["-fopenmp"] + _cxx_runtime_link_args()
     sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
-    with_cuda, why_not = _cuda_available()
+    with_cuda, detail = _cuda_available()
     if not with_cuda:
-        print(f"flashattn_ext: building without CUDA kernels ({why_not})")
+        _say(f"building the CPU kernels only, no CUDA kernels ({detail}); {std_note}")
         return [
             CppExtension(
                 "flashattn_ext._C",
                 sources,
                 extra_compile_args={"cxx": cxx_flags + ["-fopenmp"]},
-                extra_link_args=["-fopenmp"],
+                extra_link_args=link_args,
                 py_limited_api=True,
             )
         ]
@@ -88,7 +225,10 @@ def extensions():
         for dt in DTYPES:
             kernel_sources += sorted(glob.glob(f"csrc/cuda/instantiations/*_hdim{d}_{dt}.cu"))
     sources += sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/cuda/*.cu")) + kernel_sources
-    defines = ["-DFLASHATTN_WITH_CUDA"] + [f"-DFLASHATTN_HDIM_{d}" for d in dims]
+    defines = ["-DFLASHATTN_WITH_CUDA"]
+    # The compiled head dims, ascending: the C++ dispatch (attention_cuda.cpp, host
+    # compiler only: nvcc would split the value at its commas) unrolls over them.
+    head_dims_define = f"-DFLASHATTN_HDIMS={','.join(str(d) for d in dims)}"
     if os.environ.get("FLASHATTN_TUNING", "0") == "1":
         defines += ["-DFLASHATTN_TUNING"]
     defines += [
@@ -97,7 +237,7 @@ def extensions():
     ]
     nvcc_flags = [
         "-O3",
-        "-std=c++17",
+        f"-std=c++{std}",
         "--use_fast_math",
         "-lineinfo",
         "--expt-relaxed-constexpr",
@@ -115,19 +255,22 @@ def extensions():
         nvcc_flags += ["-DFLASHATTN_SM90"]
     if os.environ.get("FLASHATTN_PTXAS_VERBOSE", "0") == "1":
         nvcc_flags += ["-Xptxas", "-v"]
-    print(f"flashattn_ext: building CUDA kernels for archs {archs}, head dims {dims}")
+    _say(f"building the CPU kernels and the CUDA kernels for archs {', '.join(archs)} "
+         f"({', '.join('sm_90a' if a == '90' else 'sm_' + a for a in archs)}), head dims "
+         f"{', '.join(str(d) for d in dims)} ({len(kernel_sources)} kernel sources), {detail}; {std_note}")
     return [
         CUDAExtension(
             "flashattn_ext._C",
             sources,
-            extra_compile_args={"cxx": cxx_flags + defines + ["-fopenmp"], "nvcc": nvcc_flags},
-            extra_link_args=["-fopenmp"],
+            extra_compile_args={"cxx": cxx_flags + defines + [head_dims_define, "-fopenmp"], "nvcc": nvcc_flags},
+            extra_link_args=link_args,
             py_limited_api=True,
         )
     ]
 
 
 def main():
+    _check_build_dependencies()
     from torch.utils.cpp_extension import BuildExtension
 
     setup(

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import flashattn_ext
+from flashattn_ext.reference import visible_mask
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -47,8 +48,7 @@ def naive_fn(q, k, v, causal):
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
     if causal:
         n_q, n_k = scores.shape[-2:]
-        hidden = torch.ones(n_q, n_k, dtype=torch.bool).triu(1)
-        scores = scores.masked_fill(hidden, float("-inf"))
+        scores = scores.masked_fill(~visible_mask(n_q, n_k, -1, 0, 0), float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
 
 

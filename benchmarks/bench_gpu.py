@@ -1,42 +1,57 @@
 #!/usr/bin/env python3
-"""The standard attention benchmark grid: flashattn_ext against torch's SDPA
-backends and the naive 3-kernel path, measured side by side in one run.
+"""The standard attention benchmark grid: flashattn_ext through both of its APIs
+against torch's SDPA (its default choice and each backend forced) and the naive
+3-kernel path, measured side by side in one run.
 
-    python benchmarks/bench_gpu.py --json results.json [--md results.md]
-    python benchmarks/bench_gpu.py --quick --json /tmp/smoke.json          # a tiny subset
+    python benchmarks/bench_gpu.py --json results.json [--md results.md]   # the full run (~2-3 min on an H200)
+    python benchmarks/bench_gpu.py --quick --json /tmp/smoke.json          # a small subset (~40 s)
     python benchmarks/bench_gpu.py --device cpu --quick --json /tmp/cpu.json  # the same code path on a CPU
 
-What one run measures (see /work/shared/GUIDE.md, "Performance"):
-  - ceilings: a bf16 8192^3 matmul (TFLOP/s) and a device-to-device copy (TB/s,
-    read + write counted), so every figure can be read as a fraction of the chip;
-  - the grid: head dims 128/64/256 (in that order, so a time budget cuts d256
-    first), causal and not, seqlens 512..16k with batch * seqlen = 16384 tokens
-    and heads = 2048 / head_dim, forward and backward, for
-      flashattn_ext  ours, flash_attn_func on (batch, seqlen, heads, head_dim)
-      cudnn          torch SDPA forced to SDPBackend.CUDNN_ATTENTION
-      fa2            torch SDPA forced to SDPBackend.FLASH_ATTENTION (FlashAttention-2)
-      mem_efficient  torch SDPA forced to SDPBackend.EFFICIENT_ATTENTION
-      naive          matmul -> (mask) -> softmax -> matmul in the input dtype
-    Each implementation gets its native contiguous layout: ours (b, n, h, d),
-    torch's backends and naive (b, h, n, d);
-  - memory: peak extra memory of one forward + backward (b1 h16 d128, 4k/16k/32k),
-    ours vs naive vs fa2; naive is expected to run out of memory at 32k;
-  - the seed's GPT-2 case: b8 h12 n1024 d64 fp16 causal, forward + backward.
+Implementations (the JSON's `impl` field), each on contiguous inputs in its own layout:
+  ours_sdpa           flashattn_ext.scaled_dot_product_attention, (b, h, n, d) inputs and
+                      gradient, exactly as a model calls torch's SDPA
+  ours_native         flashattn_ext.flash_attn_func, (b, n, h, d)
+  sdpa_default        torch.nn.functional.scaled_dot_product_attention, no backend forced
+                      (the row's `backend` says which one torch picked)
+  sdpa_cudnn          torch SDPA forced to SDPBackend.CUDNN_ATTENTION
+  sdpa_flash          torch SDPA forced to SDPBackend.FLASH_ATTENTION (FlashAttention-2)
+  sdpa_mem_efficient  torch SDPA forced to SDPBackend.EFFICIENT_ATTENTION   } slow: grid points at
+  naive               matmul -> (mask) -> softmax -> matmul, input dtype     } --slow-seqlens only
+  fa4                 flash_attn.cute.flash_attn_func (flash-attn-4), (b, n, h, d), when
+                      importable; else recorded under `skipped_impls`
 
-FLOPs: forward 4 * b * h * n_q * n_k * d, halved when causal; backward 2.5x the
-forward. The backward is timed alone: one forward with requires_grad, then
-torch.autograd.grad(out, (q, k, v), dout, retain_graph=True) is timed.
-Timing: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-(CUDA events with the same protocol when triton is missing).
+What one run measures, in this order (the JSON is rewritten after every section):
+  - ceilings: a bf16 8192^3 matmul (TFLOP/s) and a device-to-device copy (TB/s, read +
+    write counted); every grid row also carries `frac_matmul`, its TFLOP/s over the
+    matmul ceiling of the same run;
+  - host_overhead: host (CPU) microseconds of one call on a tiny case (b1 h2 n128 d64
+    bf16 causal): forward without grad, forward recording the graph, forward + backward;
+    for sdpa_default, ours_sdpa, ours_native, sdpa_cudnn, sdpa_flash (host_overhead.py);
+  - gpt2: the seed's case, b8 h12 n1024 d64 fp16 causal, forward + backward through
+    autograd, and its speedup over naive;
+  - memory: peak extra memory of one forward + backward (b1 h16 d128 bf16, 4k/16k/32k);
+  - the grid: bf16, head dims 128/64/256 (in that order, so the time budget cuts d256
+    first), causal and not, seqlens 512..16k with batch * seqlen = 16384 tokens and
+    heads = 2048 / head_dim, forward and backward.
+
+FLOPs: flashattn_ext.reference.attention_flops (forward 4 * b * h * n_q * n_k * d,
+halved when causal; backward 2.5x). The backward is timed alone: one forward with
+requires_grad, then torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
+dout in the output's layout. Timing: triton.testing.do_bench(fn, warmup=25, rep=100,
+return_mode="median") (CUDA events with the same protocol when triton is missing).
 
 A backend that refuses a shape is recorded as skipped, an exception as an error
-string: one failing implementation never stops the run. The JSON is written after
-every section, so a run killed at its time limit still leaves its results.
+string, a call of flashattn_ext.scaled_dot_product_attention that would fall back to
+torch as an error (it would time torch, not us): one failing implementation never
+stops the run. The grid stops adding points after --budget-s seconds (the JSON's
+`budget_exceeded` lists what was left out). The last thing printed is the ratio table.
 """
 
 import argparse
+import contextlib
 import datetime
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -59,16 +74,27 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import bench_table  # noqa: E402
+import host_overhead  # noqa: E402
 
-ALL_IMPLS = ("flashattn_ext", "cudnn", "fa2", "mem_efficient", "naive")
-TORCH_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "fa2": "FLASH_ATTENTION", "mem_efficient": "EFFICIENT_ATTENTION"}
-CUDA_ONLY_IMPLS = ("cudnn", "mem_efficient")
+CORE_IMPLS = ("ours_sdpa", "ours_native", "sdpa_default", "sdpa_cudnn", "sdpa_flash")
+SLOW_IMPLS = ("sdpa_mem_efficient", "naive")
+ALL_IMPLS = CORE_IMPLS + ("fa4",) + SLOW_IMPLS
+TORCH_BACKENDS = {"sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_flash": "FLASH_ATTENTION",
+                  "sdpa_mem_efficient": "EFFICIENT_ATTENTION"}
+CUDA_ONLY_IMPLS = ("sdpa_cudnn", "sdpa_mem_efficient", "fa4")
+BNHD_IMPLS = ("ours_native", "fa4")  # the others take (b, h, n, d)
+HOST_IMPLS = ("sdpa_default", "ours_sdpa", "ours_native", "sdpa_cudnn", "sdpa_flash")
+HOST_MODES = ("fwd", "fwd_grad", "fwd+bwd")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 GIB = 1024**3
 
 
 class Skip(Exception):
     """An implementation that does not apply to a case (not an error)."""
+
+
+class FellBack(Exception):
+    """flashattn_ext.scaled_dot_product_attention would hand the call to torch."""
 
 
 # ----------------------------------------------------------------------------- timing
@@ -136,15 +162,23 @@ def _cpu_bench(fn, warmup_ms, rep_ms):
     return statistics.median(times)
 
 
-def attn_flops(b, h, n_q, n_k, d, causal, mode):
-    f = 4.0 * b * h * n_q * n_k * d
-    if causal:
-        f /= 2
-    if mode == "bwd":
-        f *= 2.5
-    elif mode == "fwd+bwd":
-        f *= 3.5
-    return f
+def _load_attention_flops():
+    """flashattn_ext.reference.attention_flops, the project's one FLOP formula; read
+    from the checkout's file when the package does not import (a broken build must
+    not stop the peers' measurements)."""
+    try:
+        from flashattn_ext.reference import attention_flops
+
+        return attention_flops
+    except Exception:  # noqa: BLE001
+        path = os.path.join(ROOT, "flashattn_ext", "reference.py")
+        spec = importlib.util.spec_from_file_location("_flashattn_reference", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod.attention_flops
+
+
+attention_flops = _load_attention_flops()
 
 
 def tflops(flops, ms):
@@ -166,6 +200,16 @@ def _load_ours():
 OURS, OURS_IMPORT_ERROR = _load_ours()
 
 
+def _load_fa4():
+    """flash-attn-4's flash_attn_func (flash_attn.cute), or the reason it is unavailable."""
+    try:
+        from flash_attn.cute import flash_attn_func
+
+        return flash_attn_func, None
+    except Exception as e:  # noqa: BLE001
+        return None, f"import flash_attn.cute failed: {type(e).__name__}: {str(e)[:200]}"
+
+
 def naive_attention(q, k, v, causal, mask=None):
     """The textbook 3-kernel path in the input dtype: S = QK^T / sqrt(d), softmax, PV.
     q, k, v: (b, h, n, d). `mask` (bool, True = masked) is precomputed by the caller."""
@@ -181,26 +225,39 @@ def causal_mask(n_q, n_k, device):
 
 
 def layout_of(impl):
-    return "bnhd" if impl == "flashattn_ext" else "bhnd"
+    return "bnhd" if impl in BNHD_IMPLS else "bhnd"
 
 
 def make_attention(impl, causal, n_q, n_k, device):
     """Returns (context manager factory, f(q, k, v) -> out) for one implementation.
     The context (a forced SDPA backend) is entered around a whole measurement so
     that its cost stays out of the timed calls."""
-    import contextlib
-
-    if impl == "flashattn_ext":
+    if impl in CUDA_ONLY_IMPLS and device.type != "cuda":
+        raise Skip("needs CUDA")
+    if impl in ("ours_sdpa", "ours_native"):
         if OURS is None:
             raise RuntimeError(OURS_IMPORT_ERROR)
-        fa = OURS.flash_attn_func
-        return contextlib.nullcontext, (lambda q, k, v: fa(q, k, v, causal=causal))
+        if impl == "ours_native":
+            fa = OURS.flash_attn_func
+            return contextlib.nullcontext, (lambda q, k, v: fa(q, k, v, causal=causal))
+        sdpa = OURS.scaled_dot_product_attention
+        return contextlib.nullcontext, (lambda q, k, v: sdpa(q, k, v, is_causal=causal))
+    if impl == "sdpa_default":
+        return contextlib.nullcontext, (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
     if impl == "naive":
         mask = causal_mask(n_q, n_k, device) if causal else None
         return contextlib.nullcontext, (lambda q, k, v: naive_attention(q, k, v, causal, mask))
+    if impl == "fa4":
+        fa4, why = _load_fa4()
+        if fa4 is None:
+            raise Skip(why)
+
+        def f(q, k, v):
+            out = fa4(q, k, v, causal=causal)
+            return out[0] if isinstance(out, (tuple, list)) else out
+
+        return contextlib.nullcontext, f
     if impl in TORCH_BACKENDS:
-        if impl in CUDA_ONLY_IMPLS and device.type != "cuda":
-            raise Skip("needs CUDA")
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         backend = getattr(SDPBackend, TORCH_BACKENDS[impl])
@@ -216,6 +273,51 @@ def make_inputs(impl, b, h, n_q, n_k, d, dtype, device, requires_grad, gen):
         return torch.randn(shape, dtype=dtype, device=device, generator=gen).requires_grad_(requires_grad)
 
     return rnd(n_q), rnd(n_k), rnd(n_k)
+
+
+def default_backend(q, k, v, causal):
+    """The backend torch's SDPA picks for this call when none is forced (lower case, e.g. "cudnn")."""
+    try:
+        from torch.nn.attention import SDPBackend
+
+        name = SDPBackend(torch._fused_sdp_choice(q, k, v, None, 0.0, causal)).name
+    except Exception:  # noqa: BLE001  (a private helper: record nothing rather than fail)
+        return None
+    return {"FLASH_ATTENTION": "flash", "CUDNN_ATTENTION": "cudnn", "EFFICIENT_ATTENTION": "mem_efficient"}.get(
+        name, name.lower())
+
+
+def build_call(impl, mode, b, h, n, d, causal, dtype, device, gen):
+    """Sets one implementation up on one case and returns (ctx, fn, info): enter
+    ctx() around calls of fn. mode: "fwd" (inputs without grad), "fwd_grad" (the
+    forward of a training step: inputs require grad, the graph is recorded), "bwd"
+    (the backward alone, after one forward) or "fwd+bwd" (through autograd). info:
+    what was learnt on the way (sdpa_default: the backend torch picked). Raises Skip
+    for a case that does not apply, FellBack when our SDPA would run torch's, and
+    whatever a backend raises for a refusal (the first call runs here, untimed)."""
+    if mode not in ("fwd", "fwd_grad", "bwd", "fwd+bwd"):
+        raise ValueError(f"unknown mode {mode!r}")
+    ctx, f = make_attention(impl, causal, n, n, device)
+    q, k, v = make_inputs(impl, b, h, n, n, d, dtype, device, mode != "fwd", gen)
+    info = {}
+    if impl == "ours_sdpa":
+        reason = OURS.sdpa_fallback_reason(q, k, v, is_causal=causal)
+        if reason is not None:
+            raise FellBack(reason)
+    if impl == "sdpa_default":
+        info["backend"] = default_backend(q, k, v, causal)
+    with ctx():
+        out = f(q, k, v)  # a refusal surfaces here, before timing
+        if mode in ("fwd", "fwd_grad"):
+            out = None
+            return ctx, (lambda: f(q, k, v)), info
+        # dout in the output's layout, contiguous: for ours_sdpa (b, h, n, d) as a model's
+        # gradient arrives, though our output is a (b, h, n, d) view of a (b, n, h, d) buffer.
+        dout = torch.randn(out.shape, dtype=dtype, device=device, generator=gen)
+        if mode == "bwd":
+            return ctx, (lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)), info
+        out = None
+        return ctx, (lambda: torch.autograd.grad(f(q, k, v), (q, k, v), dout)), info
 
 
 def _is_refusal(e):
@@ -239,7 +341,21 @@ def _free(device):
         torch.cuda.empty_cache()
 
 
-def run_case(impl, mode, b, h, n, d, causal, dtype, device, bench, gen, naive_max_gib):
+def _record_failure(row, e):
+    """Files an exception of a measurement under skipped or error."""
+    if isinstance(e, Skip):
+        row["skipped"] = str(e)
+    elif isinstance(e, FellBack):
+        row["error"] = "flashattn_ext.scaled_dot_product_attention would fall back to torch: " + str(e)
+    elif isinstance(e, torch.cuda.OutOfMemoryError):
+        row["error"] = "OOM"
+    elif _is_refusal(e):
+        row["skipped"] = "backend refused: " + _short(e)
+    else:
+        row["error"] = _short(e)
+
+
+def run_case(impl, mode, b, h, n, d, causal, dtype, device, bench, gen, naive_max_gib, matmul_tflops=None):
     """Times one implementation on one case. Returns a row; never raises."""
     row = dict(impl=impl, mode=mode, dtype=_dtype_name(dtype), d=d, n=n, b=b, h=h, causal=causal,
                ms=None, tflops=None)
@@ -250,39 +366,22 @@ def run_case(impl, mode, b, h, n, d, causal, dtype, device, bench, gen, naive_ma
         if need > naive_max_gib:
             row["skipped"] = f"would need ~{need:.0f} GiB (> {naive_max_gib:g} GiB)"
             return row
+    fn = None
     try:
-        ctx, f = make_attention(impl, causal, n, n, device)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # SDPA's "backend not available" warnings: the refusal is recorded
-            if mode == "fwd":
-                q, k, v = make_inputs(impl, b, h, n, n, d, dtype, device, False, gen)
-                with ctx(), torch.no_grad():
-                    f(q, k, v)  # a refusal surfaces here, before timing
-                    ms = bench(lambda: f(q, k, v))
-            elif mode in ("bwd", "fwd+bwd"):
-                q, k, v = make_inputs(impl, b, h, n, n, d, dtype, device, True, gen)
-                with ctx():
-                    out = f(q, k, v)
-                    dout = torch.randn(out.shape, dtype=dtype, device=device, generator=gen)
-                    if mode == "bwd":
-                        ms = bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
-                    else:
-                        ms = bench(lambda: torch.autograd.grad(f(q, k, v), (q, k, v), dout))
-            else:
-                raise ValueError(f"unknown mode {mode!r}")
+            ctx, fn, info = build_call(impl, mode, b, h, n, d, causal, dtype, device, gen)
+            row.update(info)
+            with ctx():
+                ms = bench(fn)
         row["ms"] = ms
-        row["tflops"] = tflops(attn_flops(b, h, n, n, d, causal, mode), ms)
-    except Skip as e:
-        row["skipped"] = str(e)
-    except torch.cuda.OutOfMemoryError:
-        row["error"] = "OOM"
+        row["tflops"] = tflops(attention_flops(b, h, n, n, d, causal, mode), ms)
+        if row["tflops"] and matmul_tflops:
+            row["frac_matmul"] = row["tflops"] / matmul_tflops
     except Exception as e:  # noqa: BLE001  (recorded, never fatal)
-        if _is_refusal(e):
-            row["skipped"] = "backend refused: " + _short(e)
-        else:
-            row["error"] = _short(e)
+        _record_failure(row, e)
     finally:
-        q = k = v = out = dout = None  # noqa: F841
+        fn = None  # noqa: F841  (drops the inputs the closure holds)
         if impl == "naive" or "error" in row:
             _free(device)
     return row
@@ -323,6 +422,45 @@ def measure_ceilings(device, bench, quick):
     return res
 
 
+def measure_host_overhead(device, impls=HOST_IMPLS, modes=HOST_MODES, shape=(1, 2, 128, 64), dtype=None,
+                          causal=True, seed=0):
+    """Host microseconds of one call on a tiny case, per implementation and mode
+    (host_overhead.host_us_per_call): the cost of the Python wrapper, checks,
+    autograd and launches, which the GPU time of a tiny case cannot hide."""
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    b, h, n, d = shape
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    res = dict(b=b, h=h, n=n, d=d, dtype=_dtype_name(dtype), causal=causal, unit="us per call",
+               modes={"fwd": "forward, inputs without grad",
+                      "fwd_grad": "forward, inputs requiring grad (records the autograd graph)",
+                      "fwd+bwd": "forward + torch.autograd.grad(out, (q, k, v), dout)"},
+               method=("GPU kept busy by a torch.cuda._sleep kernel; calls enqueued behind it timed with "
+                       "time.perf_counter, no synchronization inside the timed loop; median of reps"
+                       if device.type == "cuda" else "CPU: wall time of the whole call (the kernels run inside it)"),
+               impls={})
+    for impl in impls:
+        entry = {}
+        for mode in modes:
+            r = {}
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    ctx, fn, info = build_call(impl, mode, b, h, n, d, causal, dtype, device, gen)
+                    if info.get("backend"):
+                        entry["backend"] = info["backend"]
+                    with ctx():
+                        r = host_overhead.host_us_per_call(fn, device)
+            except Exception as e:  # noqa: BLE001
+                _record_failure(r, e)
+            fn = None
+            entry[mode] = r
+        res["impls"][impl] = entry
+    _free(device)
+    return res
+
+
 def measure_memory(impl, n, b, h, d, dtype, device, gen):
     """Peak extra memory of one forward + backward, beyond the inputs and dout."""
     entry = dict(impl=impl, b=b, h=h, n=n, d=d, dtype=_dtype_name(dtype), causal=False,
@@ -330,12 +468,16 @@ def measure_memory(impl, n, b, h, d, dtype, device, gen):
     if device.type != "cuda":
         entry["skipped"] = "memory statistics need CUDA"
         return entry
-    q = k = v = dout = out = None
+    q = k = v = dout = out = grads = None
     try:
         _free(device)
         ctx, f = make_attention(impl, False, n, n, device)
         q, k, v = make_inputs(impl, b, h, n, n, d, dtype, device, True, gen)
-        dout = torch.randn(q.shape, dtype=dtype, device=device, generator=gen)
+        if impl == "ours_sdpa":
+            reason = OURS.sdpa_fallback_reason(q, k, v)
+            if reason is not None:
+                raise FellBack(reason)
+        dout = torch.randn(q.shape, dtype=dtype, device=device, generator=gen)  # out has q's shape
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -345,16 +487,11 @@ def measure_memory(impl, n, b, h, d, dtype, device, gen):
             grads = torch.autograd.grad(out, (q, k, v), dout)
         torch.cuda.synchronize()
         extra = torch.cuda.max_memory_allocated() - base  # the gradients (input-sized) count as extra
-        del grads
         entry.update(peak_extra_bytes=int(extra), peak_extra_gib=extra / GIB)
-    except Skip as e:
-        entry["skipped"] = str(e)
-    except torch.cuda.OutOfMemoryError:
-        entry["error"] = "OOM"
     except Exception as e:  # noqa: BLE001
-        entry["skipped" if _is_refusal(e) else "error"] = _short(e)
+        _record_failure(entry, e)
     finally:
-        q = k = v = dout = out = None  # noqa: F841
+        q = k = v = dout = out = grads = None  # noqa: F841
         _free(device)
     return entry
 
@@ -367,7 +504,7 @@ def measure_gpt2(device, bench, gen, impls, quick):
     res = dict(b=b, h=h, n=n, d=d, dtype=_dtype_name(dtype), causal=True, mode="fwd+bwd", impls={})
     for impl in impls:
         row = run_case(impl, "fwd+bwd", b, h, n, d, True, dtype, device, bench, gen, naive_max_gib=float("inf"))
-        res["impls"][impl] = {k: row[k] for k in ("ms", "tflops", "skipped", "error") if k in row}
+        res["impls"][impl] = {k: row[k] for k in ("ms", "tflops", "backend", "skipped", "error") if k in row}
     naive_ms = res["impls"].get("naive", {}).get("ms")
     for impl, r in res["impls"].items():
         if naive_ms and r.get("ms"):
@@ -388,8 +525,9 @@ def environment(device, timer_desc):
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         python=platform.python_version(),
         timer=timer_desc,
-        layouts={"flashattn_ext": "(b, n, h, d) contiguous", "others": "(b, h, n, d) contiguous"},
-        flops="fwd 4*b*h*n_q*n_k*d, halved when causal; bwd 2.5x fwd",
+        layouts={"ours_native": "(b, n, h, d) contiguous", "fa4": "(b, n, h, d) contiguous",
+                 "others": "(b, h, n, d) contiguous (ours_sdpa included, and its dout)"},
+        flops="flashattn_ext.reference.attention_flops: fwd 4*b*h*n_q*n_k*d, halved when causal; bwd 2.5x fwd",
     )
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
@@ -414,7 +552,8 @@ def environment(device, timer_desc):
         env["flashattn_ext"] = None
         env["flashattn_ext_error"] = OURS_IMPORT_ERROR
     if device.type == "cpu":
-        env["note"] = "CPU run: 'fa2' is torch's CPU flash kernel; cudnn and mem_efficient need CUDA"
+        env["note"] = ("CPU run: 'sdpa_flash' is torch's CPU flash kernel; sdpa_cudnn, sdpa_mem_efficient "
+                       "and fa4 need CUDA")
     return env
 
 
@@ -429,18 +568,19 @@ def _ints(s):
     return out
 
 
-def _names(s, allowed, what):
-    names = [x.strip() for x in s.split(",") if x.strip()]
+def _names(s, allowed, what, aliases=None):
+    names = [(aliases or {}).get(x.strip(), x.strip()) for x in s.split(",") if x.strip()]
     bad = [x for x in names if x not in allowed]
     if bad:
         raise SystemExit(f"--{what}: unknown {bad}; choose from {', '.join(allowed)}")
-    return names
+    return list(dict.fromkeys(names))
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
-        description="Attention benchmark grid: flashattn_ext vs torch SDPA backends (cuDNN, FA2, mem-efficient) "
-        "and the naive path, plus ceilings, peak memory and the GPT-2 case.",
+        description="Attention benchmark grid: flashattn_ext (SDPA API and flash_attn_func) vs torch SDPA "
+        "(default, cuDNN, FA2, mem-efficient), naive and FA4 when installed; plus ceilings, host time per "
+        "call, peak memory and the GPT-2 case.",
     )
     p.add_argument("--json", metavar="PATH", help="write the results as JSON here (rewritten after each section)")
     p.add_argument("--md", metavar="PATH", help="write a markdown results table here")
@@ -448,11 +588,17 @@ def parse_args(argv=None):
                    help="default auto: CUDA when torch sees a GPU; cpu runs the same code on small shapes "
                    "(CUDA-only backends and the memory test are skipped)")
     p.add_argument("--heads-dims", "--head-dims", dest="head_dims", default=None,
-                   help="head dims, comma-separated (default 128,64,256; quick: 64)")
-    p.add_argument("--seqlens", default=None, help="seqlens, e.g. 512,1k,2k (default 512..16k; quick: 512,1k)")
+                   help="head dims, comma-separated (default 128,64,256; quick: 128,64)")
+    p.add_argument("--seqlens", default=None, help="seqlens, e.g. 512,1k,2k (default 512..16k; quick: 1k,4k)")
     p.add_argument("--modes", default="fwd,bwd", help="fwd, bwd or both (default fwd,bwd)")
     p.add_argument("--causal", choices=("both", "true", "false"), default="both", help="default both")
-    p.add_argument("--impls", default=",".join(ALL_IMPLS), help="implementations to time (default all: %(default)s)")
+    p.add_argument("--impls", default=",".join(ALL_IMPLS),
+                   help="implementations to time (default all: %(default)s; fa4 only when importable; "
+                   "the old names flashattn_ext, cudnn, fa2, mem_efficient are accepted)")
+    p.add_argument("--slow-seqlens", default=None,
+                   help="grid seqlens at which the slow implementations (sdpa_mem_efficient, naive) run: "
+                   "a list, 'all' or 'none' (default 1k,4k; quick: 1k; CPU: all). The GPT-2 case always "
+                   "runs naive for its speedup")
     p.add_argument("--dtype", default=None, help="grid dtypes, comma-separated among bf16,fp16,fp32 "
                    "(default bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--fp16", action="store_true", help="also run the grid in fp16")
@@ -464,9 +610,11 @@ def parse_args(argv=None):
     p.add_argument("--no-memory", action="store_true", help="skip the memory test")
     p.add_argument("--no-gpt2", action="store_true", help="skip the GPT-2 case")
     p.add_argument("--no-ceilings", action="store_true", help="skip the matmul / copy ceilings")
-    p.add_argument("--quick", action="store_true", help="a tiny subset for smoke tests")
-    p.add_argument("--time-budget", type=float, default=450.0, metavar="SECONDS",
-                   help="stop adding grid points once the run has taken this long (default %(default)g; 0: no limit)")
+    p.add_argument("--no-host", action="store_true", help="skip the host time per call")
+    p.add_argument("--quick", action="store_true", help="a small subset (GPU: about 40 s; CPU: tiny shapes)")
+    p.add_argument("--budget-s", "--time-budget", dest="budget_s", type=float, default=200.0, metavar="SECONDS",
+                   help="stop adding grid points once the run has taken this long (default %(default)g, which "
+                   "keeps a full H200 run under 4 minutes; 0: no limit)")
     p.add_argument("--warmup", type=float, default=25.0, help="do_bench warmup in ms (default %(default)g)")
     p.add_argument("--rep", type=float, default=100.0, help="do_bench repetition time in ms (default %(default)g)")
     p.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
@@ -490,32 +638,50 @@ def main(argv=None):
         dtypes = [torch.float32 if cpu else torch.bfloat16]
     if args.fp16 and torch.float16 not in dtypes:
         dtypes.append(torch.float16)
-    impls = _names(args.impls, ALL_IMPLS, "impls")
+    impls = _names(args.impls, ALL_IMPLS, "impls", bench_table.LEGACY_NAMES)
+    skipped_impls = {}
+    if "fa4" in impls:
+        fa4, why = _load_fa4()
+        if fa4 is None or cpu:
+            skipped_impls["fa4"] = why or "needs CUDA"
+            impls.remove("fa4")
     modes = _names(args.modes, ("fwd", "bwd"), "modes")
     causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
     # On the CPU the same code runs on shapes scaled down to fit a few seconds.
     tokens = args.tokens or ((256 if args.quick else 1024) if cpu else 16384)
     head_total = args.head_total or ((128 if args.quick else 256) if cpu else 2048)
     if args.quick:
-        head_dims = _ints(args.head_dims) if args.head_dims else ([32] if cpu else [64])
-        seqlens = _ints(args.seqlens) if args.seqlens else ([64, 128] if cpu else [512, 1024])
-        mem_seqlens = _ints(args.memory_seqlens) if args.memory_seqlens else ([256] if cpu else [1024, 4096])
+        head_dims = _ints(args.head_dims) if args.head_dims else ([32] if cpu else [128, 64])
+        seqlens = _ints(args.seqlens) if args.seqlens else ([64, 128] if cpu else [1024, 4096])
+        mem_seqlens = _ints(args.memory_seqlens) if args.memory_seqlens else ([256] if cpu else [4096])
+        slow_default = None if cpu else [1024]
         warmup, rep = (5.0, 20.0) if cpu else (10.0, 30.0)
     else:
         head_dims = _ints(args.head_dims) if args.head_dims else ([64, 32] if cpu else [128, 64, 256])
         seqlens = _ints(args.seqlens) if args.seqlens else (
             [128, 256, 512, 1024] if cpu else [512, 1024, 2048, 4096, 8192, 16384])
         mem_seqlens = _ints(args.memory_seqlens) if args.memory_seqlens else [4096, 16384, 32768]
+        slow_default = None if cpu else [1024, 4096]
         warmup, rep = args.warmup, args.rep
+    if args.slow_seqlens is None:
+        slow_seqlens = slow_default  # None: everywhere
+    elif args.slow_seqlens.strip().lower() == "all":
+        slow_seqlens = None
+    elif args.slow_seqlens.strip().lower() == "none":
+        slow_seqlens = []
+    else:
+        slow_seqlens = _ints(args.slow_seqlens)
     bench, timer_desc = make_timer(device, warmup, rep)
     gen = torch.Generator(device=device)
     gen.manual_seed(args.seed)
 
     data = environment(device, timer_desc)
-    data.update(ceilings={}, rows=[], memory=[], gpt2={}, grid=dict(
-        dtypes=[_dtype_name(x) for x in dtypes], head_dims=head_dims, seqlens=seqlens, modes=modes,
-        causal=causals, impls=impls, tokens=tokens, head_total=head_total, quick=args.quick,
-        time_budget_s=args.time_budget))
+    data.update(ceilings={}, host_overhead={}, gpt2={}, memory=[], rows=[], skipped_impls=skipped_impls,
+                grid=dict(dtypes=[_dtype_name(x) for x in dtypes], head_dims=head_dims, seqlens=seqlens,
+                          modes=modes, causal=causals, impls=impls, tokens=tokens, head_total=head_total,
+                          slow_impls=[i for i in SLOW_IMPLS if i in impls],
+                          slow_seqlens="all" if slow_seqlens is None else slow_seqlens,
+                          quick=args.quick, budget_s=args.budget_s))
 
     def save():
         if args.json:
@@ -529,47 +695,54 @@ def main(argv=None):
     where = data["gpu"] or f"CPU ({data.get('threads')} threads)"
     print(f"bench_gpu: {where}, torch {data['torch']}, flashattn_ext {data.get('flashattn_ext')} "
           f"({data.get('build_info', data.get('flashattn_ext_error'))})", file=sys.stderr)
+    for impl, why in skipped_impls.items():
+        print(f"bench_gpu: {impl} skipped: {why}", file=sys.stderr)
 
     if not args.no_ceilings:
         progress.update("ceilings: matmul and copy")
         data["ceilings"] = measure_ceilings(device, bench, args.quick)
         save()
+    matmul_tflops = data["ceilings"].get("matmul_tflops")
+    if not args.no_host:
+        progress.update("host time per call (b1 h2 n128 d64, tiny)")
+        data["host_overhead"] = measure_host_overhead(device, [i for i in HOST_IMPLS if i in impls],
+                                                      seed=args.seed)
+        save()
     if not args.no_gpt2:
         progress.update("GPT-2 case (b8 h12 n1024 d64 fp16 causal, fwd+bwd)" if not cpu
                         else "GPT-2 code path on a tiny CPU case")
-        gpt2_impls = [i for i in ("flashattn_ext", "naive", "fa2", "cudnn", "mem_efficient") if i in impls]
+        gpt2_impls = [i for i in impls if i != "naive"] + ["naive"]  # naive always: the speedups' base
         data["gpt2"] = measure_gpt2(device, bench, gen, gpt2_impls, args.quick)
         save()
     if not args.no_memory:
         mem_dtype = torch.bfloat16 if not cpu else torch.float32
         for n in mem_seqlens:
-            for impl in [i for i in ("flashattn_ext", "naive", "fa2") if i in impls]:
+            for impl in [i for i in ("ours_sdpa", "ours_native", "sdpa_cudnn", "sdpa_flash", "naive") if i in impls]:
                 progress.update(f"memory: {impl} b1 h16 n{n} d128")
                 data["memory"].append(measure_memory(impl, n, 1, 16, 128, mem_dtype, device, gen))
         save()
 
     # The grid, most important points first; stop adding points past the budget.
     points = [(dt, d, causal, n) for dt in dtypes for d in head_dims for causal in causals for n in seqlens]
-    done = 0
     for i, (dtype, d, causal, n) in enumerate(points):
         elapsed = time.time() - t_start
-        if args.time_budget and elapsed > args.time_budget:
+        if args.budget_s and elapsed > args.budget_s:
             left = points[i:]
             data["budget_exceeded"] = dict(
                 after_s=round(elapsed, 1), points_not_run=len(left),
                 not_run=[dict(dtype=_dtype_name(a), d=b_, causal=c, n=m) for a, b_, c, m in left])
             progress.done()
-            print(f"bench_gpu: time budget of {args.time_budget:g} s exceeded after {elapsed:.0f} s: "
+            print(f"bench_gpu: time budget of {args.budget_s:g} s exceeded after {elapsed:.0f} s: "
                   f"{len(left)} of {len(points)} grid points not run", file=sys.stderr)
             break
         b, h = max(1, tokens // n), max(1, head_total // d)
+        point_impls = [x for x in impls if x not in SLOW_IMPLS or slow_seqlens is None or n in slow_seqlens]
         for mode in modes:
             progress.update(f"[{i + 1}/{len(points)}] {mode} {_dtype_name(dtype)} d{d} "
                             f"{'causal ' if causal else ''}n{n} (b{b} h{h})")
-            for impl in impls:
+            for impl in point_impls:
                 data["rows"].append(run_case(impl, mode, b, h, n, d, causal, dtype, device, bench, gen,
-                                             args.naive_max_gib))
-        done += 1
+                                             args.naive_max_gib, matmul_tflops))
         save()
     progress.done()
     data["elapsed_s"] = round(time.time() - t_start, 1)

@@ -8,15 +8,23 @@
 # build:    reuse flashattn_ext/_C.abi3.so if it imports with CUDA kernels,
 #           else build in place with all cores (FLASHATTN_CUDA_ARCHS default 90 here)
 # check:    benchmarks/kernel_check.py (correctness matrix, race check, quick perf)
-# test:     the pytest suite's cuda cases (tests/, -m cuda)
+# test:     the pytest suite's cuda cases (-m cuda), one process per test file
+#           (tests/test_*.py), so a crash in one file cannot hide the others:
+#           per-file passed/failed/skipped/errors and exit code in
+#           $OUT/pytest_summary.tsv, logs in $OUT/pytest_<file>.log; exit code >= 128
+#           (killed by a signal, e.g. a segfault) is reported as CRASH and fails the stage
 # selftest: python -m flashattn_ext (the README's main job)
 # sanitize: compute-sanitizer memcheck and racecheck on a small case
-# bench:    benchmarks/bench_gpu.py, the standard grid (BENCH_ARGS to narrow it)
+# bench:    benchmarks/bench_gpu.py, the standard grid (BENCH_ARGS to narrow it,
+#           e.g. BENCH_ARGS=--quick); JSON, markdown and its summary under $OUT
+# crash:    only when named in STAGES: the pytest run of CRASH_TESTS (default
+#           tests/test_errors.py) under cuda-gdb, for a native backtrace of a
+#           segfault ($OUT/crash_gdb.log)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/flashattn_out}
 mkdir -p "$OUT"
-STAGES=${STAGES:-"build check test selftest sanitize bench"}
+STAGES=${STAGES:-"build check test selftest sanitize bench"}   # add "crash" for the cuda-gdb stage
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 status=0
@@ -45,11 +53,39 @@ if has check; then
 fi
 
 if has test; then
-  stamp "pytest (cuda)"
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q --maxfail=30 -m cuda -p no:cacheprovider tests ${TEST_ARGS:-} \
-    > "$OUT/pytest.log" 2>&1 || status=1
-  grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -30
-  tail -3 "$OUT/pytest.log"
+  stamp "pytest (cuda), one process per test file"
+  summary="$OUT/pytest_summary.tsv"
+  printf "file\trc\tpassed\tfailed\tskipped\terrors\tdeselected\tverdict\n" > "$summary"
+  count() {  # count WORD LOG: the number before WORD on pytest's closing line; ? when there is none (a crash)
+    local line
+    line=$(tail -5 "$2" | grep -E "[0-9]+ (passed|failed|skipped|errors?|deselected)|no tests ran" | tail -1)
+    if [ -z "$line" ]; then echo "?"; return; fi
+    echo "$line" | grep -oE "[0-9]+ $1" | head -1 | cut -d' ' -f1 | grep . || echo 0
+  }
+  for f in tests/test_*.py; do
+    name=$(basename "$f" .py)
+    log="$OUT/pytest_$name.log"
+    timeout ${TEST_TIMEOUT:-300} python3 -X faulthandler -m pytest -q --maxfail=30 -m cuda -p no:cacheprovider \
+      "$f" ${TEST_ARGS:-} > "$log" 2>&1
+    rc=$?
+    passed=$(count passed "$log"); failed=$(count failed "$log"); skipped=$(count skipped "$log")
+    errors=$(count error "$log"); deselected=$(count deselected "$log")
+    if [ $rc -eq 0 ]; then verdict=ok
+    elif [ $rc -eq 5 ]; then verdict="ok (no cuda tests)"       # pytest: nothing selected
+    elif [ $rc -eq 124 ]; then verdict="TIMEOUT (${TEST_TIMEOUT:-300} s)"
+    elif [ $rc -ge 128 ]; then verdict="CRASH (signal $((rc - 128)))"
+    elif [ $rc -eq 1 ]; then verdict=FAILED
+    else verdict="ERROR (pytest exit $rc)"
+    fi
+    printf "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n" "$name" "$rc" "$passed" "$failed" "$skipped" "$errors" "$deselected" \
+      "$verdict" >> "$summary"
+    case "$verdict" in ok*) ;; *) status=1 ;; esac
+  done
+  column -t -s $'\t' "$summary" 2>/dev/null || cat "$summary"
+  for log in "$OUT"/pytest_test_*.log; do
+    grep -E "^(FAILED|ERROR)" "$log" | head -10
+    grep -E "Fatal Python error|Segmentation fault" -A12 "$log" | head -30
+  done
 fi
 
 if has selftest; then
@@ -81,9 +117,30 @@ EOF
   done
 fi
 
+if has crash; then
+  stamp "crash: ${CRASH_TESTS:-tests/test_errors.py} under cuda-gdb"
+  gdb=$(command -v cuda-gdb || ls ${CUDA_HOME:-/usr/local/cuda}/bin/cuda-gdb 2>/dev/null | head -1)
+  if [ -z "$gdb" ]; then
+    echo "crash: cuda-gdb not found (PATH, \$CUDA_HOME/bin)"; status=1
+  else
+    timeout ${CRASH_TIMEOUT:-540} "$gdb" -batch -ex run -ex bt --args \
+      python3 -X faulthandler -m pytest -x -q -m cuda -p no:cacheprovider ${CRASH_TESTS:-tests/test_errors.py} \
+      > "$OUT/crash_gdb.log" 2>&1
+    echo "crash: cuda-gdb rc=$?; the signal and the first frames of the backtrace (full log: crash_gdb.log):"
+    grep -E "received signal|CUDA Exception|^#[0-9]+ " "$OUT/crash_gdb.log" | head -25 | cut -c1-220
+    if grep -qE "received signal|CUDA Exception" "$OUT/crash_gdb.log"; then status=1; fi
+    tail -4 "$OUT/crash_gdb.log" | cut -c1-220
+  fi
+fi
+
 if has bench && [ -f benchmarks/bench_gpu.py ]; then
   stamp "benchmark"
-  python3 benchmarks/bench_gpu.py --json "$OUT/bench.json" --md "$OUT/bench.md" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -40
+  # progress and errors to bench.log; the summary table (stdout) to bench.txt, printed last
+  python3 benchmarks/bench_gpu.py --json "$OUT/bench.json" --md "$OUT/bench.md" ${BENCH_ARGS:-} \
+    > "$OUT/bench.txt" 2> "$OUT/bench.log"
+  rc=$?
+  if [ $rc -ne 0 ]; then echo "bench_gpu.py exit $rc"; tail -20 "$OUT/bench.log"; status=1; fi
+  cat "$OUT/bench.txt"
 fi
 
 stamp "visit done, status $status"

@@ -1,38 +1,115 @@
-"""How much of a small attention call is host (CPU) time.
+#!/usr/bin/env python3
+"""Host (CPU) time of attention calls: what a call costs before the GPU does
+anything, and how much of a small fwd+bwd is host time.
 
---device cuda (default): the GPT-2 case of the benchmark (b8 h12 n1024 d64 fp16
-causal) fwd+bwd timed three ways per implementation:
-  do_bench   : triton.testing.do_bench, L2 flushed, median (what bench_gpu.py reports)
-  eager loop : 200 calls back to back, no sync in between (host-bound if the host is slower)
-  graph      : the same call captured in a CUDA graph and replayed (device time only)
-  The flashattn_ext drop-in (scaled_dot_product_attention) is timed beside flash_attn_func.
+Two measurements, both used by bench_gpu.py (its JSON's `host_overhead` section)
+and runnable alone:
 
---device cpu: host time per call on a tiny CPU problem (b1 h2 n8 d16 float32,
-causal), where the kernels take a few microseconds and the rest is Python,
-dispatch and autograd bookkeeping: torch's SDPA, our drop-in and our
-flash_attn_func, forward alone (no grad) and forward + backward
-(torch.autograd.grad); --repeats batches of --calls calls each, the
-implementations interleaved batch by batch; min and median per call.
+  host time per call  (host_us_per_call; bench_gpu.py's tiny case b1 h2 n128 d64 bf16)
+      The GPU is first given a long torch.cuda._sleep kernel, then N calls are
+      enqueued behind it and timed with time.perf_counter: the clock stops before
+      any synchronization, and as the GPU is still busy when the loop ends (checked
+      with an event, recorded as `gpu_busy`), the time is the host's alone: Python,
+      dispatch, autograd, allocation, kernel launches. A call that synchronizes
+      with the GPU (a hidden .item(), a blocking copy) waits for the sleep and shows
+      up as a huge time. Median over repetitions. On a CPU the kernels run inside
+      the call, so there it is the whole call's time.
 
-Usage: python benchmarks/host_overhead.py [--device cpu|cuda] [--json PATH]"""
+  GPT-2 three ways (gpt2_three_ways; the seed's b8 h12 n1024 d64 fp16 causal fwd+bwd)
+      do_bench   : triton.testing.do_bench, L2 flushed, median (what bench_gpu.py reports)
+      eager loop : 200 calls back to back, no sync in between (host-bound if the host is slower)
+      graph      : the same call captured in a CUDA graph and replayed (device time only)
+
+    python benchmarks/host_overhead.py [--json PATH]              # both, on the GPU
+    python benchmarks/host_overhead.py --device cpu --tiny-only   # the host-time code path on a CPU
+"""
 
 import argparse
+import gc
 import json
 import os
 import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# An installed flashattn_ext or one on PYTHONPATH first, else this checkout's (built in place).
-if os.path.isdir(os.path.join(ROOT, "flashattn_ext")):
-    sys.path.append(ROOT)
+import torch
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
 
-import flashattn_ext  # noqa: E402
-from flashattn_ext import flash_attn_func  # noqa: E402
+# ----------------------------------------------------------------------------- host time per call
+
+_SLEEP_CYCLES_PER_MS = {}
+
+
+def _sleep_cycles_per_ms(device):
+    """Calibrates torch.cuda._sleep (a spin of N clock cycles) once per device."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SLEEP_CYCLES_PER_MS:
+        cycles = 2_000_000
+        torch.cuda._sleep(cycles)  # first launch loads the kernel
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        torch.cuda._sleep(cycles)
+        e.record()
+        e.synchronize()
+        _SLEEP_CYCLES_PER_MS[idx] = cycles / max(s.elapsed_time(e), 1e-3)
+    return _SLEEP_CYCLES_PER_MS[idx]
+
+
+def host_us_per_call(fn, device, calls=50, reps=7, warmup=5):
+    """Median host microseconds of one call of fn (see the module docstring).
+
+    Returns {"us": median, "us_min": min, "calls": calls, "reps": reps,
+    "gpu_busy": True when the GPU was still busy at the end of every timed loop
+    (so no call waited for it); CUDA only}. calls stays small so that the calls'
+    kernels fit in the launch queue (about a thousand pending launches) and the
+    host never waits for a free slot."""
+    for _ in range(warmup):
+        fn()
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        if device.type != "cuda":
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                times.append((time.perf_counter() - t0) / calls * 1e6)
+            return dict(us=statistics.median(times), us_min=min(times), calls=calls, reps=reps,
+                        note="CPU: the kernels run inside the call, so this is the whole call")
+        torch.cuda.synchronize(device)
+        # A first loop, synchronized, sizes the sleep: 4x the loop's host time, at least 5 ms.
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        est_s = time.perf_counter() - t0
+        torch.cuda.synchronize(device)
+        cycles_per_ms = _sleep_cycles_per_ms(device)
+        sleep_ms = max(5.0, 4e3 * est_s)
+        times, busy = [], []
+        for _ in range(reps):
+            torch.cuda._sleep(int(sleep_ms * cycles_per_ms))
+            slept = torch.cuda.Event()
+            slept.record()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            t1 = time.perf_counter()
+            busy.append(not slept.query())  # the sleep still running: nothing above waited for the GPU
+            torch.cuda.synchronize(device)
+            times.append((t1 - t0) / calls * 1e6)
+            if not busy[-1]:
+                sleep_ms *= 4  # the loop outlasted the sleep: longer next time
+        return dict(us=statistics.median(times), us_min=min(times), calls=calls, reps=reps, gpu_busy=all(busy))
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+# ----------------------------------------------------------------------------- GPT-2 three ways
 
 
 def per_call_ms(fn, n=200):
@@ -61,104 +138,59 @@ def graph_ms(fn, n=200):
     return per_call_ms(g.replay, n)
 
 
-def cuda_main(args):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+def gpt2_three_ways(impls=("ours_native", "ours_sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_default")):
+    """The GPT-2 fwd+bwd per implementation: do_bench, eager loop, CUDA graph replay."""
     from triton.testing import do_bench
 
+    import bench_gpu
+
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device)
+    gen.manual_seed(0)
     b, h, n, d = 8, 12, 1024, 64
-    dt = torch.float16
     rows = []
-    q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=dt, requires_grad=True) for _ in range(3))
-    do = torch.randn(b, n, h, d, device="cuda", dtype=dt)
-    qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_(True) for x in (q, k, v))
-    dot = do.transpose(1, 2).contiguous()
-
-    def ours():
-        torch.autograd.grad(flash_attn_func(q, k, v, causal=True), (q, k, v), do)
-
-    def ours_sdpa():
-        torch.autograd.grad(flashattn_ext.scaled_dot_product_attention(qt, kt, vt, is_causal=True), (qt, kt, vt), dot)
-
-    def torch_backend(be):
-        def fn():
-            with sdpa_kernel(be):
-                torch.autograd.grad(F.scaled_dot_product_attention(qt, kt, vt, is_causal=True), (qt, kt, vt), dot)
-        return fn
-
-    for name, fn in (("flashattn_ext", ours), ("flashattn_ext_sdpa", ours_sdpa),
-                     ("fa2", torch_backend(SDPBackend.FLASH_ATTENTION)),
-                     ("cudnn", torch_backend(SDPBackend.CUDNN_ATTENTION))):
-        row = {"impl": name, "do_bench_ms": do_bench(fn, warmup=25, rep=100, return_mode="median"),
-               "eager_loop_ms": per_call_ms(fn)}
+    for impl in impls:
+        row = {"impl": impl}
         try:
-            row["graph_ms"] = graph_ms(fn)
-        except Exception as exc:  # a backend that cannot be captured
-            row["graph_error"] = str(exc)[:120]
+            ctx, fn, _ = bench_gpu.build_call(impl, "fwd+bwd", b, h, n, d, True, torch.float16, device, gen)
+            with ctx():
+                row["do_bench_ms"] = do_bench(fn, warmup=25, rep=100, return_mode="median")
+                row["eager_loop_ms"] = per_call_ms(fn)
+                try:
+                    row["graph_ms"] = graph_ms(fn)
+                except Exception as exc:  # noqa: BLE001  (a backend that cannot be captured)
+                    row["graph_error"] = str(exc)[:120]
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = bench_gpu._short(exc)
         rows.append(row)
-        print(f"{name:18s} do_bench {row['do_bench_ms']:.3f} ms | eager loop {row['eager_loop_ms']:.3f} ms | "
-              f"graph {row.get('graph_ms', float('nan')):.3f} ms", flush=True)
-    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "case": [b, h, n, d, "fp16", "causal"], "rows": rows}
+        print(f"{impl:14s} do_bench {row.get('do_bench_ms', float('nan')):.3f} ms | eager loop "
+              f"{row.get('eager_loop_ms', float('nan')):.3f} ms | graph {row.get('graph_ms', float('nan')):.3f} ms"
+              + (f" | {row['error']}" if "error" in row else ""), flush=True)
+    return {"case": [b, h, n, d, "fp16", "causal"], "rows": rows}
 
 
-def cpu_main(args):
-    b, h, n, d = 1, 2, 8, 16
-    torch.set_num_threads(1)
-    q, k, v = (torch.randn(b, n, h, d, requires_grad=True) for _ in range(3))
-    qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_(True) for x in (q, k, v))
-    do = torch.randn(b, n, h, d)
-    dot = do.transpose(1, 2).contiguous()
-    sdpa, ours_sdpa = F.scaled_dot_product_attention, flashattn_ext.scaled_dot_product_attention
-
-    def no_grad(fn):
-        def run():
-            with torch.no_grad():
-                fn()
-        return run
-
-    cases = {
-        ("torch_sdpa", "fwd"): no_grad(lambda: sdpa(qt, kt, vt, is_causal=True)),
-        ("flashattn_ext_sdpa", "fwd"): no_grad(lambda: ours_sdpa(qt, kt, vt, is_causal=True)),
-        ("flash_attn_func", "fwd"): no_grad(lambda: flash_attn_func(q, k, v, causal=True)),
-        ("torch_sdpa", "fwd+bwd"): lambda: torch.autograd.grad(sdpa(qt, kt, vt, is_causal=True), (qt, kt, vt), dot),
-        ("flashattn_ext_sdpa", "fwd+bwd"):
-            lambda: torch.autograd.grad(ours_sdpa(qt, kt, vt, is_causal=True), (qt, kt, vt), dot),
-        ("flash_attn_func", "fwd+bwd"):
-            lambda: torch.autograd.grad(flash_attn_func(q, k, v, causal=True), (q, k, v), do),
-    }
-    # The machine may be shared: the implementations are interleaved batch by
-    # batch, and the minimum over batches is the figure to compare.
-    times = {key: [] for key in cases}
-    for fn in cases.values():
-        for _ in range(max(50, args.calls // 10)):
-            fn()
-    for _ in range(args.repeats):
-        for key, fn in cases.items():
-            t0 = time.perf_counter()
-            for _ in range(args.calls):
-                fn()
-            times[key].append((time.perf_counter() - t0) / args.calls * 1e6)
-    rows = []
-    for (impl, mode), ts in times.items():
-        med, best = statistics.median(ts), min(ts)
-        rows.append({"impl": impl, "mode": mode, "median_us": med, "min_us": best})
-        print(f"{impl:20s} {mode:8s} min {best:7.1f} us   median {med:7.1f} us", flush=True)
-    return {"device": "cpu", "torch": torch.__version__, "case": [b, h, n, d, "float32", "causal"],
-            "threads": torch.get_num_threads(), "calls": args.calls, "repeats": args.repeats, "rows": rows}
-
-
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--calls", type=int, default=500, help="calls per timed batch (cpu)")
-    ap.add_argument("--repeats", type=int, default=15, help="timed batches per implementation (cpu)")
     ap.add_argument("--json")
-    args = ap.parse_args()
-    report = cpu_main(args) if args.device == "cpu" else cuda_main(args)
+    ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    ap.add_argument("--tiny-only", action="store_true", help="only the host time per call of the tiny case")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, HERE)
+    import bench_gpu
+
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "torch": torch.__version__}
+    out["host_overhead"] = bench_gpu.measure_host_overhead(device)
+    print(bench_gpu.bench_table.host_overhead_text(out["host_overhead"]), flush=True)
+    if device.type == "cuda" and not args.tiny_only:
+        out["gpt2_three_ways"] = gpt2_three_ways()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+            json.dump(out, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,19 +1,25 @@
 #!/usr/bin/env python3
 """Draws the results of bench_gpu.py (its --json output) into a folder of PNGs.
 
-    python benchmarks/plot.py results.json --out plots/
+    python benchmarks/plot.py results.json --out plots/ [--all-impls]
 
 Figures (one PNG each; the grid figures once per dtype in the JSON):
   tflops_fwd[_DTYPE].png, tflops_bwd[_DTYPE].png
-      TFLOP/s vs seqlen for ours, cuDNN, FA2, mem-efficient and naive; one row of
-      subplots per head dim, non-causal left, causal right; the dashed line is the
-      matmul ceiling measured in the same run.
+      TFLOP/s vs seqlen for ours through both APIs (ours_sdpa, ours_native), cuDNN and
+      FA2 (and FA4 when it ran; --all-impls adds SDPA default, mem-efficient and naive);
+      one row of subplots per head dim, non-causal left, causal right; the dashed line
+      is the matmul ceiling measured in the same run.
+  ratio_cudnn.png     ours / cuDNN (TFLOP/s ratio) vs seqlen: rows fwd and bwd, columns
+                      non-causal and causal, a line per head dim; solid ours_sdpa,
+                      dashed ours_native; 1.0 is parity.
   memory.png          peak extra memory of forward + backward vs seqlen (log scale),
                       naive vs ours (and SDPA flash): the memory wall; x marks OOM.
   peak_fraction.png   the best TFLOP/s over seqlens of each implementation as a
                       fraction of the measured matmul peak, per (mode, head dim, causal).
   gpt2.png            the GPT-2 attention case: speedup over the naive path.
-Titles carry the GPU name, torch version and date from the JSON.
+  host_overhead.png   host (CPU) microseconds per call on the tiny case, per mode.
+Titles carry the GPU name, torch version and date from the JSON. JSON of the old
+impl names (flashattn_ext, cudnn, fa2, mem_efficient) is read with the new ones.
 """
 
 import argparse
@@ -21,14 +27,25 @@ import json
 import os
 import sys
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import bench_table  # noqa: E402
+
 IMPL_STYLE = {  # name in the JSON: (label, color, marker)
-    "flashattn_ext": ("flashattn_ext (ours)", "#d62728", "o"),
-    "cudnn": ("cuDNN (SDPA)", "#1f77b4", "s"),
-    "fa2": ("FA2 (SDPA flash)", "#2ca02c", "^"),
-    "mem_efficient": ("mem-efficient (SDPA)", "#9467bd", "v"),
+    "ours_sdpa": ("ours, SDPA API (b, h, n, d)", "#d62728", "o"),
+    "ours_native": ("ours, flash_attn_func (b, n, h, d)", "#ff7f0e", "D"),
+    "sdpa_default": ("SDPA default", "#8c564b", "P"),
+    "sdpa_cudnn": ("cuDNN (SDPA)", "#1f77b4", "s"),
+    "sdpa_flash": ("FA2 (SDPA flash)", "#2ca02c", "^"),
+    "fa4": ("FA4 (flash_attn.cute)", "#17becf", "*"),
+    "sdpa_mem_efficient": ("mem-efficient (SDPA)", "#9467bd", "v"),
     "naive": ("naive 3-kernel", "#7f7f7f", "x"),
 }
 IMPL_ORDER = list(IMPL_STYLE)
+OURS = ("ours_sdpa", "ours_native")
+# The implementations of the TFLOP/s and peak-fraction figures unless --all-impls.
+MAIN_IMPLS = ("ours_sdpa", "ours_native", "sdpa_cudnn", "sdpa_flash", "fa4")
 
 
 def _style(impl):
@@ -50,8 +67,9 @@ def _impls_in(rows):
     return [i for i in IMPL_ORDER if i in present] + sorted(present - set(IMPL_ORDER))
 
 
-def plot_tflops(plt, data, outdir, mode, dtype, head_dims=None):
-    rows = [r for r in data.get("rows", []) if r["mode"] == mode and r["dtype"] == dtype]
+def plot_tflops(plt, data, outdir, mode, dtype, head_dims=None, impls_shown=MAIN_IMPLS):
+    rows = [r for r in data.get("rows", []) if r["mode"] == mode and r["dtype"] == dtype
+            and (impls_shown is None or r["impl"] in impls_shown)]
     if not rows:
         return None
     dims = sorted({r["d"] for r in rows})
@@ -75,7 +93,7 @@ def plot_tflops(plt, data, outdir, mode, dtype, head_dims=None):
                     continue
                 label, color, marker = _style(impl)
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=color, label=label,
-                        linewidth=2.2 if impl == "flashattn_ext" else 1.4)
+                        linewidth=2.2 if impl in OURS else 1.4)
             if peak:
                 ax.axhline(peak, color="black", linestyle="--", linewidth=0.8,
                            label=f"{(data.get('ceilings') or {}).get('matmul_dtype', '')} matmul peak")
@@ -88,7 +106,7 @@ def plot_tflops(plt, data, outdir, mode, dtype, head_dims=None):
             if j == 0:
                 ax.set_ylabel("TFLOP/s")
             if i == len(dims) - 1:
-                ax.set_xlabel("seqlen (batch x seqlen = %s)" % data.get("grid", {}).get("tokens", 16384))
+                ax.set_xlabel(f"seqlen (batch x seqlen = {data.get('grid', {}).get('tokens', 16384)})")
     handles, labels = [], []
     for ax in axes.flat:
         for h, lab in zip(*ax.get_legend_handles_labels()):
@@ -143,9 +161,9 @@ def plot_memory(plt, data, outdir):
     return path
 
 
-def plot_peak_fraction(plt, data, outdir):
+def plot_peak_fraction(plt, data, outdir, impls_shown=MAIN_IMPLS):
     peak = (data.get("ceilings") or {}).get("matmul_tflops")
-    rows = [r for r in data.get("rows", []) if r.get("tflops")]
+    rows = [r for r in data.get("rows", []) if r.get("tflops") and (impls_shown is None or r["impl"] in impls_shown)]
     if not peak or not rows:
         return None
     dtypes = sorted({r["dtype"] for r in rows})
@@ -210,20 +228,115 @@ def plot_gpt2(plt, data, outdir):
     return path
 
 
-def plot_all(data, outdir, head_dims=None):
+def plot_ratio_cudnn(plt, data, outdir, dtype=None):
+    """ours / cuDNN TFLOP/s ratio vs seqlen: ours_sdpa solid, ours_native dashed."""
+    table, seqlens = bench_table.index_rows(data)
+    if dtype is None:
+        dtypes = sorted({k[0] for k in table})
+        dtype = dtypes[0] if dtypes else None
+    keys = [k for k in table if k[0] == dtype
+            and any(r for o in OURS for r in bench_table.ratios(table[k].get(o, {}), table[k].get("sdpa_cudnn", {}),
+                                                                seqlens))]
+    if not keys:
+        return None
+    modes = [m for m in ("fwd", "bwd") if any(k[1] == m for k in keys)]
+    causals = sorted({k[3] for k in keys})
+    dims = sorted({k[2] for k in keys})
+    colors = dict(zip(dims, ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"] * 3))
+    fig, axes = plt.subplots(len(modes), len(causals), figsize=(5.2 * len(causals), 3.6 * len(modes)),
+                             squeeze=False, sharex=True)
+    for i, mode in enumerate(modes):
+        for j, causal in enumerate(causals):
+            ax = axes[i][j]
+            for d in dims:
+                impls = table.get((dtype, mode, d, causal))
+                if not impls:
+                    continue
+                for impl, style, width in (("ours_sdpa", "-", 2.0), ("ours_native", "--", 1.2)):
+                    rs = bench_table.ratios(impls.get(impl, {}), impls.get("sdpa_cudnn", {}), seqlens)
+                    pts = [(n, r) for n, r in zip(seqlens, rs) if r]
+                    if pts:
+                        ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle=style, linewidth=width,
+                                marker="o" if impl == "ours_sdpa" else None, color=colors[d],
+                                label=f"d{d} {'SDPA API' if impl == 'ours_sdpa' else 'flash_attn_func'}")
+            ax.axhline(1.0, color="black", linestyle=":", linewidth=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(seqlens)
+            ax.set_xticklabels([_seqlen_label(n) for n in seqlens])
+            ax.grid(True, alpha=0.3)
+            ax.set_title(f"{mode} {'causal' if causal else 'non-causal'}", fontsize=10)
+            if j == 0:
+                ax.set_ylabel("ours / cuDNN (TFLOP/s)")
+            if i == len(modes) - 1:
+                ax.set_xlabel("seqlen")
+    handles, labels = [], []
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), fontsize=9, frameon=False)
+    fig.suptitle(f"ours / cuDNN ({dtype}; > 1: ours faster) — {subtitle(data)}", fontsize=11)
+    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
+    path = os.path.join(outdir, "ratio_cudnn.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_host_overhead(plt, data, outdir):
+    h = data.get("host_overhead") or {}
+    impls = [(i, e) for i, e in (h.get("impls") or {}).items()
+             if any((e.get(m) or {}).get("us") is not None for m, _ in bench_table.HOST_MODES)]
+    if not impls:
+        return None
+    fig, ax = plt.subplots(figsize=(7.2, 4.2))
+    modes = bench_table.HOST_MODES
+    width = 0.8 / len(modes)
+    shades = ("#9ecae1", "#4292c6", "#08519c")
+    for k, (mode, label) in enumerate(modes):
+        xs, ys = [], []
+        for x, (_, e) in enumerate(impls):
+            us = (e.get(mode) or {}).get("us")
+            if us is not None:
+                xs.append(x - 0.4 + width * (k + 0.5))
+                ys.append(us)
+        bars = ax.bar(xs, ys, width=width, color=shades[k % len(shades)], label=label)
+        for bar, y in zip(bars, ys):
+            ax.annotate(f"{y:.0f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                        va="bottom", fontsize=7)
+    ax.set_xticks(range(len(impls)))
+    ax.set_xticklabels([i + (f"\n({e['backend']})" if e.get("backend") else "") for i, e in impls], fontsize=8)
+    ax.set_ylabel("host time per call (µs)")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"Host (CPU) time per call, b{h['b']} h{h['h']} n{h['n']} d{h['d']} {h['dtype']}"
+                 f"{' causal' if h.get('causal') else ''}\n{subtitle(data)}", fontsize=10)
+    fig.tight_layout()
+    path = os.path.join(outdir, "host_overhead.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_all(data, outdir, head_dims=None, all_impls=False):
     """Writes every figure the data allows; returns the paths written."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    data = bench_table.normalize(data)
+    shown = None if all_impls else MAIN_IMPLS
     os.makedirs(outdir, exist_ok=True)
     written = []
     dtypes = sorted({r["dtype"] for r in data.get("rows", [])})
     for dtype in dtypes:
         for mode in ("fwd", "bwd"):
-            written.append(plot_tflops(plt, data, outdir, mode, dtype, head_dims))
-    written += [plot_memory(plt, data, outdir), plot_peak_fraction(plt, data, outdir), plot_gpt2(plt, data, outdir)]
+            written.append(plot_tflops(plt, data, outdir, mode, dtype, head_dims, shown))
+    written += [plot_ratio_cudnn(plt, data, outdir), plot_memory(plt, data, outdir),
+                plot_peak_fraction(plt, data, outdir, shown), plot_gpt2(plt, data, outdir),
+                plot_host_overhead(plt, data, outdir)]
     return [p for p in written if p]
 
 
@@ -232,11 +345,14 @@ def main(argv=None):
     p.add_argument("json", help="results JSON written by bench_gpu.py --json")
     p.add_argument("--out", "-o", default="plots", help="output folder (created)")
     p.add_argument("--head-dims", default=None, help="head dims of the TFLOP/s figures (default: all in the JSON)")
+    p.add_argument("--all-impls", action="store_true",
+                   help="TFLOP/s and peak-fraction figures with every implementation (default: "
+                   + ", ".join(MAIN_IMPLS) + ")")
     args = p.parse_args(argv)
     with open(args.json) as fh:
         data = json.load(fh)
     dims = [int(x) for x in args.head_dims.split(",")] if args.head_dims else None
-    paths = plot_all(data, args.out, dims)
+    paths = plot_all(data, args.out, dims, args.all_impls)
     for path in paths:
         print(path)
     if not paths:

@@ -76,24 +76,12 @@ struct AttnFwdParams {
   // Compute capability x 10 of the device the CUDA kernels run on (90 for
   // H100/H200): picks architecture-specific kernels. 0 on the CPU.
   int device_arch = 0;
-
-  // Room for what comes next. None of these is read by a kernel yet; the
-  // binding layer rejects any call that would need one (see attention_api.cpp).
-  //   softcap > 0            : scores -> softcap * tanh(scores / softcap)
-  //   dropout_p > 0          : Philox(seed, offset) dropout on P
-  //   bias_ptr != nullptr    : additive bias / boolean mask, broadcastable strides
-  //   cu_seqlens_{q,k}       : variable-length batches packed along seqlen
-  //   block_table            : paged KV cache
-  //   num_splits > 1         : split-KV decoding with a combine pass
-  float softcap = 0.f;
-  float dropout_p = 0.f;
-  uint64_t philox_seed = 0, philox_offset = 0;
-  const void* bias_ptr = nullptr;
-  index_t bias_batch_stride = 0, bias_head_stride = 0, bias_row_stride = 0;
-  const int* cu_seqlens_q = nullptr;
-  const int* cu_seqlens_k = nullptr;
-  const int* block_table = nullptr;
-  int num_splits = 1;
+  // Hopper: the warp-specialized TMA kernels may run (FLASHATTN_DISABLE_TMA=1
+  // clears it, to time the cp.async Hopper kernels beside them).
+  bool allow_tma = true;
+  // The persistent Hopper forward's tile order alternates direction every
+  // round (FLASHATTN_FWD_STRIDED=1 clears it, to time plain striding beside it).
+  bool fwd_boustrophedon = true;
 
   FLASHATTN_HOST_DEVICE int heads_ratio() const { return heads_q / heads_kv; }
 };

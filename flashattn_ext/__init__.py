@@ -3,11 +3,13 @@ online softmax, recomputation backward) in C++/CUDA kernels.
 
     from flashattn_ext import flash_attn_func               # flash-attn's API, (B, S, H, D)
     from flashattn_ext import scaled_dot_product_attention  # torch's API, (B, H, L, E)
-    from flashattn_ext import reference                     # the naive oracle
+    from flashattn_ext import reference                     # the naive oracle (and the FLOP count)
+    from flashattn_ext import tolerance                     # the tolerance rule of every check
 """
 
 from . import _ops  # noqa: F401  (registers fake kernels and autograd)
 from . import reference  # noqa: F401
+from . import tolerance  # noqa: F401
 from .interface import (  # noqa: F401
     FlashAttnFallbackWarning,
     build_info,
@@ -25,4 +27,5 @@ __all__ = [
     "build_info",
     "FlashAttnFallbackWarning",
     "reference",
+    "tolerance",
 ]

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from flashattn_ext.reference import attention_flops
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 ROW_FIELDS = ("impl", "mode", "dtype", "d", "n", "b", "h", "causal", "ms", "tflops")
@@ -42,27 +44,46 @@ def _load(name):
     return mod
 
 
-def synthetic_results():
-    """A JSON shaped like bench_gpu.py's, with made-up numbers (for plotting tests only)."""
-    peaks = {"flashattn_ext": 300.0, "cudnn": 550.0, "fa2": 320.0, "mem_efficient": 160.0, "naive": 100.0}
+# Synthetic grid: each implementation's TFLOP/s is its own function of seqlen, so
+# a ratio against the wrong peer, at the wrong seqlen or inverted gives other numbers.
+SYN_BASE = {"ours_sdpa": 300.0, "ours_native": 310.0, "sdpa_default": 500.0, "sdpa_cudnn": 550.0,
+            "sdpa_flash": 320.0, "sdpa_mem_efficient": 160.0, "naive": 100.0}
+SYN_SLOPE = {"ours_sdpa": 0.90, "ours_native": 0.60, "sdpa_default": 0.30, "sdpa_cudnn": 0.10,
+             "sdpa_flash": 0.80, "sdpa_mem_efficient": 0.2, "naive": 0.1}
+SYN_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+SYN_MISSING = {("ours_sdpa", "bwd", 128, True, 2048)}  # an error row: its ratios must read "-"
+
+
+def syn_tflops(impl, mode, d, causal, n):
+    if impl == "naive" and n == 16384 or (impl, mode, d, causal, n) in SYN_MISSING:
+        return None
+    return (SYN_BASE[impl] * (1 - SYN_SLOPE[impl] * 512 / n) * (0.8 if causal else 1.0)
+            * (0.7 if mode == "bwd" else 1.0) * (1.1 if d == 128 else 1.0))
+
+
+def synthetic_results(legacy=False):
+    """A JSON shaped like bench_gpu.py's, with made-up numbers (legacy: the old impl names)."""
     rows = []
     for mode in ("fwd", "bwd"):
         for d in (64, 128):
             for causal in (False, True):
-                for n in (512, 1024, 2048, 4096, 8192, 16384):
-                    for impl, peak in peaks.items():
-                        if impl == "naive" and n == 16384:
-                            rows.append(dict(impl=impl, mode=mode, dtype="bf16", d=d, n=n, b=16384 // n,
-                                             h=2048 // d, causal=causal, ms=None, tflops=None,
-                                             skipped="would need ~64 GiB (> 40 GiB)"))
-                            continue
-                        tf = peak * (1 - 0.4 * 512 / n) * (0.8 if causal else 1.0) * (0.8 if mode == "bwd" else 1.0)
-                        flops = 4.0 * 16384 * 2048 * n / (2 if causal else 1) * (2.5 if mode == "bwd" else 1)
-                        rows.append(dict(impl=impl, mode=mode, dtype="bf16", d=d, n=n, b=16384 // n, h=2048 // d,
-                                         causal=causal, ms=flops / (tf * 1e12) * 1e3, tflops=tf))
+                for n in SYN_SEQLENS:
+                    for impl in SYN_BASE:
+                        tf = syn_tflops(impl, mode, d, causal, n)
+                        row = dict(impl=impl, mode=mode, dtype="bf16", d=d, n=n, b=16384 // n, h=2048 // d,
+                                   causal=causal, ms=None, tflops=None)
+                        if impl == "sdpa_default":
+                            row["backend"] = "cudnn" if d == 128 else "flash"
+                        if tf is None:
+                            row["error" if impl != "naive" else "skipped"] = "made up"
+                        else:
+                            flops = attention_flops(16384 // n, 2048 // d, n, n, d, causal, mode)
+                            row.update(ms=flops / (tf * 1e12) * 1e3, tflops=tf, frac_matmul=tf / 700.0)
+                        rows.append(row)
     memory = []
     for n in (4096, 16384, 32768):
-        for impl, per in (("flashattn_ext", 2**15), ("naive", 16 * n * 2 * 4), ("fa2", 2**15)):
+        for impl, per in (("ours_sdpa", 2**15), ("ours_native", 2**15), ("naive", 16 * n * 2 * 4),
+                          ("sdpa_flash", 2**15)):
             e = dict(impl=impl, b=1, h=16, n=n, d=128, dtype="bf16", causal=False)
             if impl == "naive" and n == 32768:
                 e.update(peak_extra_bytes=None, peak_extra_gib=None, error="OOM")
@@ -71,15 +92,31 @@ def synthetic_results():
                 e.update(peak_extra_bytes=b, peak_extra_gib=b / 2**30)
             memory.append(e)
     gpt2 = dict(b=8, h=12, n=1024, d=64, dtype="fp16", causal=True, mode="fwd+bwd", impls={
-        "flashattn_ext": dict(ms=0.30), "naive": dict(ms=1.9), "fa2": dict(ms=0.33), "cudnn": dict(ms=0.40),
-        "mem_efficient": dict(ms=None, error="RuntimeError: made up")})
+        "ours_sdpa": dict(ms=0.26), "ours_native": dict(ms=0.25), "sdpa_default": dict(ms=0.21, backend="cudnn"),
+        "sdpa_cudnn": dict(ms=0.20), "sdpa_flash": dict(ms=0.33), "naive": dict(ms=1.9),
+        "sdpa_mem_efficient": dict(ms=None, error="RuntimeError: made up")})
     for r in gpt2["impls"].values():
         if r.get("ms"):
             r["speedup_vs_naive"] = 1.9 / r["ms"]
-    return dict(synthetic=True, gpu="SYNTHETIC TEST DATA", device="cuda", torch="0.0.0", cuda="0.0", cudnn=0,
+    host = dict(b=1, h=2, n=128, d=64, dtype="bf16", causal=True, method="made up", impls={
+        impl: {mode: dict(us=us * k, gpu_busy=True) for mode, k in (("fwd", 1.0), ("fwd_grad", 1.5), ("fwd+bwd", 4.0))}
+        for impl, us in (("sdpa_default", 11.0), ("ours_sdpa", 9.0), ("ours_native", 8.0))})
+    host["impls"]["sdpa_default"]["backend"] = "flash"
+    data = dict(synthetic=True, gpu="SYNTHETIC TEST DATA", device="cuda", torch="0.0.0", cuda="0.0", cudnn=0,
                 date="2000-01-01T00:00:00+00:00", ceilings=dict(matmul_tflops=700.0, matmul_dtype="bf16",
                                                                 copy_tbs=4.2),
-                grid=dict(tokens=16384, head_total=2048), rows=rows, memory=memory, gpt2=gpt2)
+                grid=dict(tokens=16384, head_total=2048), rows=rows, memory=memory, gpt2=gpt2,
+                host_overhead=host, skipped_impls={"fa4": "import flash_attn.cute failed: made up"})
+    if legacy:  # the JSON of runs before the rename: no ours_sdpa / sdpa_default, old names
+        old = {"ours_native": "flashattn_ext", "sdpa_cudnn": "cudnn", "sdpa_flash": "fa2",
+               "sdpa_mem_efficient": "mem_efficient"}
+        data["rows"] = [dict(r, impl=old[r["impl"]]) for r in rows if r["impl"] in old]
+        data["memory"] = [dict(m, impl=old.get(m["impl"], m["impl"])) for m in memory if m["impl"] != "ours_sdpa"]
+        data["gpt2"]["impls"] = {old.get(k, k): v for k, v in gpt2["impls"].items()
+                                 if k not in ("ours_sdpa", "sdpa_default")}
+        for k in ("host_overhead", "skipped_impls"):
+            del data[k]
+    return data
 
 
 def _api_present():
@@ -118,66 +155,246 @@ def test_parse_build_info():
     assert main.parse_build_info("cuda=0;archs=;head_dims=") == {"cuda": "0", "archs": "", "head_dims": ""}
 
 
+NEW_IMPLS = {"ours_sdpa", "ours_native", "sdpa_default", "sdpa_cudnn", "sdpa_flash", "sdpa_mem_efficient", "naive"}
+RATIO_HEADERS = ["ours_sdpa / sdpa_cudnn", "ours_sdpa / sdpa_default", "ours_sdpa / sdpa_flash",
+                 "ours_native / sdpa_cudnn"]
+
+
 def test_bench_gpu_cpu_quick(tmp_path):
     out, md = tmp_path / "bench.json", tmp_path / "bench.md"
     r = _run([os.path.join(BENCH, "bench_gpu.py"), "--device", "cpu", "--quick", "--json", str(out), "--md", str(md)])
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads(out.read_text())
-    for key in ("gpu", "torch", "cuda", "cudnn", "date", "ceilings", "rows", "memory", "gpt2"):
+    for key in ("gpu", "torch", "cuda", "cudnn", "date", "ceilings", "rows", "memory", "gpt2", "host_overhead",
+                "skipped_impls"):
         assert key in data
     assert {"matmul_tflops", "copy_tbs"} <= set(data["ceilings"])
+    peak = data["ceilings"]["matmul_tflops"]
     assert data["rows"]
     for row in data["rows"]:
         for f in ROW_FIELDS:
             assert f in row, (f, row)
         assert row["mode"] in ("fwd", "bwd")
         assert row["ms"] is not None or row.get("skipped") or row.get("error"), row
-    # torch's CPU flash kernel and the naive path always run; CUDA-only backends are skipped, not errors.
-    for impl in ("fa2", "naive"):
-        assert all(r["tflops"] and r["tflops"] > 0 for r in data["rows"] if r["impl"] == impl)
-    assert all(r.get("skipped") for r in data["rows"] if r["impl"] in ("cudnn", "mem_efficient"))
-    assert {"flashattn_ext", "cudnn", "fa2", "mem_efficient", "naive"} == {r["impl"] for r in data["rows"]}
-    assert "naive" in data["gpt2"]["impls"]
-    assert md.read_text().startswith("Measured by")
-    # The short table is printed last.
-    assert r.stdout.strip().splitlines()[0].startswith("flashattn_ext:")
+        if row["tflops"]:
+            assert math.isclose(row["frac_matmul"], row["tflops"] / peak), row
+    # Every implementation has its rows; the CUDA-only ones are skipped, not errors; fa4 runs or is
+    # recorded as skipped once.
+    impls = {r["impl"] for r in data["rows"]}
+    assert impls - {"fa4"} == NEW_IMPLS
+    if "fa4" not in impls:
+        assert "fa4" in data["skipped_impls"]
+    assert all(r.get("skipped") for r in data["rows"] if r["impl"] in ("sdpa_cudnn", "sdpa_mem_efficient"))
+    # Ours through both APIs (no fallback to torch), torch's default and flash, naive: all measured.
+    for impl in ("ours_sdpa", "ours_native", "sdpa_default", "sdpa_flash", "naive"):
+        assert all(r["tflops"] and r["tflops"] > 0 for r in data["rows"] if r["impl"] == impl), impl
+    assert all(r.get("backend") for r in data["rows"] if r["impl"] == "sdpa_default")
+    g = data["gpt2"]["impls"]
+    for impl in ("ours_sdpa", "ours_native", "sdpa_default", "sdpa_flash", "naive"):
+        assert g[impl]["ms"] > 0 and g[impl]["speedup_vs_naive"] > 0, impl
+    assert g["sdpa_cudnn"].get("skipped")
+    h = data["host_overhead"]
+    assert (h["b"], h["h"], h["n"], h["d"]) == (1, 2, 128, 64)
+    for impl in ("sdpa_default", "ours_sdpa", "ours_native"):
+        for mode in ("fwd", "fwd_grad", "fwd+bwd"):
+            assert h["impls"][impl][mode]["us"] > 0, (impl, mode)
+    assert h["impls"]["sdpa_cudnn"]["fwd"].get("skipped")
+    text = md.read_text()
+    assert text.startswith("Measured by") and "Host (CPU) time per call" in text
+    for hdr in RATIO_HEADERS:
+        assert hdr in text
+    # The short table is printed last: its header and the four ratios.
+    lines = r.stdout.strip().splitlines()
+    assert lines[0].startswith("flashattn_ext:")
+    assert "sdpa/cudnn" in r.stdout and "native/cudnn" in r.stdout and "host us/call" in r.stdout
 
 
 def test_bench_gpu_time_budget(tmp_path, capsys):
     out = tmp_path / "bench.json"
     bg = _load("bench_gpu")
-    rc = bg.main(["--device", "cpu", "--quick", "--no-memory", "--no-gpt2", "--no-ceilings", "--impls", "naive",
-                  "--modes", "fwd", "--time-budget", "1e-9", "--json", str(out)])
+    rc = bg.main(["--device", "cpu", "--quick", "--no-memory", "--no-gpt2", "--no-ceilings", "--no-host",
+                  "--impls", "naive", "--modes", "fwd", "--budget-s", "1e-9", "--json", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
     assert data["budget_exceeded"]["points_not_run"] == 4 and data["rows"] == []
     assert "TIME BUDGET EXCEEDED" in capsys.readouterr().out
 
 
-def test_bench_table_and_flops():
+def test_bench_gpu_old_impl_names_and_flops():
+    bg = _load("bench_gpu")
+    args = bg.parse_args(["--impls", "flashattn_ext,cudnn,fa2,mem_efficient", "--time-budget", "5"])
+    assert bg._names(args.impls, bg.ALL_IMPLS, "impls", _load("bench_table").LEGACY_NAMES) == [
+        "ours_native", "sdpa_cudnn", "sdpa_flash", "sdpa_mem_efficient"]
+    assert args.budget_s == 5
+    # The one FLOP formula: flashattn_ext.reference.attention_flops (no copy in bench_gpu).
+    assert not hasattr(bg, "attn_flops")
+    assert bg.attention_flops(1, 1, 1024, 1024, 64, False, "fwd") == 4 * 1024 * 1024 * 64
+    assert bg.attention_flops(1, 1, 1024, 1024, 64, True, "bwd") == 2.5 * 2 * 1024 * 1024 * 64
+    if _api_present():
+        from flashattn_ext.reference import attention_flops
+
+        assert bg.attention_flops is attention_flops
+    assert math.isclose(bg.tflops(1e12, 1000.0), 1.0)
+
+
+def _md_table(md, first_header):
+    """The markdown table whose header row starts with `| first_header |`: (headers, {case: cells})."""
+    lines = md.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(f"| {first_header} |") and "---" in lines[i + 1])
+    headers = [c.strip() for c in lines[start].strip("|").split("|")]
+    body = {}
+    for ln in lines[start + 2:]:
+        if not ln.startswith("|"):
+            break
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        body[cells[0]] = dict(zip(headers, cells))
+    return headers, body
+
+
+def _cases():
+    for mode in ("fwd", "bwd"):
+        for d in (64, 128):
+            for causal in (False, True):
+                yield f"d{d} {'causal ' if causal else ''}{mode}", mode, d, causal
+
+
+def test_bench_table_ratios_are_right():
+    """Every TFLOP/s, ratio and fraction cell of the markdown, and every geometric
+    mean (min-max) of the text summary, recomputed here from the made-up functions."""
     bt = _load("bench_table")
     data = synthetic_results()
     md = bt.markdown_report(data)
-    assert "| d128 fwd |" in md and "ours / FA2 (SDPA flash)" in md and "OOM" in md
+    headers, body = _md_table(md, "case")
+    assert headers[-4:] == RATIO_HEADERS  # exactly the four ratios, in this order
+    assert sum(" / " in h for h in headers) == 4
+    names = {"ours_sdpa": "ours (SDPA API)", "ours_native": "ours (flash_attn_func)", "sdpa_default": "SDPA default",
+             "sdpa_cudnn": "cuDNN (SDPA)", "sdpa_flash": "FA2 (SDPA flash)", "naive": "naive"}
+    assert len(body) == 8
+    for label, mode, d, causal in _cases():
+        row = body[label]
+        for impl, col in names.items():
+            want = [syn_tflops(impl, mode, d, causal, n) for n in SYN_SEQLENS]
+            assert row[col] == "/".join("-" if x is None else f"{x:.0f}" for x in want), (label, impl)
+        for hdr in RATIO_HEADERS:
+            num, den = hdr.split(" / ")
+            want = []
+            for n in SYN_SEQLENS:
+                a, b = syn_tflops(num, mode, d, causal, n), syn_tflops(den, mode, d, causal, n)
+                want.append("-" if a is None or b is None else f"{a / b:.2f}")
+            assert row[hdr] == "/".join(want), (label, hdr)
+    assert body["d128 causal bwd"]["ours_sdpa / sdpa_cudnn"].split("/")[2] == "-"  # the error row
+    # Fractions of the matmul ceiling (700 TFLOP/s).
+    _, frac = _md_table(md[md.index("Fraction of the"):], "case")
+    for label, mode, d, causal in _cases():
+        for impl in ("ours_sdpa", "sdpa_cudnn"):
+            want = [syn_tflops(impl, mode, d, causal, n) for n in SYN_SEQLENS]
+            assert frac[label][names[impl]] == "/".join("-" if x is None else f"{x / 700.0:.2f}" for x in want)
+    assert "cudnn (24 cells)" in md and "flash (24 cells)" in md
+    # GPT-2, host time and memory tables.
+    _, gpt2 = _md_table(md, "impl")
+    assert gpt2["ours_sdpa"]["speedup over naive"] == f"{1.9 / 0.26:.2f}"
+    assert gpt2["sdpa_default (cudnn)"]["ms"] == "0.210"
+    assert "| ours_sdpa | 9.0 | 13.5 | 36.0 |" in md and "| sdpa_default (flash) | 11.0 | 16.5 | 44.0 |" in md
+    assert "| naive | 2.0 GiB | 32.0 GiB | OOM |" in md
+    assert "fa4: not run" in md
+
     text = bt.text_summary(data)
-    assert "ours/fa2" in text and "GPT-2" in text
-    bg = _load("bench_gpu")
-    assert bg.attn_flops(1, 1, 1024, 1024, 64, False, "fwd") == 4 * 1024 * 1024 * 64
-    assert bg.attn_flops(1, 1, 1024, 1024, 64, True, "bwd") == 2.5 * 2 * 1024 * 1024 * 64
-    assert math.isclose(bg.tflops(1e12, 1000.0), 1.0)
+    lines = text.splitlines()
+    hdr = next(ln for ln in lines if ln.startswith("case"))
+    assert hdr.split()[-4:] == ["sdpa/cudnn", "sdpa/default", "sdpa/flash", "native/cudnn"]
+    assert "fa2" not in text and "ours/" not in text
+    for label, mode, d, causal in _cases():
+        line = next(ln for ln in lines if ln.startswith(label + " ") and ln[len(label):len(label) + 2] == "  ")
+        want = [f"{syn_tflops('ours_sdpa', mode, d, causal, n) or 0:.0f}" for n in SYN_SEQLENS]
+        want = ["-" if w == "0" else w for w in want]
+        for hdr_ in RATIO_HEADERS:
+            num, den = hdr_.split(" / ")
+            rs = [syn_tflops(num, mode, d, causal, n) and syn_tflops(den, mode, d, causal, n)
+                  and syn_tflops(num, mode, d, causal, n) / syn_tflops(den, mode, d, causal, n) for n in SYN_SEQLENS]
+            rs = [x for x in rs if x]
+            gm = math.exp(sum(map(math.log, rs)) / len(rs))
+            want += [f"{gm:.2f}", f"({min(rs):.2f}-{max(rs):.2f})"]
+        assert line[len(label):].split() == want, (label, line)
+    assert "GPT-2" in text and "ours_sdpa 0.260 (7.3x)" in text and "host us/call" in text
+    assert "best fraction of the matmul ceiling (700 TFLOP/s)" in text
+    assert lines[-1].startswith("fa4 not run") or "TIME BUDGET" in lines[-1] or lines[-1].startswith("elapsed")
+
+
+def test_bench_table_reads_old_json():
+    """JSON of the old impl names (flashattn_ext, cudnn, fa2, mem_efficient) reads as the new ones."""
+    bt = _load("bench_table")
+    data = synthetic_results(legacy=True)
+    md = bt.markdown_report(data)
+    headers, body = _md_table(md, "case")
+    assert headers[-1] == "ours_native / sdpa_cudnn" and "ours (flash_attn_func)" in headers
+    want = [syn_tflops("ours_native", "fwd", 64, False, n) / syn_tflops("sdpa_cudnn", "fwd", 64, False, n)
+            for n in SYN_SEQLENS]
+    assert body["d64 fwd"]["ours_native / sdpa_cudnn"] == "/".join(f"{x:.2f}" for x in want)
+    text = bt.text_summary(data)
+    assert "TFLOP/s of ours_native" in text and "sdpa_flash" in text
+    assert bt.normalize(data)["rows"][0]["impl"] in NEW_IMPLS and data["rows"][0]["impl"] == "flashattn_ext"
+
+
+def test_host_us_per_call_cpu():
+    import time as _time
+
+    import torch
+
+    ho = _load("host_overhead")
+    r = ho.host_us_per_call(lambda: _time.sleep(0.0005), torch.device("cpu"), calls=4, reps=3, warmup=1)
+    assert 450 < r["us"] < 50_000 and r["calls"] == 4 and r["reps"] == 3
 
 
 def test_plot_synthetic(tmp_path):
     pytest.importorskip("matplotlib")
-    src = tmp_path / "synthetic.json"
-    src.write_text(json.dumps(synthetic_results()))
-    outdir = tmp_path / "plots"
-    r = _run([os.path.join(BENCH, "plot.py"), str(src), "--out", str(outdir)])
-    assert r.returncode == 0, r.stdout + r.stderr
-    names = sorted(os.listdir(outdir))
-    assert names == ["gpt2.png", "memory.png", "peak_fraction.png", "tflops_bwd.png", "tflops_fwd.png"]
-    for n in names:
-        assert (outdir / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for legacy in (False, True):
+        src = tmp_path / f"synthetic{legacy}.json"
+        src.write_text(json.dumps(synthetic_results(legacy)))
+        outdir = tmp_path / f"plots{legacy}"
+        r = _run([os.path.join(BENCH, "plot.py"), str(src), "--out", str(outdir)])
+        assert r.returncode == 0, r.stdout + r.stderr
+        names = sorted(os.listdir(outdir))
+        want = ["gpt2.png", "host_overhead.png", "memory.png", "peak_fraction.png", "ratio_cudnn.png",
+                "tflops_bwd.png", "tflops_fwd.png"]
+        assert names == (want if not legacy else [n for n in want if n != "host_overhead.png"])
+        for n in names:
+            assert (outdir / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+GPU_VISIT_TESTS = {
+    "test_a_pass.py": "import pytest\n\n@pytest.mark.cuda\ndef test_one():\n    pass\n\n"
+                      "@pytest.mark.cuda\ndef test_skip():\n    pytest.skip('made up')\n\ndef test_cpu():\n    pass\n",
+    "test_b_fail.py": "import pytest\n\n@pytest.mark.cuda\ndef test_ok():\n    pass\n\n"
+                      "@pytest.mark.cuda\ndef test_bad():\n    assert 0\n",
+    "test_c_crash.py": "import ctypes, pytest\n\n@pytest.mark.cuda\ndef test_segfault():\n    ctypes.string_at(0)\n",
+    "test_d_cpu.py": "def test_cpu():\n    pass\n",
+}
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_visit_reports_every_test_file(tmp_path):
+    """The test stage runs each test file alone and reports its counts and exit
+    code; a segfault is a CRASH that fails the stage, and later files still run."""
+    (tmp_path / "benchmarks").mkdir()
+    shutil.copy(os.path.join(BENCH, "gpu_visit.sh"), tmp_path / "benchmarks")
+    (tmp_path / "tests").mkdir()
+    for name, text in GPU_VISIT_TESTS.items():
+        (tmp_path / "tests" / name).write_text(text)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    cuda: needs a GPU\n")
+    env = _env()
+    env.update(STAGES="test", OUT=str(tmp_path / "out"),
+               PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))
+    r = subprocess.run(["bash", str(tmp_path / "benchmarks" / "gpu_visit.sh")], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    rows = [ln.split("\t") for ln in (tmp_path / "out" / "pytest_summary.tsv").read_text().splitlines()]
+    assert rows[0] == ["file", "rc", "passed", "failed", "skipped", "errors", "deselected", "verdict"]
+    got = {r_[0]: r_[1:] for r_ in rows[1:]}
+    assert got["test_a_pass"] == ["0", "1", "0", "1", "0", "1", "ok"]
+    assert got["test_b_fail"] == ["1", "1", "1", "0", "0", "0", "FAILED"]
+    assert got["test_c_crash"][0] == "139" and got["test_c_crash"][-1] == "CRASH (signal 11)"
+    assert got["test_d_cpu"] == ["5", "0", "0", "0", "0", "1", "ok (no cuda tests)"]
+    assert "CRASH (signal 11)" in r.stdout and "visit done, status 1" in r.stdout
 
 
 @pytest.mark.skipif(not _api_present(), reason="flashattn_ext (with its Python API) is not importable")

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "../attention_api.h"
 #include "dispatch.h"
@@ -22,39 +23,31 @@ const BackendSpec kCudaSpec{
     "; cast float32 inputs to bfloat16 or float16 (flashattn_ext.scaled_dot_product_attention falls back to "
     "torch for float32 on CUDA)"};
 
-// Head dims of the kernels compiled into this build (setup.py: FLASHATTN_HEAD_DIMS).
-constexpr int kCompiledHeadDims[] = {
-#ifdef FLASHATTN_HDIM_32
-    32,
+// The head dims of the kernels compiled into this build, ascending
+// (setup.py: FLASHATTN_HEAD_DIMS, from csrc/cuda/generate_instantiations.py).
+#ifndef FLASHATTN_HDIMS
+#define FLASHATTN_HDIMS
 #endif
-#ifdef FLASHATTN_HDIM_64
-    64,
-#endif
-#ifdef FLASHATTN_HDIM_96
-    96,
-#endif
-#ifdef FLASHATTN_HDIM_128
-    128,
-#endif
-#ifdef FLASHATTN_HDIM_192
-    192,
-#endif
-#ifdef FLASHATTN_HDIM_256
-    256,
-#endif
-    0,  // sentinel: keeps the array non-empty
-};
+template <int... kDims>
+struct HeadDimList {};
+using CompiledHeadDims = HeadDimList<FLASHATTN_HDIMS>;
+
+template <int... kDims>
+int smallest_at_least(HeadDimList<kDims...>, int64_t head_dim) {
+  int found = 0;
+  ((found == 0 && kDims >= head_dim ? (found = kDims) : 0), ...);
+  return found;
+}
 
 // The smallest compiled kernel head dim that holds head_dim (the kernels
 // zero-fill the columns past head_dim).
 int kernel_head_dim(int64_t head_dim) {
-  for (int d : kCompiledHeadDims)
-    if (d >= head_dim) return d;
-  TORCH_CHECK_VALUE(false, "flashattn_ext: no CUDA kernel for head_dim ", head_dim,
+  const int found = smallest_at_least(CompiledHeadDims{}, head_dim);
+  TORCH_CHECK_VALUE(found != 0, "flashattn_ext: no CUDA kernel for head_dim ", head_dim,
                     " in this build (compiled head dims: " FLASHATTN_HEAD_DIMS
                     "); rebuild with FLASHATTN_HEAD_DIMS including a head dim >= ",
                     head_dim);
-  return 0;
+  return found;
 }
 
 void check_device(const at::Tensor& q) {
@@ -93,31 +86,18 @@ void check_grid(int64_t blocks, const char* what) {
                     " thread blocks, more than a CUDA grid holds (2^31 - 1); split the batch");
 }
 
-// Calls f(std::integral_constant<int, D>) for the compiled kernel head dim D
+// Calls f(std::integral_constant<int, D>{}) for the compiled kernel head dim D
 // (FA2's static_switch idea: a run-time value becomes a template argument).
+template <int... kDims, typename F>
+cudaError_t with_head_dim_of(HeadDimList<kDims...>, int kernel_dim, F&& f) {
+  cudaError_t err = cudaErrorInvalidValue;
+  ((kernel_dim == kDims ? (err = f(std::integral_constant<int, kDims>{}), 0) : 0), ...);
+  return err;
+}
+
 template <typename F>
 cudaError_t with_kernel_head_dim(int kernel_dim, F&& f) {
-  switch (kernel_dim) {
-#ifdef FLASHATTN_HDIM_32
-    case 32: return f(std::integral_constant<int, 32>{});
-#endif
-#ifdef FLASHATTN_HDIM_64
-    case 64: return f(std::integral_constant<int, 64>{});
-#endif
-#ifdef FLASHATTN_HDIM_96
-    case 96: return f(std::integral_constant<int, 96>{});
-#endif
-#ifdef FLASHATTN_HDIM_128
-    case 128: return f(std::integral_constant<int, 128>{});
-#endif
-#ifdef FLASHATTN_HDIM_192
-    case 192: return f(std::integral_constant<int, 192>{});
-#endif
-#ifdef FLASHATTN_HDIM_256
-    case 256: return f(std::integral_constant<int, 256>{});
-#endif
-    default: return cudaErrorInvalidValue;
-  }
+  return with_head_dim_of(CompiledHeadDims{}, kernel_dim, std::forward<F>(f));
 }
 
 // The same for the element type: bfloat16 or float16.
@@ -138,14 +118,18 @@ void check_launch(cudaError_t err, const char* what, int kernel_dim, const at::T
   TORCH_CHECK(false, "flashattn_ext: CUDA ", what, " kernel failed: ", cudaGetErrorString(err));
 }
 
+bool env_flag(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr && std::string(value) == "1";
+}
+
 // Compute capability x 10 of q's device, which picks architecture-specific
 // kernels. FLASHATTN_DISABLE_SM90=1 (read on every call) reports an sm90
 // device as 80, so that the mma.sync kernels can be timed against the wgmma ones.
 int device_arch(const at::Tensor& q) {
   const auto* prop = at::cuda::getDeviceProperties(q.device().index());
   const int arch = prop->major * 10 + prop->minor;
-  const char* disable = std::getenv("FLASHATTN_DISABLE_SM90");
-  return (arch == 90 && disable != nullptr && std::string(disable) == "1") ? 80 : arch;
+  return (arch == 90 && env_flag("FLASHATTN_DISABLE_SM90")) ? 80 : arch;
 }
 
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
@@ -162,6 +146,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   check_grid((q.size(1) + 63) / 64 * q.size(0) * q.size(2), "forward");
   auto params = make_fwd_params(q, k, v, out, lse, softmax_scale, mask);
   params.device_arch = device_arch(q);
+  params.allow_tma = !env_flag("FLASHATTN_DISABLE_TMA");
+  params.fwd_boustrophedon = !env_flag("FLASHATTN_FWD_STRIDED");
   const auto stream = at::cuda::getCurrentCUDAStream().stream();
   const cudaError_t err = with_element_type(q.scalar_type(), [&](auto elem) {
     return with_kernel_head_dim(kdim, [&](auto dim) { return run_fwd<decltype(elem), decltype(dim)::value>(params, stream); });

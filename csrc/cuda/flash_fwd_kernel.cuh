@@ -55,12 +55,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
   const int g = lane >> 2, t = lane & 3;
 
   if (n_max <= n_min) {
-    // No query of this block sees any key: zero output, lse = -inf.
-    for (int i = tid; i < rows * (p.head_dim / 8); i += kNThreads) {
-      const int r = i / (p.head_dim / 8), c = (i % (p.head_dim / 8)) * 8;
-      *reinterpret_cast<uint4*>(gO + r * p.o_row_stride + c) = make_uint4(0, 0, 0, 0);
-    }
-    for (int r = tid; r < rows; r += kNThreads) gLse[r] = -INFINITY;
+    store_unseeing_query_block<T>(p, b, h, m0, rows, tid, kNThreads);
     return;
   }
 

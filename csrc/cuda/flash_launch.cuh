@@ -2,12 +2,15 @@
 #pragma once
 
 #include <cstdlib>
+#include <type_traits>
 
 #include "dispatch.h"
 #include "flash_bwd_kernel.cuh"
 #include "flash_fwd_kernel.cuh"
 #include "hopper/flash_bwd_sm90_kernel.cuh"
 #include "hopper/flash_fwd_sm90_kernel.cuh"
+#include "hopper/flash_fwd_sm90_ws_kernel.cuh"
+#include "hopper/tma_host.h"
 #include "kernel_configs.h"
 
 namespace flashattn {
@@ -17,6 +20,20 @@ template <typename Kernel>
 cudaError_t allow_smem(Kernel kernel, int bytes) {
   if (bytes <= 48 * 1024) return cudaSuccess;
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+
+// Multiprocessors of the current device (persistent grids), read once per device.
+inline int sm_count() {
+  static int counts[64] = {};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 0 || dev >= 64) dev = 0;
+  if (counts[dev] == 0) {
+    int n = 0;
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    counts[dev] = n > 0 ? n : 1;
+  }
+  return counts[dev];
 }
 
 // All grids are one-dimensional: blockIdx.x goes to 2^31 - 1, where y and z
@@ -38,6 +55,33 @@ cudaError_t launch_fwd_sm90(const AttnFwdParams& p, cudaStream_t stream) {
   if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
   const int64_t blocks = int64_t(ceil_div(p.seqlen_q, Kt::kBlockM)) * p.batch * p.heads_q;
   kernel<<<static_cast<unsigned>(blocks), Kt::kNThreads, Kt::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// Hopper, warp-specialized with TMA; same grid. Sets *launched = false (and
+// launches nothing) when TMA cannot describe one of the tensors.
+template <typename Kt>
+cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool* launched) {
+  *launched = false;
+  constexpr bool kBf16 = std::is_same_v<typename Kt::Element, __nv_bfloat16>;
+  FwdTmaMaps maps;
+  const bool described =
+      make_tensor_map_bshd(&maps.q, p.q_ptr, kBf16, p.batch, p.seqlen_q, p.heads_q, p.head_dim, p.q_batch_stride,
+                           p.q_row_stride, p.q_head_stride, Kt::kBlockM) &&
+      make_tensor_map_bshd(&maps.k, p.k_ptr, kBf16, p.batch, p.seqlen_k, p.heads_kv, p.head_dim, p.k_batch_stride,
+                           p.k_row_stride, p.k_head_stride, Kt::kBlockN) &&
+      make_tensor_map_bshd(&maps.v, p.v_ptr, kBf16, p.batch, p.seqlen_k, p.heads_kv, p.head_dim, p.v_batch_stride,
+                           p.v_row_stride, p.v_head_stride, Kt::kBlockN) &&
+      make_tensor_map_bshd(&maps.o, p.o_ptr, kBf16, p.batch, p.seqlen_q, p.heads_q, p.head_dim, p.o_batch_stride,
+                           p.o_row_stride, p.o_head_stride, Kt::kOStoreRows);
+  if (!described) return cudaSuccess;
+  auto kernel = &flash_fwd_sm90_ws_kernel<Kt>;
+  if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
+  FwdSchedule sched = FwdSchedule::make(p, Kt::kBlockM);
+  sched.boustrophedon = p.fwd_boustrophedon;
+  const int ctas = sched.num_tiles < sm_count() ? sched.num_tiles : sm_count();  // persistent: one CTA an SM
+  kernel<<<ctas, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, maps, sched);
+  *launched = true;
   return cudaGetLastError();
 }
 
@@ -129,6 +173,31 @@ cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
 #ifdef FLASHATTN_SM90
   // Built for sm90a and running on an sm90 device: the wgmma kernel, for the
   // head dims KernelConfig gives one.
+  if constexpr (HasFwdSm90Ws<KernelConfig<kHeadDim, T>>::value) {
+    if (p.device_arch == 90 && p.allow_tma) {
+      bool launched = false;
+#ifdef FLASHATTN_TUNING
+      cudaError_t err = cudaSuccess;
+      if constexpr (HasFwdSm90WsVariants<TuneVariants<kHeadDim, T>>::value) {
+        err = run_variant(typename TuneVariants<kHeadDim, T>::FwdSm90Ws{}, "FLASHATTN_FWD_VARIANT",
+                          [&](auto kt) { return launch_fwd_sm90_ws<decltype(kt)>(p, stream, &launched); });
+      } else {
+        err = launch_fwd_sm90_ws<typename KernelConfig<kHeadDim, T>::FwdSm90Ws>(p, stream, &launched);
+      }
+#else
+      using Cfg = KernelConfig<kHeadDim, T>;
+      cudaError_t err = cudaSuccess;
+      if constexpr (HasFwdSm90WsMasked<Cfg>::value) {
+        if (p.mask.window_right >= 0 && p.seqlen_q <= 8192) {
+          err = launch_fwd_sm90_ws<typename Cfg::FwdSm90WsMasked>(p, stream, &launched);
+          if (launched || err != cudaSuccess) return err;
+        }
+      }
+      err = launch_fwd_sm90_ws<typename Cfg::FwdSm90Ws>(p, stream, &launched);
+#endif
+      if (launched || err != cudaSuccess) return err;
+    }
+  }
   if constexpr (HasFwdSm90<KernelConfig<kHeadDim, T>>::value) {
     if (p.device_arch == 90) {
 #ifdef FLASHATTN_TUNING

@@ -4,6 +4,9 @@ the kernels compile in parallel and setup.py can build a subset
 
 import os
 
+# The one list of kernel head dims: setup.py reads it (FLASHATTN_HEAD_DIMS picks a
+# subset) and passes the compiled ones to the C++ dispatch; KernelConfig
+# (kernel_configs.h) holds each one's tile sizes.
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 DTYPES = {"fp16": "__half", "bf16": "__nv_bfloat16"}
 PASSES = {"fwd": "AttnFwdParams", "bwd": "AttnBwdParams"}

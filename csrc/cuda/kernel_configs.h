@@ -7,8 +7,6 @@
 #include <type_traits>
 
 #include "dispatch.h"
-#include "hopper/flash_bwd_sm90_kernel.cuh"
-#include "hopper/flash_fwd_sm90_kernel.cuh"
 #include "kernel_traits.h"
 
 namespace flashattn {
@@ -19,6 +17,7 @@ struct KernelConfig;
 // FwdTraits<D, M, N, warps, minBlocks, stages>
 // BwdTraits<D, M, N, warps, dsplit, qstages, query warps of S^T (1: P^T stays in registers)>
 // BwdDqTraits<D, M, N, warps>
+// FwdSm90WsTraits<D, N, consumer warpgroups, stages> (Hopper warp-specialized TMA forward: 64/128/192/256)
 // FwdSm90Traits<D, N, minBlocksPerSm>, BwdSm90Traits<D, M, warpgroups> (Hopper wgmma kernels: forward 64/128/192/256, backward 64/128)
 template <typename T> struct KernelConfig<32, T> {
   using Fwd = FwdTraits<32, 128, 128, 4, 2, 1, T>;
@@ -30,6 +29,9 @@ template <typename T> struct KernelConfig<64, T> {
   using Bwd = BwdTraits<64, 32, 128, 4, 1, 2, 1, T>;  // 32 keys per warp: half the Q/dO fragment traffic
   using BwdDq = BwdDqTraits<64, 64, 64, 4, T>;
   using FwdSm90 = FwdSm90Traits<64, 64, T, 2>;  // 64 keys a block, two CTAs an SM
+  using FwdSm90Ws = FwdSm90WsTraits<64, 128, 3, 2, T>;  // 192 queries: three consumers
+  // Causal / windowed up to 8k queries: 128-query tiles waste less on the diagonal (tune.py, visit 2 of session 3).
+  using FwdSm90WsMasked = FwdSm90WsTraits<64, 128, 2, 2, T>;
   using BwdSm90 = BwdSm90Traits<64, 128, T>;  // 128 queries a step: half the dQ atomics per flop of 64
 };
 template <typename T> struct KernelConfig<96, T> {
@@ -42,17 +44,20 @@ template <typename T> struct KernelConfig<128, T> {
   using Bwd = BwdTraits<128, 64, 128, 8, 1, 2, 2, T>;  // 2-D S^T tiles, P^T / dS^T through smem
   using BwdDq = BwdDqTraits<128, 64, 64, 4, T>;
   using FwdSm90 = FwdSm90Traits<128, 128, T>;
+  using FwdSm90Ws = FwdSm90WsTraits<128, 128, 2, 2, T>;
   using BwdSm90 = BwdSm90Traits<128, 64, T>;
 };
 template <typename T> struct KernelConfig<192, T> {
   using Fwd = FwdTraits<192, 128, 64, 8, 1, 1, T>;
   using FwdSm90 = FwdSm90Traits<192, 64, T>;
+  using FwdSm90Ws = FwdSm90WsTraits<192, 64, 2, 2, T>;
   using Bwd = BwdTraits<192, 64, 64, 8, 1, 2, 4, T>;  // 2-D: dK/dV tiles of 32 keys x 48 columns a warp
   using BwdDq = BwdDqTraits<192, 64, 64, 4, T>;
 };
 template <typename T> struct KernelConfig<256, T> {
   using Fwd = FwdTraits<256, 128, 64, 8, 1, 1, T>;
   using FwdSm90 = FwdSm90Traits<256, 64, T>;  // O is 128 registers a thread: 64-key blocks
+  using FwdSm90Ws = FwdSm90WsTraits<256, 64, 2, 2, T>;
   using Bwd = BwdTraits<256, 64, 64, 8, 1, 1, 4, T>;  // 2-D: dK/dV tiles of 32 keys x 64 columns a warp
   using BwdDq = BwdDqTraits<256, 64, 64, 4, T>;
 };
@@ -63,12 +68,25 @@ struct HasFwdSm90 : std::false_type {};
 template <typename Cfg>
 struct HasFwdSm90<Cfg, std::void_t<typename Cfg::FwdSm90>> : std::true_type {};
 template <typename Cfg, typename = void>
+struct HasFwdSm90Ws : std::false_type {};
+template <typename Cfg>
+struct HasFwdSm90Ws<Cfg, std::void_t<typename Cfg::FwdSm90Ws>> : std::true_type {};
+template <typename Cfg, typename = void>
+struct HasFwdSm90WsMasked : std::false_type {};
+template <typename Cfg>
+struct HasFwdSm90WsMasked<Cfg, std::void_t<typename Cfg::FwdSm90WsMasked>> : std::true_type {};
+template <typename Cfg, typename = void>
 struct HasBwdSm90 : std::false_type {};
 template <typename Cfg>
 struct HasBwdSm90<Cfg, std::void_t<typename Cfg::BwdSm90>> : std::true_type {};
 
 template <typename... Kts>
 struct Variants {};
+
+template <typename Tv, typename = void>
+struct HasFwdSm90WsVariants : std::false_type {};
+template <typename Tv>
+struct HasFwdSm90WsVariants<Tv, std::void_t<typename Tv::FwdSm90Ws>> : std::true_type {};
 
 // Candidates for benchmarks/tune.py; element 0 of each list is KernelConfig's.
 template <int kHeadDim, typename T>
@@ -80,12 +98,16 @@ template <typename T> struct TuneVariants<64, T> {
   using Fwd = Variants<typename KernelConfig<64, T>::Fwd, FwdTraits<64, 128, 64, 4, 2, 2, T>>;
   using Bwd = Variants<typename KernelConfig<64, T>::Bwd, BwdTraits<64, 32, 128, 4, 1, 2, 1, T, false>>;
   using FwdSm90 = Variants<typename KernelConfig<64, T>::FwdSm90, FwdSm90Traits<64, 128, T>, FwdSm90Traits<64, 64, T>>;
+  using FwdSm90Ws = Variants<typename KernelConfig<64, T>::FwdSm90Ws, FwdSm90WsTraits<64, 128, 2, 2, T>,
+                             FwdSm90WsTraits<64, 64, 3, 2, T>, FwdSm90WsTraits<64, 192, 2, 2, T>>;
   using BwdSm90 = Variants<typename KernelConfig<64, T>::BwdSm90, BwdSm90Traits<64, 128, T, 1>, BwdSm90Traits<64, 64, T>>;
 };
 template <typename T> struct TuneVariants<128, T> {
   using Fwd = Variants<typename KernelConfig<128, T>::Fwd, FwdTraits<128, 128, 64, 4, 2, 1, T>>;
   using Bwd = Variants<typename KernelConfig<128, T>::Bwd, BwdTraits<128, 64, 128, 8, 1, 2, 2, T, false>>;
   using FwdSm90 = Variants<typename KernelConfig<128, T>::FwdSm90, FwdSm90Traits<128, 64, T>, FwdSm90Traits<128, 64, T, 2>>;
+  using FwdSm90Ws = Variants<typename KernelConfig<128, T>::FwdSm90Ws, FwdSm90WsTraits<128, 64, 2, 2, T>,
+                             FwdSm90WsTraits<128, 192, 2, 2, T>>;
   using BwdSm90 = Variants<typename KernelConfig<128, T>::BwdSm90>;
 };
 template <typename T> struct TuneVariants<192, T> {

@@ -129,4 +129,100 @@ struct BwdDqTraits {
   static_assert(kRowsPerWarp % 16 == 0, "each warp owns whole 16-row m-tiles");
 };
 
+// ---- Hopper (sm90a, wgmma) kernels: hopper/*.cuh ----
+
+// The cp.async forward (hopper/flash_fwd_sm90_kernel.cuh).
+template <int kHeadDim_, int kBlockN_, typename Element_, int kMinBlocksPerSm_ = 1>
+struct FwdSm90Traits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 128;  // two warpgroups of 64 rows
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNWarps = 8;
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;  // 2: registers capped at 128 a thread
+
+  using TileQ = SmemTile<kBlockM, kHeadDim>;
+  using TileKV = SmemTile<kBlockN, kHeadDim>;
+  static constexpr int kPanelQ = TileQ::kRows * 128;  // bytes of one 64-column panel
+  static constexpr int kPanelKV = TileKV::kRows * 128;
+  // +1024: dynamic shared memory is rounded up to a 1024-byte boundary.
+  static constexpr int kSmemBytes = 1024 + (TileQ::kElems + 4 * TileKV::kElems) * 2;
+
+  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "128-byte panels; O fits the register file");
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N");
+};
+
+// The warp-specialized TMA forward (hopper/flash_fwd_sm90_ws_kernel.cuh).
+template <int kHeadDim_, int kBlockN_, int kConsumers_, int kStages_, typename Element_>
+struct FwdSm90WsTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kConsumers = kConsumers_;  // consumer warpgroups of 64 query rows
+  static constexpr int kBlockM = 64 * kConsumers;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kNThreads = 128 * (kConsumers + 1);
+  // 65536 registers an SM: producer + consumers must fit (24*128 + 240*256, 32*128 + 160*384).
+  static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
+  static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
+  static constexpr int kPanels = kHeadDim / 64;
+  static constexpr int kOStoreRows = 64;  // one consumer's rows: the box of the O tensor map
+
+  using TileQ = SmemTile<kBlockM, kHeadDim>;  // Q, and O in the epilogue
+  using TileKV = SmemTile<kBlockN, kHeadDim>;
+  static constexpr int kBytesQ = TileQ::kElems * 2;
+  static constexpr int kBytesKV = TileKV::kElems * 2;
+  static constexpr int kBarrierBytes = (4 * kStages + 2) * 8;
+  // +1024: dynamic shared memory is aligned up to 1024 bytes (the swizzle atom).
+  static constexpr int kSmemLimit = 227 * 1024;
+  static constexpr bool kSeparateO = 1024 + 2 * kBytesQ + 2 * kStages * kBytesKV + kBarrierBytes <= kSmemLimit;
+  static constexpr int kSmemBytes = 1024 + (kSeparateO ? 2 : 1) * kBytesQ + 2 * kStages * kBytesKV + kBarrierBytes;
+
+  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "128-byte panels; O fits the register file");
+  static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "wgmma N of S (64, 128, 192, 256)");
+  static_assert(kConsumers == 2 || kConsumers == 3, "register split");
+  static_assert(kStages >= 2, "K runs one block ahead of V");
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536, "register file");
+  static_assert(kSmemBytes <= kSmemLimit, "shared memory");
+};
+
+// The backward (hopper/flash_bwd_sm90_kernel.cuh).
+template <int kHeadDim_, int kBlockM_, typename Element_, int kNWarpgroups_ = 2>
+struct BwdSm90Traits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;  // queries per step
+  static constexpr int kNWarpgroups = kNWarpgroups_;
+  static constexpr int kWgKeys = 64;                     // keys of a warpgroup
+  static constexpr int kBlockN = kWgKeys * kNWarpgroups;  // keys per CTA
+  static constexpr int kNWarps = 4 * kNWarpgroups;
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kMinBlocksPerSm = kNWarpgroups == 1 ? 2 : 1;
+  static constexpr int kQStages = 2;            // Q / dO double buffering
+  static constexpr int kDSplit = 1;
+  // The 64 x 64 dQ blocks (see the top of the file): kDqBlocksPerWg per
+  // warpgroup over all keys, or one block split over the warpgroups by keys.
+  static constexpr int kDqColBlocks = kHeadDim / 64;
+  static constexpr int kDqBlocks = (kBlockM / 64) * kDqColBlocks;
+  static constexpr bool kDqSplitKeys = kDqBlocks < kNWarpgroups;
+  static constexpr int kDqBlocksPerWg = kDqSplitKeys ? 1 : kDqBlocks / kNWarpgroups;
+
+  using TileQ = SmemTile<kBlockM, kHeadDim>;   // Q and dO blocks
+  using TileKV = SmemTile<kBlockN, kHeadDim>;  // K and V
+  using TileDS = SmemTile<kBlockN, kBlockM>;   // dS^T, [key][query]
+  static constexpr int kPanelQ = TileQ::kRows * 128;    // bytes of one 64-column panel
+  static constexpr int kPanelKV = TileKV::kRows * 128;
+  static constexpr int kPanelDS = TileDS::kRows * 128;
+  // +1024: the start of dynamic shared memory is rounded up to a 1024-byte
+  // boundary (wgmma's swizzle repeats every 1024 bytes).
+  static constexpr int kSmemBytes =
+      1024 + (2 * TileKV::kElems + 2 * kQStages * TileQ::kElems + TileDS::kElems) * 2 + 2 * kQStages * kBlockM * 4;
+
+  static_assert((kHeadDim == 64 || kHeadDim == 128) && (kBlockM == 64 || kBlockM == 128), "Hopper backward shapes");
+  static_assert(kNWarpgroups == 1 || kNWarpgroups == 2, "warpgroups");
+  static_assert(kDqSplitKeys || kDqBlocks % kNWarpgroups == 0, "dQ blocks deal evenly");
+  static_assert(TileQ::kPanel == 64 && TileKV::kPanel == 64 && TileDS::kPanel == 64, "128-byte panels");
+};
+
 }  // namespace flashattn

@@ -91,6 +91,22 @@ struct QueryBlockOfCta {
   }
 };
 
+// The output of a query block none of whose rows sees a key: zero rows and
+// lse = -inf (MaskParams' rule), written by `nthreads` threads numbered `tid`.
+// Shared by the forward kernels, which skip such a block entirely.
+template <typename T>
+__device__ __forceinline__ void store_unseeing_query_block(const AttnFwdParams& p, int b, int h, int m0, int rows,
+                                                           int tid, int nthreads) {
+  T* gO = static_cast<T*>(p.o_ptr) + b * p.o_batch_stride + h * p.o_head_stride + m0 * p.o_row_stride;
+  float* gLse = static_cast<float*>(p.lse_ptr) + (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0;
+  const int chunks = p.head_dim / 8;
+  for (int i = tid; i < rows * chunks; i += nthreads) {
+    const int r = i / chunks, c = (i % chunks) * 8;
+    *reinterpret_cast<uint4*>(gO + r * p.o_row_stride + c) = make_uint4(0, 0, 0, 0);
+  }
+  for (int r = tid; r < rows; r += nthreads) gLse[r] = -INFINITY;
+}
+
 // Sets to `fill` the entries of invisible keys in a warp's accumulator tile
 // (-inf for scores, 0 for probabilities). Rows are queries r0 + mi*16 + g (+8);
 // columns are keys c0 + ni*8 + 2t (+1).

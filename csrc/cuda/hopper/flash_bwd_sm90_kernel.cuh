@@ -33,43 +33,6 @@
 
 namespace flashattn {
 
-template <int kHeadDim_, int kBlockM_, typename Element_, int kNWarpgroups_ = 2>
-struct BwdSm90Traits {
-  using Element = Element_;
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = kBlockM_;  // queries per step
-  static constexpr int kNWarpgroups = kNWarpgroups_;
-  static constexpr int kWgKeys = 64;                     // keys of a warpgroup
-  static constexpr int kBlockN = kWgKeys * kNWarpgroups;  // keys per CTA
-  static constexpr int kNWarps = 4 * kNWarpgroups;
-  static constexpr int kNThreads = kNWarps * 32;
-  static constexpr int kMinBlocksPerSm = kNWarpgroups == 1 ? 2 : 1;
-  static constexpr int kQStages = 2;            // Q / dO double buffering
-  static constexpr int kDSplit = 1;
-  // The 64 x 64 dQ blocks (see the top of the file): kDqBlocksPerWg per
-  // warpgroup over all keys, or one block split over the warpgroups by keys.
-  static constexpr int kDqColBlocks = kHeadDim / 64;
-  static constexpr int kDqBlocks = (kBlockM / 64) * kDqColBlocks;
-  static constexpr bool kDqSplitKeys = kDqBlocks < kNWarpgroups;
-  static constexpr int kDqBlocksPerWg = kDqSplitKeys ? 1 : kDqBlocks / kNWarpgroups;
-
-  using TileQ = SmemTile<kBlockM, kHeadDim>;   // Q and dO blocks
-  using TileKV = SmemTile<kBlockN, kHeadDim>;  // K and V
-  using TileDS = SmemTile<kBlockN, kBlockM>;   // dS^T, [key][query]
-  static constexpr int kPanelQ = TileQ::kRows * 128;    // bytes of one 64-column panel
-  static constexpr int kPanelKV = TileKV::kRows * 128;
-  static constexpr int kPanelDS = TileDS::kRows * 128;
-  // +1024: the start of dynamic shared memory is rounded up to a 1024-byte
-  // boundary (wgmma's swizzle repeats every 1024 bytes).
-  static constexpr int kSmemBytes =
-      1024 + (2 * TileKV::kElems + 2 * kQStages * TileQ::kElems + TileDS::kElems) * 2 + 2 * kQStages * kBlockM * 4;
-
-  static_assert((kHeadDim == 64 || kHeadDim == 128) && (kBlockM == 64 || kBlockM == 128), "Hopper backward shapes");
-  static_assert(kNWarpgroups == 1 || kNWarpgroups == 2, "warpgroups");
-  static_assert(kDqSplitKeys || kDqBlocks % kNWarpgroups == 0, "dQ blocks deal evenly");
-  static_assert(TileQ::kPanel == 64 && TileKV::kPanel == 64 && TileDS::kPanel == 64, "128-byte panels");
-};
-
 template <typename Kt>
 __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_bwd_sm90_kernel(const AttnBwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

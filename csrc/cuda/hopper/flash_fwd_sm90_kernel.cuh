@@ -27,27 +27,6 @@
 
 namespace flashattn {
 
-template <int kHeadDim_, int kBlockN_, typename Element_, int kMinBlocksPerSm_ = 1>
-struct FwdSm90Traits {
-  using Element = Element_;
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 128;  // two warpgroups of 64 rows
-  static constexpr int kBlockN = kBlockN_;
-  static constexpr int kNWarps = 8;
-  static constexpr int kNThreads = kNWarps * 32;
-  static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;  // 2: registers capped at 128 a thread
-
-  using TileQ = SmemTile<kBlockM, kHeadDim>;
-  using TileKV = SmemTile<kBlockN, kHeadDim>;
-  static constexpr int kPanelQ = TileQ::kRows * 128;  // bytes of one 64-column panel
-  static constexpr int kPanelKV = TileKV::kRows * 128;
-  // +1024: dynamic shared memory is rounded up to a 1024-byte boundary.
-  static constexpr int kSmemBytes = 1024 + (TileQ::kElems + 4 * TileKV::kElems) * 2;
-
-  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "128-byte panels; O fits the register file");
-  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N");
-};
-
 template <typename Kt>
 __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_sm90_kernel(const AttnFwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -83,12 +62,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
   int n_min, n_max;
   mask.key_block_range<kBlockN>(m0, rows, n_min, n_max);
   if (n_max <= n_min) {
-    // No query of this block sees any key: zero output, lse = -inf.
-    for (int i = tid; i < rows * (p.head_dim / 8); i += kNThreads) {
-      const int r = i / (p.head_dim / 8), c = (i % (p.head_dim / 8)) * 8;
-      *reinterpret_cast<uint4*>(gO + r * p.o_row_stride + c) = make_uint4(0, 0, 0, 0);
-    }
-    for (int r = tid; r < rows; r += kNThreads) gLse[r] = -INFINITY;
+    store_unseeing_query_block<T>(p, b, h, m0, rows, tid, kNThreads);
     return;
   }
   const int blocks = n_max - n_min;  // step j visits key block n_max - 1 - j

@@ -1,0 +1,74 @@
+// The persistent tile scheduler of the Hopper forward: which (query block,
+// head, batch) tiles a CTA processes, and in which order.
+//
+// The grid has one CTA per SM; in round r the CTAs take tiles
+// [r * G, (r + 1) * G) of one global order (G = gridDim.x), CTA c the tile
+// c of even rounds and G - 1 - c of odd rounds (boustrophedon: the CTA that
+// took the heaviest tile of a round takes the lightest of the next). The
+// producer loads the next tile's Q and K/V while the consumers still finish
+// the current one (no CTA start-up between tiles).
+//
+// The order: (batch, head) pairs are cut into groups whose K and V fit in L2
+// together; inside a group, tiles go by query block, heaviest first (the last
+// query blocks under a causal mask see the most keys), then by head. So the
+// CTAs running at one time share a few heads' K/V in L2, and every round of
+// the static assignment hands out tiles of about equal weight (longest
+// processing time first).
+#pragma once
+
+#include "../../flash_params.h"
+#include "../ptx.cuh"
+
+namespace flashattn {
+
+struct FwdSchedule {
+  int num_m_blocks = 0;  // query blocks of a head
+  int num_tiles = 0;     // num_m_blocks * batch * heads_q
+  int group_bh = 1;      // (batch, head) pairs per L2 group
+  bool boustrophedon = true;  // false: CTA c takes tile c of every round (FLASHATTN_FWD_STRIDED=1, for timing)
+
+  // L2 bytes the K/V of one group may take: about half of an H100/H200's.
+  static constexpr int64_t kL2GroupBytes = int64_t(24) << 20;
+
+  static FwdSchedule make(const AttnFwdParams& p, int block_m) {
+    FwdSchedule s;
+    s.num_m_blocks = ceil_div(p.seqlen_q, block_m);
+    const int64_t num_bh = int64_t(p.batch) * p.heads_q;
+    s.num_tiles = static_cast<int>(num_bh * s.num_m_blocks);  // the binding layer checks it fits
+    // K and V bytes per query head (a GQA group shares them: count them once per group).
+    const int64_t kv_bytes = int64_t(p.seqlen_k) * p.head_dim * 2 * 2 / p.heads_ratio();
+    const int64_t group = kL2GroupBytes / (kv_bytes > 0 ? kv_bytes : 1);
+    s.group_bh = static_cast<int>(group < 1 ? 1 : (group > num_bh ? num_bh : group));
+    return s;
+  }
+};
+
+// The tile CTA `cta` of `ctas` takes in round `round` (>= num_tiles: none).
+__device__ __forceinline__ int fwd_tile_of_round(const FwdSchedule& s, int round, int cta, int ctas) {
+  return round * ctas + ((s.boustrophedon && (round & 1)) ? ctas - 1 - cta : cta);
+}
+
+template <int kBlockM>
+struct FwdTile {
+  int h, b, h_kv;  // query head, batch, key/value head
+  int m0, rows;    // first query row, valid rows
+
+  __device__ __forceinline__ FwdTile(const AttnFwdParams& p, const FwdSchedule& s, int tile) {
+    const int group_tiles = s.group_bh * s.num_m_blocks;
+    const int group = tile / group_tiles;
+    const int in_group = tile - group * group_tiles;
+    // The last group may hold fewer (batch, head) pairs.
+    const int bh0 = group * s.group_bh;
+    const int bh_total = p.batch * p.heads_q;
+    const int group_size = min(s.group_bh, bh_total - bh0);
+    const int m_rank = in_group / group_size;
+    const int bh = bh0 + (in_group - m_rank * group_size);
+    h = bh % p.heads_q;
+    b = bh / p.heads_q;
+    h_kv = h / p.heads_ratio();
+    m0 = (s.num_m_blocks - 1 - m_rank) * kBlockM;
+    rows = min(kBlockM, p.seqlen_q - m0);
+  }
+};
+
+}  // namespace flashattn
