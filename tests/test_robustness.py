@@ -19,6 +19,7 @@ import sys
 import textwrap
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -276,7 +277,6 @@ def test_causal_must_be_bool(device):
         faf(q, q, q, causal="False")
     with pytest.raises(TypeError, match="causal must be a bool"):
         faf(q, q, q, causal=1)
-    np = pytest.importorskip("numpy")
     torch.testing.assert_close(faf(q, q, q, causal=np.bool_(True)), faf(q, q, q, causal=True), rtol=0, atol=0)
 
 
@@ -286,6 +286,24 @@ def test_dropout_p_out_of_range(device, p):
     q = randn((1, 5, 2, 16), _lowp(device), device)
     with pytest.raises(ValueError, match=r"flash_attn_func: dropout_p must be in \[0, 1\]"):
         faf(q, q, q, dropout_p=p)
+
+
+def test_flash_attn_func_accepts_what_flash_attn_does(device):
+    """The unclear errors of the issue: an int64 window (NumPy, a tensor, a width
+    past any sequence, 2^63 included) works; a scale or dropout_p given as a
+    NumPy number or a one-element tensor too."""
+    q, k, v = (randn((1, 9, 2, 16), _lowp(device), device) for _ in range(3))
+    expected = faf(q, k, v, window_size=(3, 0))
+    for window in [(np.int64(3), np.int64(0)), (torch.tensor(3), torch.tensor(0)), [3, 0]]:
+        torch.testing.assert_close(faf(q, k, v, window_size=window), expected, rtol=0, atol=0)
+    unbounded = faf(q, k, v, causal=True)
+    for big in (2**31, 2**40, 2**63, 2**70):
+        torch.testing.assert_close(faf(q, k, v, causal=True, window_size=(big, -1)), unbounded, rtol=0, atol=0)
+    scaled = faf(q, k, v, softmax_scale=0.5)
+    for scale in (np.float32(0.5), torch.tensor(0.5), 0.5, np.float64(0.5)):
+        torch.testing.assert_close(faf(q, k, v, softmax_scale=scale), scaled, rtol=0, atol=0)
+    torch.testing.assert_close(faf(q, k, v, dropout_p=0), faf(q, k, v), rtol=0, atol=0)
+    torch.testing.assert_close(faf(q, k, v, dropout_p=np.float64(0.0)), faf(q, k, v), rtol=0, atol=0)
 
 
 def test_sdpa_argument_types_like_torch(device):
@@ -298,7 +316,6 @@ def test_sdpa_argument_types_like_torch(device):
         with pytest.raises(TypeError) as ours:
             sdpa(q, q, q, **kw)
         assert str(ours.value) == str(theirs.value)
-    np = pytest.importorskip("numpy")
     for kw in ({"scale": 1}, {"scale": np.float64(0.3)}, {"dropout_p": 0}):
         with warnings.catch_warnings():
             warnings.simplefilter("error", FlashAttnFallbackWarning)
