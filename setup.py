@@ -66,6 +66,10 @@ def _check_build_dependencies():
     so it must be installed first and the build not isolated), wheel (setuptools
     < 70.1 keeps bdist_wheel there) and ninja (else a slow serial build)."""
     missing = [m for m in ("torch",) if importlib.util.find_spec(m) is None]
+    if missing and any("pip-build-env" in p for p in sys.path):
+        _fail("pip is building in an isolated environment, without your torch: run `pip install "
+              f"--no-build-isolation -e .` (after `{SETUP_HINT}`), so that the kernels compile against the "
+              "torch they will run with")
     if tuple(int(x) for x in re.findall(r"\d+", setuptools_version)[:2]) < (70, 1):
         if importlib.util.find_spec("wheel") is None:
             missing.append("wheel")
@@ -118,7 +122,8 @@ def _cuda_available():
 def cxx_standard():
     """17 or 20: the C++ standard torch's headers require. Since 2.15 ATen.h
     stops with "#error C++20 or later compatible compiler is required"; older
-    headers ask for C++17. Read from the headers, so any torch builds."""
+    headers ask for C++17. Read from the headers rather than guessed from the
+    version."""
     import torch
 
     std = 17

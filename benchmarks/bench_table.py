@@ -190,8 +190,8 @@ def markdown_report(data):
         cols = [i for i in IMPL_NAMES if i in impls_present] + sorted(impls_present - set(IMPL_NAMES))
         rats = [(a, b) for a, b in RATIOS if a in impls_present and b in impls_present]
         lines.append("TFLOP/s at seqlen " + " / ".join(_seqlen_label(n) for n in seqlens)
-                     + " (batch x seqlen = %s tokens, heads = %s / head_dim); ratios of TFLOP/s at each seqlen."
-                     % (data.get("grid", {}).get("tokens", 16384), data.get("grid", {}).get("head_total", 2048)))
+                     + f" (batch x seqlen = {data.get('grid', {}).get('tokens', 16384)} tokens, heads = "
+                     f"{data.get('grid', {}).get('head_total', 2048)} / head_dim); ratios of TFLOP/s at each seqlen.")
         lines.append("")
         hdr = ["case"] + [IMPL_NAMES.get(i, i) for i in cols] + [ratio_label(a, b) for a, b in rats]
         lines.append("| " + " | ".join(hdr) + " |")
