@@ -110,13 +110,13 @@ def quick_perf(dims):
                         )
                     finally:
                         del os.environ["FLASHATTN_DISABLE_TMA"]
-                    os.environ["FLASHATTN_FWD_STRIDED"] = "1"
+                    os.environ["FLASHATTN_FWD_BOUSTROPHEDON"] = "1"
                     try:
-                        res["strided_fwd"] = bench(
+                        res["boustro_fwd"] = bench(
                             lambda: _ops.fwd(q, k, v, d**-0.5, -1, 0 if causal else -1, True, False)
                         )
                     finally:
-                        del os.environ["FLASHATTN_FWD_STRIDED"]
+                        del os.environ["FLASHATTN_FWD_BOUSTROPHEDON"]
                 if torch.cuda.get_device_capability() == (9, 0):  # the mma.sync kernels, for comparison
                     os.environ["FLASHATTN_DISABLE_SM90"] = "1"
                     try:
@@ -148,7 +148,7 @@ def quick_perf(dims):
                 rows.append(res)
                 print(
                     f"perf d{d} n{n} causal={causal}: fwd ours {res.get('ours_fwd_tflops', 0):.0f} "
-                    f"(strided {res.get('strided_fwd_tflops', 0):.0f}, no TMA {res.get('notma_fwd_tflops', 0):.0f}, mma.sync {res.get('sm80_fwd_tflops', 0):.0f}) "
+                    f"(strided {res.get('boustro_fwd_tflops', 0):.0f}, no TMA {res.get('notma_fwd_tflops', 0):.0f}, mma.sync {res.get('sm80_fwd_tflops', 0):.0f}) "
                     f"fa2 {res.get('fa2_fwd_tflops', 0):.0f} cudnn {res.get('cudnn_fwd_tflops', 0):.0f} | "
                     f"bwd ours {res.get('ours_bwd_tflops', 0):.0f} (mma.sync {res.get('sm80_bwd_tflops', 0):.0f}) "
                     f"fa2 {res.get('fa2_bwd_tflops', 0):.0f} "

@@ -79,9 +79,10 @@ struct AttnFwdParams {
   // Hopper: the warp-specialized TMA kernels may run (FLASHATTN_DISABLE_TMA=1
   // clears it, to time the cp.async Hopper kernels beside them).
   bool allow_tma = true;
-  // The persistent Hopper forward's tile order alternates direction every
-  // round (FLASHATTN_FWD_STRIDED=1 clears it, to time plain striding beside it).
-  bool fwd_boustrophedon = true;
+  // The persistent Hopper forward's tile order: plain striding, or alternating
+  // direction every round (FLASHATTN_FWD_BOUSTROPHEDON=1, for timing; slower
+  // at d64/d128 causal in the A/B of benchmarks/NOTES.md).
+  bool fwd_boustrophedon = false;
 
   FLASHATTN_HOST_DEVICE int heads_ratio() const { return heads_q / heads_kv; }
 };

@@ -147,7 +147,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   auto params = make_fwd_params(q, k, v, out, lse, softmax_scale, mask);
   params.device_arch = device_arch(q);
   params.allow_tma = !env_flag("FLASHATTN_DISABLE_TMA");
-  params.fwd_boustrophedon = !env_flag("FLASHATTN_FWD_STRIDED");
+  params.fwd_boustrophedon = env_flag("FLASHATTN_FWD_BOUSTROPHEDON");
   const auto stream = at::cuda::getCurrentCUDAStream().stream();
   const cudaError_t err = with_element_type(q.scalar_type(), [&](auto elem) {
     return with_kernel_head_dim(kdim, [&](auto dim) { return run_fwd<decltype(elem), decltype(dim)::value>(params, stream); });
