@@ -148,7 +148,7 @@ def quick_perf(dims):
                 rows.append(res)
                 print(
                     f"perf d{d} n{n} causal={causal}: fwd ours {res.get('ours_fwd_tflops', 0):.0f} "
-                    f"(strided {res.get('boustro_fwd_tflops', 0):.0f}, no TMA {res.get('notma_fwd_tflops', 0):.0f}, mma.sync {res.get('sm80_fwd_tflops', 0):.0f}) "
+                    f"(boustrophedon {res.get('boustro_fwd_tflops', 0):.0f}, no TMA {res.get('notma_fwd_tflops', 0):.0f}, mma.sync {res.get('sm80_fwd_tflops', 0):.0f}) "
                     f"fa2 {res.get('fa2_fwd_tflops', 0):.0f} cudnn {res.get('cudnn_fwd_tflops', 0):.0f} | "
                     f"bwd ours {res.get('ours_bwd_tflops', 0):.0f} (mma.sync {res.get('sm80_bwd_tflops', 0):.0f}) "
                     f"fa2 {res.get('fa2_bwd_tflops', 0):.0f} "
