@@ -162,23 +162,24 @@ def _cpu_bench(fn, warmup_ms, rep_ms):
     return statistics.median(times)
 
 
-def _load_attention_flops():
-    """flashattn_ext.reference.attention_flops, the project's one FLOP formula; read
-    from the checkout's file when the package does not import (a broken build must
-    not stop the peers' measurements)."""
+def _load_reference():
+    """flashattn_ext.reference (the project's one FLOP formula and one visibility
+    rule); read from the checkout's file when the package does not import (a
+    broken build must not stop the peers' measurements)."""
     try:
-        from flashattn_ext.reference import attention_flops
+        from flashattn_ext import reference
 
-        return attention_flops
+        return reference
     except Exception:  # noqa: BLE001
         path = os.path.join(ROOT, "flashattn_ext", "reference.py")
         spec = importlib.util.spec_from_file_location("_flashattn_reference", path)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
-        return mod.attention_flops
+        return mod
 
 
-attention_flops = _load_attention_flops()
+_reference = _load_reference()
+attention_flops = _reference.attention_flops
 
 
 def tflops(flops, ms):
@@ -220,8 +221,9 @@ def naive_attention(q, k, v, causal, mask=None):
 
 
 def causal_mask(n_q, n_k, device):
-    # True above the diagonal; for n_q == n_k top-left and bottom-right alignment agree.
-    return torch.ones(n_q, n_k, dtype=torch.bool, device=device).triu_(1)
+    # True where masked: the complement of the one visibility rule (causal, top-left;
+    # for n_q == n_k top-left and bottom-right alignment agree).
+    return ~_reference.visible_mask(n_q, n_k, window_right=0, device=device)
 
 
 def layout_of(impl):
