@@ -67,16 +67,20 @@ def _check_build_dependencies():
     < 70.1 keeps bdist_wheel there) and ninja (else a slow serial build)."""
     missing = [m for m in ("torch",) if importlib.util.find_spec(m) is None]
     if missing and any("pip-build-env" in p for p in sys.path):
-        _fail("pip is building in an isolated environment, without your torch: run `pip install "
-              f"--no-build-isolation -e .` (after `{SETUP_HINT}`), so that the kernels compile against the "
-              "torch they will run with")
+        _fail(
+            "pip is building in an isolated environment, without your torch: run `pip install "
+            f"--no-build-isolation -e .` (after `{SETUP_HINT}`), so that the kernels compile against the "
+            "torch they will run with"
+        )
     if tuple(int(x) for x in re.findall(r"\d+", setuptools_version)[:2]) < (70, 1):
         if importlib.util.find_spec("wheel") is None:
             missing.append("wheel")
     if missing:
-        _fail(f"{' and '.join(missing)} not installed in {sys.executable}; run `{SETUP_HINT}` first, then "
-              "`pip install --no-build-isolation -e .` (torch must be there before the build: the kernels "
-              "compile against it)")
+        _fail(
+            f"{' and '.join(missing)} not installed in {sys.executable}; run `{SETUP_HINT}` first, then "
+            "`pip install --no-build-isolation -e .` (torch must be there before the build: the kernels "
+            "compile against it)"
+        )
     if importlib.util.find_spec("ninja") is None and shutil.which("ninja") is None:
         _say(f"ninja not found: falling back to a slow serial build (`{SETUP_HINT}` installs it)")
 
@@ -112,10 +116,12 @@ def _cuda_available():
     version = _nvcc_version(nvcc)
     torch_major = int(torch.version.cuda.split(".")[0])
     if version is not None and version[0] != torch_major:
-        _fail(f"torch {torch.__version__} is built for CUDA {torch.version.cuda} but {nvcc} is CUDA "
-              f"{version[0]}.{version[1]}: install a torch built for CUDA {version[0]} (for CUDA 13: "
-              f"`{SETUP_HINT}`, torch==2.11.0), point CUDA_HOME at a CUDA {torch_major} toolkit, or build "
-              "without the CUDA kernels with FLASHATTN_CPU_ONLY=1")
+        _fail(
+            f"torch {torch.__version__} is built for CUDA {torch.version.cuda} but {nvcc} is CUDA "
+            f"{version[0]}.{version[1]}: install a torch built for CUDA {version[0]} (for CUDA 13: "
+            f"`{SETUP_HINT}`, torch==2.11.0), point CUDA_HOME at a CUDA {torch_major} toolkit, or build "
+            "without the CUDA kernels with FLASHATTN_CPU_ONLY=1"
+        )
     return True, "nvcc " + (f"{version[0]}.{version[1]}" if version else "(version unknown)") + f" at {CUDA_HOME}"
 
 
@@ -164,7 +170,7 @@ def _links_libstdcxx_shared(cxx, extra):
     with tempfile.TemporaryDirectory() as tmp:
         src, lib = os.path.join(tmp, "probe.cpp"), os.path.join(tmp, "probe.so")
         with open(src, "w") as f:
-            f.write('#include <sstream>\nstd::string probe(long x) { std::ostringstream s; s << x; return s.str(); }\n')
+            f.write("#include <sstream>\nstd::string probe(long x) { std::ostringstream s; s << x; return s.str(); }\n")
         cmd = [cxx, "-shared", "-fPIC", src, "-o", lib] + extra
         if subprocess.run(cmd, capture_output=True).returncode != 0:
             return False
@@ -191,14 +197,18 @@ def _cxx_runtime_link_args():
         for other in (shutil.which("c++"), shutil.which("g++")):
             if other and os.path.realpath(other) != os.path.realpath(shutil.which(cxx) or cxx):
                 if _links_libstdcxx_shared(other, []):
-                    _say(f"CXX={cxx} links libstdc++ statically (a second C++ runtime inside the extension "
-                         f"crashes it); building with {other} instead")
+                    _say(
+                        f"CXX={cxx} links libstdc++ statically (a second C++ runtime inside the extension "
+                        f"crashes it); building with {other} instead"
+                    )
                     os.environ["CXX"] = other
                     return []
     except OSError:
         return []
-    _say(f"WARNING: {cxx} links libstdc++ statically and no flag or other compiler links the shared one; "
-         "the extension may crash at its first error message: set CXX to a compiler that links libstdc++ shared")
+    _say(
+        f"WARNING: {cxx} links libstdc++ statically and no flag or other compiler links the shared one; "
+        "the extension may crash at its first error message: set CXX to a compiler that links libstdc++ shared"
+    )
     return []
 
 
@@ -260,9 +270,11 @@ def extensions():
         nvcc_flags += ["-DFLASHATTN_SM90"]
     if os.environ.get("FLASHATTN_PTXAS_VERBOSE", "0") == "1":
         nvcc_flags += ["-Xptxas", "-v"]
-    _say(f"building the CPU kernels and the CUDA kernels for archs {', '.join(archs)} "
-         f"({', '.join('sm_90a' if a == '90' else 'sm_' + a for a in archs)}), head dims "
-         f"{', '.join(str(d) for d in dims)} ({len(kernel_sources)} kernel sources), {detail}; {std_note}")
+    _say(
+        f"building the CPU kernels and the CUDA kernels for archs {', '.join(archs)} "
+        f"({', '.join('sm_90a' if a == '90' else 'sm_' + a for a in archs)}), head dims "
+        f"{', '.join(str(d) for d in dims)} ({len(kernel_sources)} kernel sources), {detail}; {std_note}"
+    )
     return [
         CUDAExtension(
             "flashattn_ext._C",

@@ -130,9 +130,12 @@ def main(argv=None):
                 for n in seqlens:
                     ms = bench_config(impls, mode, DTYPES[dtype_name], b, h, n, d, causal, args.warmup, args.reps)
                     for impl in impls:
-                        rows.append(dict(impl=impl, mode=mode, dtype=dtype_name, d=d, n=n, b=b, h=h, causal=causal,
-                                         ms=ms[impl]))
-                    line = f"{mode:8} {dtype_name:9} {str(causal):6} {n:5d} " + " ".join(f"{ms[i]:10.2f}" for i in impls)
+                        rows.append(
+                            dict(impl=impl, mode=mode, dtype=dtype_name, d=d, n=n, b=b, h=h, causal=causal, ms=ms[impl])
+                        )
+                    line = f"{mode:8} {dtype_name:9} {str(causal):6} {n:5d} " + " ".join(
+                        f"{ms[i]:10.2f}" for i in impls
+                    )
                     line += "".join(f" {ms['ours'] / ms[i]:11.2f}" for i in ratio_cols)
                     print(line, flush=True)
     if args.json:

@@ -70,17 +70,19 @@ sys.path.insert(0, HERE)
 if os.path.isdir(os.path.join(ROOT, "flashattn_ext")):
     sys.path.append(ROOT)
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
 import bench_table  # noqa: E402
 import host_overhead  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 CORE_IMPLS = ("ours_sdpa", "ours_native", "sdpa_default", "sdpa_cudnn", "sdpa_flash")
 SLOW_IMPLS = ("sdpa_mem_efficient", "naive")
 ALL_IMPLS = CORE_IMPLS + ("fa4",) + SLOW_IMPLS
-TORCH_BACKENDS = {"sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_flash": "FLASH_ATTENTION",
-                  "sdpa_mem_efficient": "EFFICIENT_ATTENTION"}
+TORCH_BACKENDS = {
+    "sdpa_cudnn": "CUDNN_ATTENTION",
+    "sdpa_flash": "FLASH_ATTENTION",
+    "sdpa_mem_efficient": "EFFICIENT_ATTENTION",
+}
 CUDA_ONLY_IMPLS = ("sdpa_cudnn", "sdpa_mem_efficient", "fa4")
 BNHD_IMPLS = ("ours_native", "fa4")  # the others take (b, h, n, d)
 HOST_IMPLS = ("sdpa_default", "ours_sdpa", "ours_native", "sdpa_cudnn", "sdpa_flash")
@@ -286,7 +288,8 @@ def default_backend(q, k, v, causal):
     except Exception:  # noqa: BLE001  (a private helper: record nothing rather than fail)
         return None
     return {"FLASH_ATTENTION": "flash", "CUDNN_ATTENTION": "cudnn", "EFFICIENT_ATTENTION": "mem_efficient"}.get(
-        name, name.lower())
+        name, name.lower()
+    )
 
 
 def build_call(impl, mode, b, h, n, d, causal, dtype, device, gen):
@@ -327,7 +330,8 @@ def _is_refusal(e):
     return (
         "No available kernel" in msg
         or "No viable backend" in msg
-        or "not supported" in msg.lower() and "sdpa" in msg.lower()
+        or "not supported" in msg.lower()
+        and "sdpa" in msg.lower()
     )
 
 
@@ -359,8 +363,7 @@ def _record_failure(row, e):
 
 def run_case(impl, mode, b, h, n, d, causal, dtype, device, bench, gen, naive_max_gib, matmul_tflops=None):
     """Times one implementation on one case. Returns a row; never raises."""
-    row = dict(impl=impl, mode=mode, dtype=_dtype_name(dtype), d=d, n=n, b=b, h=h, causal=causal,
-               ms=None, tflops=None)
+    row = dict(impl=impl, mode=mode, dtype=_dtype_name(dtype), d=d, n=n, b=b, h=h, causal=causal, ms=None, tflops=None)
     if impl == "naive":
         elt = torch.finfo(dtype).bits // 8
         # fwd holds ~3 score-sized matrices (S, masked S, P); fwd+bwd ~5 (P saved, dP, dS, ...).
@@ -406,8 +409,9 @@ def measure_ceilings(device, bench, quick):
         a = torch.randn(m, m, dtype=dtype, device=device)
         bm = torch.randn(m, m, dtype=dtype, device=device)
         ms = bench(lambda: torch.matmul(a, bm))
-        res.update(matmul_tflops=tflops(2.0 * m**3, ms), matmul_ms=ms, matmul_shape=[m, m, m],
-                   matmul_dtype=_dtype_name(dtype))
+        res.update(
+            matmul_tflops=tflops(2.0 * m**3, ms), matmul_ms=ms, matmul_shape=[m, m, m], matmul_dtype=_dtype_name(dtype)
+        )
         a = bm = None  # free before the copy test
     except Exception as e:  # noqa: BLE001
         res.update(matmul_tflops=None, matmul_error=_short(e))
@@ -415,8 +419,12 @@ def measure_ceilings(device, bench, quick):
         src = torch.empty(copy_bytes, dtype=torch.uint8, device=device).random_()
         dst = torch.empty_like(src)
         ms = bench(lambda: dst.copy_(src))
-        res.update(copy_tbs=2.0 * copy_bytes / (ms * 1e-3) / 1e12, copy_ms=ms, copy_bytes=copy_bytes,
-                   copy_note="read + write bytes counted")
+        res.update(
+            copy_tbs=2.0 * copy_bytes / (ms * 1e-3) / 1e12,
+            copy_ms=ms,
+            copy_bytes=copy_bytes,
+            copy_note="read + write bytes counted",
+        )
         src = dst = None
     except Exception as e:  # noqa: BLE001
         res.update(copy_tbs=None, copy_error=_short(e))
@@ -424,8 +432,9 @@ def measure_ceilings(device, bench, quick):
     return res
 
 
-def measure_host_overhead(device, impls=HOST_IMPLS, modes=HOST_MODES, shape=(1, 2, 128, 64), dtype=None,
-                          causal=True, seed=0):
+def measure_host_overhead(
+    device, impls=HOST_IMPLS, modes=HOST_MODES, shape=(1, 2, 128, 64), dtype=None, causal=True, seed=0
+):
     """Host microseconds of one call on a tiny case, per implementation and mode
     (host_overhead.host_us_per_call): the cost of the Python wrapper, checks,
     autograd and launches, which the GPU time of a tiny case cannot hide."""
@@ -434,14 +443,27 @@ def measure_host_overhead(device, impls=HOST_IMPLS, modes=HOST_MODES, shape=(1, 
     b, h, n, d = shape
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
-    res = dict(b=b, h=h, n=n, d=d, dtype=_dtype_name(dtype), causal=causal, unit="us per call",
-               modes={"fwd": "forward, inputs without grad",
-                      "fwd_grad": "forward, inputs requiring grad (records the autograd graph)",
-                      "fwd+bwd": "forward + torch.autograd.grad(out, (q, k, v), dout)"},
-               method=("GPU kept busy by a torch.cuda._sleep kernel; calls enqueued behind it timed with "
-                       "time.perf_counter, no synchronization inside the timed loop; median of reps"
-                       if device.type == "cuda" else "CPU: wall time of the whole call (the kernels run inside it)"),
-               impls={})
+    res = dict(
+        b=b,
+        h=h,
+        n=n,
+        d=d,
+        dtype=_dtype_name(dtype),
+        causal=causal,
+        unit="us per call",
+        modes={
+            "fwd": "forward, inputs without grad",
+            "fwd_grad": "forward, inputs requiring grad (records the autograd graph)",
+            "fwd+bwd": "forward + torch.autograd.grad(out, (q, k, v), dout)",
+        },
+        method=(
+            "GPU kept busy by a torch.cuda._sleep kernel; calls enqueued behind it timed with "
+            "time.perf_counter, no synchronization inside the timed loop; median of reps"
+            if device.type == "cuda"
+            else "CPU: wall time of the whole call (the kernels run inside it)"
+        ),
+        impls={},
+    )
     for impl in impls:
         entry = {}
         for mode in modes:
@@ -465,8 +487,17 @@ def measure_host_overhead(device, impls=HOST_IMPLS, modes=HOST_MODES, shape=(1, 
 
 def measure_memory(impl, n, b, h, d, dtype, device, gen):
     """Peak extra memory of one forward + backward, beyond the inputs and dout."""
-    entry = dict(impl=impl, b=b, h=h, n=n, d=d, dtype=_dtype_name(dtype), causal=False,
-                 peak_extra_bytes=None, peak_extra_gib=None)
+    entry = dict(
+        impl=impl,
+        b=b,
+        h=h,
+        n=n,
+        d=d,
+        dtype=_dtype_name(dtype),
+        causal=False,
+        peak_extra_bytes=None,
+        peak_extra_gib=None,
+    )
     if device.type != "cuda":
         entry["skipped"] = "memory statistics need CUDA"
         return entry
@@ -527,14 +558,20 @@ def environment(device, timer_desc):
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         python=platform.python_version(),
         timer=timer_desc,
-        layouts={"ours_native": "(b, n, h, d) contiguous", "fa4": "(b, n, h, d) contiguous",
-                 "others": "(b, h, n, d) contiguous (ours_sdpa included, and its dout)"},
+        layouts={
+            "ours_native": "(b, n, h, d) contiguous",
+            "fa4": "(b, n, h, d) contiguous",
+            "others": "(b, h, n, d) contiguous (ours_sdpa included, and its dout)",
+        },
         flops="flashattn_ext.reference.attention_flops: fwd 4*b*h*n_q*n_k*d, halved when causal; bwd 2.5x fwd",
     )
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
-        env.update(capability=f"{p.major}.{p.minor}", sm_count=p.multi_processor_count,
-                   gpu_memory_gib=round(p.total_memory / GIB, 1))
+        env.update(
+            capability=f"{p.major}.{p.minor}",
+            sm_count=p.multi_processor_count,
+            gpu_memory_gib=round(p.total_memory / GIB, 1),
+        )
     else:
         env.update(gpu=None, cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads())
     try:
@@ -554,8 +591,9 @@ def environment(device, timer_desc):
         env["flashattn_ext"] = None
         env["flashattn_ext_error"] = OURS_IMPORT_ERROR
     if device.type == "cpu":
-        env["note"] = ("CPU run: 'sdpa_flash' is torch's CPU flash kernel; sdpa_cudnn, sdpa_mem_efficient "
-                       "and fa4 need CUDA")
+        env["note"] = (
+            "CPU run: 'sdpa_flash' is torch's CPU flash kernel; sdpa_cudnn, sdpa_mem_efficient and fa4 need CUDA"
+        )
     return env
 
 
@@ -586,37 +624,66 @@ def parse_args(argv=None):
     )
     p.add_argument("--json", metavar="PATH", help="write the results as JSON here (rewritten after each section)")
     p.add_argument("--md", metavar="PATH", help="write a markdown results table here")
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                   help="default auto: CUDA when torch sees a GPU; cpu runs the same code on small shapes "
-                   "(CUDA-only backends and the memory test are skipped)")
-    p.add_argument("--heads-dims", "--head-dims", dest="head_dims", default=None,
-                   help="head dims, comma-separated (default 128,64,256; quick: 128,64)")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cuda", "cpu"),
+        default="auto",
+        help="default auto: CUDA when torch sees a GPU; cpu runs the same code on small shapes "
+        "(CUDA-only backends and the memory test are skipped)",
+    )
+    p.add_argument(
+        "--heads-dims",
+        "--head-dims",
+        dest="head_dims",
+        default=None,
+        help="head dims, comma-separated (default 128,64,256; quick: 128,64)",
+    )
     p.add_argument("--seqlens", default=None, help="seqlens, e.g. 512,1k,2k (default 512..16k; quick: 1k,4k)")
     p.add_argument("--modes", default="fwd,bwd", help="fwd, bwd or both (default fwd,bwd)")
     p.add_argument("--causal", choices=("both", "true", "false"), default="both", help="default both")
-    p.add_argument("--impls", default=",".join(ALL_IMPLS),
-                   help="implementations to time (default all: %(default)s; fa4 only when importable; "
-                   "the old names flashattn_ext, cudnn, fa2, mem_efficient are accepted)")
-    p.add_argument("--slow-seqlens", default=None,
-                   help="grid seqlens at which the slow implementations (sdpa_mem_efficient, naive) run: "
-                   "a list, 'all' or 'none' (default 1k,4k; quick: 1k; CPU: all). The GPT-2 case always "
-                   "runs naive for its speedup")
-    p.add_argument("--dtype", default=None, help="grid dtypes, comma-separated among bf16,fp16,fp32 "
-                   "(default bf16 on CUDA, fp32 on CPU)")
+    p.add_argument(
+        "--impls",
+        default=",".join(ALL_IMPLS),
+        help="implementations to time (default all: %(default)s; fa4 only when importable; "
+        "the old names flashattn_ext, cudnn, fa2, mem_efficient are accepted)",
+    )
+    p.add_argument(
+        "--slow-seqlens",
+        default=None,
+        help="grid seqlens at which the slow implementations (sdpa_mem_efficient, naive) run: "
+        "a list, 'all' or 'none' (default 1k,4k; quick: 1k; CPU: all). The GPT-2 case always "
+        "runs naive for its speedup",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="grid dtypes, comma-separated among bf16,fp16,fp32 (default bf16 on CUDA, fp32 on CPU)",
+    )
     p.add_argument("--fp16", action="store_true", help="also run the grid in fp16")
     p.add_argument("--tokens", type=int, default=None, help="batch * seqlen of the grid (default 16384)")
     p.add_argument("--head-total", type=int, default=None, help="heads * head_dim of the grid (default 2048)")
     p.add_argument("--memory-seqlens", default=None, help="seqlens of the memory test (default 4k,16k,32k)")
-    p.add_argument("--naive-max-gib", type=float, default=40.0,
-                   help="skip the naive path where its score matrices would need more than this (default %(default)g GiB)")
+    p.add_argument(
+        "--naive-max-gib",
+        type=float,
+        default=40.0,
+        help="skip the naive path where its score matrices would need more than this (default %(default)g GiB)",
+    )
     p.add_argument("--no-memory", action="store_true", help="skip the memory test")
     p.add_argument("--no-gpt2", action="store_true", help="skip the GPT-2 case")
     p.add_argument("--no-ceilings", action="store_true", help="skip the matmul / copy ceilings")
     p.add_argument("--no-host", action="store_true", help="skip the host time per call")
     p.add_argument("--quick", action="store_true", help="a small subset (GPU: about 40 s; CPU: tiny shapes)")
-    p.add_argument("--budget-s", "--time-budget", dest="budget_s", type=float, default=200.0, metavar="SECONDS",
-                   help="stop adding grid points once the run has taken this long (default %(default)g, which "
-                   "keeps a full H200 run under 4 minutes; 0: no limit)")
+    p.add_argument(
+        "--budget-s",
+        "--time-budget",
+        dest="budget_s",
+        type=float,
+        default=200.0,
+        metavar="SECONDS",
+        help="stop adding grid points once the run has taken this long (default %(default)g, which "
+        "keeps a full H200 run under 4 minutes; 0: no limit)",
+    )
     p.add_argument("--warmup", type=float, default=25.0, help="do_bench warmup in ms (default %(default)g)")
     p.add_argument("--rep", type=float, default=100.0, help="do_bench repetition time in ms (default %(default)g)")
     p.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
@@ -660,8 +727,11 @@ def main(argv=None):
         warmup, rep = (5.0, 20.0) if cpu else (10.0, 30.0)
     else:
         head_dims = _ints(args.head_dims) if args.head_dims else ([64, 32] if cpu else [128, 64, 256])
-        seqlens = _ints(args.seqlens) if args.seqlens else (
-            [128, 256, 512, 1024] if cpu else [512, 1024, 2048, 4096, 8192, 16384])
+        seqlens = (
+            _ints(args.seqlens)
+            if args.seqlens
+            else ([128, 256, 512, 1024] if cpu else [512, 1024, 2048, 4096, 8192, 16384])
+        )
         mem_seqlens = _ints(args.memory_seqlens) if args.memory_seqlens else [4096, 16384, 32768]
         slow_default = None if cpu else [1024, 4096]
         warmup, rep = args.warmup, args.rep
@@ -678,12 +748,28 @@ def main(argv=None):
     gen.manual_seed(args.seed)
 
     data = environment(device, timer_desc)
-    data.update(ceilings={}, host_overhead={}, gpt2={}, memory=[], rows=[], skipped_impls=skipped_impls,
-                grid=dict(dtypes=[_dtype_name(x) for x in dtypes], head_dims=head_dims, seqlens=seqlens,
-                          modes=modes, causal=causals, impls=impls, tokens=tokens, head_total=head_total,
-                          slow_impls=[i for i in SLOW_IMPLS if i in impls],
-                          slow_seqlens="all" if slow_seqlens is None else slow_seqlens,
-                          quick=args.quick, budget_s=args.budget_s))
+    data.update(
+        ceilings={},
+        host_overhead={},
+        gpt2={},
+        memory=[],
+        rows=[],
+        skipped_impls=skipped_impls,
+        grid=dict(
+            dtypes=[_dtype_name(x) for x in dtypes],
+            head_dims=head_dims,
+            seqlens=seqlens,
+            modes=modes,
+            causal=causals,
+            impls=impls,
+            tokens=tokens,
+            head_total=head_total,
+            slow_impls=[i for i in SLOW_IMPLS if i in impls],
+            slow_seqlens="all" if slow_seqlens is None else slow_seqlens,
+            quick=args.quick,
+            budget_s=args.budget_s,
+        ),
+    )
 
     def save():
         if args.json:
@@ -695,8 +781,11 @@ def main(argv=None):
 
     progress = Progress()
     where = data["gpu"] or f"CPU ({data.get('threads')} threads)"
-    print(f"bench_gpu: {where}, torch {data['torch']}, flashattn_ext {data.get('flashattn_ext')} "
-          f"({data.get('build_info', data.get('flashattn_ext_error'))})", file=sys.stderr)
+    print(
+        f"bench_gpu: {where}, torch {data['torch']}, flashattn_ext {data.get('flashattn_ext')} "
+        f"({data.get('build_info', data.get('flashattn_ext_error'))})",
+        file=sys.stderr,
+    )
     for impl, why in skipped_impls.items():
         print(f"bench_gpu: {impl} skipped: {why}", file=sys.stderr)
 
@@ -707,12 +796,12 @@ def main(argv=None):
     matmul_tflops = data["ceilings"].get("matmul_tflops")
     if not args.no_host:
         progress.update("host time per call (b1 h2 n128 d64, tiny)")
-        data["host_overhead"] = measure_host_overhead(device, [i for i in HOST_IMPLS if i in impls],
-                                                      seed=args.seed)
+        data["host_overhead"] = measure_host_overhead(device, [i for i in HOST_IMPLS if i in impls], seed=args.seed)
         save()
     if not args.no_gpt2:
-        progress.update("GPT-2 case (b8 h12 n1024 d64 fp16 causal, fwd+bwd)" if not cpu
-                        else "GPT-2 code path on a tiny CPU case")
+        progress.update(
+            "GPT-2 case (b8 h12 n1024 d64 fp16 causal, fwd+bwd)" if not cpu else "GPT-2 code path on a tiny CPU case"
+        )
         gpt2_impls = [i for i in impls if i != "naive"] + ["naive"]  # naive always: the speedups' base
         data["gpt2"] = measure_gpt2(device, bench, gen, gpt2_impls, args.quick)
         save()
@@ -731,20 +820,30 @@ def main(argv=None):
         if args.budget_s and elapsed > args.budget_s:
             left = points[i:]
             data["budget_exceeded"] = dict(
-                after_s=round(elapsed, 1), points_not_run=len(left),
-                not_run=[dict(dtype=_dtype_name(a), d=b_, causal=c, n=m) for a, b_, c, m in left])
+                after_s=round(elapsed, 1),
+                points_not_run=len(left),
+                not_run=[dict(dtype=_dtype_name(a), d=b_, causal=c, n=m) for a, b_, c, m in left],
+            )
             progress.done()
-            print(f"bench_gpu: time budget of {args.budget_s:g} s exceeded after {elapsed:.0f} s: "
-                  f"{len(left)} of {len(points)} grid points not run", file=sys.stderr)
+            print(
+                f"bench_gpu: time budget of {args.budget_s:g} s exceeded after {elapsed:.0f} s: "
+                f"{len(left)} of {len(points)} grid points not run",
+                file=sys.stderr,
+            )
             break
         b, h = max(1, tokens // n), max(1, head_total // d)
         point_impls = [x for x in impls if x not in SLOW_IMPLS or slow_seqlens is None or n in slow_seqlens]
         for mode in modes:
-            progress.update(f"[{i + 1}/{len(points)}] {mode} {_dtype_name(dtype)} d{d} "
-                            f"{'causal ' if causal else ''}n{n} (b{b} h{h})")
+            progress.update(
+                f"[{i + 1}/{len(points)}] {mode} {_dtype_name(dtype)} d{d} "
+                f"{'causal ' if causal else ''}n{n} (b{b} h{h})"
+            )
             for impl in point_impls:
-                data["rows"].append(run_case(impl, mode, b, h, n, d, causal, dtype, device, bench, gen,
-                                             args.naive_max_gib, matmul_tflops))
+                data["rows"].append(
+                    run_case(
+                        impl, mode, b, h, n, d, causal, dtype, device, bench, gen, args.naive_max_gib, matmul_tflops
+                    )
+                )
         save()
     progress.done()
     data["elapsed_s"] = round(time.time() - t_start, 1)

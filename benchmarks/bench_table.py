@@ -32,15 +32,28 @@ IMPL_NAMES = {
     "sdpa_mem_efficient": "mem-efficient (SDPA)",
     "naive": "naive",
 }
-SHORT_NAMES = {"ours_sdpa": "sdpa", "ours_native": "native", "sdpa_default": "default", "sdpa_cudnn": "cudnn",
-               "sdpa_flash": "flash"}
+SHORT_NAMES = {
+    "ours_sdpa": "sdpa",
+    "ours_native": "native",
+    "sdpa_default": "default",
+    "sdpa_cudnn": "cudnn",
+    "sdpa_flash": "flash",
+}
 # Every ratio any table prints: (numerator impl, denominator impl).
-RATIOS = (("ours_sdpa", "sdpa_cudnn"), ("ours_sdpa", "sdpa_default"), ("ours_sdpa", "sdpa_flash"),
-          ("ours_native", "sdpa_cudnn"))
+RATIOS = (
+    ("ours_sdpa", "sdpa_cudnn"),
+    ("ours_sdpa", "sdpa_default"),
+    ("ours_sdpa", "sdpa_flash"),
+    ("ours_native", "sdpa_cudnn"),
+)
 # The implementations whose fraction of the matmul ceiling the tables show.
 FRACTION_IMPLS = ("ours_sdpa", "ours_native", "sdpa_default", "sdpa_cudnn", "sdpa_flash", "fa4")
-LEGACY_NAMES = {"flashattn_ext": "ours_native", "cudnn": "sdpa_cudnn", "fa2": "sdpa_flash",
-                "mem_efficient": "sdpa_mem_efficient"}
+LEGACY_NAMES = {
+    "flashattn_ext": "ours_native",
+    "cudnn": "sdpa_cudnn",
+    "fa2": "sdpa_flash",
+    "mem_efficient": "sdpa_mem_efficient",
+}
 HOST_MODES = (("fwd", "fwd"), ("fwd_grad", "fwd (grad)"), ("fwd+bwd", "fwd+bwd"))
 
 
@@ -189,9 +202,12 @@ def markdown_report(data):
         impls_present = {i for v in table.values() for i in v}
         cols = [i for i in IMPL_NAMES if i in impls_present] + sorted(impls_present - set(IMPL_NAMES))
         rats = [(a, b) for a, b in RATIOS if a in impls_present and b in impls_present]
-        lines.append("TFLOP/s at seqlen " + " / ".join(_seqlen_label(n) for n in seqlens)
-                     + f" (batch x seqlen = {data.get('grid', {}).get('tokens', 16384)} tokens, heads = "
-                     f"{data.get('grid', {}).get('head_total', 2048)} / head_dim); ratios of TFLOP/s at each seqlen.")
+        lines.append(
+            "TFLOP/s at seqlen "
+            + " / ".join(_seqlen_label(n) for n in seqlens)
+            + f" (batch x seqlen = {data.get('grid', {}).get('tokens', 16384)} tokens, heads = "
+            f"{data.get('grid', {}).get('head_total', 2048)} / head_dim); ratios of TFLOP/s at each seqlen."
+        )
         lines.append("")
         hdr = ["case"] + [IMPL_NAMES.get(i, i) for i in cols] + [ratio_label(a, b) for a, b in rats]
         lines.append("| " + " | ".join(hdr) + " |")
@@ -207,14 +223,19 @@ def markdown_report(data):
         lines.append("")
         be = default_backends(data)
         if be:
-            lines.append("torch's default SDPA picked: " + ", ".join(f"{k} ({v} cells)" for k, v in
-                                                                     sorted(be.items(), key=lambda kv: -kv[1])) + ".")
+            lines.append(
+                "torch's default SDPA picked: "
+                + ", ".join(f"{k} ({v} cells)" for k, v in sorted(be.items(), key=lambda kv: -kv[1]))
+                + "."
+            )
             lines.append("")
         peak = matmul_ceiling(data)
         fcols = [i for i in FRACTION_IMPLS if i in impls_present]
         if peak and fcols:
-            lines.append(f"Fraction of the {(data.get('ceilings') or {}).get('matmul_dtype', 'bf16')} matmul ceiling "
-                         f"measured in the same run ({_fmt(peak)} TFLOP/s), at each seqlen:")
+            lines.append(
+                f"Fraction of the {(data.get('ceilings') or {}).get('matmul_dtype', 'bf16')} matmul ceiling "
+                f"measured in the same run ({_fmt(peak)} TFLOP/s), at each seqlen:"
+            )
             lines.append("")
             hdr = ["case"] + [IMPL_NAMES[i] for i in fcols]
             lines.append("| " + " | ".join(hdr) + " |")
@@ -252,8 +273,10 @@ def markdown_report(data):
     if mem:
         ns = sorted({m["n"] for m in mem})
         m0 = mem[0]
-        lines.append(f"Peak extra memory of forward + backward (b{m0['b']} h{m0['h']} d{m0['d']} {m0['dtype']}), "
-                     "beyond the inputs:")
+        lines.append(
+            f"Peak extra memory of forward + backward (b{m0['b']} h{m0['h']} d{m0['d']} {m0['dtype']}), "
+            "beyond the inputs:"
+        )
         lines.append("")
         lines.append("| impl | " + " | ".join(_seqlen_label(n) for n in ns) + " |")
         lines.append("|---|" + "---|" * len(ns))
@@ -295,8 +318,12 @@ def text_summary(data):
         dtypes = {k[0] for k in table}
         labels = [_seqlen_label(n) for n in seqlens]
         w = 18
-        head = f"{'case':<20}" + "".join(f"{x:>6}" for x in labels) + "  " + "".join(
-            f"{ratio_label(a, b, short=True):<{w}}" for a, b in RATIOS)
+        head = (
+            f"{'case':<20}"
+            + "".join(f"{x:>6}" for x in labels)
+            + "  "
+            + "".join(f"{ratio_label(a, b, short=True):<{w}}" for a, b in RATIOS)
+        )
         # ours_sdpa's TFLOP/s; ours_native's in JSON that has no ours_sdpa (older runs).
         main_impl = "ours_sdpa" if any(r["impl"] == "ours_sdpa" for r in data.get("rows", [])) else "ours_native"
         out.append(f"TFLOP/s of {main_impl} at each seqlen; ratios of TFLOP/s: geometric mean (min-max) over seqlens")
@@ -305,8 +332,9 @@ def text_summary(data):
             impls = table[key]
             ours = impls.get(main_impl, {})
             line = f"{_case_label(key, len(dtypes) > 1):<20}" + "".join(f"{_fmt(ours.get(n)):>6}" for n in seqlens)
-            line += "  " + "".join(f"{_summary_of_ratios(ratios(impls.get(a, {}), impls.get(b, {}), seqlens)):<{w}}"
-                                   for a, b in RATIOS)
+            line += "  " + "".join(
+                f"{_summary_of_ratios(ratios(impls.get(a, {}), impls.get(b, {}), seqlens)):<{w}}" for a, b in RATIOS
+            )
             out.append(line.rstrip())
         peak = matmul_ceiling(data)
         if peak:
@@ -322,7 +350,9 @@ def text_summary(data):
                 out.append(f"best fraction of the matmul ceiling ({_fmt(peak)} TFLOP/s), fwd/bwd: " + ", ".join(parts))
         be = default_backends(data)
         if be:
-            out.append("sdpa_default ran: " + ", ".join(f"{k} x{v}" for k, v in sorted(be.items(), key=lambda kv: -kv[1])))
+            out.append(
+                "sdpa_default ran: " + ", ".join(f"{k} x{v}" for k, v in sorted(be.items(), key=lambda kv: -kv[1]))
+            )
         errs = {}
         for r in data.get("rows", []):
             if r.get("error"):
@@ -351,8 +381,15 @@ def text_summary(data):
             cells = []
             for n in ns:
                 e = next((m for m in mem if m["impl"] == impl and m["n"] == n), None)
-                cells.append("-" if e is None else (("OOM" if e.get("error") == "OOM" else "error")
-                                                    if e.get("error") else fmt_bytes(e.get("peak_extra_bytes"))))
+                cells.append(
+                    "-"
+                    if e is None
+                    else (
+                        ("OOM" if e.get("error") == "OOM" else "error")
+                        if e.get("error")
+                        else fmt_bytes(e.get("peak_extra_bytes"))
+                    )
+                )
             parts.append(f"{impl} {'/'.join(cells)}")
         out.append(f"peak extra memory fwd+bwd at {'/'.join(_seqlen_label(n) for n in ns)}: " + "; ".join(parts))
     for impl, why in (data.get("skipped_impls") or {}).items():

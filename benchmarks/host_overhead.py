@@ -78,8 +78,13 @@ def host_us_per_call(fn, device, calls=50, reps=7, warmup=5):
                 for _ in range(calls):
                     fn()
                 times.append((time.perf_counter() - t0) / calls * 1e6)
-            return dict(us=statistics.median(times), us_min=min(times), calls=calls, reps=reps,
-                        note="CPU: the kernels run inside the call, so this is the whole call")
+            return dict(
+                us=statistics.median(times),
+                us_min=min(times),
+                calls=calls,
+                reps=reps,
+                note="CPU: the kernels run inside the call, so this is the whole call",
+            )
         torch.cuda.synchronize(device)
         # A first loop, synchronized, sizes the sleep: 4x the loop's host time, at least 5 ms.
         t0 = time.perf_counter()
@@ -140,9 +145,8 @@ def graph_ms(fn, n=200):
 
 def gpt2_three_ways(impls=("ours_native", "ours_sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_default")):
     """The GPT-2 fwd+bwd per implementation: do_bench, eager loop, CUDA graph replay."""
-    from triton.testing import do_bench
-
     import bench_gpu
+    from triton.testing import do_bench
 
     device = torch.device("cuda")
     gen = torch.Generator(device=device)
@@ -163,9 +167,12 @@ def gpt2_three_ways(impls=("ours_native", "ours_sdpa", "sdpa_flash", "sdpa_cudnn
         except Exception as exc:  # noqa: BLE001
             row["error"] = bench_gpu._short(exc)
         rows.append(row)
-        print(f"{impl:14s} do_bench {row.get('do_bench_ms', float('nan')):.3f} ms | eager loop "
-              f"{row.get('eager_loop_ms', float('nan')):.3f} ms | graph {row.get('graph_ms', float('nan')):.3f} ms"
-              + (f" | {row['error']}" if "error" in row else ""), flush=True)
+        print(
+            f"{impl:14s} do_bench {row.get('do_bench_ms', float('nan')):.3f} ms | eager loop "
+            f"{row.get('eager_loop_ms', float('nan')):.3f} ms | graph {row.get('graph_ms', float('nan')):.3f} ms"
+            + (f" | {row['error']}" if "error" in row else ""),
+            flush=True,
+        )
     return {"case": [b, h, n, d, "fp16", "causal"], "rows": rows}
 
 
@@ -178,10 +185,12 @@ def main(argv=None):
     sys.path.insert(0, HERE)
     import bench_gpu
 
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
-    out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "torch": torch.__version__}
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
+    out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__}
     out["host_overhead"] = bench_gpu.measure_host_overhead(device)
     print(bench_gpu.bench_table.host_overhead_text(out["host_overhead"]), flush=True)
     if device.type == "cuda" and not args.tiny_only:

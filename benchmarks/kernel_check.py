@@ -22,8 +22,9 @@ from flashattn_ext.reference import attention_flops
 from flashattn_ext.tolerance import check_attention
 
 
-def check_case(b, nq, nk, hq, hk, d, dtype, causal, bottom_right, window=(-1, -1), det=False, layout="bnhd",
-               device="cuda"):
+def check_case(
+    b, nq, nk, hq, hk, d, dtype, causal, bottom_right, window=(-1, -1), det=False, layout="bnhd", device="cuda"
+):
     """One case, forward and backward through the op, against the oracle with
     flashattn_ext.tolerance.check_attention. Returns (ok, {name: (err, bound)},
     lse_ok, [comparison dicts])."""
@@ -43,8 +44,18 @@ def check_case(b, nq, nk, hq, hk, d, dtype, causal, bottom_right, window=(-1, -1
     out, lse = _ops.fwd(q, k, v, scale, wl, wr, bottom_right, det)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
-    comps = check_attention(q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), dout, grads,
-                            softmax_scale=scale, window_size=(wl, wr), bottom_right=bottom_right)
+    comps = check_attention(
+        q.detach(),
+        k.detach(),
+        v.detach(),
+        out.detach(),
+        lse.detach(),
+        dout,
+        grads,
+        softmax_scale=scale,
+        window_size=(wl, wr),
+        bottom_right=bottom_right,
+    )
     errs = {c.name: (c.err, c.bound) for c in comps}
     lse_ok = all(c.ok for c in comps if c.name == "lse")
     return all(c.ok for c in comps), errs, lse_ok, [c.as_dict() for c in comps]
@@ -83,8 +94,8 @@ def bench(fn, reps=30):
 
 
 def quick_perf(dims):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     rows = []
     for d in dims:
@@ -102,40 +113,34 @@ def quick_perf(dims):
                 res["ours_bwd"] = bench(
                     lambda: _ops.bwd(dout, q, k, v, out, lse, d**-0.5, -1, 0 if causal else -1, True, False)
                 )
-                if torch.cuda.get_device_capability() == (9, 0):  # the Hopper forward without TMA, for comparison
-                    os.environ["FLASHATTN_DISABLE_TMA"] = "1"
-                    try:
-                        res["notma_fwd"] = bench(
-                            lambda: _ops.fwd(q, k, v, d**-0.5, -1, 0 if causal else -1, True, False)
-                        )
-                    finally:
-                        del os.environ["FLASHATTN_DISABLE_TMA"]
-                    os.environ["FLASHATTN_FWD_BOUSTROPHEDON"] = "1"
-                    try:
-                        res["boustro_fwd"] = bench(
-                            lambda: _ops.fwd(q, k, v, d**-0.5, -1, 0 if causal else -1, True, False)
-                        )
-                    finally:
-                        del os.environ["FLASHATTN_FWD_BOUSTROPHEDON"]
-                if torch.cuda.get_device_capability() == (9, 0):  # the mma.sync kernels, for comparison
-                    os.environ["FLASHATTN_DISABLE_SM90"] = "1"
-                    try:
-                        res["sm80_fwd"] = bench(
-                            lambda: _ops.fwd(q, k, v, d**-0.5, -1, 0 if causal else -1, True, False)
-                        )
-                        res["sm80_bwd"] = bench(
-                            lambda: _ops.bwd(dout, q, k, v, out, lse, d**-0.5, -1, 0 if causal else -1, True, False)
-                        )
-                    finally:
-                        del os.environ["FLASHATTN_DISABLE_SM90"]
+                if torch.cuda.get_device_capability() == (9, 0):
+                    # Side by side on an sm90 device: the Hopper forward without TMA, the
+                    # boustrophedon tile order, and the mma.sync kernels.
+                    fwd = lambda: _ops.fwd(q, k, v, d**-0.5, -1, 0 if causal else -1, True, False)  # noqa: E731
+                    bwd = lambda: _ops.bwd(dout, q, k, v, out, lse, d**-0.5, -1, 0 if causal else -1, True, False)  # noqa: E731
+                    for env, name, fns in (
+                        ("FLASHATTN_DISABLE_TMA", "notma", {"fwd": fwd}),
+                        ("FLASHATTN_FWD_BOUSTROPHEDON", "boustro", {"fwd": fwd}),
+                        ("FLASHATTN_DISABLE_SM90", "sm80", {"fwd": fwd, "bwd": bwd}),
+                    ):
+                        os.environ[env] = "1"
+                        try:
+                            for mode, fn in fns.items():
+                                res[f"{name}_{mode}"] = bench(fn)
+                        finally:
+                            del os.environ[env]
                 qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
                 for name, be in (("fa2", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
                     try:
                         with sdpa_kernel(be):
-                            res[name + "_fwd"] = bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+                            res[name + "_fwd"] = bench(
+                                lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                            )
                             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
                             do = torch.randn_like(o)
-                            res[name + "_bwd"] = bench(lambda: torch.autograd.grad(o, (qt, kt, vt), do, retain_graph=True))
+                            res[name + "_bwd"] = bench(
+                                lambda: torch.autograd.grad(o, (qt, kt, vt), do, retain_graph=True)
+                            )
                     except Exception as exc:  # a backend that refuses a shape
                         res[name + "_err"] = str(exc)[:100]
                 for key in list(res):
@@ -176,15 +181,42 @@ def main():
         cases.append(dict(b=1, nq=113, nk=17, hq=6, hk=1, d=d, dtype=torch.bfloat16, causal=True, bottom_right=True))
         cases.append(dict(b=1, nq=113, nk=17, hq=6, hk=3, d=d, dtype=torch.bfloat16, causal=True, bottom_right=False))
         cases.append(dict(b=3, nq=1, nk=4097, hq=2, hk=2, d=d, dtype=torch.float16, causal=False, bottom_right=True))
-        cases.append(dict(b=1, nq=300, nk=300, hq=2, hk=2, d=d, dtype=torch.bfloat16, causal=False, bottom_right=True,
-                          window=(37, 5)))
-        cases.append(dict(b=2, nq=257, nk=513, hq=4, hk=4, d=d, dtype=torch.bfloat16, causal=True, bottom_right=False,
-                          layout="bhnd"))
-        cases.append(dict(b=2, nq=512, nk=512, hq=4, hk=2, d=d, dtype=torch.bfloat16, causal=True, bottom_right=True,
-                          det=True))
+        cases.append(
+            dict(
+                b=1,
+                nq=300,
+                nk=300,
+                hq=2,
+                hk=2,
+                d=d,
+                dtype=torch.bfloat16,
+                causal=False,
+                bottom_right=True,
+                window=(37, 5),
+            )
+        )
+        cases.append(
+            dict(
+                b=2,
+                nq=257,
+                nk=513,
+                hq=4,
+                hk=4,
+                d=d,
+                dtype=torch.bfloat16,
+                causal=True,
+                bottom_right=False,
+                layout="bhnd",
+            )
+        )
+        cases.append(
+            dict(b=2, nq=512, nk=512, hq=4, hk=2, d=d, dtype=torch.bfloat16, causal=True, bottom_right=True, det=True)
+        )
     for d in (8, 40, 80, 100):
         if any(x >= d for x in dims):
-            cases.append(dict(b=2, nq=129, nk=77, hq=2, hk=2, d=d, dtype=torch.bfloat16, causal=False, bottom_right=True))
+            cases.append(
+                dict(b=2, nq=129, nk=77, hq=2, hk=2, d=d, dtype=torch.bfloat16, causal=False, bottom_right=True)
+            )
     if args.quick:
         cases = cases[::3]
 
@@ -200,8 +232,9 @@ def main():
         results.append({"case": desc, "ok": ok, "errs": errs, "lse_ok": lse_ok, "comparisons": comps})
         # name=error/bound per quantity; a failure also gets the rule's own message
         err_s = " ".join(f"{k}={v[0]:.2e}/{v[1]:.2e}" if isinstance(v, tuple) else f"{k}={v}" for k, v in errs.items())
-        why = "; ".join(c["problem"] or f"{c['name']} error {c['err']:.2e} > bound {c['bound']:.2e}"
-                        for c in comps if not c["ok"])
+        why = "; ".join(
+            c["problem"] or f"{c['name']} error {c['err']:.2e} > bound {c['bound']:.2e}" for c in comps if not c["ok"]
+        )
         print(f"{'PASS' if ok else 'FAIL'} {desc} lse_ok={lse_ok} {err_s}" + (f" [{why}]" if why else ""), flush=True)
     print(f"correctness: {len(cases) - failures}/{len(cases)} passed in {time.time() - t0:.1f}s", flush=True)
 
@@ -214,8 +247,17 @@ def main():
     perf = [] if args.no_perf else quick_perf([d for d in (64, 128, 256) if d in dims])
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"results": results, "race": race, "perf": perf, "device": torch.cuda.get_device_name(),
-                       "torch": torch.__version__}, f, indent=1)
+            json.dump(
+                {
+                    "results": results,
+                    "race": race,
+                    "perf": perf,
+                    "device": torch.cuda.get_device_name(),
+                    "torch": torch.__version__,
+                },
+                f,
+                indent=1,
+            )
     sys.exit(1 if failures else 0)
 
 

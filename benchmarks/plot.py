@@ -68,8 +68,11 @@ def _impls_in(rows):
 
 
 def plot_tflops(plt, data, outdir, mode, dtype, head_dims=None, impls_shown=MAIN_IMPLS):
-    rows = [r for r in data.get("rows", []) if r["mode"] == mode and r["dtype"] == dtype
-            and (impls_shown is None or r["impl"] in impls_shown)]
+    rows = [
+        r
+        for r in data.get("rows", [])
+        if r["mode"] == mode and r["dtype"] == dtype and (impls_shown is None or r["impl"] in impls_shown)
+    ]
     if not rows:
         return None
     dims = sorted({r["d"] for r in rows})
@@ -81,22 +84,37 @@ def plot_tflops(plt, data, outdir, mode, dtype, head_dims=None, impls_shown=MAIN
     impls = _impls_in(rows)
     seqlens = sorted({r["n"] for r in rows})
     peak = (data.get("ceilings") or {}).get("matmul_tflops")
-    fig, axes = plt.subplots(len(dims), len(causals), figsize=(5.2 * len(causals), 3.6 * len(dims)),
-                             squeeze=False, sharex=True)
+    fig, axes = plt.subplots(
+        len(dims), len(causals), figsize=(5.2 * len(causals), 3.6 * len(dims)), squeeze=False, sharex=True
+    )
     for i, d in enumerate(dims):
         for j, causal in enumerate(causals):
             ax = axes[i][j]
             for impl in impls:
-                pts = sorted((r["n"], r["tflops"]) for r in rows
-                             if r["impl"] == impl and r["d"] == d and bool(r["causal"]) == causal and r.get("tflops"))
+                pts = sorted(
+                    (r["n"], r["tflops"])
+                    for r in rows
+                    if r["impl"] == impl and r["d"] == d and bool(r["causal"]) == causal and r.get("tflops")
+                )
                 if not pts:
                     continue
                 label, color, marker = _style(impl)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=color, label=label,
-                        linewidth=2.2 if impl in OURS else 1.4)
+                ax.plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    marker=marker,
+                    color=color,
+                    label=label,
+                    linewidth=2.2 if impl in OURS else 1.4,
+                )
             if peak:
-                ax.axhline(peak, color="black", linestyle="--", linewidth=0.8,
-                           label=f"{(data.get('ceilings') or {}).get('matmul_dtype', '')} matmul peak")
+                ax.axhline(
+                    peak,
+                    color="black",
+                    linestyle="--",
+                    linewidth=0.8,
+                    label=f"{(data.get('ceilings') or {}).get('matmul_dtype', '')} matmul peak",
+                )
             ax.set_xscale("log", base=2)
             ax.set_xticks(seqlens)
             ax.set_xticklabels([_seqlen_label(n) for n in seqlens])
@@ -142,8 +160,14 @@ def plot_memory(plt, data, outdir):
         for m in failed:
             what = "OOM" if m["error"] == "OOM" else "error"
             ax.scatter([m["n"]], [top], marker="X", s=80, color=color, zorder=5)
-            ax.annotate(f"{label}: {what}", (m["n"], top), textcoords="offset points", xytext=(-30, -14),
-                        fontsize=8, color=color)
+            ax.annotate(
+                f"{label}: {what}",
+                (m["n"], top),
+                textcoords="offset points",
+                xytext=(-30, -14),
+                fontsize=8,
+                color=color,
+            )
     m0 = mem[0]
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -167,8 +191,10 @@ def plot_peak_fraction(plt, data, outdir, impls_shown=MAIN_IMPLS):
     if not peak or not rows:
         return None
     dtypes = sorted({r["dtype"] for r in rows})
-    cases = sorted({(r["dtype"], r["mode"], r["d"], bool(r["causal"])) for r in rows},
-                   key=lambda c: (c[0], c[1] != "fwd", c[2], c[3]))
+    cases = sorted(
+        {(r["dtype"], r["mode"], r["d"], bool(r["causal"])) for r in rows},
+        key=lambda c: (c[0], c[1] != "fwd", c[2], c[3]),
+    )
     impls = _impls_in(rows)
     best = {}
     for r in rows:
@@ -186,10 +212,13 @@ def plot_peak_fraction(plt, data, outdir, impls_shown=MAIN_IMPLS):
                 ys.append(v / peak)
         ax.bar(xs, ys, width=width, color=color, label=label)
     ax.set_xticks(range(len(cases)))
-    ax.set_xticklabels([(f"{c[0]}\n" if len(dtypes) > 1 else "") + f"{c[1]} d{c[2]}" + ("\ncausal" if c[3] else "")
-                        for c in cases], fontsize=8)
-    ax.set_ylabel(f"best TFLOP/s over seqlens / matmul peak ({peak:.0f})" if peak >= 10 else
-                  "best TFLOP/s / matmul peak")
+    ax.set_xticklabels(
+        [(f"{c[0]}\n" if len(dtypes) > 1 else "") + f"{c[1]} d{c[2]}" + ("\ncausal" if c[3] else "") for c in cases],
+        fontsize=8,
+    )
+    ax.set_ylabel(
+        f"best TFLOP/s over seqlens / matmul peak ({peak:.0f})" if peak >= 10 else "best TFLOP/s / matmul peak"
+    )
     ax.set_ylim(0, max(1.0, ax.get_ylim()[1]))
     ax.axhline(1.0, color="black", linestyle="--", linewidth=0.8)
     ax.grid(True, axis="y", alpha=0.3)
@@ -212,15 +241,23 @@ def plot_gpt2(plt, data, outdir):
     xs = range(len(items))
     bars = ax.bar(xs, [r["speedup_vs_naive"] for _, r in items], color=[_style(i)[1] for i, _ in items])
     for bar, (_, r) in zip(bars, items):
-        ax.annotate(f"{r['speedup_vs_naive']:.2f}x\n{r['ms']:.3f} ms", (bar.get_x() + bar.get_width() / 2,
-                    bar.get_height()), ha="center", va="bottom", fontsize=8)
+        ax.annotate(
+            f"{r['speedup_vs_naive']:.2f}x\n{r['ms']:.3f} ms",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_xticks(list(xs))
     ax.set_xticklabels([_style(i)[0] for i, _ in items], fontsize=8, rotation=10)
     ax.set_ylabel("speedup over naive (forward + backward)")
     ax.set_ylim(0, max(r["speedup_vs_naive"] for _, r in items) * 1.25)
     ax.grid(True, axis="y", alpha=0.3)
-    ax.set_title(f"GPT-2 attention b{g['b']} h{g['h']} n{g['n']} d{g['d']} {g['dtype']}"
-                 f"{' causal' if g.get('causal') else ''}\n{subtitle(data)}", fontsize=10)
+    ax.set_title(
+        f"GPT-2 attention b{g['b']} h{g['h']} n{g['n']} d{g['d']} {g['dtype']}"
+        f"{' causal' if g.get('causal') else ''}\n{subtitle(data)}",
+        fontsize=10,
+    )
     fig.tight_layout()
     path = os.path.join(outdir, "gpt2.png")
     fig.savefig(path, dpi=110)
@@ -234,17 +271,23 @@ def plot_ratio_cudnn(plt, data, outdir, dtype=None):
     if dtype is None:
         dtypes = sorted({k[0] for k in table})
         dtype = dtypes[0] if dtypes else None
-    keys = [k for k in table if k[0] == dtype
-            and any(r for o in OURS for r in bench_table.ratios(table[k].get(o, {}), table[k].get("sdpa_cudnn", {}),
-                                                                seqlens))]
+    keys = [
+        k
+        for k in table
+        if k[0] == dtype
+        and any(
+            r for o in OURS for r in bench_table.ratios(table[k].get(o, {}), table[k].get("sdpa_cudnn", {}), seqlens)
+        )
+    ]
     if not keys:
         return None
     modes = [m for m in ("fwd", "bwd") if any(k[1] == m for k in keys)]
     causals = sorted({k[3] for k in keys})
     dims = sorted({k[2] for k in keys})
     colors = dict(zip(dims, ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"] * 3))
-    fig, axes = plt.subplots(len(modes), len(causals), figsize=(5.2 * len(causals), 3.6 * len(modes)),
-                             squeeze=False, sharex=True)
+    fig, axes = plt.subplots(
+        len(modes), len(causals), figsize=(5.2 * len(causals), 3.6 * len(modes)), squeeze=False, sharex=True
+    )
     for i, mode in enumerate(modes):
         for j, causal in enumerate(causals):
             ax = axes[i][j]
@@ -256,9 +299,15 @@ def plot_ratio_cudnn(plt, data, outdir, dtype=None):
                     rs = bench_table.ratios(impls.get(impl, {}), impls.get("sdpa_cudnn", {}), seqlens)
                     pts = [(n, r) for n, r in zip(seqlens, rs) if r]
                     if pts:
-                        ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle=style, linewidth=width,
-                                marker="o" if impl == "ours_sdpa" else None, color=colors[d],
-                                label=f"d{d} {'SDPA API' if impl == 'ours_sdpa' else 'flash_attn_func'}")
+                        ax.plot(
+                            [p[0] for p in pts],
+                            [p[1] for p in pts],
+                            linestyle=style,
+                            linewidth=width,
+                            marker="o" if impl == "ours_sdpa" else None,
+                            color=colors[d],
+                            label=f"d{d} {'SDPA API' if impl == 'ours_sdpa' else 'flash_attn_func'}",
+                        )
             ax.axhline(1.0, color="black", linestyle=":", linewidth=0.8)
             ax.set_xscale("log", base=2)
             ax.set_xticks(seqlens)
@@ -286,8 +335,11 @@ def plot_ratio_cudnn(plt, data, outdir, dtype=None):
 
 def plot_host_overhead(plt, data, outdir):
     h = data.get("host_overhead") or {}
-    impls = [(i, e) for i, e in (h.get("impls") or {}).items()
-             if any((e.get(m) or {}).get("us") is not None for m, _ in bench_table.HOST_MODES)]
+    impls = [
+        (i, e)
+        for i, e in (h.get("impls") or {}).items()
+        if any((e.get(m) or {}).get("us") is not None for m, _ in bench_table.HOST_MODES)
+    ]
     if not impls:
         return None
     fig, ax = plt.subplots(figsize=(7.2, 4.2))
@@ -303,15 +355,19 @@ def plot_host_overhead(plt, data, outdir):
                 ys.append(us)
         bars = ax.bar(xs, ys, width=width, color=shades[k % len(shades)], label=label)
         for bar, y in zip(bars, ys):
-            ax.annotate(f"{y:.0f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
-                        va="bottom", fontsize=7)
+            ax.annotate(
+                f"{y:.0f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7
+            )
     ax.set_xticks(range(len(impls)))
     ax.set_xticklabels([i + (f"\n({e['backend']})" if e.get("backend") else "") for i, e in impls], fontsize=8)
     ax.set_ylabel("host time per call (µs)")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title(f"Host (CPU) time per call, b{h['b']} h{h['h']} n{h['n']} d{h['d']} {h['dtype']}"
-                 f"{' causal' if h.get('causal') else ''}\n{subtitle(data)}", fontsize=10)
+    ax.set_title(
+        f"Host (CPU) time per call, b{h['b']} h{h['h']} n{h['n']} d{h['d']} {h['dtype']}"
+        f"{' causal' if h.get('causal') else ''}\n{subtitle(data)}",
+        fontsize=10,
+    )
     fig.tight_layout()
     path = os.path.join(outdir, "host_overhead.png")
     fig.savefig(path, dpi=110)
@@ -334,9 +390,13 @@ def plot_all(data, outdir, head_dims=None, all_impls=False):
     for dtype in dtypes:
         for mode in ("fwd", "bwd"):
             written.append(plot_tflops(plt, data, outdir, mode, dtype, head_dims, shown))
-    written += [plot_ratio_cudnn(plt, data, outdir), plot_memory(plt, data, outdir),
-                plot_peak_fraction(plt, data, outdir, shown), plot_gpt2(plt, data, outdir),
-                plot_host_overhead(plt, data, outdir)]
+    written += [
+        plot_ratio_cudnn(plt, data, outdir),
+        plot_memory(plt, data, outdir),
+        plot_peak_fraction(plt, data, outdir, shown),
+        plot_gpt2(plt, data, outdir),
+        plot_host_overhead(plt, data, outdir),
+    ]
     return [p for p in written if p]
 
 
@@ -345,9 +405,11 @@ def main(argv=None):
     p.add_argument("json", help="results JSON written by bench_gpu.py --json")
     p.add_argument("--out", "-o", default="plots", help="output folder (created)")
     p.add_argument("--head-dims", default=None, help="head dims of the TFLOP/s figures (default: all in the JSON)")
-    p.add_argument("--all-impls", action="store_true",
-                   help="TFLOP/s and peak-fraction figures with every implementation (default: "
-                   + ", ".join(MAIN_IMPLS) + ")")
+    p.add_argument(
+        "--all-impls",
+        action="store_true",
+        help="TFLOP/s and peak-fraction figures with every implementation (default: " + ", ".join(MAIN_IMPLS) + ")",
+    )
     args = p.parse_args(argv)
     with open(args.json) as fh:
         data = json.load(fh)

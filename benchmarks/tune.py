@@ -13,12 +13,12 @@ import os
 
 import torch
 import torch.nn.functional as F
+from kernel_check import bench  # noqa: E402  (benchmarks/ is the script's directory)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashattn_ext  # noqa: F401
 from flashattn_ext import _ops
 from flashattn_ext.reference import attention_flops
-from kernel_check import bench  # noqa: E402  (benchmarks/ is the script's directory)
 
 # Entries of TuneVariants (csrc/cuda/kernel_configs.h) per pass and head dim:
 # the wgmma lists (FwdSm90 / BwdSm90) on an sm90 device, the mma.sync ones elsewhere.
@@ -74,17 +74,22 @@ def main():
                 qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_(True) for x in (q, k, v))
                 for name, be in (("fa2", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
                     with sdpa_kernel(be):
-                        row[f"fwd_{name}"] = flops / bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)) / 1e9
+                        row[f"fwd_{name}"] = (
+                            flops / bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)) / 1e9
+                        )
                         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
                         do = torch.randn_like(o)
-                        row[f"bwd_{name}"] = bwd_flops / bench(
-                            lambda: torch.autograd.grad(o, (qt, kt, vt), do, retain_graph=True)) / 1e9
+                        row[f"bwd_{name}"] = (
+                            bwd_flops / bench(lambda: torch.autograd.grad(o, (qt, kt, vt), do, retain_graph=True)) / 1e9
+                        )
                 rows.append(row)
                 fv = " ".join(f"v{i}={row[f'fwd_v{i}']:.0f}" for i in range(VARIANTS["fwd"][d]) if f"fwd_v{i}" in row)
                 bv = " ".join(f"v{i}={row[f'bwd_v{i}']:.0f}" for i in range(VARIANTS["bwd"][d]) if f"bwd_v{i}" in row)
-                print(f"d{d} n{n} {'causal' if causal else 'full  '} | fwd {fv} fa2={row['fwd_fa2']:.0f} "
-                      f"cudnn={row['fwd_cudnn']:.0f} | bwd {bv} fa2={row['bwd_fa2']:.0f} cudnn={row['bwd_cudnn']:.0f}",
-                      flush=True)
+                print(
+                    f"d{d} n{n} {'causal' if causal else 'full  '} | fwd {fv} fa2={row['fwd_fa2']:.0f} "
+                    f"cudnn={row['fwd_cudnn']:.0f} | bwd {bv} fa2={row['bwd_fa2']:.0f} cudnn={row['bwd_cudnn']:.0f}",
+                    flush=True,
+                )
                 errs = [row[k] for k in row if k.endswith("_err")]
                 if max(errs) > 0.05:
                     print("  WARNING variant mismatch:", {k: row[k] for k in row if k.endswith("_err")})

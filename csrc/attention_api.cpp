@@ -44,8 +44,9 @@ void check_no_zero_size(const at::Tensor& t, const char* name) {
 
 void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.stride(-1) == 1, "flashattn_ext: ", name,
-                    " must have stride 1 in its last (head_dim) dimension, got strides ", strides_str(t),
-                    "; pass ", name, ".contiguous() (flash_attn_func and scaled_dot_product_attention do this only "
+                    " must have stride 1 in its last (head_dim) dimension, got strides ", strides_str(t), "; pass ",
+                    name,
+                    ".contiguous() (flash_attn_func and scaled_dot_product_attention do this only "
                     "when needed)");
 }
 
@@ -101,9 +102,8 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
                     "; k and v must share dimension 1 (seqlen_k)");
   TORCH_CHECK_VALUE(v.size(2) == k.size(2), "flashattn_ext: v has ", v.size(2), " heads but k has ", k.size(2),
                     "; k and v must share dimension 2 (heads_kv)");
-  TORCH_CHECK_VALUE(q.size(2) % k.size(2) == 0, "flashattn_ext: q has ", q.size(2),
-                    " heads, not a multiple of the ", k.size(2),
-                    " heads of k and v; for GQA/MQA the key/value heads must divide the query heads");
+  TORCH_CHECK_VALUE(q.size(2) % k.size(2) == 0, "flashattn_ext: q has ", q.size(2), " heads, not a multiple of the ",
+                    k.size(2), " heads of k and v; for GQA/MQA the key/value heads must divide the query heads");
   check_last_dim_contiguous(q, "q");
   check_last_dim_contiguous(k, "k");
   check_last_dim_contiguous(v, "v");
@@ -112,10 +112,11 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
 void reject_backend(const std::vector<std::pair<const at::Tensor*, const char*>>& tensors) {
   for (const auto& [t, name] : tensors) {
     if (!t->defined()) continue;
-    TORCH_CHECK_TYPE(!t->is_nested(), "flashattn_ext: ", name, " is a nested tensor; the kernels take dense ",
-                     "(strided) tensors of one shape: pad the batch, or use torch.nn.functional.scaled_dot_product_attention");
-    TORCH_CHECK_TYPE(!t->is_quantized(), "flashattn_ext: ", name, " is quantized (", t->scalar_type(),
-                     "); pass ", name, ".dequantize()");
+    TORCH_CHECK_TYPE(
+        !t->is_nested(), "flashattn_ext: ", name, " is a nested tensor; the kernels take dense ",
+        "(strided) tensors of one shape: pad the batch, or use torch.nn.functional.scaled_dot_product_attention");
+    TORCH_CHECK_TYPE(!t->is_quantized(), "flashattn_ext: ", name, " is quantized (", t->scalar_type(), "); pass ", name,
+                     ".dequantize()");
     TORCH_CHECK_TYPE(t->layout() == at::kStrided && !t->is_mkldnn(), "flashattn_ext: ", name, " has layout ",
                      t->layout(), "; the kernels take dense (strided) tensors: pass ", name, ".to_dense()");
     const auto type = t->device().type();
@@ -148,8 +149,8 @@ void check_bwd_extras(const at::Tensor& dout, const at::Tensor& q, const at::Ten
                     shape_str(q), "; dout must have the shape of the forward output");
   TORCH_CHECK_VALUE(out.sizes() == q.sizes(), "flashattn_ext: out has shape ", shape_str(out), " but q has ",
                     shape_str(q), "; pass the output of the forward");
-  TORCH_CHECK_TYPE(lse.scalar_type() == lse_dtype(q.scalar_type()), "flashattn_ext: lse has dtype ",
-                   lse.scalar_type(), ", expected ", lse_dtype(q.scalar_type()), "; pass the lse of the forward");
+  TORCH_CHECK_TYPE(lse.scalar_type() == lse_dtype(q.scalar_type()), "flashattn_ext: lse has dtype ", lse.scalar_type(),
+                   ", expected ", lse_dtype(q.scalar_type()), "; pass the lse of the forward");
   TORCH_CHECK_VALUE(lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(2) && lse.size(2) == q.size(1),
                     "flashattn_ext: lse has shape ", shape_str(lse), ", expected (batch, heads_q, seqlen_q) = (",
                     q.size(0), ", ", q.size(2), ", ", q.size(1), "); pass the lse of the forward");
@@ -158,8 +159,7 @@ void check_bwd_extras(const at::Tensor& dout, const at::Tensor& q, const at::Ten
   check_last_dim_contiguous(out, "out");
 }
 
-MaskParams make_mask(int64_t window_left, int64_t window_right, bool bottom_right, int64_t seqlen_q,
-                     int64_t seqlen_k) {
+MaskParams make_mask(int64_t window_left, int64_t window_right, bool bottom_right, int64_t seqlen_q, int64_t seqlen_k) {
   TORCH_CHECK_VALUE(window_left >= -1 && window_right >= -1, "flashattn_ext: window sizes must be -1 (unbounded) or ",
                     ">= 0, got window_left=", window_left, ", window_right=", window_right);
   MaskParams mask;
@@ -171,9 +171,7 @@ MaskParams make_mask(int64_t window_left, int64_t window_right, bool bottom_righ
   return mask;
 }
 
-at::ScalarType lse_dtype(at::ScalarType input) {
-  return input == at::kDouble ? at::kDouble : at::kFloat;
-}
+at::ScalarType lse_dtype(at::ScalarType input) { return input == at::kDouble ? at::kDouble : at::kFloat; }
 
 std::tuple<at::Tensor, at::Tensor> alloc_fwd_outputs(const at::Tensor& q) {
   auto out = at::empty(q.sizes(), q.options());

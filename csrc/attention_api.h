@@ -14,9 +14,9 @@ namespace flashattn {
 
 // What a backend accepts; the checks below word their errors from it.
 struct BackendSpec {
-  const char* name;                                  // "CPU", "CUDA"
-  std::vector<at::ScalarType> dtypes;                // accepted input dtypes
-  const char* dtype_hint;                            // appended to a dtype error
+  const char* name;                    // "CPU", "CUDA"
+  std::vector<at::ScalarType> dtypes;  // accepted input dtypes
+  const char* dtype_hint;              // appended to a dtype error
 };
 
 constexpr int kMaxHeadDim = 256;

@@ -58,9 +58,8 @@ using BwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&,
                                                               const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                               double, int64_t, int64_t, bool, bool);
 
-std::tuple<at::Tensor, at::Tensor> call_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                            double scale, int64_t window_left, int64_t window_right,
-                                            bool bottom_right) {
+std::tuple<at::Tensor, at::Tensor> call_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                                            int64_t window_left, int64_t window_right, bool bottom_right) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::fwd", "").typed<FwdSig>();
   return op.call(q, k, v, scale, window_left, window_right, bottom_right);
 }
@@ -73,10 +72,9 @@ std::tuple<at::Tensor, at::Tensor> call_attention(const at::Tensor& q, const at:
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> call_bwd(const at::Tensor& dout, const at::Tensor& q,
-                                                        const at::Tensor& k, const at::Tensor& v,
-                                                        const at::Tensor& out, const at::Tensor& lse, double scale,
-                                                        int64_t window_left, int64_t window_right, bool bottom_right,
-                                                        bool deterministic) {
+                                                        const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                                                        const at::Tensor& lse, double scale, int64_t window_left,
+                                                        int64_t window_right, bool bottom_right, bool deterministic) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::bwd", "").typed<BwdSig>();
   return op.call(dout, q, k, v, out, lse, scale, window_left, window_right, bottom_right, deterministic);
 }
@@ -105,7 +103,8 @@ void check_no_forward_ad(const char* op, const Tensors&... tensors) {
   const bool any = (torch::autograd::isFwGradDefined(tensors) || ...);
   TORCH_CHECK_NOT_IMPLEMENTED(!any,
                               "flashattn_ext: forward-mode AD (torch.func.jvp, torch.func.jacfwd, torch.func.hessian, "
-                              "torch.autograd.forward_ad) is not supported (flashattn_ext::", op,
+                              "torch.autograd.forward_ad) is not supported (flashattn_ext::",
+                              op,
                               " has no forward derivative); use reverse mode (backward, torch.func.grad, vjp, jacrev)");
 }
 
@@ -118,9 +117,9 @@ struct FlashAttnBackward : public Node {
     if (!dout.defined()) return variable_list(3);
     const at::Tensor q = q_.unpack(), k = k_.unpack(), v = v_.unpack();
     const at::Tensor out = out_.unpack(shared_from_this()), lse = lse_.unpack();
-    auto [dq, dk, dv] = call_bwd(kernel_layout(dout, bhsd), kernel_layout(q, bhsd), kernel_layout(k, bhsd),
-                                 kernel_layout(v, bhsd), kernel_layout(out, bhsd), lse, scale, window_left,
-                                 window_right, bottom_right, deterministic);
+    auto [dq, dk, dv] =
+        call_bwd(kernel_layout(dout, bhsd), kernel_layout(q, bhsd), kernel_layout(k, bhsd), kernel_layout(v, bhsd),
+                 kernel_layout(out, bhsd), lse, scale, window_left, window_right, bottom_right, deterministic);
     return {caller_layout(dq, bhsd), caller_layout(dk, bhsd), caller_layout(dv, bhsd)};
   }
   std::string name() const override { return "FlashAttnBackward"; }
@@ -145,8 +144,8 @@ struct FlashAttnBackward : public Node {
 std::tuple<at::Tensor, at::Tensor> attention_below_autograd(const at::Tensor& q, const at::Tensor& k,
                                                             const at::Tensor& v, double scale, int64_t window_left,
                                                             int64_t window_right, bool bottom_right, bool bhsd) {
-  auto [out, lse] = call_fwd(kernel_layout(q, bhsd), kernel_layout(k, bhsd), kernel_layout(v, bhsd), scale,
-                             window_left, window_right, bottom_right);
+  auto [out, lse] = call_fwd(kernel_layout(q, bhsd), kernel_layout(k, bhsd), kernel_layout(v, bhsd), scale, window_left,
+                             window_right, bottom_right);
   return {caller_layout(out, bhsd), lse};
 }
 
@@ -219,8 +218,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_autograd(const at::Tensor& q, const at::T
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_autograd(const at::Tensor& dout, const at::Tensor& q,
                                                             const at::Tensor& k, const at::Tensor& v,
-                                                            const at::Tensor& out, const at::Tensor& lse,
-                                                            double scale, int64_t window_left, int64_t window_right,
+                                                            const at::Tensor& out, const at::Tensor& lse, double scale,
+                                                            int64_t window_left, int64_t window_right,
                                                             bool bottom_right, bool deterministic) {
   check_no_forward_ad("bwd", dout, q, k, v, out, lse);
   at::Tensor dq, dk, dv;
@@ -246,8 +245,8 @@ std::tuple<at::Tensor, at::Tensor> attention_autocast(const at::Tensor& q, const
                                                       double scale, int64_t window_left, int64_t window_right,
                                                       bool bottom_right, bool deterministic, bool bhsd) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
-  return call_attention(autocast_arg<device_type>(q), autocast_arg<device_type>(k), autocast_arg<device_type>(v),
-                        scale, window_left, window_right, bottom_right, deterministic, bhsd);
+  return call_attention(autocast_arg<device_type>(q), autocast_arg<device_type>(k), autocast_arg<device_type>(v), scale,
+                        window_left, window_right, bottom_right, deterministic, bhsd);
 }
 
 template <c10::DeviceType device_type>

@@ -58,7 +58,7 @@ struct AttnFwdParams {
   // Sizes.
   int batch = 0;
   int heads_q = 0;
-  int heads_kv = 0;   // divides heads_q; head h of q reads kv head h / (heads_q / heads_kv)
+  int heads_kv = 0;  // divides heads_q; head h of q reads kv head h / (heads_q / heads_kv)
   int seqlen_q = 0;
   int seqlen_k = 0;
   int head_dim = 0;

@@ -67,8 +67,11 @@ def ours_note(cfg, device, dtype):
     e = cfg["d_model"] // cfg["n_head"]
     q = torch.empty(1, cfg["n_head"], cfg["seq"], e, device=device, dtype=dtype)
     reason = why(q, q, q, is_causal=True)
-    return ("flashattn_ext's kernels compute the attention" if reason is None
-            else f"flashattn_ext hands this attention to torch: {reason}")
+    return (
+        "flashattn_ext's kernels compute the attention"
+        if reason is None
+        else f"flashattn_ext hands this attention to torch: {reason}"
+    )
 
 
 # ----------------------------------------------------------------------------- data
@@ -203,8 +206,12 @@ def train(attn, cfg, device, dtype, seed, log_every, quiet=False):
             print(f"  [{attn:>5}] step {step:4d}  loss {losses[-1]:.4f}  {times[-1] * 1e3:7.1f} ms/step", flush=True)
     acc = copy_accuracy(model, eval_data, eval_copy, cfg, device, autocast)
     skip = min(5, max(0, steps - 1))  # leave out the first steps (allocation, autotuning)
-    return dict(losses=losses, mean_step_ms=1e3 * sum(times[skip:]) / max(1, len(times) - skip),
-                final_loss=sum(losses[-10:]) / len(losses[-10:]), copy_accuracy=acc)
+    return dict(
+        losses=losses,
+        mean_step_ms=1e3 * sum(times[skip:]) / max(1, len(times) - skip),
+        final_loss=sum(losses[-10:]) / len(losses[-10:]),
+        copy_accuracy=acc,
+    )
 
 
 @torch.no_grad()
@@ -223,14 +230,23 @@ def copy_accuracy(model, data, is_copy, cfg, device, autocast):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Train a small GPT on a generated copy task with flashattn_ext's "
-                                "attention (--attn ours) or torch's (--attn torch), or both (--compare).")
+    p = argparse.ArgumentParser(
+        description="Train a small GPT on a generated copy task with flashattn_ext's "
+        "attention (--attn ours) or torch's (--attn torch), or both (--compare)."
+    )
     p.add_argument("--attn", choices=("ours", "torch"), default="ours")
-    p.add_argument("--compare", action="store_true", help="train with both, same seed; report the loss "
-                   "difference and the step-time ratio")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="train with both, same seed; report the loss difference and the step-time ratio",
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
-                   help="autocast dtype (default fp32 on the CPU, bf16 on CUDA)")
+    p.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "fp16"),
+        default=None,
+        help="autocast dtype (default fp32 on the CPU, bf16 on CUDA)",
+    )
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seq", type=int, default=None)
@@ -241,16 +257,25 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--json", metavar="PATH", help="write the loss curves and timings here")
-    p.add_argument("--diff-steps", type=int, default=50,
-                   help="with --compare: the early steps over which the loss curves must agree (default 50)")
-    p.add_argument("--tol", type=float, default=None,
-                   help="with --compare: exit 1 when the loss difference over --diff-steps exceeds this")
+    p.add_argument(
+        "--diff-steps",
+        type=int,
+        default=50,
+        help="with --compare: the early steps over which the loss curves must agree (default 50)",
+    )
+    p.add_argument(
+        "--tol",
+        type=float,
+        default=None,
+        help="with --compare: exit 1 when the loss difference over --diff-steps exceeds this",
+    )
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
     device = torch.device(args.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
-        args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+        args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    ]
     cfg = dict(CONFIGS[device.type])
     for key in ("steps", "batch", "seq", "d_model", "n_head", "n_layer", "lr"):
         if getattr(args, key) is not None:
@@ -261,15 +286,19 @@ def main(argv=None):
     attns = ["torch", "ours"] if args.compare else [args.attn]
     if "ours" in attns:
         print(f"train_gpt: {ours_note(cfg, device, dtype)}")
-    print(f"train_gpt: {device.type}, {str(dtype).replace('torch.', '')}, d_model {cfg['d_model']}, "
-          f"{cfg['n_head']} heads of {cfg['d_model'] // cfg['n_head']}, {cfg['n_layer']} layers, seq {cfg['seq']}, "
-          f"batch {cfg['batch']}, {cfg['steps']} steps, seed {args.seed}")
+    print(
+        f"train_gpt: {device.type}, {str(dtype).replace('torch.', '')}, d_model {cfg['d_model']}, "
+        f"{cfg['n_head']} heads of {cfg['d_model'] // cfg['n_head']}, {cfg['n_layer']} layers, seq {cfg['seq']}, "
+        f"batch {cfg['batch']}, {cfg['steps']} steps, seed {args.seed}"
+    )
     runs = {}
     for attn in attns:
         runs[attn] = train(attn, cfg, device, dtype, args.seed, args.log_every)
         r = runs[attn]
-        print(f"{attn}: final loss {r['final_loss']:.4f}, copy accuracy {r['copy_accuracy']:.1%}, "
-              f"mean step {r['mean_step_ms']:.1f} ms")
+        print(
+            f"{attn}: final loss {r['final_loss']:.4f}, copy accuracy {r['copy_accuracy']:.1%}, "
+            f"mean step {r['mean_step_ms']:.1f} ms"
+        )
     report = dict(config=cfg, device=device.type, dtype=str(dtype).replace("torch.", ""), seed=args.seed, runs=runs)
     rc = 0
     if args.compare:
@@ -286,12 +315,16 @@ def main(argv=None):
         report["first_step_diff_above_1e-3"] = next((i for i, x in enumerate(diffs) if x > 1e-3), None)
         report["final_loss_diff"] = abs(runs["ours"]["final_loss"] - runs["torch"]["final_loss"])
         report["step_time_ratio"] = runs["ours"]["mean_step_ms"] / runs["torch"]["mean_step_ms"]
-        print(f"compare: max |loss(ours) - loss(torch)| over the first {k} steps {report['max_loss_diff_early']:.2e}; "
-              f"over all {len(diffs)} steps {report['max_loss_diff']:.2e} (step {report['max_loss_diff_step']}; first "
-              f"above 1e-3 at step {report['first_step_diff_above_1e-3']})")
-        print(f"compare: final loss ours {runs['ours']['final_loss']:.4f} vs torch {runs['torch']['final_loss']:.4f}, "
-              f"copy accuracy {runs['ours']['copy_accuracy']:.1%} vs {runs['torch']['copy_accuracy']:.1%}; "
-              f"step time ours / torch = {report['step_time_ratio']:.2f}")
+        print(
+            f"compare: max |loss(ours) - loss(torch)| over the first {k} steps {report['max_loss_diff_early']:.2e}; "
+            f"over all {len(diffs)} steps {report['max_loss_diff']:.2e} (step {report['max_loss_diff_step']}; first "
+            f"above 1e-3 at step {report['first_step_diff_above_1e-3']})"
+        )
+        print(
+            f"compare: final loss ours {runs['ours']['final_loss']:.4f} vs torch {runs['torch']['final_loss']:.4f}, "
+            f"copy accuracy {runs['ours']['copy_accuracy']:.1%} vs {runs['torch']['copy_accuracy']:.1%}; "
+            f"step time ours / torch = {report['step_time_ratio']:.2f}"
+        )
         if args.tol is not None and report["max_loss_diff_early"] > args.tol:
             print(f"compare: FAIL, loss difference over the first {k} steps above --tol {args.tol:g}")
             rc = 1

@@ -7,9 +7,11 @@ online softmax, recomputation backward) in C++/CUDA kernels.
     from flashattn_ext import tolerance                     # the tolerance rule of every check
 """
 
-from . import _ops  # noqa: F401  (registers fake kernels and autograd)
-from . import reference  # noqa: F401
-from . import tolerance  # noqa: F401
+from . import (
+    _ops,  # noqa: F401  (registers fake kernels and autograd)
+    reference,  # noqa: F401
+    tolerance,  # noqa: F401
+)
 from .interface import (  # noqa: F401
     FlashAttnFallbackWarning,
     build_info,

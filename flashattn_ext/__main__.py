@@ -34,8 +34,15 @@ from flashattn_ext.reference import attention_flops, visible_mask
 from flashattn_ext.tolerance import check_attention
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
-DTYPE_ALIASES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32", "float": "fp32",
-                 "float64": "fp64", "double": "fp64"}
+DTYPE_ALIASES = {
+    "float16": "fp16",
+    "half": "fp16",
+    "bfloat16": "bf16",
+    "float32": "fp32",
+    "float": "fp32",
+    "float64": "fp64",
+    "double": "fp64",
+}
 
 # Correctness cases: (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal).
 # Odd lengths, seqlen_q != seqlen_k both ways (causal aligned bottom-right), GQA and MQA.
@@ -61,7 +68,7 @@ CPU_QUICK_CASES = CPU_CASES[:3]
 
 
 def parse_build_info(s):
-    """"cuda=1;archs=80;90;head_dims=64,128" -> {"cuda": "1", "archs": "80;90", "head_dims": "64,128"}.
+    """ "cuda=1;archs=80;90;head_dims=64,128" -> {"cuda": "1", "archs": "80;90", "head_dims": "64,128"}.
     A field without '=' continues the previous value (archs are ';'-separated)."""
     out, key = {}, None
     for tok in s.split(";"):
@@ -74,8 +81,12 @@ def parse_build_info(s):
 
 
 def build_report():
-    info = {"flashattn_ext": getattr(flashattn_ext, "__version__", "?"), "torch": torch.__version__,
-            "torch_cuda": torch.version.cuda, "location": os.path.dirname(os.path.abspath(flashattn_ext.__file__))}
+    info = {
+        "flashattn_ext": getattr(flashattn_ext, "__version__", "?"),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "location": os.path.dirname(os.path.abspath(flashattn_ext.__file__)),
+    }
     try:
         raw = torch.ops.flashattn_ext.build_info()
         info["build_info"] = raw
@@ -105,8 +116,13 @@ def cpu_name():
 def device_report(device):
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
-        return {"type": "cuda", "name": p.name, "capability": f"sm_{p.major}{p.minor}",
-                "sms": p.multi_processor_count, "memory_gib": round(p.total_memory / 1024**3, 1)}
+        return {
+            "type": "cuda",
+            "name": p.name,
+            "capability": f"sm_{p.major}{p.minor}",
+            "sms": p.multi_processor_count,
+            "memory_gib": round(p.total_memory / 1024**3, 1),
+        }
     return {"type": "cpu", "name": cpu_name(), "threads": torch.get_num_threads()}
 
 
@@ -119,9 +135,11 @@ def choose_device(requested, build):
         return torch.device("cuda"), None
     if torch.cuda.is_available():
         if build.get("cuda_kernels") is False:
-            return torch.device("cpu"), ("a GPU is present but this build has no CUDA kernels (built with "
-                                         "FLASHATTN_CPU_ONLY=1 or without nvcc): running on the CPU; rebuild to "
-                                         "use the GPU, or pass --device cuda to see the failure")
+            return torch.device("cpu"), (
+                "a GPU is present but this build has no CUDA kernels (built with "
+                "FLASHATTN_CPU_ONLY=1 or without nvcc): running on the CPU; rebuild to "
+                "use the GPU, or pass --device cuda to see the failure"
+            )
         return torch.device("cuda"), None
     return torch.device("cpu"), None
 
@@ -133,8 +151,18 @@ def check_case(case, dtype, device, api="flash_attn_func"):
     """One case: forward and backward of ours against the oracle with the rule
     of flashattn_ext.tolerance. Returns a dict with ok."""
     b, nq, nk, hq, hkv, d, causal = case
-    res = dict(api=api, dtype=str(dtype).replace("torch.", ""), b=b, seqlen_q=nq, seqlen_k=nk, heads_q=hq,
-               heads_kv=hkv, head_dim=d, causal=causal, ok=False)
+    res = dict(
+        api=api,
+        dtype=str(dtype).replace("torch.", ""),
+        b=b,
+        seqlen_q=nq,
+        seqlen_k=nk,
+        heads_q=hq,
+        heads_kv=hkv,
+        head_dim=d,
+        causal=causal,
+        ok=False,
+    )
     try:
         q = torch.randn(b, nq, hq, d, device=device, dtype=dtype, requires_grad=True)
         k = torch.randn(b, nk, hkv, d, device=device, dtype=dtype, requires_grad=True)
@@ -149,19 +177,34 @@ def check_case(case, dtype, device, api="flash_attn_func"):
             if why:  # torch would compute it, not our kernels: nothing of ours to check
                 res["error"] = f"falls back to torch ({why})"
                 return res
-            out = flashattn_ext.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
-                                                             enable_gqa=hq != hkv).transpose(1, 2)
+            out = flashattn_ext.scaled_dot_product_attention(
+                qt, kt, vt, is_causal=causal, enable_gqa=hq != hkv
+            ).transpose(1, 2)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
-        comps = check_attention(q.detach(), k.detach(), v.detach(), out.detach(),
-                                None if lse is None else lse.detach(), dout, grads, causal=causal,
-                                bottom_right=api == "flash_attn_func")
+        comps = check_attention(
+            q.detach(),
+            k.detach(),
+            v.detach(),
+            out.detach(),
+            None if lse is None else lse.detach(),
+            dout,
+            grads,
+            causal=causal,
+            bottom_right=api == "flash_attn_func",
+        )
     except Exception as e:  # noqa: BLE001
         res["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:400]
         return res
     res["errors"] = {
-        c.name: dict(err=c.err, naive_low_precision_err=c.naive_err, bound=c.bound, finite=c.problem is None,
-                     ok=c.ok, problem=c.problem)
+        c.name: dict(
+            err=c.err,
+            naive_low_precision_err=c.naive_err,
+            bound=c.bound,
+            finite=c.problem is None,
+            ok=c.ok,
+            problem=c.problem,
+        )
         for c in comps
     }
     res["ok"] = all(c.ok for c in comps)
@@ -176,8 +219,11 @@ def compiled_head_dims(build):
 
 
 def run_checks(device, dtypes, quick, progress, build):
-    cases = (CUDA_QUICK_CASES if quick else CUDA_CASES) if device.type == "cuda" else (
-        CPU_QUICK_CASES if quick else CPU_CASES)
+    cases = (
+        (CUDA_QUICK_CASES if quick else CUDA_CASES)
+        if device.type == "cuda"
+        else (CPU_QUICK_CASES if quick else CPU_CASES)
+    )
     todo = [(c, dt, "flash_attn_func") for dt in dtypes for c in cases]
     # The SDPA entry point once per dtype, on a square causal case.
     todo += [((2, 64, 64, 4, 2, 64, True), dt, "scaled_dot_product_attention") for dt in dtypes]
@@ -190,9 +236,21 @@ def run_checks(device, dtypes, quick, progress, build):
         progress.update(f"check {i + 1}/{len(todo)}: {api} {str(dt).replace('torch.', '')} {case_str(case)}")
         if largest is not None and case[5] > largest:
             b, nq, nk, hq, hkv, d, causal = case
-            results.append(dict(api=api, dtype=str(dt).replace("torch.", ""), b=b, seqlen_q=nq, seqlen_k=nk,
-                                heads_q=hq, heads_kv=hkv, head_dim=d, causal=causal, ok=None,
-                                skipped=f"head dim {d} not compiled (build has up to {largest})"))
+            results.append(
+                dict(
+                    api=api,
+                    dtype=str(dt).replace("torch.", ""),
+                    b=b,
+                    seqlen_q=nq,
+                    seqlen_k=nk,
+                    heads_q=hq,
+                    heads_kv=hkv,
+                    head_dim=d,
+                    causal=causal,
+                    ok=None,
+                    skipped=f"head dim {d} not compiled (build has up to {largest})",
+                )
+            )
             continue
         results.append(check_case(case, dt, device, api))
     progress.done()
@@ -201,8 +259,7 @@ def run_checks(device, dtypes, quick, progress, build):
 
 def case_str(case):
     b, nq, nk, hq, hkv, d, causal = case
-    return (f"b{b} q{nq} k{nk} h{hq}" + (f"/kv{hkv}" if hkv != hq else "") + f" d{d}"
-            + (" causal" if causal else ""))
+    return f"b{b} q{nq} k{nk} h{hq}" + (f"/kv{hkv}" if hkv != hq else "") + f" d{d}" + (" causal" if causal else "")
 
 
 # ----------------------------------------------------------------------------- timing
@@ -259,18 +316,29 @@ def naive_attention(q, k, v, causal):
 
 def timing_impls(device):
     """(name, layout, context factory or None, f(q, k, v, causal))."""
-    impls = [("flashattn_ext", "bnhd", None, lambda q, k, v, c: flashattn_ext.flash_attn_func(q, k, v, causal=c)),
-             ("torch sdpa", "bhnd", None, lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c))]
+    impls = [
+        ("flashattn_ext", "bnhd", None, lambda q, k, v, c: flashattn_ext.flash_attn_func(q, k, v, causal=c)),
+        ("torch sdpa", "bhnd", None, lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c)),
+    ]
     if device.type == "cuda":
         try:
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
-            for name, be in (("sdpa cudnn", "CUDNN_ATTENTION"), ("sdpa flash", "FLASH_ATTENTION"),
-                             ("sdpa mem-eff", "EFFICIENT_ATTENTION")):
+            for name, be in (
+                ("sdpa cudnn", "CUDNN_ATTENTION"),
+                ("sdpa flash", "FLASH_ATTENTION"),
+                ("sdpa mem-eff", "EFFICIENT_ATTENTION"),
+            ):
                 backend = getattr(SDPBackend, be, None)
                 if backend is not None:
-                    impls.append((name, "bhnd", (lambda b=backend: sdpa_kernel(b)),
-                                  lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c)))
+                    impls.append(
+                        (
+                            name,
+                            "bhnd",
+                            (lambda b=backend: sdpa_kernel(b)),
+                            lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c),
+                        )
+                    )
         except ImportError:
             pass
     impls.append(("naive", "bhnd", None, naive_attention))
@@ -288,8 +356,9 @@ def parse_shapes(s):
         if fields and fields[-1].lower() in ("c", "causal"):
             causal, fields = True, fields[:-1]
         if len(fields) != 4 or not all(x.isdigit() and int(x) > 0 for x in fields):
-            raise argparse.ArgumentTypeError(f"shape {part!r}: expected b,h,n,d with positive integers, "
-                                             "optionally followed by ',causal'")
+            raise argparse.ArgumentTypeError(
+                f"shape {part!r}: expected b,h,n,d with positive integers, optionally followed by ',causal'"
+            )
         shapes.append((*(int(x) for x in fields), causal))
     if not shapes:
         raise argparse.ArgumentTypeError("--shapes: no shape given")
@@ -311,7 +380,7 @@ def run_timings(device, dtype, shapes, quick, progress):
         row = dict(impl=name, mode=mode, b=b, h=h, n=n, d=d, causal=causal, ms=None, tflops=None)
         try:
             q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=mode != "fwd") for _ in range(3))
-            with (ctx() if ctx else contextlib.nullcontext()), warnings.catch_warnings():
+            with ctx() if ctx else contextlib.nullcontext(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 if mode == "fwd":
                     with torch.no_grad():
@@ -365,21 +434,30 @@ def print_checks(results):
             continue
         worst = max(r["errors"].items(), key=lambda kv: kv[1]["err"] / kv[1]["bound"] if kv[1]["bound"] else 0)
         name, e = worst
-        detail = f"worst {name}: err {e['err']:.2e} <= bound {e['bound']:.2e}" if r["ok"] else ", ".join(
-            f"{n}: " + (x["problem"] or f"err {x['err']:.2e} bound {x['bound']:.2e}")
-            for n, x in r["errors"].items() if not x["ok"])
+        detail = (
+            f"worst {name}: err {e['err']:.2e} <= bound {e['bound']:.2e}"
+            if r["ok"]
+            else ", ".join(
+                f"{n}: " + (x["problem"] or f"err {x['err']:.2e} bound {x['bound']:.2e}")
+                for n, x in r["errors"].items()
+                if not x["ok"]
+            )
+        )
         print(f"  {tag} {r['api']:<28} {r['dtype']:<9} {case:<32} {detail}")
 
 
 def print_timings(rows):
     print(f"  {'shape':<28} {'mode':<8} {'impl':<14} {'ms':>9} {'TFLOP/s':>9} {'ours speedup':>13}")
-    ours = {(r["b"], r["h"], r["n"], r["d"], r["causal"], r["mode"]): r["ms"] for r in rows
-            if r["impl"] == "flashattn_ext"}
+    ours = {
+        (r["b"], r["h"], r["n"], r["d"], r["causal"], r["mode"]): r["ms"] for r in rows if r["impl"] == "flashattn_ext"
+    }
     for r in rows:
         key = (r["b"], r["h"], r["n"], r["d"], r["causal"], r["mode"])
         shape = f"b{r['b']} h{r['h']} n{r['n']} d{r['d']}" + (" causal" if r["causal"] else "")
         if r["ms"] is None:
-            print(f"  {shape:<28} {r['mode']:<8} {r['impl']:<14} {'-':>9} {'-':>9} {'-':>13}  {r.get('error', '')[:60]}")
+            print(
+                f"  {shape:<28} {r['mode']:<8} {r['impl']:<14} {'-':>9} {'-':>9} {'-':>13}  {r.get('error', '')[:60]}"
+            )
             continue
         tf = r["tflops"]
         tf_s = f"{tf:.1f}" if tf >= 1 else f"{tf:.3f}"
@@ -396,14 +474,26 @@ def parse_args(argv):
         epilog="Exit status: 0 when every check passes, 1 when one fails, 2 on a usage error. "
         "'ours speedup' in the timing table is this row's time over ours (above 1: ours is faster).",
     )
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="where to run (default auto: CUDA when torch sees a GPU and the build has CUDA kernels)")
-    p.add_argument("--dtype", default=None,
-                   help="dtype(s) to check and time, comma-separated among fp16, bf16, fp32, fp64 (default: check "
-                   "fp16,bf16 and time bf16 on CUDA; check fp32,bf16 and time fp32 on the CPU); timing uses the first")
-    p.add_argument("--shapes", type=parse_shapes, default=None, metavar="B,H,N,D[,causal];...",
-                   help="timing shapes, ';'-separated, each b,h,n,d with an optional ',causal' (default on CUDA: "
-                   "'4,16,2048,128;8,12,1024,64,causal', on the CPU: '1,4,512,64;1,4,512,64,causal')")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where to run (default auto: CUDA when torch sees a GPU and the build has CUDA kernels)",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="dtype(s) to check and time, comma-separated among fp16, bf16, fp32, fp64 (default: check "
+        "fp16,bf16 and time bf16 on CUDA; check fp32,bf16 and time fp32 on the CPU); timing uses the first",
+    )
+    p.add_argument(
+        "--shapes",
+        type=parse_shapes,
+        default=None,
+        metavar="B,H,N,D[,causal];...",
+        help="timing shapes, ';'-separated, each b,h,n,d with an optional ',causal' (default on CUDA: "
+        "'4,16,2048,128;8,12,1024,64,causal', on the CPU: '1,4,512,64;1,4,512,64,causal')",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the full report as JSON to PATH")
     p.add_argument("--quick", action="store_true", help="fewer cases, one small timing shape, shorter timings")
     p.add_argument("--no-bench", action="store_true", help="skip the timings (build, device and check only)")
@@ -423,8 +513,10 @@ def main(argv=None):
         names = [DTYPE_ALIASES.get(x.strip().lower(), x.strip().lower()) for x in args.dtype.split(",") if x.strip()]
         bad = [x for x in names if x not in DTYPES]
         if bad or not names:
-            print(f"flashattn_ext: --dtype: unknown {bad or args.dtype!r}; choose among {', '.join(DTYPES)}",
-                  file=sys.stderr)
+            print(
+                f"flashattn_ext: --dtype: unknown {bad or args.dtype!r}; choose among {', '.join(DTYPES)}",
+                file=sys.stderr,
+            )
             return 2
         check_dtypes = [DTYPES[x] for x in names]
         time_dtype = check_dtypes[0]
@@ -436,17 +528,24 @@ def main(argv=None):
     elif args.quick:
         shapes = [(2, 16, 1024, 128, False)] if cuda else [(1, 4, 256, 64, False)]
     else:
-        shapes = [(4, 16, 2048, 128, False), (8, 12, 1024, 64, True)] if cuda else [
-            (1, 4, 512, 64, False), (1, 4, 512, 64, True)]
+        shapes = (
+            [(4, 16, 2048, 128, False), (8, 12, 1024, 64, True)]
+            if cuda
+            else [(1, 4, 512, 64, False), (1, 4, 512, 64, True)]
+        )
 
     print("flashattn_ext self-test")
     print(f"  build:  flashattn_ext {build['flashattn_ext']} ({build['location']})")
-    print(f"          torch {build['torch']}, CUDA {build['torch_cuda'] or 'none'}"
-          + (f", cuDNN {build['cudnn']}" if build.get("cudnn") else ""))
+    print(
+        f"          torch {build['torch']}, CUDA {build['torch_cuda'] or 'none'}"
+        + (f", cuDNN {build['cudnn']}" if build.get("cudnn") else "")
+    )
     if build.get("cuda_kernels") is None:
         print(f"          build_info {build['build_info']}")
     else:
-        kern = f"CUDA kernels for sm {build['archs'].replace(';', ', ')}" if build["cuda_kernels"] else "no CUDA kernels"
+        kern = (
+            f"CUDA kernels for sm {build['archs'].replace(';', ', ')}" if build["cuda_kernels"] else "no CUDA kernels"
+        )
         print(f"          {kern}; head dims {build['head_dims'] or '-'}")
     if cuda:
         print(f"  device: {dev['name']} ({dev['capability']}, {dev['sms']} SMs, {dev['memory_gib']} GiB)")
@@ -461,24 +560,30 @@ def main(argv=None):
     n_skip = sum(1 for r in checks if r.get("skipped"))
     n_run = len(checks) - n_skip
     n_ok = sum(1 for r in checks if r["ok"])
-    print(f"check: {n_ok}/{n_run} passed" + (f", {n_skip} skipped" if n_skip else "")
-          + " (ours vs the float32/float64 oracle; bound = 2x the naive low-precision error for out, 3x for "
-          "gradients, + a small floor: flashattn_ext.tolerance)")
+    print(
+        f"check: {n_ok}/{n_run} passed"
+        + (f", {n_skip} skipped" if n_skip else "")
+        + " (ours vs the float32/float64 oracle; bound = 2x the naive low-precision error for out, 3x for "
+        "gradients, + a small floor: flashattn_ext.tolerance)"
+    )
     print_checks(checks)
     sys.stdout.flush()
 
     rows = []
     if not args.no_bench:
         rows = run_timings(device, time_dtype, shapes, args.quick, progress)
-        print(f"timing ({str(time_dtype).replace('torch.', '')}, median; ours takes (b, n, h, d), "
-              "the others (b, h, n, d)):")
+        print(
+            f"timing ({str(time_dtype).replace('torch.', '')}, median; ours takes (b, n, h, d), "
+            "the others (b, h, n, d)):"
+        )
         print_timings(rows)
     ok = n_run > 0 and n_ok == n_run
     elapsed = time.time() - t0
     print(f"{'PASS' if ok else 'FAIL'}: {n_ok}/{n_run} checks passed on {device.type} in {elapsed:.1f} s")
     if args.json:
-        report = dict(build=build, device=dev, note=note, ok=ok, checks=checks, timings=rows,
-                      elapsed_s=round(elapsed, 2))
+        report = dict(
+            build=build, device=dev, note=note, ok=ok, checks=checks, timings=rows, elapsed_s=round(elapsed, 2)
+        )
         d = os.path.dirname(os.path.abspath(args.json))
         os.makedirs(d, exist_ok=True)
         with open(args.json, "w") as fh:

@@ -51,9 +51,18 @@ def _lse_dtype(dtype):
 
 # c10's names of the dtypes (what the C++ messages print).
 _C10_NAMES = {
-    torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float32: "Float", torch.float64: "Double",
-    torch.uint8: "Byte", torch.int8: "Char", torch.int16: "Short", torch.int32: "Int", torch.int64: "Long",
-    torch.bool: "Bool", torch.complex32: "ComplexHalf", torch.complex64: "ComplexFloat",
+    torch.float16: "Half",
+    torch.bfloat16: "BFloat16",
+    torch.float32: "Float",
+    torch.float64: "Double",
+    torch.uint8: "Byte",
+    torch.int8: "Char",
+    torch.int16: "Short",
+    torch.int32: "Int",
+    torch.int64: "Long",
+    torch.bool: "Bool",
+    torch.complex32: "ComplexHalf",
+    torch.complex64: "ComplexFloat",
     torch.complex128: "ComplexDouble",
 }
 
@@ -94,7 +103,9 @@ def _same_device(t, name, q):
 
 def _same_dtype(t, name, q):
     if t.dtype != q.dtype:
-        raise TypeError(f"flashattn_ext: {name} has dtype {_c10(t.dtype)} but q has dtype {_c10(q.dtype)}; cast them to one dtype")
+        raise TypeError(
+            f"flashattn_ext: {name} has dtype {_c10(t.dtype)} but q has dtype {_c10(q.dtype)}; cast them to one dtype"
+        )
 
 
 def _no_zero_size(t, name):
@@ -164,9 +175,13 @@ def check_qkv(q, k, v, unit_stride=True):
             f"flashattn_ext: batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}; q, k and v must share dimension 0"
         )
     if v.shape[1] != k.shape[1]:
-        raise ValueError(f"flashattn_ext: v has seqlen {v.shape[1]} but k has {k.shape[1]}; k and v must share dimension 1 (seqlen_k)")
+        raise ValueError(
+            f"flashattn_ext: v has seqlen {v.shape[1]} but k has {k.shape[1]}; k and v must share dimension 1 (seqlen_k)"
+        )
     if v.shape[2] != k.shape[2]:
-        raise ValueError(f"flashattn_ext: v has {v.shape[2]} heads but k has {k.shape[2]}; k and v must share dimension 2 (heads_kv)")
+        raise ValueError(
+            f"flashattn_ext: v has {v.shape[2]} heads but k has {k.shape[2]}; k and v must share dimension 2 (heads_kv)"
+        )
     if q.shape[2] % k.shape[2] != 0:
         raise ValueError(
             f"flashattn_ext: q has {q.shape[2]} heads, not a multiple of the {k.shape[2]} heads of k and v; for "
@@ -210,7 +225,9 @@ def check_bwd_extras(dout, q, out, lse):
             f"flashattn_ext: dout has shape {_sizes(dout)} but q has {_sizes(q)}; dout must have the shape of the forward output"
         )
     if out.shape != q.shape:
-        raise ValueError(f"flashattn_ext: out has shape {_sizes(out)} but q has {_sizes(q)}; pass the output of the forward")
+        raise ValueError(
+            f"flashattn_ext: out has shape {_sizes(out)} but q has {_sizes(q)}; pass the output of the forward"
+        )
     if lse.dtype != _lse_dtype(q.dtype):
         raise TypeError(
             f"flashattn_ext: lse has dtype {_c10(lse.dtype)}, expected {_c10(_lse_dtype(q.dtype))}; pass the lse of the forward"

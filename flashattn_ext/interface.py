@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +62,7 @@ def _parse_build_info(info: str) -> dict:
 _BUILD = _parse_build_info(torch.ops.flashattn_ext.build_info())
 
 
-def build_info() -> dict[str, Union[bool, tuple[int, ...]]]:
+def build_info() -> dict[str, bool | tuple[int, ...]]:
     """What this build holds: {"cuda": bool, "archs": (80, 90), "head_dims": (32, ...)}."""
     return dict(_BUILD)
 
@@ -145,9 +144,10 @@ def _window_size(x) -> tuple:
         )
     out = []
     for side, w in zip(("left", "right"), x):
-        if isinstance(w, bool) or not (isinstance(w, numbers.Integral) or (isinstance(w, Tensor) and w.numel() == 1
-                                                                          and not w.is_floating_point()
-                                                                          and not w.is_complex())):
+        if isinstance(w, bool) or not (
+            isinstance(w, numbers.Integral)
+            or (isinstance(w, Tensor) and w.numel() == 1 and not w.is_floating_point() and not w.is_complex())
+        ):
             raise TypeError(f"{fn}: window_size ({side}) must be an int, got {_type_name(w)} {w!r}")
         w = int(w)
         if w < -1:
@@ -188,15 +188,15 @@ def flash_attn_func(
     k: Tensor,
     v: Tensor,
     dropout_p: float = 0.0,
-    softmax_scale: Optional[float] = None,
+    softmax_scale: float | None = None,
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
-    alibi_slopes: Optional[Tensor] = None,
+    alibi_slopes: Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
     return_lse: bool = False,
-) -> Union[Tensor, tuple[Tensor, Tensor]]:
+) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention, flash-attn's ``flash_attn_func`` interface.
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim),
@@ -243,8 +243,14 @@ def flash_attn_func(
             raise NotImplementedError(f"{fn}: softcap={softcap} is not supported by flashattn_ext; pass softcap=0.0")
     if alibi_slopes is not None:
         raise NotImplementedError(f"{fn}: alibi_slopes is not supported by flashattn_ext; pass alibi_slopes=None")
-    if type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int \
-            and type(window_size[1]) is int and -1 <= window_size[0] <= _INT_MAX and -1 <= window_size[1] <= _INT_MAX:
+    if (
+        type(window_size) is tuple
+        and len(window_size) == 2
+        and type(window_size[0]) is int
+        and type(window_size[1]) is int
+        and -1 <= window_size[0] <= _INT_MAX
+        and -1 <= window_size[1] <= _INT_MAX
+    ):
         window_left, window_right = window_size
     else:
         window_left, window_right = _window_size(window_size)
@@ -283,7 +289,13 @@ def _flash_attn_dropout_fallback(q, k, v, dropout_p, scale, window_left, window_
         mask = visible_mask(seqlen_q, seqlen_k, window_left, window_right, seqlen_k - seqlen_q, q.device)
     kwargs = {"enable_gqa": True} if q.shape[2] != k.shape[2] else {}
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, dropout_p=dropout_p, scale=scale, **kwargs
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask,
+        dropout_p=dropout_p,
+        scale=scale,
+        **kwargs,
     ).transpose(1, 2)
     if mask is not None:
         # Rows that see no key are zero whatever the backend does with them.
@@ -320,7 +332,7 @@ def _fast_eligible(query, key, value, enable_gqa) -> bool:
         return False
     if query.is_nested or key.is_nested or value.is_nested:
         return False
-    b, h, l, e = query.shape
+    b, h, lq, e = query.shape
     bk, hk, s, ek = key.shape
     bv, hv, sv, ev = value.shape
     dtype = query.dtype
@@ -330,14 +342,20 @@ def _fast_eligible(query, key, value, enable_gqa) -> bool:
         return False
     if hk != h and hk != 1 and not (enable_gqa and h % hk == 0):
         return False
-    if min(b, h, l, e, hk, s) < 1 or max(b, h, l, hk, s) > _INT_MAX:
+    if min(b, h, lq, e, hk, s) < 1 or max(b, h, lq, hk, s) > _INT_MAX:
         return False
     if query.is_cpu:
         return key.is_cpu and value.is_cpu and dtype in _CPU_DTYPES and e <= _MAX_HEAD_DIM
     if query.is_cuda:
         index = query.get_device()
-        return (key.get_device() == index and value.get_device() == index and dtype in _CUDA_DTYPES
-                and e <= _CUDA_MAX_HEAD_DIM and _BUILD["cuda"] and _cuda_arch_supported(index))
+        return (
+            key.get_device() == index
+            and value.get_device() == index
+            and dtype in _CUDA_DTYPES
+            and e <= _CUDA_MAX_HEAD_DIM
+            and _BUILD["cuda"]
+            and _cuda_arch_supported(index)
+        )
     return False
 
 
@@ -392,7 +410,10 @@ def _sdpa_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     if attn_mask is not None:
         return "attn_mask", "attn_mask is given (the kernels support no mask or is_causal only)"
     if dropout_p != 0.0:
-        return "dropout", "dropout_p > 0 (the kernels have no dropout; note torch applies it whenever dropout_p > 0, training or not)"
+        return (
+            "dropout",
+            "dropout_p > 0 (the kernels have no dropout; note torch applies it whenever dropout_p > 0, training or not)",
+        )
     bq, hq, lq, e = _dims(query)
     bk, hk, sk, ek = _dims(key)
     bv, hv, sv, ev = _dims(value)
@@ -465,12 +486,12 @@ def sdpa_fallback_reason(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    attn_mask: Optional[Tensor] = None,
+    attn_mask: Tensor | None = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
-    scale: Optional[float] = None,
+    scale: float | None = None,
     enable_gqa: bool = False,
-) -> Optional[str]:
+) -> str | None:
     """Why ``scaled_dot_product_attention`` would hand this call to torch, or None
     when the flashattn_ext kernels compute it."""
     return _sdpa_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)[1]
@@ -487,17 +508,19 @@ def _sdpa_kernels(query, key, value, is_causal, scale):
     elif type(scale) is not float:
         scale = float(scale)
     wr = 0 if is_causal else -1
-    return _ops.attention(query, key, value, scale, -1, wr, False, torch.are_deterministic_algorithms_enabled(), True)[0]
+    return _ops.attention(query, key, value, scale, -1, wr, False, torch.are_deterministic_algorithms_enabled(), True)[
+        0
+    ]
 
 
 def scaled_dot_product_attention(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    attn_mask: Optional[Tensor] = None,
+    attn_mask: Tensor | None = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
-    scale: Optional[float] = None,
+    scale: float | None = None,
     enable_gqa: bool = False,
 ) -> Tensor:
     """Drop-in replacement of ``torch.nn.functional.scaled_dot_product_attention``.
@@ -528,7 +551,9 @@ def scaled_dot_product_attention(
         if scale is None:
             scale = 1.0 / math.sqrt(query.shape[-1])
         wr = 0 if is_causal else -1
-        return _ops.attention(query, key, value, scale, -1, wr, False, torch.are_deterministic_algorithms_enabled(), True)[0]
+        return _ops.attention(
+            query, key, value, scale, -1, wr, False, torch.are_deterministic_algorithms_enabled(), True
+        )[0]
     _check_invalid_for_torch(query, key, value, attn_mask, dropout_p)
     key_name, reason = _sdpa_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if reason is None:

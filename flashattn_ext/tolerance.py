@@ -105,8 +105,17 @@ class Comparison:
 
     def as_dict(self) -> dict:
         return dict(
-            name=self.name, dtype=self.dtype, ok=self.ok, err=self.err, bound=self.bound, naive_err=self.naive_err,
-            factor=self.factor, floor=self.floor, magnitude=self.magnitude, extra=self.extra, problem=self.problem,
+            name=self.name,
+            dtype=self.dtype,
+            ok=self.ok,
+            err=self.err,
+            bound=self.bound,
+            naive_err=self.naive_err,
+            factor=self.factor,
+            floor=self.floor,
+            magnitude=self.magnitude,
+            extra=self.extra,
+            problem=self.problem,
         )
 
 
@@ -265,8 +274,13 @@ def check_attention(
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     with torch.enable_grad():
         oracle, naive = oracle_and_naive(
-            q, k, v, dout if grads is not None else None, softmax_scale=scale,
-            window_size=(window_left, window_right), bottom_right=bottom_right,
+            q,
+            k,
+            v,
+            dout if grads is not None else None,
+            softmax_scale=scale,
+            window_size=(window_left, window_right),
+            bottom_right=bottom_right,
         )
     n_q, n_k = q.shape[1], k.shape[1]
     visible = visible_mask(n_q, n_k, window_left, window_right, n_k - n_q if bottom_right else 0, q.device)
@@ -278,6 +292,16 @@ def check_attention(
     if grads is not None:
         magnitude = max(_max_abs(oracle[name]) for name in ("dq", "dk", "dv"))
         for name, g in zip(("dq", "dk", "dv"), grads):
-            result.append(compare(name, g, oracle[name], naive[name], grad_factor, floor=floor,
-                                  magnitude=magnitude, extra=recompute_err.get(name, 0.0)))
+            result.append(
+                compare(
+                    name,
+                    g,
+                    oracle[name],
+                    naive[name],
+                    grad_factor,
+                    floor=floor,
+                    magnitude=magnitude,
+                    extra=recompute_err.get(name, 0.0),
+                )
+            )
     return result

@@ -19,9 +19,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from helpers import DTYPES  # noqa: E402
+
 import flashattn_ext  # noqa: E402
 from flashattn_ext import interface  # noqa: E402
-from helpers import DTYPES  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 CUDA_BUILD = flashattn_ext.build_info()["cuda"]

@@ -105,6 +105,20 @@ class KernelCalls(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 __all__ = [
-    "ALL_DTYPES", "DTYPES", "FLOOR", "assert_all", "assert_rule", "check_flash", "check_lse", "make_bshd", "max_err",
-    "oracle_and_naive", "randn", "sdpa_ref", "attention_ref", "compute_dtype", "default_scale", "KernelCalls",
+    "ALL_DTYPES",
+    "DTYPES",
+    "FLOOR",
+    "assert_all",
+    "assert_rule",
+    "check_flash",
+    "check_lse",
+    "make_bshd",
+    "max_err",
+    "oracle_and_naive",
+    "randn",
+    "sdpa_ref",
+    "attention_ref",
+    "compute_dtype",
+    "default_scale",
+    "KernelCalls",
 ]

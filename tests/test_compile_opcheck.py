@@ -8,10 +8,10 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import make_bshd, randn
 
 import flashattn_ext
 from flashattn_ext import FlashAttnFallbackWarning
-from helpers import make_bshd, randn
 
 attention = torch.ops.flashattn_ext.attention.default
 fwd = torch.ops.flashattn_ext.fwd.default
@@ -57,7 +57,11 @@ def test_fake_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
-        q, k, v = torch.empty(2, 9, 4, 16, dtype=torch.float16), torch.empty(2, 13, 2, 16, dtype=torch.float16), torch.empty(2, 13, 2, 16, dtype=torch.float16)
+        q, k, v = (
+            torch.empty(2, 9, 4, 16, dtype=torch.float16),
+            torch.empty(2, 13, 2, 16, dtype=torch.float16),
+            torch.empty(2, 13, 2, 16, dtype=torch.float16),
+        )
         out, lse = fwd(q, k, v, 0.25, -1, 0, True)
         assert out.shape == q.shape and out.dtype == q.dtype
         assert lse.shape == (2, 4, 9) and lse.dtype == torch.float32
@@ -89,7 +93,9 @@ def _run(fn, inputs):
     return [loss, *outs, *grads]
 
 
-@pytest.mark.parametrize("backend,dynamic", [("inductor", False), ("aot_eager", True)], ids=["inductor", "aot_eager_dynamic"])
+@pytest.mark.parametrize(
+    "backend,dynamic", [("inductor", False), ("aot_eager", True)], ids=["inductor", "aot_eager_dynamic"]
+)
 @pytest.mark.dtypes(torch.float32, torch.bfloat16)
 def test_compile_fullgraph(device, dtype, backend, dynamic):
     if backend == "inductor" and device == "cpu" and dtype != torch.float32:

@@ -21,11 +21,11 @@ import random
 
 import pytest
 import torch
+from helpers import assert_all
 
 import flashattn_ext
 from flashattn_ext.reference import visible_mask
 from flashattn_ext.tolerance import check_attention
-from helpers import assert_all
 
 fwd_op = torch.ops.flashattn_ext.fwd
 bwd_op = torch.ops.flashattn_ext.bwd
@@ -59,8 +59,21 @@ def visible(seqlen_q, seqlen_k, window_left, window_right, bottom_right):
 
 def check(q, k, v, out, lse, dout, grads, scale, window_left, window_right, bottom_right, seed):
     """The kernel's out, lse (and dq, dk, dv for dout) against the oracle, with the rule."""
-    assert_all(check_attention(q, k, v, out, lse, dout, grads, softmax_scale=scale,
-                               window_size=(window_left, window_right), bottom_right=bottom_right), f"seed {seed}")
+    assert_all(
+        check_attention(
+            q,
+            k,
+            v,
+            out,
+            lse,
+            dout,
+            grads,
+            softmax_scale=scale,
+            window_size=(window_left, window_right),
+            bottom_right=bottom_right,
+        ),
+        f"seed {seed}",
+    )
 
 
 def make_inputs(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, noncontiguous=False, logit_gain=1.0):
@@ -79,12 +92,26 @@ def make_inputs(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, n
     return q, k, v, dout
 
 
-def run_case(seed, dtype, seqlen_q, seqlen_k, head_dim, heads_q=2, heads_kv=2, mask="none", batch=2,
-             noncontiguous=False, logit_gain=1.0, check_grads=True, scale=None):
+def run_case(
+    seed,
+    dtype,
+    seqlen_q,
+    seqlen_k,
+    head_dim,
+    heads_q=2,
+    heads_kv=2,
+    mask="none",
+    batch=2,
+    noncontiguous=False,
+    logit_gain=1.0,
+    check_grads=True,
+    scale=None,
+):
     window_left, window_right, bottom_right = MASKS[mask] if isinstance(mask, str) else mask
     scale = f32_scale(head_dim) if scale is None else scale
-    q, k, v, dout = make_inputs(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, noncontiguous,
-                                logit_gain)
+    q, k, v, dout = make_inputs(
+        batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, noncontiguous, logit_gain
+    )
     if noncontiguous and heads_q > 1 and seqlen_q > 1:  # (with one head or row the view is contiguous)
         assert not q.is_contiguous() and q.stride(-1) == 1
 
@@ -97,8 +124,7 @@ def run_case(seed, dtype, seqlen_q, seqlen_k, head_dim, heads_q=2, heads_kv=2, m
         grads = bwd_op(dout, q, k, v, out, lse, scale, window_left, window_right, bottom_right, False)
         for g, x in zip(grads, (q, k, v)):
             assert g.shape == x.shape and g.dtype == dtype
-    check(q, k, v, out, lse, dout if check_grads else None, grads, scale, window_left, window_right, bottom_right,
-          seed)
+    check(q, k, v, out, lse, dout if check_grads else None, grads, scale, window_left, window_right, bottom_right, seed)
 
     empty_rows = ~visible(seqlen_q, seqlen_k, window_left, window_right, bottom_right).any(dim=-1)
     if empty_rows.any():
@@ -152,6 +178,7 @@ def test_seqlens(seed, dtype, seqlen_q, seqlen_k, mask):
 # ---------------------------------------------------------------------------
 # Head dims, including ones that are not multiples of 8 (the vector edges).
 
+
 @pytest.mark.parametrize("head_dim", [1, 8, 40, 64, 80, 96, 128, 192, 256, 13, 200])
 def test_head_dims(seed, head_dim):
     dtype = torch.float32 if head_dim % 2 else torch.bfloat16
@@ -161,6 +188,7 @@ def test_head_dims(seed, head_dim):
 
 # ---------------------------------------------------------------------------
 # GQA / MQA, non-contiguous views, rows without keys, large logits.
+
 
 @pytest.mark.parametrize("heads_q,heads_kv", [(6, 2), (6, 1), (3, 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=lambda d: str(d).split(".")[-1])
@@ -232,6 +260,7 @@ def test_large_query_blocks(seed):
 # Random configurations: a different set on every run (the seed is printed
 # on failure together with the case).
 
+
 @pytest.mark.parametrize("case", range(16))
 def test_random_config(seed, case):
     rng = random.Random(seed * 1000 + case)
@@ -257,6 +286,7 @@ def test_random_config(seed, case):
 
 # ---------------------------------------------------------------------------
 # Determinism and the autograd path.
+
 
 @pytest.mark.parametrize("seqlen", [300, 40])
 def test_deterministic_and_thread_invariant(seed, seqlen):

@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
+from helpers import randn
 
 import flashattn_ext
-from helpers import randn
 
 fwd = torch.ops.flashattn_ext.fwd
 bwd = torch.ops.flashattn_ext.bwd
@@ -36,7 +36,11 @@ FWD_CASES = {
     "v_rank3": (lambda q, k, v: (q, k, v[0]), ValueError, r"v must have 4 dimensions"),
     "k_dtype": (lambda q, k, v: (q, k.double(), v), TypeError, r"k has dtype Double but q has dtype"),
     "v_dtype": (lambda q, k, v: (q, k, v.to(torch.bfloat16)), TypeError, r"v has dtype BFloat16 but q has dtype"),
-    "int_dtype": (lambda q, k, v: (q.int(), k.int(), v.int()), TypeError, r"q has dtype Int, which the \w+ kernels do not support"),
+    "int_dtype": (
+        lambda q, k, v: (q.int(), k.int(), v.int()),
+        TypeError,
+        r"q has dtype Int, which the \w+ kernels do not support",
+    ),
     "q_zero": (lambda q, k, v: (q[:, :0], k, v), ValueError, r"q has a zero-size dimension"),
     "k_zero": (lambda q, k, v: (q, k[:, :0], v[:, :0]), ValueError, r"k has a zero-size dimension"),
     "v_zero_batch": (lambda q, k, v: (q, k, v[:0]), ValueError, r"v has a zero-size dimension"),
@@ -55,10 +59,21 @@ FWD_CASES = {
         ValueError,
         r"q has 3 heads, not a multiple of the 2 heads of k and v",
     ),
-    "q_last_stride": (lambda q, k, v: (q.transpose(2, 3).contiguous().transpose(2, 3)[..., :4, :4], k[..., :4], v[..., :4]),
-                      ValueError, r"q must have stride 1 in its last \(head_dim\) dimension"),
-    "k_last_stride": (lambda q, k, v: (q, torch.cat([k, k], -1)[..., ::2], v), ValueError, r"k must have stride 1 in its last"),
-    "v_last_stride": (lambda q, k, v: (q, k, torch.cat([v, v], -1)[..., ::2]), ValueError, r"v must have stride 1 in its last"),
+    "q_last_stride": (
+        lambda q, k, v: (q.transpose(2, 3).contiguous().transpose(2, 3)[..., :4, :4], k[..., :4], v[..., :4]),
+        ValueError,
+        r"q must have stride 1 in its last \(head_dim\) dimension",
+    ),
+    "k_last_stride": (
+        lambda q, k, v: (q, torch.cat([k, k], -1)[..., ::2], v),
+        ValueError,
+        r"k must have stride 1 in its last",
+    ),
+    "v_last_stride": (
+        lambda q, k, v: (q, k, torch.cat([v, v], -1)[..., ::2]),
+        ValueError,
+        r"v must have stride 1 in its last",
+    ),
     "q_too_long": (
         lambda q, k, v: (q[:1, :1].expand(2**31, 1, *q.shape[2:]), k, v),  # stride 0: no memory
         ValueError,
@@ -105,7 +120,9 @@ def test_fwd_op_errors_meta(device, case):
 @pytest.mark.parametrize("window", [(-2, -1), (-1, -5), (-3, 0)])
 def test_bad_window(device, window):
     q, k, v = _qkv(device)
-    with pytest.raises(ValueError, match=r"window sizes must be -1 \(unbounded\) or >= 0, got window_left=-?\d+, window_right=-?\d+"):
+    with pytest.raises(
+        ValueError, match=r"window sizes must be -1 \(unbounded\) or >= 0, got window_left=-?\d+, window_right=-?\d+"
+    ):
         _fwd(q, k, v, wl=window[0], wr=window[1])
     with pytest.raises(ValueError, match=r"window_size \((left|right)\) must be -1 \(unbounded\) or >= 0, got -\d"):
         flashattn_ext.flash_attn_func(q, k, v, window_size=window)
@@ -142,7 +159,9 @@ def test_device_mismatch(which):
         flashattn_ext.flash_attn_func(q, k, v)
 
 
-@pytest.mark.skipif(flashattn_ext.build_info()["cuda"] or not torch.cuda.is_available(), reason="needs a GPU and a CPU-only build")
+@pytest.mark.skipif(
+    flashattn_ext.build_info()["cuda"] or not torch.cuda.is_available(), reason="needs a GPU and a CPU-only build"
+)
 def test_cuda_tensors_without_cuda_build():
     q, k, v = _qkv("cuda", dtype=torch.float16)
     with pytest.raises(RuntimeError, match="has no CUDA kernels"):
@@ -167,15 +186,34 @@ def _call_bwd(t):
 BWD_CASES = {
     "dout_shape": ("dout", lambda x: x[:, :3], ValueError, r"dout has shape \[2, 3, 4, 16\] but q has \[2, 5, 4, 16\]"),
     "dout_dtype": ("dout", lambda x: x.double(), TypeError, r"dout has dtype Double but q has dtype"),
-    "dout_last_stride": ("dout", lambda x: torch.cat([x, x], -1)[..., ::2], ValueError, r"dout must have stride 1 in its last"),
+    "dout_last_stride": (
+        "dout",
+        lambda x: torch.cat([x, x], -1)[..., ::2],
+        ValueError,
+        r"dout must have stride 1 in its last",
+    ),
     "out_shape": ("out", lambda x: x[:, :, :2], ValueError, r"out has shape \[2, 5, 2, 16\] but q has"),
     "out_dtype": ("out", lambda x: x.to(torch.bfloat16), TypeError, r"out has dtype BFloat16 but q has dtype"),
-    "out_last_stride": ("out", lambda x: torch.cat([x, x], -1)[..., ::2], ValueError, r"out must have stride 1 in its last"),
+    "out_last_stride": (
+        "out",
+        lambda x: torch.cat([x, x], -1)[..., ::2],
+        ValueError,
+        r"out must have stride 1 in its last",
+    ),
     "lse_dtype": ("lse", lambda x: x.double(), TypeError, r"lse has dtype Double, expected Float"),
-    "lse_shape_transposed": ("lse", lambda x: x.transpose(1, 2).contiguous(), ValueError,
-                             r"lse has shape \[2, 5, 4\], expected \(batch, heads_q, seqlen_q\) = \(2, 4, 5\)"),
+    "lse_shape_transposed": (
+        "lse",
+        lambda x: x.transpose(1, 2).contiguous(),
+        ValueError,
+        r"lse has shape \[2, 5, 4\], expected \(batch, heads_q, seqlen_q\) = \(2, 4, 5\)",
+    ),
     "lse_rank": ("lse", lambda x: x[0], ValueError, r"lse has shape \[4, 5\], expected"),
-    "lse_noncontiguous": ("lse", lambda x: x.transpose(1, 2).contiguous().transpose(1, 2), ValueError, r"lse must be contiguous"),
+    "lse_noncontiguous": (
+        "lse",
+        lambda x: x.transpose(1, 2).contiguous().transpose(1, 2),
+        ValueError,
+        r"lse must be contiguous",
+    ),
     "q_rank": ("q", lambda x: x[0], ValueError, r"q must have 4 dimensions"),
     "heads": ("k", lambda x: torch.cat([x, x[:, :, :1]], 2), ValueError, r"v has 2 heads but k has 3"),
 }

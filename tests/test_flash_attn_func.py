@@ -5,11 +5,7 @@ windows. Outputs are poisoned (NaN-filled allocations) in every test here."""
 
 import pytest
 import torch
-
-import flashattn_ext
-from flashattn_ext import _ops
 from helpers import (
-    ALL_DTYPES,
     KernelCalls,
     assert_rule,
     attention_ref,
@@ -18,6 +14,9 @@ from helpers import (
     oracle_and_naive,
     randn,
 )
+
+import flashattn_ext
+from flashattn_ext import _ops
 
 pytestmark = pytest.mark.usefixtures("poison")
 
@@ -78,7 +77,7 @@ def test_no_copy_unless_needed(device, dtype):
     v = make_bshd(2, 11, 2, 16, dtype, device, "strided_last")
     with KernelCalls() as spy:
         flashattn_ext.flash_attn_func(q, k, v)
-    (name, (sq, sk, sv, *_)), = spy.calls
+    ((name, (sq, sk, sv, *_)),) = spy.calls
     assert name == "fwd"
     assert sq.data_ptr() == q.data_ptr() and sq.stride() == q.stride()
     assert sk.data_ptr() == k.data_ptr() and sk.stride() == k.stride()
@@ -171,7 +170,9 @@ def test_causal_is_window_right_0(device, dtype):
     v = randn((1, 45, 2, 16), dtype, device)
     f = flashattn_ext.flash_attn_func
     torch.testing.assert_close(f(q, k, v, causal=True), f(q, k, v, window_size=(-1, 0)), rtol=0, atol=0)
-    torch.testing.assert_close(f(q, k, v, causal=True, window_size=(4, 9)), f(q, k, v, window_size=(4, 0)), rtol=0, atol=0)
+    torch.testing.assert_close(
+        f(q, k, v, causal=True, window_size=(4, 9)), f(q, k, v, window_size=(4, 0)), rtol=0, atol=0
+    )
     torch.testing.assert_close(f(q, k, v), f(q, k, v, window_size=(100, 100)), rtol=0, atol=0)
 
 
@@ -253,8 +254,12 @@ def test_dropout_falls_back_to_torch(device, dtype):
 
     torch.manual_seed(1234)
     expected = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=visible_mask(20, 31, -1, 0, 11, device), dropout_p=0.3, enable_gqa=True,
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=visible_mask(20, 31, -1, 0, 11, device),
+        dropout_p=0.3,
+        enable_gqa=True,
     ).transpose(1, 2)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     _, lse_ref = attention_ref(q, k, v, causal=True, return_lse=True)

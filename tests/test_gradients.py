@@ -4,9 +4,9 @@ bitwise reproducibility of the deterministic backward on the GPU."""
 
 import pytest
 import torch
+from helpers import check_flash, make_bshd, randn
 
 import flashattn_ext
-from helpers import check_flash, make_bshd, randn
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -117,7 +117,9 @@ def test_gradcheck(device, dtype, kw):
     q = randn((1, 5, 4, 8), dtype, device).requires_grad_()
     k = randn((1, 7, 2, 8), dtype, device).requires_grad_()
     v = randn((1, 7, 2, 8), dtype, device).requires_grad_()
-    assert torch.autograd.gradcheck(lambda q, k, v: flashattn_ext.flash_attn_func(q, k, v, **kw), (q, k, v), fast_mode=True)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: flashattn_ext.flash_attn_func(q, k, v, **kw), (q, k, v), fast_mode=True
+    )
 
 
 @pytest.mark.cuda

@@ -22,7 +22,7 @@ except ValueError as e:
 
 def test_first_error_of_a_process_is_an_exception(device):
     if device == "cpu":
-        script = SCRIPT.replace('dtype=torch.float16', 'dtype=torch.float32')
+        script = SCRIPT.replace("dtype=torch.float16", "dtype=torch.float32")
     else:
         script = SCRIPT
     r = subprocess.run([sys.executable, "-c", script.format(dev=device)], capture_output=True, text=True, timeout=300)

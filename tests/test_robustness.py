@@ -23,13 +23,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import randn
 
-import flashattn_ext
 from flashattn_ext import FlashAttnFallbackWarning
 from flashattn_ext import flash_attn_func as faf
 from flashattn_ext import scaled_dot_product_attention as sdpa
 from flashattn_ext.reference import attention_ref, visible_mask
-from helpers import randn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -128,7 +127,11 @@ def test_nonfinite_reaches_only_rows_that_see_it(device, dtype, shape, where, re
     reaches exactly the output rows, and the gradient rows, that depend on it."""
     sq, sk, causal, window, br = NONFINITE_SHAPES[shape]
     b, hq, hk, d = 2, 2, 1, 16
-    q, k, v = randn((b, sq, hq, d), dtype, device), randn((b, sk, hk, d), dtype, device), randn((b, sk, hk, d), dtype, device)
+    q, k, v = (
+        randn((b, sq, hq, d), dtype, device),
+        randn((b, sk, hk, d), dtype, device),
+        randn((b, sk, hk, d), dtype, device),
+    )
     dout = randn((b, sq, hq, d), dtype, device)
     nan, inf = float("nan"), float("inf")
     # Positions chosen to be visible to some rows and not others, or to none.
@@ -361,8 +364,9 @@ def test_jit_cache_bounded_when_strides_change():
     """Finding 6: every new row stride of an input used in place compiled and kept
     another GEMM kernel (100 calls: +14 MiB here; 1200 in the issue: +646 MiB)."""
     env = dict(os.environ, OMP_NUM_THREADS="2")
-    res = subprocess.run([sys.executable, "-c", _RSS_SCRIPT.format(root=ROOT)], capture_output=True, text=True,
-                         env=env, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", _RSS_SCRIPT.format(root=ROOT)], capture_output=True, text=True, env=env, timeout=300
+    )
     assert res.returncode == 0, res.stderr
     growth = float(res.stdout.strip().splitlines()[-1])
     assert growth < 6.0, f"RSS grew by {growth:.1f} MiB over 100 calls with new strides"
@@ -397,8 +401,9 @@ _BITS_SCRIPT = textwrap.dedent(
 def test_copied_tiles_give_the_same_bits():
     """The strides past the admitted few are copied: same GEMM, bitwise the same
     results as in place (the deterministic backward stays deterministic)."""
-    res = subprocess.run([sys.executable, "-c", _BITS_SCRIPT.format(root=ROOT)], capture_output=True, text=True,
-                         timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", _BITS_SCRIPT.format(root=ROOT)], capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip().splitlines()[-1] == "True"
 
@@ -475,10 +480,12 @@ def test_vmap(device):
     ks, vs = torch.stack([k, k, k]), torch.stack([v, -v, v])
     expected = torch.stack([faf(a, b, c) for a, b, c in zip(qs, ks, vs)])
     _close(torch.func.vmap(faf)(qs, ks, vs), expected, device)
-    expected_t = torch.stack([sdpa(a.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2), enable_gqa=True)
-                              for a, b, c in zip(qs, ks, vs)])
+    expected_t = torch.stack(
+        [sdpa(a.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2), enable_gqa=True) for a, b, c in zip(qs, ks, vs)]
+    )
     got_t = torch.func.vmap(lambda a, b, c: sdpa(a, b, c, enable_gqa=True))(
-        qs.transpose(2, 3), ks.transpose(2, 3), vs.transpose(2, 3))
+        qs.transpose(2, 3), ks.transpose(2, 3), vs.transpose(2, 3)
+    )
     _close(got_t, expected_t, device)
 
 

@@ -10,11 +10,11 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import KernelCalls, assert_rule, compute_dtype, randn, sdpa_ref
 
 import flashattn_ext
 from flashattn_ext import FlashAttnFallbackWarning, _ops
 from flashattn_ext import scaled_dot_product_attention as sdpa
-from helpers import KernelCalls, assert_rule, compute_dtype, randn, sdpa_ref
 
 
 @contextlib.contextmanager
@@ -50,10 +50,16 @@ def check_sdpa(q, k, v, dout=None, **kw):
 
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("lens", [(1, 1), (1, 17), (17, 1), (17, 113), (113, 17), (64, 64)], ids=lambda s: f"L{s[0]}S{s[1]}")
+@pytest.mark.parametrize(
+    "lens", [(1, 1), (1, 17), (17, 1), (17, 113), (113, 17), (64, 64)], ids=lambda s: f"L{s[0]}S{s[1]}"
+)
 def test_matches_oracle(device, dtype, is_causal, lens):
     L, S = lens
-    q, k, v = randn((2, 3, L, 32), dtype, device), randn((2, 3, S, 32), dtype, device), randn((2, 3, S, 32), dtype, device)
+    q, k, v = (
+        randn((2, 3, L, 32), dtype, device),
+        randn((2, 3, S, 32), dtype, device),
+        randn((2, 3, S, 32), dtype, device),
+    )
     check_sdpa(q, k, v, is_causal=is_causal)
 
 
@@ -61,7 +67,11 @@ def test_matches_oracle(device, dtype, is_causal, lens):
 def test_causal_top_left_like_torch(device, dtype, lens):
     """is_causal with L != S: query i sees keys 0..i (torch), not FlashAttention's bottom-right."""
     L, S = lens
-    q, k, v = randn((1, 2, L, 16), dtype, device), randn((1, 2, S, 16), dtype, device), randn((1, 2, S, 16), dtype, device)
+    q, k, v = (
+        randn((1, 2, L, 16), dtype, device),
+        randn((1, 2, S, 16), dtype, device),
+        randn((1, 2, S, 16), dtype, device),
+    )
     out, _ = check_sdpa(q, k, v, is_causal=True)
     if device == "cpu" or dtype in (torch.float16, torch.bfloat16):
         torch_out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -71,15 +81,20 @@ def test_causal_top_left_like_torch(device, dtype, lens):
     torch.testing.assert_close(out[:, :, 0], v[:, :, 0], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("heads,gqa", [((4, 4), False), ((6, 2), True), ((6, 1), True), ((6, 1), False)], ids=["mha", "gqa", "mqa_gqa", "mqa_broadcast"])
+@pytest.mark.parametrize(
+    "heads,gqa",
+    [((4, 4), False), ((6, 2), True), ((6, 1), True), ((6, 1), False)],
+    ids=["mha", "gqa", "mqa_gqa", "mqa_broadcast"],
+)
 def test_gqa(device, dtype, heads, gqa):
     hq, hkv = heads
     q = randn((2, hq, 20, 32), dtype, device)
     k, v = randn((2, hkv, 27, 32), dtype, device), randn((2, hkv, 27, 32), dtype, device)
     out, _ = check_sdpa(q, k, v, is_causal=True, enable_gqa=gqa)
     kw = {"enable_gqa": True} if gqa else {}
-    torch.testing.assert_close(out.float(), F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw).float(),
-                               rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(
+        out.float(), F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw).float(), rtol=2e-2, atol=2e-2
+    )
 
 
 @pytest.mark.parametrize("scale", [None, 0.05, 1.0])
@@ -103,7 +118,7 @@ def test_output_is_view_without_copies(device, dtype):
         out = sdpa(q, k, v, is_causal=True)
     assert out.shape == (2, 4, 10, 16)
     assert out.transpose(1, 2).is_contiguous(), "a (B, H, L, E) view of a (B, L, H, E) buffer"
-    (name, (sq, sk, sv, *args)), = spy.calls
+    ((name, (sq, sk, sv, *args)),) = spy.calls
     assert name == "fwd"
     for a, b in ((sq, q), (sk, k), (sv, v)):
         assert a.data_ptr() == b.data_ptr() and a.shape == b.transpose(1, 2).shape, "inputs reach the kernels as views"
@@ -262,7 +277,9 @@ class TinyBlock(torch.nn.Module):
 
     def forward(self, x):
         b, n, _ = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split([self.heads * self.hd, self.kv_heads * self.hd, self.kv_heads * self.hd], -1)
+        q, k, v = self.qkv(self.norm1(x)).split(
+            [self.heads * self.hd, self.kv_heads * self.hd, self.kv_heads * self.hd], -1
+        )
         q = q.view(b, n, self.heads, self.hd).transpose(1, 2)
         k = k.view(b, n, self.kv_heads, self.hd).transpose(1, 2)
         v = v.view(b, n, self.kv_heads, self.hd).transpose(1, 2)

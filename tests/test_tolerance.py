@@ -33,8 +33,9 @@ def _naive(q, k, v, dout, **kw):
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     out, lse = attention_ref(*leaves, upcast=False, return_lse=True, **kw)
     grads = torch.autograd.grad(out, leaves, dout)
-    lse_acc = attention_ref(q, k, v, return_lse=True, **kw)[1].to(torch.float64 if q.dtype == torch.float64 else
-                                                                  torch.float32)
+    lse_acc = attention_ref(q, k, v, return_lse=True, **kw)[1].to(
+        torch.float64 if q.dtype == torch.float64 else torch.float32
+    )
     return out.detach(), lse_acc, grads
 
 

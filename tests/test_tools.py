@@ -28,8 +28,7 @@ def _env():
 
 
 def _run(args, timeout=120):
-    return subprocess.run([sys.executable] + args, env=_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable] + args, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def _load(name):
@@ -46,10 +45,24 @@ def _load(name):
 
 # Synthetic grid: each implementation's TFLOP/s is its own function of seqlen, so
 # a ratio against the wrong peer, at the wrong seqlen or inverted gives other numbers.
-SYN_BASE = {"ours_sdpa": 300.0, "ours_native": 310.0, "sdpa_default": 500.0, "sdpa_cudnn": 550.0,
-            "sdpa_flash": 320.0, "sdpa_mem_efficient": 160.0, "naive": 100.0}
-SYN_SLOPE = {"ours_sdpa": 0.90, "ours_native": 0.60, "sdpa_default": 0.30, "sdpa_cudnn": 0.10,
-             "sdpa_flash": 0.80, "sdpa_mem_efficient": 0.2, "naive": 0.1}
+SYN_BASE = {
+    "ours_sdpa": 300.0,
+    "ours_native": 310.0,
+    "sdpa_default": 500.0,
+    "sdpa_cudnn": 550.0,
+    "sdpa_flash": 320.0,
+    "sdpa_mem_efficient": 160.0,
+    "naive": 100.0,
+}
+SYN_SLOPE = {
+    "ours_sdpa": 0.90,
+    "ours_native": 0.60,
+    "sdpa_default": 0.30,
+    "sdpa_cudnn": 0.10,
+    "sdpa_flash": 0.80,
+    "sdpa_mem_efficient": 0.2,
+    "naive": 0.1,
+}
 SYN_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 SYN_MISSING = {("ours_sdpa", "bwd", 128, True, 2048)}  # an error row: its ratios must read "-"
 
@@ -57,8 +70,13 @@ SYN_MISSING = {("ours_sdpa", "bwd", 128, True, 2048)}  # an error row: its ratio
 def syn_tflops(impl, mode, d, causal, n):
     if impl == "naive" and n == 16384 or (impl, mode, d, causal, n) in SYN_MISSING:
         return None
-    return (SYN_BASE[impl] * (1 - SYN_SLOPE[impl] * 512 / n) * (0.8 if causal else 1.0)
-            * (0.7 if mode == "bwd" else 1.0) * (1.1 if d == 128 else 1.0))
+    return (
+        SYN_BASE[impl]
+        * (1 - SYN_SLOPE[impl] * 512 / n)
+        * (0.8 if causal else 1.0)
+        * (0.7 if mode == "bwd" else 1.0)
+        * (1.1 if d == 128 else 1.0)
+    )
 
 
 def synthetic_results(legacy=False):
@@ -70,8 +88,18 @@ def synthetic_results(legacy=False):
                 for n in SYN_SEQLENS:
                     for impl in SYN_BASE:
                         tf = syn_tflops(impl, mode, d, causal, n)
-                        row = dict(impl=impl, mode=mode, dtype="bf16", d=d, n=n, b=16384 // n, h=2048 // d,
-                                   causal=causal, ms=None, tflops=None)
+                        row = dict(
+                            impl=impl,
+                            mode=mode,
+                            dtype="bf16",
+                            d=d,
+                            n=n,
+                            b=16384 // n,
+                            h=2048 // d,
+                            causal=causal,
+                            ms=None,
+                            tflops=None,
+                        )
                         if impl == "sdpa_default":
                             row["backend"] = "cudnn" if d == 128 else "flash"
                         if tf is None:
@@ -82,8 +110,12 @@ def synthetic_results(legacy=False):
                         rows.append(row)
     memory = []
     for n in (4096, 16384, 32768):
-        for impl, per in (("ours_sdpa", 2**15), ("ours_native", 2**15), ("naive", 16 * n * 2 * 4),
-                          ("sdpa_flash", 2**15)):
+        for impl, per in (
+            ("ours_sdpa", 2**15),
+            ("ours_native", 2**15),
+            ("naive", 16 * n * 2 * 4),
+            ("sdpa_flash", 2**15),
+        ):
             e = dict(impl=impl, b=1, h=16, n=n, d=128, dtype="bf16", causal=False)
             if impl == "naive" and n == 32768:
                 e.update(peak_extra_bytes=None, peak_extra_gib=None, error="OOM")
@@ -91,29 +123,71 @@ def synthetic_results(legacy=False):
                 b = per * n
                 e.update(peak_extra_bytes=b, peak_extra_gib=b / 2**30)
             memory.append(e)
-    gpt2 = dict(b=8, h=12, n=1024, d=64, dtype="fp16", causal=True, mode="fwd+bwd", impls={
-        "ours_sdpa": dict(ms=0.26), "ours_native": dict(ms=0.25), "sdpa_default": dict(ms=0.21, backend="cudnn"),
-        "sdpa_cudnn": dict(ms=0.20), "sdpa_flash": dict(ms=0.33), "naive": dict(ms=1.9),
-        "sdpa_mem_efficient": dict(ms=None, error="RuntimeError: made up")})
+    gpt2 = dict(
+        b=8,
+        h=12,
+        n=1024,
+        d=64,
+        dtype="fp16",
+        causal=True,
+        mode="fwd+bwd",
+        impls={
+            "ours_sdpa": dict(ms=0.26),
+            "ours_native": dict(ms=0.25),
+            "sdpa_default": dict(ms=0.21, backend="cudnn"),
+            "sdpa_cudnn": dict(ms=0.20),
+            "sdpa_flash": dict(ms=0.33),
+            "naive": dict(ms=1.9),
+            "sdpa_mem_efficient": dict(ms=None, error="RuntimeError: made up"),
+        },
+    )
     for r in gpt2["impls"].values():
         if r.get("ms"):
             r["speedup_vs_naive"] = 1.9 / r["ms"]
-    host = dict(b=1, h=2, n=128, d=64, dtype="bf16", causal=True, method="made up", impls={
-        impl: {mode: dict(us=us * k, gpu_busy=True) for mode, k in (("fwd", 1.0), ("fwd_grad", 1.5), ("fwd+bwd", 4.0))}
-        for impl, us in (("sdpa_default", 11.0), ("ours_sdpa", 9.0), ("ours_native", 8.0))})
+    host = dict(
+        b=1,
+        h=2,
+        n=128,
+        d=64,
+        dtype="bf16",
+        causal=True,
+        method="made up",
+        impls={
+            impl: {
+                mode: dict(us=us * k, gpu_busy=True) for mode, k in (("fwd", 1.0), ("fwd_grad", 1.5), ("fwd+bwd", 4.0))
+            }
+            for impl, us in (("sdpa_default", 11.0), ("ours_sdpa", 9.0), ("ours_native", 8.0))
+        },
+    )
     host["impls"]["sdpa_default"]["backend"] = "flash"
-    data = dict(synthetic=True, gpu="SYNTHETIC TEST DATA", device="cuda", torch="0.0.0", cuda="0.0", cudnn=0,
-                date="2000-01-01T00:00:00+00:00", ceilings=dict(matmul_tflops=700.0, matmul_dtype="bf16",
-                                                                copy_tbs=4.2),
-                grid=dict(tokens=16384, head_total=2048), rows=rows, memory=memory, gpt2=gpt2,
-                host_overhead=host, skipped_impls={"fa4": "import flash_attn.cute failed: made up"})
+    data = dict(
+        synthetic=True,
+        gpu="SYNTHETIC TEST DATA",
+        device="cuda",
+        torch="0.0.0",
+        cuda="0.0",
+        cudnn=0,
+        date="2000-01-01T00:00:00+00:00",
+        ceilings=dict(matmul_tflops=700.0, matmul_dtype="bf16", copy_tbs=4.2),
+        grid=dict(tokens=16384, head_total=2048),
+        rows=rows,
+        memory=memory,
+        gpt2=gpt2,
+        host_overhead=host,
+        skipped_impls={"fa4": "import flash_attn.cute failed: made up"},
+    )
     if legacy:  # the JSON of runs before the rename: no ours_sdpa / sdpa_default, old names
-        old = {"ours_native": "flashattn_ext", "sdpa_cudnn": "cudnn", "sdpa_flash": "fa2",
-               "sdpa_mem_efficient": "mem_efficient"}
+        old = {
+            "ours_native": "flashattn_ext",
+            "sdpa_cudnn": "cudnn",
+            "sdpa_flash": "fa2",
+            "sdpa_mem_efficient": "mem_efficient",
+        }
         data["rows"] = [dict(r, impl=old[r["impl"]]) for r in rows if r["impl"] in old]
         data["memory"] = [dict(m, impl=old.get(m["impl"], m["impl"])) for m in memory if m["impl"] != "ours_sdpa"]
-        data["gpt2"]["impls"] = {old.get(k, k): v for k, v in gpt2["impls"].items()
-                                 if k not in ("ours_sdpa", "sdpa_default")}
+        data["gpt2"]["impls"] = {
+            old.get(k, k): v for k, v in gpt2["impls"].items() if k not in ("ours_sdpa", "sdpa_default")
+        }
         for k in ("host_overhead", "skipped_impls"):
             del data[k]
     return data
@@ -156,8 +230,12 @@ def test_parse_build_info():
 
 
 NEW_IMPLS = {"ours_sdpa", "ours_native", "sdpa_default", "sdpa_cudnn", "sdpa_flash", "sdpa_mem_efficient", "naive"}
-RATIO_HEADERS = ["ours_sdpa / sdpa_cudnn", "ours_sdpa / sdpa_default", "ours_sdpa / sdpa_flash",
-                 "ours_native / sdpa_cudnn"]
+RATIO_HEADERS = [
+    "ours_sdpa / sdpa_cudnn",
+    "ours_sdpa / sdpa_default",
+    "ours_sdpa / sdpa_flash",
+    "ours_native / sdpa_cudnn",
+]
 
 
 def test_bench_gpu_cpu_quick(tmp_path):
@@ -165,8 +243,19 @@ def test_bench_gpu_cpu_quick(tmp_path):
     r = _run([os.path.join(BENCH, "bench_gpu.py"), "--device", "cpu", "--quick", "--json", str(out), "--md", str(md)])
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads(out.read_text())
-    for key in ("gpu", "torch", "cuda", "cudnn", "date", "ceilings", "rows", "memory", "gpt2", "host_overhead",
-                "skipped_impls"):
+    for key in (
+        "gpu",
+        "torch",
+        "cuda",
+        "cudnn",
+        "date",
+        "ceilings",
+        "rows",
+        "memory",
+        "gpt2",
+        "host_overhead",
+        "skipped_impls",
+    ):
         assert key in data
     assert {"matmul_tflops", "copy_tbs"} <= set(data["ceilings"])
     peak = data["ceilings"]["matmul_tflops"]
@@ -212,8 +301,25 @@ def test_bench_gpu_cpu_quick(tmp_path):
 def test_bench_gpu_time_budget(tmp_path, capsys):
     out = tmp_path / "bench.json"
     bg = _load("bench_gpu")
-    rc = bg.main(["--device", "cpu", "--quick", "--no-memory", "--no-gpt2", "--no-ceilings", "--no-host",
-                  "--impls", "naive", "--modes", "fwd", "--budget-s", "1e-9", "--json", str(out)])
+    rc = bg.main(
+        [
+            "--device",
+            "cpu",
+            "--quick",
+            "--no-memory",
+            "--no-gpt2",
+            "--no-ceilings",
+            "--no-host",
+            "--impls",
+            "naive",
+            "--modes",
+            "fwd",
+            "--budget-s",
+            "1e-9",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     data = json.loads(out.read_text())
     assert data["budget_exceeded"]["points_not_run"] == 4 and data["rows"] == []
@@ -224,7 +330,11 @@ def test_bench_gpu_old_impl_names_and_flops():
     bg = _load("bench_gpu")
     args = bg.parse_args(["--impls", "flashattn_ext,cudnn,fa2,mem_efficient", "--time-budget", "5"])
     assert bg._names(args.impls, bg.ALL_IMPLS, "impls", _load("bench_table").LEGACY_NAMES) == [
-        "ours_native", "sdpa_cudnn", "sdpa_flash", "sdpa_mem_efficient"]
+        "ours_native",
+        "sdpa_cudnn",
+        "sdpa_flash",
+        "sdpa_mem_efficient",
+    ]
     assert args.budget_s == 5
     # The one FLOP formula: flashattn_ext.reference.attention_flops (no copy in bench_gpu).
     assert not hasattr(bg, "attn_flops")
@@ -243,7 +353,7 @@ def _md_table(md, first_header):
     start = next(i for i, ln in enumerate(lines) if ln.startswith(f"| {first_header} |") and "---" in lines[i + 1])
     headers = [c.strip() for c in lines[start].strip("|").split("|")]
     body = {}
-    for ln in lines[start + 2:]:
+    for ln in lines[start + 2 :]:
         if not ln.startswith("|"):
             break
         cells = [c.strip() for c in ln.strip("|").split("|")]
@@ -267,8 +377,14 @@ def test_bench_table_ratios_are_right():
     headers, body = _md_table(md, "case")
     assert headers[-4:] == RATIO_HEADERS  # exactly the four ratios, in this order
     assert sum(" / " in h for h in headers) == 4
-    names = {"ours_sdpa": "ours (SDPA API)", "ours_native": "ours (flash_attn_func)", "sdpa_default": "SDPA default",
-             "sdpa_cudnn": "cuDNN (SDPA)", "sdpa_flash": "FA2 (SDPA flash)", "naive": "naive"}
+    names = {
+        "ours_sdpa": "ours (SDPA API)",
+        "ours_native": "ours (flash_attn_func)",
+        "sdpa_default": "SDPA default",
+        "sdpa_cudnn": "cuDNN (SDPA)",
+        "sdpa_flash": "FA2 (SDPA flash)",
+        "naive": "naive",
+    }
     assert len(body) == 8
     for label, mode, d, causal in _cases():
         row = body[label]
@@ -284,7 +400,7 @@ def test_bench_table_ratios_are_right():
             assert row[hdr] == "/".join(want), (label, hdr)
     assert body["d128 causal bwd"]["ours_sdpa / sdpa_cudnn"].split("/")[2] == "-"  # the error row
     # Fractions of the matmul ceiling (700 TFLOP/s).
-    _, frac = _md_table(md[md.index("Fraction of the"):], "case")
+    _, frac = _md_table(md[md.index("Fraction of the") :], "case")
     for label, mode, d, causal in _cases():
         for impl in ("ours_sdpa", "sdpa_cudnn"):
             want = [syn_tflops(impl, mode, d, causal, n) for n in SYN_SEQLENS]
@@ -304,17 +420,21 @@ def test_bench_table_ratios_are_right():
     assert hdr.split()[-4:] == ["sdpa/cudnn", "sdpa/default", "sdpa/flash", "native/cudnn"]
     assert "fa2" not in text and "ours/" not in text
     for label, mode, d, causal in _cases():
-        line = next(ln for ln in lines if ln.startswith(label + " ") and ln[len(label):len(label) + 2] == "  ")
+        line = next(ln for ln in lines if ln.startswith(label + " ") and ln[len(label) : len(label) + 2] == "  ")
         want = [f"{syn_tflops('ours_sdpa', mode, d, causal, n) or 0:.0f}" for n in SYN_SEQLENS]
         want = ["-" if w == "0" else w for w in want]
         for hdr_ in RATIO_HEADERS:
             num, den = hdr_.split(" / ")
-            rs = [syn_tflops(num, mode, d, causal, n) and syn_tflops(den, mode, d, causal, n)
-                  and syn_tflops(num, mode, d, causal, n) / syn_tflops(den, mode, d, causal, n) for n in SYN_SEQLENS]
+            rs = [
+                syn_tflops(num, mode, d, causal, n)
+                and syn_tflops(den, mode, d, causal, n)
+                and syn_tflops(num, mode, d, causal, n) / syn_tflops(den, mode, d, causal, n)
+                for n in SYN_SEQLENS
+            ]
             rs = [x for x in rs if x]
             gm = math.exp(sum(map(math.log, rs)) / len(rs))
             want += [f"{gm:.2f}", f"({min(rs):.2f}-{max(rs):.2f})"]
-        assert line[len(label):].split() == want, (label, line)
+        assert line[len(label) :].split() == want, (label, line)
     assert "GPT-2" in text and "ours_sdpa 0.260 (7.3x)" in text and "host us/call" in text
     assert "best fraction of the matmul ceiling (700 TFLOP/s)" in text
     assert lines[-1].startswith("fa4 not run") or "TIME BUDGET" in lines[-1] or lines[-1].startswith("elapsed")
@@ -327,8 +447,10 @@ def test_bench_table_reads_old_json():
     md = bt.markdown_report(data)
     headers, body = _md_table(md, "case")
     assert headers[-1] == "ours_native / sdpa_cudnn" and "ours (flash_attn_func)" in headers
-    want = [syn_tflops("ours_native", "fwd", 64, False, n) / syn_tflops("sdpa_cudnn", "fwd", 64, False, n)
-            for n in SYN_SEQLENS]
+    want = [
+        syn_tflops("ours_native", "fwd", 64, False, n) / syn_tflops("sdpa_cudnn", "fwd", 64, False, n)
+        for n in SYN_SEQLENS
+    ]
     assert body["d64 fwd"]["ours_native / sdpa_cudnn"] == "/".join(f"{x:.2f}" for x in want)
     text = bt.text_summary(data)
     assert "TFLOP/s of ours_native" in text and "sdpa_flash" in text
@@ -354,8 +476,15 @@ def test_plot_synthetic(tmp_path):
         r = _run([os.path.join(BENCH, "plot.py"), str(src), "--out", str(outdir)])
         assert r.returncode == 0, r.stdout + r.stderr
         names = sorted(os.listdir(outdir))
-        want = ["gpt2.png", "host_overhead.png", "memory.png", "peak_fraction.png", "ratio_cudnn.png",
-                "tflops_bwd.png", "tflops_fwd.png"]
+        want = [
+            "gpt2.png",
+            "host_overhead.png",
+            "memory.png",
+            "peak_fraction.png",
+            "ratio_cudnn.png",
+            "tflops_bwd.png",
+            "tflops_fwd.png",
+        ]
         assert names == (want if not legacy else [n for n in want if n != "host_overhead.png"])
         for n in names:
             assert (outdir / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -363,9 +492,9 @@ def test_plot_synthetic(tmp_path):
 
 GPU_VISIT_TESTS = {
     "test_a_pass.py": "import pytest\n\n@pytest.mark.cuda\ndef test_one():\n    pass\n\n"
-                      "@pytest.mark.cuda\ndef test_skip():\n    pytest.skip('made up')\n\ndef test_cpu():\n    pass\n",
+    "@pytest.mark.cuda\ndef test_skip():\n    pytest.skip('made up')\n\ndef test_cpu():\n    pass\n",
     "test_b_fail.py": "import pytest\n\n@pytest.mark.cuda\ndef test_ok():\n    pass\n\n"
-                      "@pytest.mark.cuda\ndef test_bad():\n    assert 0\n",
+    "@pytest.mark.cuda\ndef test_bad():\n    assert 0\n",
     "test_c_crash.py": "import ctypes, pytest\n\n@pytest.mark.cuda\ndef test_segfault():\n    ctypes.string_at(0)\n",
     "test_d_cpu.py": "def test_cpu():\n    pass\n",
 }
@@ -382,10 +511,14 @@ def test_gpu_visit_reports_every_test_file(tmp_path):
         (tmp_path / "tests" / name).write_text(text)
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    cuda: needs a GPU\n")
     env = _env()
-    env.update(STAGES="test", OUT=str(tmp_path / "out"),
-               PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))
-    r = subprocess.run(["bash", str(tmp_path / "benchmarks" / "gpu_visit.sh")], env=env, capture_output=True,
-                       text=True, timeout=300)
+    env.update(
+        STAGES="test",
+        OUT=str(tmp_path / "out"),
+        PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""),
+    )
+    r = subprocess.run(
+        ["bash", str(tmp_path / "benchmarks" / "gpu_visit.sh")], env=env, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 1, r.stdout + r.stderr
     rows = [ln.split("\t") for ln in (tmp_path / "out" / "pytest_summary.tsv").read_text().splitlines()]
     assert rows[0] == ["file", "rc", "passed", "failed", "skipped", "errors", "deselected", "verdict"]
@@ -400,8 +533,18 @@ def test_gpu_visit_reports_every_test_file(tmp_path):
 @pytest.mark.skipif(not _api_present(), reason="flashattn_ext (with its Python API) is not importable")
 def test_train_gpt_compare_smoke(tmp_path):
     out = tmp_path / "train.json"
-    r = _run([os.path.join(ROOT, "examples", "train_gpt.py"), "--compare", "--steps", "6", "--log-every", "3",
-              "--json", str(out)])
+    r = _run(
+        [
+            os.path.join(ROOT, "examples", "train_gpt.py"),
+            "--compare",
+            "--steps",
+            "6",
+            "--log-every",
+            "3",
+            "--json",
+            str(out),
+        ]
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads(out.read_text())
     assert set(data["runs"]) == {"ours", "torch"}

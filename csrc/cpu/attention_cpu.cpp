@@ -20,10 +20,10 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at::Tensor
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dout, const at::Tensor& q,
-                                                       const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                                                       const at::Tensor& lse, double softmax_scale,
-                                                       int64_t window_left, int64_t window_right, bool bottom_right,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                                                       const at::Tensor& v, const at::Tensor& out,
+                                                       const at::Tensor& lse, double softmax_scale, int64_t window_left,
+                                                       int64_t window_right, bool bottom_right,
                                                        bool deterministic /*the CPU backward always is*/) {
   check_qkv(q, k, v, kCpuSpec);
   check_bwd_extras(dout, q, out, lse);

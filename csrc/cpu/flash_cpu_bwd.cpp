@@ -219,25 +219,23 @@ void dkdv_key_tile(const AttnBwdParams& p, const AttnMask& mask, const RowStats<
         // dV += P^T dO,  dK += dS^T Q                                       cols x d
         const scalar_t* dout_tile = head.dout + q0 * p.do_row_stride;
         const scalar_t* q_tile = head.q + q0 * p.q_row_stride;
-        const int bad_do = masked ? nonfinite_rows<scalar_t, acc_t>(dout_tile, p.do_row_stride, rows, d,
-                                                                    scratch.bad.get())
-                                  : 0;
+        const int bad_do =
+            masked ? nonfinite_rows<scalar_t, acc_t>(dout_tile, p.do_row_stride, rows, d, scratch.bad.get()) : 0;
         const int bad_q =
             masked ? nonfinite_rows<scalar_t, acc_t>(q_tile, p.q_row_stride, rows, d, scratch.bad2.get()) : 0;
-        const Operand<acc_t> do_op =
-            bad_do > 0
-                ? operand_without_rows(dout_tile, p.do_row_stride, rows, d, scratch.bad.get(), bad_do, scratch.dout.get())
-                : as_operand(dout_tile, p.do_row_stride, rows, d, scratch.dout.get(), d);
-        const Operand<acc_t> q_op =
-            bad_q > 0 ? operand_without_rows(q_tile, p.q_row_stride, rows, d, scratch.bad2.get(), bad_q, scratch.q.get())
-                      : as_operand(q_tile, p.q_row_stride, rows, d, scratch.q.get(), d);
+        const Operand<acc_t> do_op = bad_do > 0
+                                         ? operand_without_rows(dout_tile, p.do_row_stride, rows, d, scratch.bad.get(),
+                                                                bad_do, scratch.dout.get())
+                                         : as_operand(dout_tile, p.do_row_stride, rows, d, scratch.dout.get(), d);
+        const Operand<acc_t> q_op = bad_q > 0 ? operand_without_rows(q_tile, p.q_row_stride, rows, d,
+                                                                     scratch.bad2.get(), bad_q, scratch.q.get())
+                                              : as_operand(q_tile, p.q_row_stride, rows, d, scratch.q.get(), d);
         const bool full_tile = is_full_tile(rows, cols);
         gemm_nn(cols, d, rows, scratch.s_t.get(), kBlockQ, do_op.ptr, do_op.ld, dv_acc, d, true, full_tile);
         gemm_nn(cols, d, rows, scratch.dp_t.get(), kBlockQ, q_op.ptr, q_op.ld, dk_acc, d, true, full_tile);
         if (bad_do > 0)
-          add_query_rows_over_visible_keys(scratch.bad.get(), bad_do, dout_tile, p.do_row_stride, d,
-                                           scratch.s_t.get(), cols, scratch.query_lo.get(), scratch.query_hi.get(),
-                                           dv_acc);
+          add_query_rows_over_visible_keys(scratch.bad.get(), bad_do, dout_tile, p.do_row_stride, d, scratch.s_t.get(),
+                                           cols, scratch.query_lo.get(), scratch.query_hi.get(), dv_acc);
         if (bad_q > 0)
           add_query_rows_over_visible_keys(scratch.bad2.get(), bad_q, q_tile, p.q_row_stride, d, scratch.dp_t.get(),
                                            cols, scratch.query_lo.get(), scratch.query_hi.get(), dk_acc);
@@ -275,9 +273,9 @@ void dq_query_tile(const AttnBwdParams& p, const AttnMask& mask, const RowStats<
       const bool masked = recompute_block(p, mask, head, k0, cols, q0, rows, k_op, v_op, scratch);
       // dQ^T += K^T dS^T                                                   d x rows
       load_tile_transposed(head.k + k0 * p.k_row_stride, p.k_row_stride, cols, d, acc_t(1), scratch.k_t.get(), kBlockK);
-      const int bad = masked ? take_nonfinite_columns(scratch.k_t.get(), kBlockK, d, cols, scratch.probe.get(),
-                                                      scratch.bad.get())
-                             : 0;
+      const int bad =
+          masked ? take_nonfinite_columns(scratch.k_t.get(), kBlockK, d, cols, scratch.probe.get(), scratch.bad.get())
+                 : 0;
       gemm_nn(d, rows, cols, scratch.k_t.get(), kBlockK, scratch.dp_t.get(), kBlockQ, dq_t_acc, kBlockQ, true,
               is_full_tile(rows, cols));
       // Keys whose row is not finite, over the queries that see them.

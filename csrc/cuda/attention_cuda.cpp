@@ -19,7 +19,8 @@ namespace flashattn {
 namespace {
 
 const BackendSpec kCudaSpec{
-    "CUDA", {at::kHalf, at::kBFloat16},
+    "CUDA",
+    {at::kHalf, at::kBFloat16},
     "; cast float32 inputs to bfloat16 or float16 (flashattn_ext.scaled_dot_product_attention falls back to "
     "torch for float32 on CUDA)"};
 
@@ -52,8 +53,9 @@ int kernel_head_dim(int64_t head_dim) {
 
 void check_device(const at::Tensor& q) {
   const auto* prop = at::cuda::getDeviceProperties(q.device().index());
-  TORCH_CHECK(prop->major >= 8, "flashattn_ext: the CUDA kernels need compute capability 8.0 or newer (mma.sync bf16); ",
-              "device ", q.device(), " is ", prop->major, ".", prop->minor);
+  TORCH_CHECK(prop->major >= 8,
+              "flashattn_ext: the CUDA kernels need compute capability 8.0 or newer (mma.sync bf16); ", "device ",
+              q.device(), " is ", prop->major, ".", prop->minor);
 }
 
 // The kernels move 16-byte chunks: every row of every operand must start
@@ -150,7 +152,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   params.fwd_boustrophedon = env_flag("FLASHATTN_FWD_BOUSTROPHEDON");
   const auto stream = at::cuda::getCurrentCUDAStream().stream();
   const cudaError_t err = with_element_type(q.scalar_type(), [&](auto elem) {
-    return with_kernel_head_dim(kdim, [&](auto dim) { return run_fwd<decltype(elem), decltype(dim)::value>(params, stream); });
+    return with_kernel_head_dim(
+        kdim, [&](auto dim) { return run_fwd<decltype(elem), decltype(dim)::value>(params, stream); });
   });
   check_launch(err, "forward", kdim, q);
   return {unpad(out, head_dim), lse};
@@ -159,8 +162,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_in, const at::Tensor& q_in,
                                                         const at::Tensor& k_in, const at::Tensor& v_in,
                                                         const at::Tensor& out_in, const at::Tensor& lse,
-                                                        double softmax_scale, int64_t window_left,
-                                                        int64_t window_right, bool bottom_right, bool deterministic) {
+                                                        double softmax_scale, int64_t window_left, int64_t window_right,
+                                                        bool bottom_right, bool deterministic) {
   check_qkv(q_in, k_in, v_in, kCudaSpec);
   check_bwd_extras(dout_in, q_in, out_in, lse);
   check_device(q_in);
@@ -196,7 +199,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_i
   }
   const auto stream = at::cuda::getCurrentCUDAStream().stream();
   const cudaError_t err = with_element_type(q.scalar_type(), [&](auto elem) {
-    return with_kernel_head_dim(kdim, [&](auto dim) { return run_bwd<decltype(elem), decltype(dim)::value>(params, stream); });
+    return with_kernel_head_dim(
+        kdim, [&](auto dim) { return run_bwd<decltype(elem), decltype(dim)::value>(params, stream); });
   });
   check_launch(err, "backward", kdim, q);
   return {unpad(dq, head_dim), unpad(dk, head_dim), unpad(dv, head_dim)};

@@ -48,10 +48,9 @@ __global__ void bwd_preprocess_kernel(const AttnBwdParams p) {
     const T* o = static_cast<const T*>(p.o_ptr) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
     const T* dout =
         static_cast<const T*>(p.do_ptr) + b * p.do_batch_stride + i * p.do_row_stride + h * p.do_head_stride;
-    float* acc = p.dq_accum_ptr == nullptr
-                     ? nullptr
-                     : static_cast<float*>(p.dq_accum_ptr) + b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride +
-                           i * p.dq_accum_row_stride;
+    float* acc = p.dq_accum_ptr == nullptr ? nullptr
+                                           : static_cast<float*>(p.dq_accum_ptr) + b * p.dq_accum_batch_stride +
+                                                 h * p.dq_accum_head_stride + i * p.dq_accum_row_stride;
     for (int c = sub * 8; c < p.head_dim; c += kLanesPerRow * 8) {
       const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
       const uint4 dv = *reinterpret_cast<const uint4*>(dout + c);
@@ -114,22 +113,22 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
   using TileKV = typename Kt::TileKV;
   using TileDS = typename Kt::TileDS;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
-  constexpr int kMT = Kt::kSKeys / 16;     // 16-key m-tiles of a warp's S^T tile
-  constexpr int kQT = Kt::kSQueries / 8;   // 8-query n-tiles of a warp's S^T tile
-  constexpr int kVMT = Kt::kVKeys / 16;    // 16-key m-tiles of a warp's dK / dV tile
-  constexpr int kDT = Kt::kVCols / 8;      // 8-column n-tiles of a warp's dK / dV tile
+  constexpr int kMT = Kt::kSKeys / 16;    // 16-key m-tiles of a warp's S^T tile
+  constexpr int kQT = Kt::kSQueries / 8;  // 8-query n-tiles of a warp's S^T tile
+  constexpr int kVMT = Kt::kVKeys / 16;   // 16-key m-tiles of a warp's dK / dV tile
+  constexpr int kDT = Kt::kVCols / 8;     // 8-column n-tiles of a warp's dK / dV tile
   constexpr int kNThreads = Kt::kNThreads;
   constexpr int kStages = Kt::kQStages;
 
   extern __shared__ __align__(128) char smem_raw[];
   T* sK = reinterpret_cast<T*>(smem_raw);
   T* sV = sK + TileKV::kElems;
-  T* sQ = sV + TileKV::kElems;                  // [kStages] Q blocks
-  T* sdO = sQ + kStages * TileQ::kElems;        // [kStages] dO blocks
-  T* sdS = sdO + kStages * TileQ::kElems;       // dS^T of the current tile
-  T* sP = sdS + TileDS::kElems;                 // P^T of the current tile (kPInSmem only)
+  T* sQ = sV + TileKV::kElems;             // [kStages] Q blocks
+  T* sdO = sQ + kStages * TileQ::kElems;   // [kStages] dO blocks
+  T* sdS = sdO + kStages * TileQ::kElems;  // dS^T of the current tile
+  T* sP = sdS + TileDS::kElems;            // P^T of the current tile (kPInSmem only)
   float* sLse = reinterpret_cast<float*>(sP + (Kt::kPInSmem ? TileDS::kElems : 0));  // [kStages][kBlockM]
-  float* sDsum = sLse + kStages * kBlockM;                       // [kStages][kBlockM]
+  float* sDsum = sLse + kStages * kBlockM;                                           // [kStages][kBlockM]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
   const int num_n_blocks = ceil_div(p.seqlen_k, kBlockN);
@@ -205,7 +204,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
     query_block(it, hq, m0);
     const T* sQs = sQ + stage * TileQ::kElems;
     const T* sdOs = sdO + stage * TileQ::kElems;
-    const LdsmB<TileQ> ldsm_q_b(sQs, s_q0, 0, lane), ldsm_do_b(sdOs, s_q0, 0, lane);   // B of K Q^T, V dO^T
+    const LdsmB<TileQ> ldsm_q_b(sQs, s_q0, 0, lane), ldsm_do_b(sdOs, s_q0, 0, lane);      // B of K Q^T, V dO^T
     const LdsmA<TileQ> ldsm_q_t(sQs, 0, v_col0, lane), ldsm_do_t(sdOs, 0, v_col0, lane);  // B of dS^T Q, P^T dO
     const float* sLses = sLse + stage * kBlockM;
     const float* sDsums = sDsum + stage * kBlockM;
@@ -288,7 +287,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
       const int q_col0 = d0 + (warp / Kt::kDqWarpsM) * Kt::kDqColsPerWarp;
       float acc_dq[kQMT][kQDT][4];
       clear(acc_dq);
-      gemm_tt_kn<kQMT, kQDT, kBlockN, T>(acc_dq, LdsmB<TileDS>(sdS, 0, q_row0, lane), LdsmA<TileKV>(sK, 0, q_col0, lane));
+      gemm_tt_kn<kQMT, kQDT, kBlockN, T>(acc_dq, LdsmB<TileDS>(sdS, 0, q_row0, lane),
+                                         LdsmA<TileKV>(sK, 0, q_col0, lane));
       float* gdq = static_cast<float*>(p.dq_accum_ptr) + b * p.dq_accum_batch_stride + hq * p.dq_accum_head_stride +
                    (m0 + q_row0) * p.dq_accum_row_stride + q_col0;
 #pragma unroll
@@ -297,8 +297,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
         for (int di = 0; di < kQDT; ++di)
 #pragma unroll
           for (int h = 0; h < 2; ++h)
-            atomic_add2(gdq + (mi * 16 + g + 8 * h) * p.dq_accum_row_stride + di * 8 + 2 * t,
-                        acc_dq[mi][di][2 * h], acc_dq[mi][di][2 * h + 1]);
+            atomic_add2(gdq + (mi * 16 + g + 8 * h) * p.dq_accum_row_stride + di * 8 + 2 * t, acc_dq[mi][di][2 * h],
+                        acc_dq[mi][di][2 * h + 1]);
     }
 
     if (kStages == 1 && it + 1 < iters) {

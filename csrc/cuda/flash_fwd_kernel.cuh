@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
   OnlineSoftmax<kMT> softmax;
 
   // S = Q K^T for the key block in `stage`, masked where needed.
-  auto scores = [&](float (&acc_s)[kMT][kNT][4], int n0, int stage) {
+  auto scores = [&](float(&acc_s)[kMT][kNT][4], int n0, int stage) {
     clear(acc_s);
     if constexpr (Kt::kQInRegs) {
       gemm_rs_nk<kMT, kNT, kHeadDim, T>(acc_s, qfrag, ldsm_k, stage * Kt::kStageBytes);
@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
     if (mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0)) apply_mask_rows(acc_s, mask, m0 + warp_row0, n0, lane);
   };
   // P = online softmax of S (rescaling O), then O += P V.
-  auto accumulate = [&](float (&acc_s)[kMT][kNT][4], int stage) {
+  auto accumulate = [&](float(&acc_s)[kMT][kNT][4], int stage) {
     if (positive_scale) {
       softmax.template update<true>(acc_s, acc_o, p.softmax_scale_log2);
     } else {

@@ -65,15 +65,14 @@ cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool
   *launched = false;
   constexpr bool kBf16 = std::is_same_v<typename Kt::Element, __nv_bfloat16>;
   FwdTmaMaps maps;
-  const bool described =
-      make_tensor_map_bshd(&maps.q, p.q_ptr, kBf16, p.batch, p.seqlen_q, p.heads_q, p.head_dim, p.q_batch_stride,
-                           p.q_row_stride, p.q_head_stride, Kt::kBlockM) &&
-      make_tensor_map_bshd(&maps.k, p.k_ptr, kBf16, p.batch, p.seqlen_k, p.heads_kv, p.head_dim, p.k_batch_stride,
-                           p.k_row_stride, p.k_head_stride, Kt::kBlockN) &&
-      make_tensor_map_bshd(&maps.v, p.v_ptr, kBf16, p.batch, p.seqlen_k, p.heads_kv, p.head_dim, p.v_batch_stride,
-                           p.v_row_stride, p.v_head_stride, Kt::kBlockN) &&
-      make_tensor_map_bshd(&maps.o, p.o_ptr, kBf16, p.batch, p.seqlen_q, p.heads_q, p.head_dim, p.o_batch_stride,
-                           p.o_row_stride, p.o_head_stride, Kt::kOStoreRows);
+  const bool described = make_tensor_map_bshd(&maps.q, p.q_ptr, kBf16, p.batch, p.seqlen_q, p.heads_q, p.head_dim,
+                                              p.q_batch_stride, p.q_row_stride, p.q_head_stride, Kt::kBlockM) &&
+                         make_tensor_map_bshd(&maps.k, p.k_ptr, kBf16, p.batch, p.seqlen_k, p.heads_kv, p.head_dim,
+                                              p.k_batch_stride, p.k_row_stride, p.k_head_stride, Kt::kBlockN) &&
+                         make_tensor_map_bshd(&maps.v, p.v_ptr, kBf16, p.batch, p.seqlen_k, p.heads_kv, p.head_dim,
+                                              p.v_batch_stride, p.v_row_stride, p.v_head_stride, Kt::kBlockN) &&
+                         make_tensor_map_bshd(&maps.o, p.o_ptr, kBf16, p.batch, p.seqlen_q, p.heads_q, p.head_dim,
+                                              p.o_batch_stride, p.o_row_stride, p.o_head_stride, Kt::kOStoreRows);
   if (!described) return cudaSuccess;
   auto kernel = &flash_fwd_sm90_ws_kernel<Kt>;
   if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
@@ -113,7 +112,8 @@ cudaError_t launch_convert_dq(const AttnBwdParams& p, cudaStream_t stream) {
 template <typename Kt, typename KtDq>
 cudaError_t launch_bwd(const AttnBwdParams& p, cudaStream_t stream) {
   using T = typename Kt::Element;
-  static_assert(Kt::kBlockM <= kBwdBlockM && kBwdBlockM % Kt::kBlockM == 0, "the dQ accumulator is padded to kBwdBlockM rows");
+  static_assert(Kt::kBlockM <= kBwdBlockM && kBwdBlockM % Kt::kBlockM == 0,
+                "the dQ accumulator is padded to kBwdBlockM rows");
   if (cudaError_t err = launch_bwd_preprocess<T>(p, stream); err != cudaSuccess) return err;
 
   const int64_t dkdv_blocks = int64_t(ceil_div(p.seqlen_k, Kt::kBlockN)) * Kt::kDSplit * p.heads_kv * p.batch;

@@ -18,43 +18,50 @@ struct KernelConfig;
 // BwdTraits<D, M, N, warps, dsplit, qstages, query warps of S^T (1: P^T stays in registers)>
 // BwdDqTraits<D, M, N, warps>
 // FwdSm90WsTraits<D, N, consumer warpgroups, stages> (Hopper warp-specialized TMA forward: 64/128/192/256)
-// FwdSm90Traits<D, N, minBlocksPerSm>, BwdSm90Traits<D, M, warpgroups> (Hopper wgmma kernels: forward 64/128/192/256, backward 64/128)
-template <typename T> struct KernelConfig<32, T> {
+// FwdSm90Traits<D, N, minBlocksPerSm>, BwdSm90Traits<D, M, warpgroups> (Hopper wgmma kernels: forward 64/128/192/256,
+// backward 64/128)
+template <typename T>
+struct KernelConfig<32, T> {
   using Fwd = FwdTraits<32, 128, 128, 4, 2, 1, T>;
   using Bwd = BwdTraits<32, 32, 128, 4, 1, 2, 1, T>;
   using BwdDq = BwdDqTraits<32, 64, 64, 4, T>;
 };
-template <typename T> struct KernelConfig<64, T> {
+template <typename T>
+struct KernelConfig<64, T> {
   using Fwd = FwdTraits<64, 128, 64, 4, 2, 1, T>;
   using Bwd = BwdTraits<64, 32, 128, 4, 1, 2, 1, T>;  // 32 keys per warp: half the Q/dO fragment traffic
   using BwdDq = BwdDqTraits<64, 64, 64, 4, T>;
-  using FwdSm90 = FwdSm90Traits<64, 64, T, 2>;  // 64 keys a block, two CTAs an SM
+  using FwdSm90 = FwdSm90Traits<64, 64, T, 2>;          // 64 keys a block, two CTAs an SM
   using FwdSm90Ws = FwdSm90WsTraits<64, 128, 3, 2, T>;  // 192 queries: three consumers
   // Causal / windowed up to 8k queries: 128-query tiles waste less on the diagonal (tune.py, visit 2 of session 3).
   using FwdSm90WsMasked = FwdSm90WsTraits<64, 128, 2, 2, T>;
   using BwdSm90 = BwdSm90Traits<64, 128, T>;  // 128 queries a step: half the dQ atomics per flop of 64
 };
-template <typename T> struct KernelConfig<96, T> {
+template <typename T>
+struct KernelConfig<96, T> {
   using Fwd = FwdTraits<96, 128, 64, 4, 2, 2, T>;
   using Bwd = BwdTraits<96, 64, 128, 8, 1, 2, 2, T>;
   using BwdDq = BwdDqTraits<96, 64, 64, 4, T>;
 };
-template <typename T> struct KernelConfig<128, T> {
-  using Fwd = FwdTraits<128, 128, 64, 4, 2, 2, T>;  // two K/V stages
+template <typename T>
+struct KernelConfig<128, T> {
+  using Fwd = FwdTraits<128, 128, 64, 4, 2, 2, T>;     // two K/V stages
   using Bwd = BwdTraits<128, 64, 128, 8, 1, 2, 2, T>;  // 2-D S^T tiles, P^T / dS^T through smem
   using BwdDq = BwdDqTraits<128, 64, 64, 4, T>;
   using FwdSm90 = FwdSm90Traits<128, 128, T>;
   using FwdSm90Ws = FwdSm90WsTraits<128, 128, 2, 2, T>;
   using BwdSm90 = BwdSm90Traits<128, 64, T>;
 };
-template <typename T> struct KernelConfig<192, T> {
+template <typename T>
+struct KernelConfig<192, T> {
   using Fwd = FwdTraits<192, 128, 64, 8, 1, 1, T>;
   using FwdSm90 = FwdSm90Traits<192, 64, T>;
   using FwdSm90Ws = FwdSm90WsTraits<192, 64, 2, 2, T>;
   using Bwd = BwdTraits<192, 64, 64, 8, 1, 2, 4, T>;  // 2-D: dK/dV tiles of 32 keys x 48 columns a warp
   using BwdDq = BwdDqTraits<192, 64, 64, 4, T>;
 };
-template <typename T> struct KernelConfig<256, T> {
+template <typename T>
+struct KernelConfig<256, T> {
   using Fwd = FwdTraits<256, 128, 64, 8, 1, 1, T>;
   using FwdSm90 = FwdSm90Traits<256, 64, T>;  // O is 128 registers a thread: 64-key blocks
   using FwdSm90Ws = FwdSm90WsTraits<256, 64, 2, 2, T>;
@@ -94,28 +101,34 @@ struct TuneVariants {
   using Fwd = Variants<typename KernelConfig<kHeadDim, T>::Fwd>;
   using Bwd = Variants<typename KernelConfig<kHeadDim, T>::Bwd>;
 };
-template <typename T> struct TuneVariants<64, T> {
+template <typename T>
+struct TuneVariants<64, T> {
   using Fwd = Variants<typename KernelConfig<64, T>::Fwd, FwdTraits<64, 128, 64, 4, 2, 2, T>>;
   using Bwd = Variants<typename KernelConfig<64, T>::Bwd, BwdTraits<64, 32, 128, 4, 1, 2, 1, T, false>>;
   using FwdSm90 = Variants<typename KernelConfig<64, T>::FwdSm90, FwdSm90Traits<64, 128, T>, FwdSm90Traits<64, 64, T>>;
   using FwdSm90Ws = Variants<typename KernelConfig<64, T>::FwdSm90Ws, FwdSm90WsTraits<64, 128, 2, 2, T>,
                              FwdSm90WsTraits<64, 64, 3, 2, T>, FwdSm90WsTraits<64, 192, 2, 2, T>>;
-  using BwdSm90 = Variants<typename KernelConfig<64, T>::BwdSm90, BwdSm90Traits<64, 128, T, 1>, BwdSm90Traits<64, 64, T>>;
+  using BwdSm90 =
+      Variants<typename KernelConfig<64, T>::BwdSm90, BwdSm90Traits<64, 128, T, 1>, BwdSm90Traits<64, 64, T>>;
 };
-template <typename T> struct TuneVariants<128, T> {
+template <typename T>
+struct TuneVariants<128, T> {
   using Fwd = Variants<typename KernelConfig<128, T>::Fwd, FwdTraits<128, 128, 64, 4, 2, 1, T>>;
   using Bwd = Variants<typename KernelConfig<128, T>::Bwd, BwdTraits<128, 64, 128, 8, 1, 2, 2, T, false>>;
-  using FwdSm90 = Variants<typename KernelConfig<128, T>::FwdSm90, FwdSm90Traits<128, 64, T>, FwdSm90Traits<128, 64, T, 2>>;
+  using FwdSm90 =
+      Variants<typename KernelConfig<128, T>::FwdSm90, FwdSm90Traits<128, 64, T>, FwdSm90Traits<128, 64, T, 2>>;
   using FwdSm90Ws = Variants<typename KernelConfig<128, T>::FwdSm90Ws, FwdSm90WsTraits<128, 64, 2, 2, T>,
                              FwdSm90WsTraits<128, 192, 2, 2, T>>;
   using BwdSm90 = Variants<typename KernelConfig<128, T>::BwdSm90>;
 };
-template <typename T> struct TuneVariants<192, T> {
+template <typename T>
+struct TuneVariants<192, T> {
   using Fwd = Variants<typename KernelConfig<192, T>::Fwd>;
   using Bwd = Variants<typename KernelConfig<192, T>::Bwd>;
   using FwdSm90 = Variants<typename KernelConfig<192, T>::FwdSm90>;
 };
-template <typename T> struct TuneVariants<256, T> {
+template <typename T>
+struct TuneVariants<256, T> {
   using Fwd = Variants<typename KernelConfig<256, T>::Fwd>;
   using Bwd = Variants<typename KernelConfig<256, T>::Bwd>;
   using FwdSm90 = Variants<typename KernelConfig<256, T>::FwdSm90>;

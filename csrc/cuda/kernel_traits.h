@@ -67,7 +67,7 @@ struct BwdTraits {
   // S^T = K Q^T and dP^T = V dO^T: warps tiled kSWarpsK (keys) x kSWarpsQ (queries).
   static constexpr int kSWarpsQ = kSWarpsQ_;
   static constexpr int kSWarpsK = kNWarps / kSWarpsQ;
-  static constexpr int kSKeys = kBlockN / kSWarpsK;    // keys of a warp's S^T tile
+  static constexpr int kSKeys = kBlockN / kSWarpsK;     // keys of a warp's S^T tile
   static constexpr int kSQueries = kBlockM / kSWarpsQ;  // queries of a warp's S^T tile
   static constexpr bool kPInSmem = kSWarpsQ > 1;
   // dV += P^T dO and dK += dS^T Q: warps tiled kVWarpsK (keys) x kVWarpsD (columns).
@@ -99,9 +99,9 @@ struct BwdTraits {
   using TileQ = SmemTile<kBlockM, kHeadDim>;   // Q and dO blocks
   using TileKV = SmemTile<kBlockN, kHeadDim>;  // K and V blocks
   using TileDS = SmemTile<kBlockN, kBlockM>;   // dS^T (and P^T), [key][query]
-  static constexpr int kSmemBytes = (2 * kQStages * TileQ::kElems + 2 * TileKV::kElems +
-                                     (kPInSmem ? 2 : 1) * TileDS::kElems) * 2 +
-                                    2 * kQStages * kBlockM * 4;
+  static constexpr int kSmemBytes =
+      (2 * kQStages * TileQ::kElems + 2 * TileKV::kElems + (kPInSmem ? 2 : 1) * TileDS::kElems) * 2 +
+      2 * kQStages * kBlockM * 4;
 
   static_assert(kSKeys % 16 == 0 && kSQueries % 16 == 0, "S^T warp tiles are whole m-tiles and n-tile pairs");
   static_assert(kVKeys % 16 == 0 && kVCols % 16 == 0, "dV / dK warp tiles");
@@ -194,12 +194,12 @@ struct BwdSm90Traits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;  // queries per step
   static constexpr int kNWarpgroups = kNWarpgroups_;
-  static constexpr int kWgKeys = 64;                     // keys of a warpgroup
+  static constexpr int kWgKeys = 64;                      // keys of a warpgroup
   static constexpr int kBlockN = kWgKeys * kNWarpgroups;  // keys per CTA
   static constexpr int kNWarps = 4 * kNWarpgroups;
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kMinBlocksPerSm = kNWarpgroups == 1 ? 2 : 1;
-  static constexpr int kQStages = 2;            // Q / dO double buffering
+  static constexpr int kQStages = 2;  // Q / dO double buffering
   static constexpr int kDSplit = 1;
   // The 64 x 64 dQ blocks (see the top of the file): kDqBlocksPerWg per
   // warpgroup over all keys, or one block split over the warpgroups by keys.
@@ -208,10 +208,10 @@ struct BwdSm90Traits {
   static constexpr bool kDqSplitKeys = kDqBlocks < kNWarpgroups;
   static constexpr int kDqBlocksPerWg = kDqSplitKeys ? 1 : kDqBlocks / kNWarpgroups;
 
-  using TileQ = SmemTile<kBlockM, kHeadDim>;   // Q and dO blocks
-  using TileKV = SmemTile<kBlockN, kHeadDim>;  // K and V
-  using TileDS = SmemTile<kBlockN, kBlockM>;   // dS^T, [key][query]
-  static constexpr int kPanelQ = TileQ::kRows * 128;    // bytes of one 64-column panel
+  using TileQ = SmemTile<kBlockM, kHeadDim>;          // Q and dO blocks
+  using TileKV = SmemTile<kBlockN, kHeadDim>;         // K and V
+  using TileDS = SmemTile<kBlockN, kBlockM>;          // dS^T, [key][query]
+  static constexpr int kPanelQ = TileQ::kRows * 128;  // bytes of one 64-column panel
   static constexpr int kPanelKV = TileKV::kRows * 128;
   static constexpr int kPanelDS = TileDS::kRows * 128;
   // +1024: the start of dynamic shared memory is rounded up to a 1024-byte

@@ -27,8 +27,7 @@ struct BlockMask {
 
   // Visible keys of query row `row`: [lo, hi).
   __device__ __forceinline__ int key_hi(int row) const {
-    return window_right < 0 ? seqlen_k
-                            : clamp(int64_t(row) + diag_offset + window_right + 1, 0, seqlen_k);
+    return window_right < 0 ? seqlen_k : clamp(int64_t(row) + diag_offset + window_right + 1, 0, seqlen_k);
   }
   __device__ __forceinline__ int key_lo(int row) const {
     return window_left < 0 ? 0 : clamp(int64_t(row) + diag_offset - window_left, 0, seqlen_k);

@@ -5,6 +5,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
 #include <cstdint>
 
 namespace flashattn {
@@ -46,7 +47,7 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
 
 template <>
 __device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4],
-                                                          const uint32_t (&b)[2]) {
+                                                         const uint32_t (&b)[2]) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};\n"
@@ -82,9 +83,13 @@ __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
 template <typename T>
 __device__ __forceinline__ float to_float(T x);
 template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
 template <>
-__device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float<__half>(__half x) {
+  return __half2float(x);
+}
 
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;

@@ -76,7 +76,8 @@ struct OnlineSoftmax {
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int di = 0; di < kDT; ++di) o[mi][di][2 * h] *= correction[mi][h], o[mi][di][2 * h + 1] *= correction[mi][h];
+        for (int di = 0; di < kDT; ++di)
+          o[mi][di][2 * h] *= correction[mi][h], o[mi][di][2 * h + 1] *= correction[mi][h];
   }
 
   // Both at once: P for this block and O rescaled.

@@ -49,8 +49,7 @@ __device__ __forceinline__ void copy_tile_async(T* smem, const T* gmem, int64_t 
   constexpr int kRowStep = kNThreads / kChunksPerPanelRow;
   constexpr int kItersPerPanel = Tile::kRows / kRowStep;
   constexpr int kPanels = Tile::kCols / Tile::kPanel;
-  static_assert(kNThreads % kChunksPerPanelRow == 0 && kRowStep % 8 == 0 && Tile::kRows % kRowStep == 0,
-                "copy layout");
+  static_assert(kNThreads % kChunksPerPanelRow == 0 && kRowStep % 8 == 0 && Tile::kRows % kRowStep == 0, "copy layout");
   const int row0 = tid / kChunksPerPanelRow;
   const int col0 = (tid % kChunksPerPanelRow) * 8;
   const T* src0 = gmem + row0 * row_stride + col0;
@@ -118,8 +117,8 @@ struct LdsmAddr {
     for (int j = 0; j < kVariants; ++j) {
       const int col = col0 + 16 * j;
       const int chunk = (col % Tile::kPanel) / 8 + half;
-      addr[j] = smem_u32(tile + (col / Tile::kPanel) * (Tile::kRows * Tile::kPanel) + row * Tile::kPanel +
-                         (chunk ^ swz) * 8);
+      addr[j] =
+          smem_u32(tile + (col / Tile::kPanel) * (Tile::kRows * Tile::kPanel) + row * Tile::kPanel + (chunk ^ swz) * 8);
     }
   }
 
@@ -132,7 +131,7 @@ struct LdsmAddr {
 template <typename Tile>
 using LdsmA = LdsmAddr<Tile, false>;  // A of [m][k]; B of [k][n] (trans)
 template <typename Tile>
-using LdsmB = LdsmAddr<Tile, true>;   // B of [n][k]; A of [k][m] (trans)
+using LdsmB = LdsmAddr<Tile, true>;  // B of [n][k]; A of [k][m] (trans)
 
 __device__ __forceinline__ void split_b(uint32_t (&b0)[2], uint32_t (&b1)[2], const uint32_t (&r)[4]) {
   b0[0] = r[0], b0[1] = r[1], b1[0] = r[2], b1[1] = r[3];
@@ -185,8 +184,8 @@ template <int kMT, int kNT, int kK, typename T, typename TileA, typename TileB>
 __device__ __forceinline__ void gemm_ss_nk(float (&acc)[kMT][kNT][4], const LdsmA<TileA>& sA, const LdsmB<TileB>& sB,
                                            uint32_t b_offset = 0) {
   warp_gemm<kMT, kNT, kK, T>(
-      acc, [&](uint32_t (&a)[4], int mi, int ks) { ldmatrix_x4(a, sA(mi * 16, ks * 16)); },
-      [&](uint32_t (&r)[4], int np, int ks) { ldmatrix_x4(r, sB(np * 16, ks * 16) + b_offset); });
+      acc, [&](uint32_t(&a)[4], int mi, int ks) { ldmatrix_x4(a, sA(mi * 16, ks * 16)); },
+      [&](uint32_t(&r)[4], int np, int ks) { ldmatrix_x4(r, sB(np * 16, ks * 16) + b_offset); });
 }
 
 // A already in registers (a[mi][ks]), B from an [n][k] tile.
@@ -195,11 +194,11 @@ __device__ __forceinline__ void gemm_rs_nk(float (&acc)[kMT][kNT][4], const uint
                                            const LdsmB<TileB>& sB, uint32_t b_offset = 0) {
   warp_gemm<kMT, kNT, kK, T>(
       acc,
-      [&](uint32_t (&a)[4], int mi, int ks) {
+      [&](uint32_t(&a)[4], int mi, int ks) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) a[i] = a_regs[mi][ks][i];
       },
-      [&](uint32_t (&r)[4], int np, int ks) { ldmatrix_x4(r, sB(np * 16, ks * 16) + b_offset); });
+      [&](uint32_t(&r)[4], int np, int ks) { ldmatrix_x4(r, sB(np * 16, ks * 16) + b_offset); });
 }
 
 // A from the accumulators of a previous product (kK/8 n-tiles), B from a
@@ -208,24 +207,24 @@ template <int kMT, int kNT, int kK, typename T, typename TileB>
 __device__ __forceinline__ void gemm_rc_kn(float (&acc)[kMT][kNT][4], const float (&c)[kMT][kK / 8][4],
                                            const LdsmA<TileB>& sB, uint32_t b_offset = 0) {
   warp_gemm<kMT, kNT, kK, T>(
-      acc, [&](uint32_t (&a)[4], int mi, int kk) { acc_to_a<T>(a, c[mi], kk); },
-      [&](uint32_t (&r)[4], int np, int kk) { ldmatrix_x4_trans(r, sB(kk * 16, np * 16) + b_offset); });
+      acc, [&](uint32_t(&a)[4], int mi, int kk) { acc_to_a<T>(a, c[mi], kk); },
+      [&](uint32_t(&r)[4], int np, int kk) { ldmatrix_x4_trans(r, sB(kk * 16, np * 16) + b_offset); });
 }
 
 // A from a [m][k] tile, B from a [k][n] tile: dV += P^T dO with P^T in shared memory.
 template <int kMT, int kNT, int kK, typename T, typename TileA, typename TileB>
 __device__ __forceinline__ void gemm_ss_kn(float (&acc)[kMT][kNT][4], const LdsmA<TileA>& sA, const LdsmA<TileB>& sB) {
   warp_gemm<kMT, kNT, kK, T>(
-      acc, [&](uint32_t (&a)[4], int mi, int kk) { ldmatrix_x4(a, sA(mi * 16, kk * 16)); },
-      [&](uint32_t (&r)[4], int np, int kk) { ldmatrix_x4_trans(r, sB(kk * 16, np * 16)); });
+      acc, [&](uint32_t(&a)[4], int mi, int kk) { ldmatrix_x4(a, sA(mi * 16, kk * 16)); },
+      [&](uint32_t(&r)[4], int np, int kk) { ldmatrix_x4_trans(r, sB(kk * 16, np * 16)); });
 }
 
 // A from a [k][m] tile (transposed), B from a [k][n] tile: dQ += dS K with dS^T in shared memory.
 template <int kMT, int kNT, int kK, typename T, typename TileA, typename TileB>
 __device__ __forceinline__ void gemm_tt_kn(float (&acc)[kMT][kNT][4], const LdsmB<TileA>& sA, const LdsmA<TileB>& sB) {
   warp_gemm<kMT, kNT, kK, T>(
-      acc, [&](uint32_t (&a)[4], int mi, int kk) { ldmatrix_x4_trans(a, sA(kk * 16, mi * 16)); },
-      [&](uint32_t (&r)[4], int np, int kk) { ldmatrix_x4_trans(r, sB(kk * 16, np * 16)); });
+      acc, [&](uint32_t(&a)[4], int mi, int kk) { ldmatrix_x4_trans(a, sA(kk * 16, mi * 16)); },
+      [&](uint32_t(&r)[4], int np, int kk) { ldmatrix_x4_trans(r, sB(kk * 16, np * 16)); });
 }
 
 template <int kMT, int kNT>

@@ -51,9 +51,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_bwd_
   char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   T* sK = reinterpret_cast<T*>(smem);
   T* sV = sK + TileKV::kElems;
-  T* sQ = sV + TileKV::kElems;            // [kStages] Q blocks
-  T* sdO = sQ + kStages * TileQ::kElems;  // [kStages] dO blocks
-  T* sdS = sdO + kStages * TileQ::kElems;  // dS^T of the current tile
+  T* sQ = sV + TileKV::kElems;                                   // [kStages] Q blocks
+  T* sdO = sQ + kStages * TileQ::kElems;                         // [kStages] dO blocks
+  T* sdS = sdO + kStages * TileQ::kElems;                        // dS^T of the current tile
   float* sLse = reinterpret_cast<float*>(sdS + TileDS::kElems);  // [kStages][kBlockM]
   float* sDsum = sLse + kStages * kBlockM;                       // [kStages][kBlockM]
 
@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_bwd_
   mask.query_block_range<kBlockM>(n0, keys, m_min, m_max);
   const int m_blocks = m_max - m_min;
   const int iters = m_blocks * ratio;
-  const int wg_key0 = wg * Kt::kWgKeys;         // this warpgroup's first key in the block
+  const int wg_key0 = wg * Kt::kWgKeys;             // this warpgroup's first key in the block
   const int warp_key0 = wg_key0 + warp_in_wg * 16;  // this warp's rows of S^T, dK, dV
 
   // Step `it` visits query head hq and query block m0; the key blocks of a head
@@ -163,12 +163,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_bwd_
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks)
       Wgmma<kBlockM, T>::template ss<0, 0>(acc_s[0], desc_add(desc_k, kmajor_step(ks, Kt::kPanelKV)),
-                                      desc_add(desc_q, kmajor_step(ks, Kt::kPanelQ)), ks > 0);
+                                           desc_add(desc_q, kmajor_step(ks, Kt::kPanelQ)), ks > 0);
     wgmma_commit();
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks)
       Wgmma<kBlockM, T>::template ss<0, 0>(acc_dp[0], desc_add(desc_v, kmajor_step(ks, Kt::kPanelKV)),
-                                      desc_add(desc_do, kmajor_step(ks, Kt::kPanelQ)), ks > 0);
+                                           desc_add(desc_do, kmajor_step(ks, Kt::kPanelQ)), ks > 0);
     wgmma_commit();
 
     wgmma_wait<1>();
@@ -213,9 +213,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_bwd_
     }
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kQSteps; ++kk) Wgmma<kHeadDim, T>::template rs<1>(acc_dv[0], a_p[kk], desc_add(desc_do_n, kk * 2048), 1);
+    for (int kk = 0; kk < kQSteps; ++kk)
+      Wgmma<kHeadDim, T>::template rs<1>(acc_dv[0], a_p[kk], desc_add(desc_do_n, kk * 2048), 1);
 #pragma unroll
-    for (int kk = 0; kk < kQSteps; ++kk) Wgmma<kHeadDim, T>::template rs<1>(acc_dk[0], a_ds[kk], desc_add(desc_q_n, kk * 2048), 1);
+    for (int kk = 0; kk < kQSteps; ++kk)
+      Wgmma<kHeadDim, T>::template rs<1>(acc_dk[0], a_ds[kk], desc_add(desc_q_n, kk * 2048), 1);
     wgmma_commit();
 
     // dQ = dS K: dS^T through shared memory (the other warpgroup's keys too).

@@ -34,8 +34,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
   using TileQ = typename Kt::TileQ;
   using TileKV = typename Kt::TileKV;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
-  constexpr int kNT = kBlockN / 8;    // n-tiles of a row of S
-  constexpr int kDT = kHeadDim / 8;   // n-tiles of a row of O
+  constexpr int kNT = kBlockN / 8;   // n-tiles of a row of S
+  constexpr int kDT = kHeadDim / 8;  // n-tiles of a row of O
   constexpr int kNThreads = Kt::kNThreads;
   constexpr uint32_t kSbo = 1024;
 
@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
   auto desc_v = [&](int j) { return smem_desc(smem_u32(sV + (j & 1) * TileKV::kElems), Kt::kPanelKV, kSbo); };
 
   // S_j = Q K_j^T, issued and committed (not waited for).
-  auto issue_scores = [&](float (&acc_s)[1][kNT][4], int j) {
+  auto issue_scores = [&](float(&acc_s)[1][kNT][4], int j) {
     const uint64_t dk = desc_k(j);
 #pragma unroll
     for (int ks = 0; ks < kHeadDim / 16; ++ks)
@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
   // Mask S_j where needed, then P_j = online softmax (O's correction returned).
   const bool positive_scale = p.softmax_scale > 0.f;
   OnlineSoftmax<1> softmax;
-  auto softmax_step = [&](float (&acc_s)[1][kNT][4], int j, float (&correction)[1][2]) {
+  auto softmax_step = [&](float(&acc_s)[1][kNT][4], int j, float(&correction)[1][2]) {
     const int n0 = (n_max - 1 - j) * kBlockN;
     if (mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0)) apply_mask_rows(acc_s, mask, m0 + warp_row0, n0, lane);
     if (positive_scale) {
@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
 
   // O += P_j V_j, issued and committed (not waited for). P_j is packed into
   // A fragments first, which frees acc_s for S_{j+1}.
-  auto issue_pv = [&](const uint32_t (&a_p)[kBlockN / 16][4], int j) {
+  auto issue_pv = [&](const uint32_t(&a_p)[kBlockN / 16][4], int j) {
     const uint64_t dv = desc_v(j);
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk)

@@ -63,8 +63,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   using Tile = FwdTile<Kt::kBlockM>;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
   constexpr int kStages = Kt::kStages, kConsumers = Kt::kConsumers;
-  constexpr int kNT = kBlockN / 8;   // n-tiles of a row of S
-  constexpr int kDT = kHeadDim / 8;  // n-tiles of a row of O
+  constexpr int kNT = kBlockN / 8;             // n-tiles of a row of S
+  constexpr int kDT = kHeadDim / 8;            // n-tiles of a row of O
   constexpr int kPanelQ = TileQ::kRows * 128;  // bytes of one 64-column panel
   constexpr int kPanelKV = TileKV::kRows * 128;
   constexpr uint32_t kSbo = 1024;
@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   T* sQ = reinterpret_cast<T*>(smem);
   T* sO = Kt::kSeparateO ? sQ + TileQ::kElems : sQ;
   T* sK = sQ + (Kt::kSeparateO ? 2 : 1) * TileQ::kElems;  // [kStages]
-  T* sV = sK + kStages * TileKV::kElems;               // [kStages]
+  T* sV = sK + kStages * TileKV::kElems;                  // [kStages]
   uint64_t* full_k = reinterpret_cast<uint64_t*>(sV + kStages * TileKV::kElems);
   uint64_t* empty_k = full_k + kStages;
   uint64_t* full_v = empty_k + kStages;
@@ -150,8 +150,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 
   // ---- consumers ----------------------------------------------------------
   warpgroup_reg_alloc<Kt::kConsumerRegs>();
-  const int cwg = wg - 1;                              // consumer index
-  const int ctid = tid - 128;                         // thread index among the consumers
+  const int cwg = wg - 1;                            // consumer index
+  const int ctid = tid - 128;                        // thread index among the consumers
   const int warp_row0 = cwg * 64 + (warp % 4) * 16;  // this warp's 16 rows of the block
   const int g = lane >> 2, t = lane & 3;
   const bool elected = (warp % 4 == 0) && lane == 0;  // issues this consumer's stores and releases
@@ -167,7 +167,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   const uint64_t desc_q = smem_desc(smem_u32(sQ) + cwg * 64 * 128, 16, kSbo);
   auto kmajor_step = [](int ks, uint32_t panel_bytes) { return (ks / 4) * panel_bytes + (ks % 4) * 32; };
 
-  auto issue_scores = [&](float (&acc_s)[1][kNT][4], int it) {
+  auto issue_scores = [&](float(&acc_s)[1][kNT][4], int it) {
     const uint64_t dk = smem_desc(smem_u32(sK + stage(it) * TileKV::kElems), 16, kSbo);
 #pragma unroll
     for (int ks = 0; ks < kHeadDim / 16; ++ks)
@@ -176,7 +176,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     wgmma_commit();
   };
   float acc_o[1][kDT][4];
-  auto issue_pv = [&](const uint32_t (&a_p)[kBlockN / 16][4], int it) {
+  auto issue_pv = [&](const uint32_t(&a_p)[kBlockN / 16][4], int it) {
     const uint64_t dv = smem_desc(smem_u32(sV + stage(it) * TileKV::kElems), kPanelKV, kSbo);
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk)
@@ -201,7 +201,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const int blocks = n_max - n_min;  // step j visits key block n_max - 1 - j
 
     OnlineSoftmax<1> softmax;
-    auto softmax_step = [&](float (&acc_s)[1][kNT][4], int j, float (&correction)[1][2]) {
+    auto softmax_step = [&](float(&acc_s)[1][kNT][4], int j, float(&correction)[1][2]) {
       const int n0 = (n_max - 1 - j) * kBlockN;
       if (mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0)) apply_mask_rows(acc_s, mask, m0 + warp_row0, n0, lane);
       if (positive_scale) {

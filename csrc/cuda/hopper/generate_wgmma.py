@@ -43,21 +43,21 @@ def reg_list(first, count):
 def specialization(n, ctype, ptype):
     r = n // 2
     ss = (
-        f'    asm volatile(\n'
+        f"    asm volatile(\n"
         f'        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{r + 2}, 0;\\n"\n'
         f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptype}.{ptype} "\n'
         f'        "{{{reg_list(0, r)}}}, "\n'
         f'        "%{r}, %{r + 1}, p, 1, 1, %{r + 3}, %{r + 4};\\n}}\\n"\n'
-        f'        : {acc_operands(n)}\n'
+        f"        : {acc_operands(n)}\n"
         f'        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));\n'
     )
     rs = (
-        f'    asm volatile(\n'
+        f"    asm volatile(\n"
         f'        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{r + 5}, 0;\\n"\n'
         f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptype}.{ptype} "\n'
         f'        "{{{reg_list(0, r)}}}, "\n'
         f'        "{{{reg_list(r, 4)}}}, %{r + 4}, p, 1, 1, %{r + 6};\\n}}\\n"\n'
-        f'        : {acc_operands(n)}\n'
+        f"        : {acc_operands(n)}\n"
         f'        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(kTransB));\n'
     )
     return (

@@ -23,9 +23,9 @@
 namespace flashattn {
 
 struct FwdSchedule {
-  int num_m_blocks = 0;  // query blocks of a head
-  int num_tiles = 0;     // num_m_blocks * batch * heads_q
-  int group_bh = 1;      // (batch, head) pairs per L2 group
+  int num_m_blocks = 0;        // query blocks of a head
+  int num_tiles = 0;           // num_m_blocks * batch * heads_q
+  int group_bh = 1;            // (batch, head) pairs per L2 group
   bool boustrophedon = false;  // alternate direction every round (FLASHATTN_FWD_BOUSTROPHEDON=1, for timing)
 
   // L2 bytes the K/V of one group may take: about half of an H100/H200's.
