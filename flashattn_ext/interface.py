@@ -23,6 +23,11 @@ from .reference import visible_mask
 
 __all__ = [
     "flash_attn_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func",
     "scaled_dot_product_attention",
     "sdpa_fallback_reason",
     "build_info",
@@ -571,3 +576,386 @@ def scaled_dot_product_attention(
         3,
     )
     return out
+
+
+# --------------------------------------------------------------------------
+# Packed and variable-length forms of flash_attn_func (flash-attn's
+# flash_attn_{qkv,kv}packed_func and flash_attn_varlen{,_qkvpacked,_kvpacked}_func).
+#
+# The varlen functions are, for now, a loop over the sequences: cu_seqlens is
+# read to the host (one device synchronisation per call), each sequence is a
+# (1, len, heads, head_dim) view of the packed tensors (torch.split: no copy,
+# and its backward is one concatenation), the differentiable op runs on it
+# (one kernel launch per sequence, autograd gives the backward) and the outputs
+# are concatenated. A fused varlen kernel reading cu_seqlens on the device is
+# the next step (issue #10).
+
+
+def _common_args(
+    fn,
+    q,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    return_attn_probs,
+    return_lse,
+):
+    """flash_attn_func's argument checks, under the name ``fn``. Returns
+    (dropout_p, scale, window_left, window_right, deterministic, return_lse)."""
+    if type(causal) is not bool:
+        causal = _require_bool(fn, "causal", causal)
+    if type(deterministic) is not bool:
+        deterministic = _require_bool(fn, "deterministic", deterministic)
+    if type(return_lse) is not bool:
+        return_lse = _require_bool(fn, "return_lse", return_lse)
+    if return_attn_probs is not False and _require_bool(fn, "return_attn_probs", return_attn_probs):
+        raise NotImplementedError(
+            f"{fn}: return_attn_probs=True is not supported by flashattn_ext (the kernels never "
+            "materialize the probabilities); use return_lse=True for the log-sum-exp"
+        )
+    if softcap is not None and not (type(softcap) is float and softcap == 0.0):
+        if _real(fn, "softcap", softcap) != 0.0:
+            raise NotImplementedError(f"{fn}: softcap={softcap} is not supported by flashattn_ext; pass softcap=0.0")
+    if alibi_slopes is not None:
+        raise NotImplementedError(f"{fn}: alibi_slopes is not supported by flashattn_ext; pass alibi_slopes=None")
+    try:
+        window_left, window_right = _window_size(window_size)
+    except (TypeError, ValueError) as e:  # its messages name flash_attn_func
+        raise type(e)(str(e).replace("flash_attn_func:", f"{fn}:", 1)) from None
+    if causal:
+        window_right = 0
+    if softmax_scale is None:
+        scale = _default_scale(q)
+    else:
+        scale = _real(fn, "softmax_scale", softmax_scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"{fn}: softmax_scale must be finite, got {scale}")
+    p = 0.0 if type(dropout_p) is float and dropout_p == 0.0 else _dropout_p(fn, dropout_p)
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
+    return p, scale, window_left, window_right, deterministic, return_lse
+
+
+def _check_cu_seqlens(fn, name, cu, total, q, max_name, max_seqlen):
+    """cu_seqlens: int32, 1-D, (batch + 1,), 0 first, non-decreasing, total last,
+    on q's device; max_seqlen at least its largest length. Returns the lengths
+    (a host list: this reads the tensor, a device synchronisation on CUDA)."""
+    if not isinstance(cu, Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor of dtype int32, got {_type_name(cu)}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{fn}: {name} must have dtype torch.int32, got {cu.dtype}; pass {name}.to(torch.int32)")
+    if cu.dim() != 1:
+        raise ValueError(f"{fn}: {name} must be 1-D (batch + 1,), got shape {tuple(cu.shape)}")
+    if cu.shape[0] < 2:
+        raise ValueError(
+            f"{fn}: {name} must have batch + 1 >= 2 elements (0, then the end of each sequence), got {cu.shape[0]}"
+        )
+    if cu.device != q.device:
+        raise ValueError(f"{fn}: {name} is on {cu.device} but q is on {q.device}; move it to q's device")
+    bounds = cu.tolist()  # the host sync
+    if bounds[0] != 0:
+        raise ValueError(f"{fn}: {name} must start at 0, got {bounds[0]}")
+    lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    if min(lens) < 0:
+        i = next(i for i, n in enumerate(lens) if n < 0)
+        raise ValueError(
+            f"{fn}: {name} must be non-decreasing, got {name}[{i}] = {bounds[i]} > {name}[{i + 1}] = {bounds[i + 1]}"
+        )
+    if bounds[-1] != total:
+        raise ValueError(
+            f"{fn}: {name} ends at {bounds[-1]} but the packed tensor holds {total} tokens (its dimension 0); "
+            f"the last element of {name} must be the total number of tokens"
+        )
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral):
+        raise TypeError(f"{fn}: {max_name} must be an int, got {_type_name(max_seqlen)} {max_seqlen!r}")
+    if max_seqlen < max(lens):
+        raise ValueError(
+            f"{fn}: {max_name}={max_seqlen} is smaller than the longest sequence of {name} ({max(lens)}); "
+            f"it must be at least the largest length"
+        )
+    return lens
+
+
+def _check_varlen_qkv(fn, q, k, v):
+    _require_tensors(fn, ("q", "k", "v"), (q, k, v))
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.is_nested:
+            raise TypeError(f"{fn}: {name} is a nested tensor; pass the packed (total_tokens, heads, head_dim) tensor")
+        if t.dim() != 3:
+            what = "total_q, heads_q" if name == "q" else "total_k, heads_kv"
+            raise ValueError(
+                f"{fn}: {name} must have 3 dimensions ({what}, head_dim) (the sequences packed along dimension 0), "
+                f"got shape {tuple(t.shape)}"
+            )
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"{fn}: v has {v.shape[0]} tokens but k has {k.shape[0]}; k and v must share dimension 0")
+    if v.shape[1] != k.shape[1]:
+        raise ValueError(f"{fn}: v has {v.shape[1]} heads but k has {k.shape[1]}; k and v must share dimension 1")
+    if k.shape[2] != q.shape[2] or v.shape[2] != q.shape[2]:
+        raise ValueError(
+            f"{fn}: head_dim differs: q {q.shape[2]}, k {k.shape[2]}, v {v.shape[2]}; q, k and v must share dimension 2"
+        )
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(
+            f"{fn}: q has {q.shape[1]} heads, not a multiple of the {k.shape[1]} heads of k and v; for "
+            "GQA/MQA the key/value heads must divide the query heads"
+        )
+
+    # The kernels' own checks (device, dtype, head_dim range, ...), on one-token
+    # views, so that they hold even when no sequence reaches the op.
+    def probe(x):
+        return (x[:1] if x.shape[0] else x.new_empty((1, *x.shape[1:]))).unsqueeze(0)
+
+    _ops.check_qkv(probe(q), probe(k), probe(v), unit_stride=False)
+
+
+def flash_attn_varlen_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: Tensor | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Exact attention over a batch of sequences of different lengths, packed
+    along dimension 0 (flash-attn's ``flash_attn_varlen_func``).
+
+    q: (total_q, heads_q, head_dim), k, v: (total_k, heads_kv, head_dim), heads_kv
+    dividing heads_q (GQA/MQA); cu_seqlens_q / cu_seqlens_k: int32 (batch + 1,) on
+    q's device, the cumulative lengths (sequence i is rows cu[i]:cu[i + 1]);
+    max_seqlen_q / max_seqlen_k: bounds on the lengths (at least the largest).
+    Each sequence attends only to its own keys; causal is aligned bottom-right per
+    sequence (query i sees key j iff j <= i + len_k - len_q); window_size, scale,
+    deterministic as in ``flash_attn_func``. Lengths may be 0: a query sequence
+    of length 0 produces no rows, one whose key sequence is empty outputs zeros
+    (lse -inf). Returns out (total_q, heads_q, head_dim) and, with
+    ``return_lse=True``, lse (heads_q, total_q) in float32 (float64 for float64),
+    flash-attn's varlen layout.
+
+    Current implementation: cu_seqlens is read to the host (a device
+    synchronisation) and the kernels run once per sequence (one launch each).
+    Not supported: softcap, alibi_slopes, return_attn_probs, block_table (paged
+    KV) raise NotImplementedError. dropout_p > 0 is computed per sequence by
+    torch's scaled_dot_product_attention, as ``flash_attn_func`` does (one-time
+    FlashAttnFallbackWarning).
+    """
+    fn = "flash_attn_varlen_func"
+    _check_varlen_qkv(fn, q, k, v)
+    if block_table is not None:
+        raise NotImplementedError(f"{fn}: block_table (paged KV cache) is not supported by flashattn_ext; pass None")
+    p, scale, wl, wr, deterministic, return_lse = _common_args(
+        fn,
+        q,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        return_lse,
+    )
+    lens_q = _check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, q.shape[0], q, "max_seqlen_q", max_seqlen_q)
+    lens_k = _check_cu_seqlens(fn, "cu_seqlens_k", cu_seqlens_k, k.shape[0], q, "max_seqlen_k", max_seqlen_k)
+    if len(lens_q) != len(lens_k):
+        raise ValueError(
+            f"{fn}: cu_seqlens_q has {len(lens_q) + 1} elements but cu_seqlens_k has {len(lens_k) + 1}; "
+            "both must be (batch + 1,)"
+        )
+    # One copy of a strided head_dim for the whole batch, not one per sequence.
+    q, k, v = _ops.unit_last_stride(q), _ops.unit_last_stride(k), _ops.unit_last_stride(v)
+    heads_q, head_dim = q.shape[1], q.shape[2]
+    lse_dtype = _ops._lse_dtype(q.dtype)
+    outs, lses = [], []
+    for qi, ki, vi in zip(q.split(lens_q), k.split(lens_k), v.split(lens_k)):
+        n_q, n_k = qi.shape[0], ki.shape[0]
+        if n_q == 0:
+            continue
+        if n_k == 0:  # no key to see: zeros, lse -inf
+            outs.append(q.new_zeros((n_q, heads_q, head_dim)))
+            if return_lse:
+                lses.append(torch.full((heads_q, n_q), float("-inf"), dtype=lse_dtype, device=q.device))
+            continue
+        qi, ki, vi = qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0)
+        if p > 0.0:
+            oi, li = _flash_attn_dropout_fallback(qi, ki, vi, p, scale, wl, wr, True)
+        else:
+            oi, li = _ops.attention(qi, ki, vi, scale, wl, wr, True, deterministic)
+        outs.append(oi[0])
+        if return_lse:
+            lses.append(li[0])
+    if not outs:  # every query sequence is empty (total_q == 0)
+        out = q[:0] * 0
+        lse = torch.empty((heads_q, 0), dtype=lse_dtype, device=q.device)
+    else:
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]
+        lse = (torch.cat(lses, dim=1) if len(lses) > 1 else lses[0]) if return_lse else None
+    return (out, lse) if return_lse else out
+
+
+def _unpack(fn, name, t, n, dim, layout):
+    """The n tensors packed along dimension ``dim`` of ``t`` (views)."""
+    _require_tensors(fn, (name,), (t,))
+    if t.is_nested:
+        raise TypeError(f"{fn}: {name} is a nested tensor; pass a dense {layout} tensor")
+    if t.dim() != dim + 3 or t.shape[dim] != n:
+        raise ValueError(f"{fn}: {name} must have shape {layout}, got {tuple(t.shape)}")
+    return t.unbind(dim)
+
+
+def flash_attn_qkvpacked_func(
+    qkv: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """``flash_attn_func`` on qkv (batch, seqlen, 3, heads, head_dim): q, k, v are
+    views of it (no copy when head_dim has unit stride) and the gradient is
+    qkv's. Same arguments and results as ``flash_attn_func``."""
+    q, k, v = _unpack("flash_attn_qkvpacked_func", "qkv", qkv, 3, 2, "(batch, seqlen, 3, heads, head_dim)")
+    return flash_attn_func(
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        return_lse,
+    )
+
+
+def flash_attn_kvpacked_func(
+    q: Tensor,
+    kv: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """``flash_attn_func`` on q (batch, seqlen_q, heads_q, head_dim) and kv
+    (batch, seqlen_k, 2, heads_kv, head_dim): k, v are views of kv."""
+    k, v = _unpack("flash_attn_kvpacked_func", "kv", kv, 2, 2, "(batch, seqlen_k, 2, heads_kv, head_dim)")
+    return flash_attn_func(
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        return_lse,
+    )
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """``flash_attn_varlen_func`` on qkv (total, 3, heads, head_dim), with one
+    cu_seqlens / max_seqlen for queries and keys; q, k, v are views of qkv."""
+    q, k, v = _unpack("flash_attn_varlen_qkvpacked_func", "qkv", qkv, 3, 1, "(total, 3, heads, head_dim)")
+    return flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        None,
+        return_lse,
+    )
+
+
+def flash_attn_varlen_kvpacked_func(
+    q: Tensor,
+    kv: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """``flash_attn_varlen_func`` on q (total_q, heads_q, head_dim) and kv
+    (total_k, 2, heads_kv, head_dim); k, v are views of kv."""
+    k, v = _unpack("flash_attn_varlen_kvpacked_func", "kv", kv, 2, 1, "(total_k, 2, heads_kv, head_dim)")
+    return flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        None,
+        return_lse,
+    )

@@ -1,0 +1,372 @@
+"""flash_attn_varlen_func and the packed forms (flash_attn_{qkv,kv}packed_func,
+flash_attn_varlen_{qkv,kv}packed_func): flash-attn's signatures and semantics.
+
+Every sequence of a varlen batch is checked against the oracle on its own
+(tolerance.check_attention: out, lse and the gradients under the one rule),
+with causal aligned bottom-right per sequence; sequences of length 0 are checked
+exactly (no rows / zero rows, lse -inf, zero gradients)."""
+
+import re
+
+import pytest
+import torch
+from helpers import KernelCalls, randn
+
+import flashattn_ext
+from flashattn_ext import (
+    FlashAttnFallbackWarning,
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+)
+from flashattn_ext.tolerance import check_attention
+
+
+def cu(lens, device):
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+def make_varlen(lens_q, lens_k, hq, hkv, d, dtype, device):
+    q = randn((sum(lens_q), hq, d), dtype, device)
+    k = randn((sum(lens_k), hkv, d), dtype, device)
+    v = randn((sum(lens_k), hkv, d), dtype, device)
+    return q, k, v
+
+
+def bounds(lens):
+    c = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    return list(zip(c[:-1], c[1:]))
+
+
+def run_varlen(q, k, v, lens_q, lens_k, dout=None, **kw):
+    leaves = [x.detach().requires_grad_(dout is not None) for x in (q, k, v)]
+    cq, ck = cu(lens_q, q.device), cu(lens_k, q.device)
+    out, lse = flash_attn_varlen_func(*leaves, cq, ck, max(lens_q), max(lens_k), return_lse=True, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (q.shape[1], q.shape[0])
+    assert lse.dtype == (torch.float64 if q.dtype == torch.float64 else torch.float32)
+    grads = torch.autograd.grad(out, leaves, dout) if dout is not None else None
+    return out, lse, grads
+
+
+def check_varlen(q, k, v, lens_q, lens_k, with_grads=True, bottom_right=True, **kw):
+    """Ours against the oracle, sequence by sequence. Returns the list of
+    failure messages (empty when all pass)."""
+    dout = randn(q.shape, q.dtype, q.device) if with_grads else None
+    out, lse, grads = run_varlen(q, k, v, lens_q, lens_k, dout, **kw)
+    dq, dk, dv = grads if grads is not None else (None, None, None)
+    bad = []
+    for i, ((sq, eq), (sk, ek)) in enumerate(zip(bounds(lens_q), bounds(lens_k))):
+        n_q, n_k = eq - sq, ek - sk
+        if n_q == 0:
+            if grads is not None:  # keys nobody queries get no gradient
+                assert torch.equal(dk[sk:ek], torch.zeros_like(dk[sk:ek])), f"sequence {i}: dk"
+                assert torch.equal(dv[sk:ek], torch.zeros_like(dv[sk:ek])), f"sequence {i}: dv"
+            continue
+        if n_k == 0:  # rows that see no key
+            assert torch.equal(out[sq:eq], torch.zeros_like(out[sq:eq])), f"sequence {i}: out"
+            assert torch.isneginf(lse[:, sq:eq]).all(), f"sequence {i}: lse"
+            if grads is not None:
+                assert torch.equal(dq[sq:eq], torch.zeros_like(dq[sq:eq])), f"sequence {i}: dq"
+            continue
+        sl_q, sl_k = slice(sq, eq), slice(sk, ek)
+        g = None
+        if grads is not None:
+            g = (dq[sl_q][None], dk[sl_k][None], dv[sl_k][None])
+        res = check_attention(
+            q[sl_q][None],
+            k[sl_k][None],
+            v[sl_k][None],
+            out[sl_q][None],
+            lse[:, sl_q][None],
+            dout[sl_q][None] if dout is not None else None,
+            g,
+            bottom_right=bottom_right,
+            **kw,
+        )
+        bad += [f"sequence {i} (len_q {n_q}, len_k {n_k}): {c.message()}" for c in res if not c.ok]
+    return bad
+
+
+# (lens_q, lens_k, heads_q, heads_kv, head_dim, kwargs)
+CASES = {
+    "equal-with-0-and-1": ([5, 0, 1, 17, 3], [5, 0, 1, 17, 3], 4, 4, 16, {}),
+    "equal-causal": ([5, 0, 1, 17, 3], [5, 0, 1, 17, 3], 4, 4, 16, {"causal": True}),
+    "q-shorter-causal-gqa": ([3, 1, 8, 0, 2], [9, 4, 8, 2, 2], 4, 2, 32, {"causal": True}),
+    "q-longer-causal-mqa": ([9, 4, 1, 2, 6], [3, 0, 6, 2, 1], 4, 1, 16, {"causal": True}),
+    "q-longer-noncausal": ([9, 4, 1, 3], [3, 2, 6, 0], 2, 2, 16, {}),
+    "window": ([12, 1, 7, 4], [10, 5, 7, 9], 4, 2, 16, {"window_size": (3, 1)}),
+    "window-causal": ([12, 6, 2], [7, 6, 9], 2, 1, 64, {"window_size": (2, 5), "causal": True}),
+    "scale": ([7, 3], [4, 11], 2, 2, 16, {"softmax_scale": 0.3, "causal": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_varlen_against_oracle(device, dtype, case):
+    lens_q, lens_k, hq, hkv, d, kw = CASES[case]
+    q, k, v = make_varlen(lens_q, lens_k, hq, hkv, d, dtype, device)
+    bad = check_varlen(q, k, v, lens_q, lens_k, **kw)
+    assert not bad, "; ".join(bad)
+
+
+@pytest.mark.dtypes(torch.float32)
+def test_alignment_is_per_sequence_bottom_right(device, dtype):
+    """The check can fail: the same outputs judged against a top-left diagonal
+    (or against one offset for the whole batch) are wrong."""
+    lens_q, lens_k = [3, 6, 2], [8, 6, 5]
+    q, k, v = make_varlen(lens_q, lens_k, 2, 2, 16, dtype, device)
+    assert not check_varlen(q, k, v, lens_q, lens_k, causal=True)
+    assert check_varlen(q, k, v, lens_q, lens_k, causal=True, bottom_right=False)
+    # A single bottom-right offset over the packed totals (total_k - total_q) is not the rule either.
+    out, _, _ = run_varlen(q, k, v, lens_q, lens_k, causal=True)
+    wrong = flash_attn_func(q[None], k[None], v[None], causal=True)[0]
+    assert not torch.allclose(out, wrong, atol=1e-3)
+
+
+def test_varlen_equals_per_sequence_calls(device, dtype):
+    """Exactly flash_attn_func on each sequence; sequences do not see each other."""
+    lens_q, lens_k = [4, 1, 7], [6, 3, 7]
+    q, k, v = make_varlen(lens_q, lens_k, 4, 2, 16, dtype, device)
+    out = flash_attn_varlen_func(q, k, v, cu(lens_q, device), cu(lens_k, device), 7, 7, causal=True)
+    for (sq, eq), (sk, ek) in zip(bounds(lens_q), bounds(lens_k)):
+        ref = flash_attn_func(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], causal=True)[0]
+        assert torch.equal(out[sq:eq], ref)
+    # Changing the second sequence's keys leaves the others alone.
+    k2 = k.clone()
+    k2[6:9] = randn((3, 2, 16), dtype, device)
+    out2 = flash_attn_varlen_func(q, k2, v, cu(lens_q, device), cu(lens_k, device), 7, 7, causal=True)
+    assert torch.equal(out2[:4], out[:4]) and torch.equal(out2[5:], out[5:])
+    assert not torch.equal(out2[4:5], out[4:5])
+
+
+@pytest.mark.dtypes(torch.float32, torch.bfloat16, torch.float16)
+def test_varlen_max_seqlen_is_a_bound(device, dtype):
+    lens = [3, 5]
+    q, k, v = make_varlen(lens, lens, 2, 2, 16, dtype, device)
+    a = flash_attn_varlen_func(q, k, v, cu(lens, device), cu(lens, device), 5, 5, causal=True)
+    b = flash_attn_varlen_func(q, k, v, cu(lens, device), cu(lens, device), 64, 100, causal=True)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.dtypes(torch.float32, torch.bfloat16)
+def test_varlen_strided_inputs(device, dtype):
+    """Views (a strided head_dim, a sliced head dim) give the contiguous answer."""
+    lens_q, lens_k = [4, 0, 3], [2, 5, 3]
+    q, k, v = make_varlen(lens_q, lens_k, 2, 2, 16, dtype, device)
+    qs = torch.stack([q, torch.zeros_like(q)], -1)[..., 0]
+    ks = torch.cat([k, torch.zeros_like(k)], -1)[..., :16]
+    args = (cu(lens_q, device), cu(lens_k, device), 4, 5)
+    assert qs.stride(-1) == 2
+    assert torch.equal(flash_attn_varlen_func(qs, ks, v, *args), flash_attn_varlen_func(q, k, v, *args))
+
+
+def test_varlen_all_queries_empty(device):
+    q = torch.zeros((0, 2, 16), device=device)
+    k, v = (randn((5, 2, 16), torch.float32, device) for _ in range(2))
+    out, lse = flash_attn_varlen_func(q, k, v, cu([0, 0], device), cu([2, 3], device), 0, 3, return_lse=True)
+    assert out.shape == (0, 2, 16) and lse.shape == (2, 0)
+
+
+def test_varlen_dropout_follows_flash_attn_func(device):
+    """dropout_p > 0: computed per sequence as flash_attn_func does (torch's SDPA), same random stream."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    lens_q, lens_k = [4, 3], [5, 3]
+    q, k, v = make_varlen(lens_q, lens_k, 2, 2, 16, dtype, device)
+    torch.manual_seed(7)
+    with pytest.warns(FlashAttnFallbackWarning, match="dropout"):
+        out = flash_attn_varlen_func(q, k, v, cu(lens_q, device), cu(lens_k, device), 4, 5, dropout_p=0.5)
+    torch.manual_seed(7)
+    ref = [
+        flash_attn_func(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], dropout_p=0.5)[0]
+        for (sq, eq), (sk, ek) in zip(bounds(lens_q), bounds(lens_k))
+    ]
+    assert torch.equal(out, torch.cat(ref))
+
+
+# ----------------------------------------------------------------------------- packed forms
+
+
+def _grads(out, leaves, dout):
+    return torch.autograd.grad(out, leaves, dout)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_qkvpacked(device, dtype, causal):
+    qkv = randn((2, 9, 3, 4, 16), dtype, device).requires_grad_()
+    with KernelCalls() as calls:
+        out = flash_attn_qkvpacked_func(qkv, causal=causal)
+    # The kernels read q, k, v in place: views into qkv, no copy.
+    fwd_args = next(args for name, args in calls.calls if name == "fwd")
+    for x in fwd_args[:3]:
+        assert x.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()
+    q, k, v = (qkv.detach()[:, :, i].clone().requires_grad_() for i in range(3))
+    ref = flash_attn_func(q, k, v, causal=causal)
+    assert torch.equal(out, ref)
+    dout = randn(out.shape, dtype, device)
+    (dqkv,) = _grads(out, [qkv], dout)
+    assert torch.equal(dqkv, torch.stack(_grads(ref, [q, k, v], dout), dim=2))
+
+
+@pytest.mark.parametrize("heads_kv", [4, 2, 1])
+def test_kvpacked(device, dtype, heads_kv):
+    q = randn((2, 5, 4, 16), dtype, device).requires_grad_()
+    kv = randn((2, 8, 2, heads_kv, 16), dtype, device).requires_grad_()
+    out, lse = flash_attn_kvpacked_func(q, kv, causal=True, window_size=(3, -1), return_lse=True)
+    k, v = (kv.detach()[:, :, i].clone().requires_grad_() for i in range(2))
+    q2 = q.detach().clone().requires_grad_()
+    ref, ref_lse = flash_attn_func(q2, k, v, causal=True, window_size=(3, -1), return_lse=True)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    dout = randn(out.shape, dtype, device)
+    dq, dkv = _grads(out, [q, kv], dout)
+    rq, rk, rv = _grads(ref, [q2, k, v], dout)
+    assert torch.equal(dq, rq) and torch.equal(dkv, torch.stack([rk, rv], dim=2))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_qkvpacked(device, dtype, causal):
+    lens = [6, 0, 1, 9]
+    qkv = randn((sum(lens), 3, 2, 16), dtype, device).requires_grad_()
+    c = cu(lens, device)
+    out, lse = flash_attn_varlen_qkvpacked_func(qkv, c, 9, causal=causal, return_lse=True)
+    q, k, v = (qkv.detach()[:, i].clone().requires_grad_() for i in range(3))
+    ref, ref_lse = flash_attn_varlen_func(q, k, v, c, c, 9, 9, causal=causal, return_lse=True)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    dout = randn(out.shape, dtype, device)
+    (dqkv,) = _grads(out, [qkv], dout)
+    assert torch.equal(dqkv, torch.stack(_grads(ref, [q, k, v], dout), dim=1))
+
+
+def test_varlen_kvpacked(device, dtype):
+    lens_q, lens_k = [3, 0, 5, 2], [7, 2, 1, 0]
+    q = randn((sum(lens_q), 4, 16), dtype, device).requires_grad_()
+    kv = randn((sum(lens_k), 2, 2, 16), dtype, device).requires_grad_()
+    cq, ck = cu(lens_q, device), cu(lens_k, device)
+    out = flash_attn_varlen_kvpacked_func(q, kv, cq, ck, 5, 7, causal=True)
+    k, v = (kv.detach()[:, i].clone().requires_grad_() for i in range(2))
+    q2 = q.detach().clone().requires_grad_()
+    ref = flash_attn_varlen_func(q2, k, v, cq, ck, 5, 7, causal=True)
+    assert torch.equal(out, ref)
+    dout = randn(out.shape, dtype, device)
+    dq, dkv = _grads(out, [q, kv], dout)
+    rq, rk, rv = _grads(ref, [q2, k, v], dout)
+    assert torch.equal(dq, rq) and torch.equal(dkv, torch.stack([rk, rv], dim=1))
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def _valid(device):
+    lens_q, lens_k = [3, 2], [4, 4]
+    q, k, v = make_varlen(lens_q, lens_k, 4, 2, 16, torch.float32 if device == "cpu" else torch.float16, device)
+    return dict(
+        q=q, k=k, v=v, cu_seqlens_q=cu(lens_q, device), cu_seqlens_k=cu(lens_k, device), max_seqlen_q=3, max_seqlen_k=4
+    )
+
+
+def _i32(values, device):
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+# name -> (changes to the valid call, exception, message pattern)
+VARLEN_ERRORS = {
+    "cu_q-not-tensor": (lambda a, d: dict(cu_seqlens_q=[0, 3, 5]), TypeError, r"cu_seqlens_q must be a torch.Tensor"),
+    "cu_q-int64": (lambda a, d: dict(cu_seqlens_q=a["cu_seqlens_q"].long()), TypeError, r"cu_seqlens_q .*int32"),
+    "cu_k-float": (lambda a, d: dict(cu_seqlens_k=a["cu_seqlens_k"].float()), TypeError, r"cu_seqlens_k .*int32"),
+    "cu_q-2d": (lambda a, d: dict(cu_seqlens_q=a["cu_seqlens_q"][None]), ValueError, r"cu_seqlens_q must be 1-D"),
+    "cu_k-one-element": (lambda a, d: dict(cu_seqlens_k=_i32([8], d)), ValueError, r"cu_seqlens_k must have batch"),
+    "cu_q-start": (lambda a, d: dict(cu_seqlens_q=_i32([1, 3, 5], d)), ValueError, r"cu_seqlens_q must start at 0"),
+    "cu_k-decreasing": (
+        lambda a, d: dict(cu_seqlens_k=_i32([0, 6, 4, 8], d), cu_seqlens_q=_i32([0, 1, 3, 5], d)),
+        ValueError,
+        r"cu_seqlens_k must be non-decreasing",
+    ),
+    "cu_q-total": (lambda a, d: dict(cu_seqlens_q=_i32([0, 3, 4], d)), ValueError, r"cu_seqlens_q ends at 4 .* 5"),
+    "cu_k-total": (lambda a, d: dict(cu_seqlens_k=_i32([0, 4, 9], d)), ValueError, r"cu_seqlens_k ends at 9 .* 8"),
+    "cu-batch-mismatch": (
+        lambda a, d: dict(cu_seqlens_k=_i32([0, 4, 6, 8], d)),
+        ValueError,
+        r"cu_seqlens_q has 3 elements but cu_seqlens_k has 4",
+    ),
+    "cu_q-device": (
+        lambda a, d: dict(cu_seqlens_q=a["cu_seqlens_q"].to("meta" if d == "cpu" else "cpu")),
+        ValueError,
+        r"cu_seqlens_q is on",
+    ),
+    "max_seqlen_q-small": (lambda a, d: dict(max_seqlen_q=2), ValueError, r"max_seqlen_q=2 is smaller .* \(3\)"),
+    "max_seqlen_k-small": (lambda a, d: dict(max_seqlen_k=3), ValueError, r"max_seqlen_k=3 is smaller .* \(4\)"),
+    "max_seqlen_k-type": (lambda a, d: dict(max_seqlen_k=4.0), TypeError, r"max_seqlen_k must be an int"),
+    "q-rank4": (lambda a, d: dict(q=a["q"][None]), ValueError, r"q must have 3 dimensions"),
+    "k-rank2": (lambda a, d: dict(k=a["k"][:, 0]), ValueError, r"k must have 3 dimensions"),
+    "v-rank4": (lambda a, d: dict(v=a["v"][None]), ValueError, r"v must have 3 dimensions"),
+    "q-not-tensor": (lambda a, d: dict(q=a["q"].tolist()), TypeError, r"q must be a torch.Tensor"),
+    "heads-divisibility": (lambda a, d: dict(q=a["q"][:, :3]), ValueError, r"3 heads, not a multiple of the 2"),
+    "v-heads": (lambda a, d: dict(v=a["v"][:, :1]), ValueError, r"v has 1 heads but k has 2"),
+    "v-tokens": (lambda a, d: dict(v=a["v"][:7]), ValueError, r"v has 7 tokens but k has 8"),
+    "head_dim": (lambda a, d: dict(k=a["k"][..., :8]), ValueError, r"head_dim differs: q 16, k 8"),
+    "dtype": (lambda a, d: dict(k=a["k"].double()), TypeError, r"k has dtype Double but q"),
+    "k-device": (lambda a, d: dict(k=a["k"].to("meta")), ValueError, r"k is on meta"),
+    "softcap": (lambda a, d: dict(softcap=30.0), NotImplementedError, r"softcap"),
+    "alibi_slopes": (
+        lambda a, d: dict(alibi_slopes=torch.ones(4, device=d)),
+        NotImplementedError,
+        r"alibi_slopes",
+    ),
+    "return_attn_probs": (lambda a, d: dict(return_attn_probs=True), NotImplementedError, r"return_attn_probs"),
+    "block_table": (
+        lambda a, d: dict(block_table=torch.zeros(2, 1, dtype=torch.int32, device=d)),
+        NotImplementedError,
+        r"block_table",
+    ),
+    "window_size": (lambda a, d: dict(window_size=(-2, 0)), ValueError, r"window_size"),
+    "dropout_p": (lambda a, d: dict(dropout_p=1.5), ValueError, r"dropout_p must be in \[0, 1\]"),
+    "softmax_scale": (lambda a, d: dict(softmax_scale=float("inf")), ValueError, r"softmax_scale must be finite"),
+}
+
+
+@pytest.mark.parametrize("case", list(VARLEN_ERRORS))
+def test_varlen_errors(device, case):
+    args = _valid(device)
+    flash_attn_varlen_func(**args)  # the valid call passes
+    change, exc, pattern = VARLEN_ERRORS[case]
+    args.update(change(args, device))
+    with pytest.raises(exc, match=pattern) as info:
+        flash_attn_varlen_func(**args)
+    assert "flash_attn_varlen_func" in str(info.value) or "flashattn_ext" in str(info.value)
+
+
+def test_packed_errors(device):
+    dtype = torch.float32 if device == "cpu" else torch.float16
+    qkv = randn((2, 5, 3, 2, 16), dtype, device)
+    with pytest.raises(ValueError, match=re.escape("qkv must have shape (batch, seqlen, 3, heads, head_dim)")):
+        flash_attn_qkvpacked_func(qkv[:, :, :2])
+    with pytest.raises(ValueError, match="qkv must have shape"):
+        flash_attn_qkvpacked_func(qkv[0])
+    with pytest.raises(ValueError, match=re.escape("kv must have shape (batch, seqlen_k, 2, heads_kv, head_dim)")):
+        flash_attn_kvpacked_func(qkv[:, :, 0], qkv)
+    with pytest.raises(ValueError, match=re.escape("qkv must have shape (total, 3, heads, head_dim)")):
+        flash_attn_varlen_qkvpacked_func(qkv, cu([5, 5], device), 5)
+    with pytest.raises(ValueError, match=re.escape("kv must have shape (total_k, 2, heads_kv, head_dim)")):
+        flash_attn_varlen_kvpacked_func(qkv[0, :, 0], qkv[0], cu([5], device), cu([5], device), 5, 5)
+    with pytest.raises(TypeError, match="qkv must be a torch.Tensor"):
+        flash_attn_qkvpacked_func(qkv.tolist())
+    for kw, name in ((dict(softcap=1.0), "softcap"), (dict(return_attn_probs=True), "return_attn_probs")):
+        with pytest.raises(NotImplementedError, match=name):
+            flash_attn_qkvpacked_func(qkv, **kw)
+        with pytest.raises(NotImplementedError, match=name):
+            flash_attn_varlen_qkvpacked_func(qkv[0], cu([5], device), 5, **kw)
+    with pytest.raises(ValueError, match="cu_seqlens_q ends at 4"):
+        flash_attn_varlen_qkvpacked_func(qkv[0], cu([4], device), 5)
+
+
+def test_exported():
+    for name in (
+        "flash_attn_varlen_func",
+        "flash_attn_qkvpacked_func",
+        "flash_attn_kvpacked_func",
+        "flash_attn_varlen_qkvpacked_func",
+        "flash_attn_varlen_kvpacked_func",
+    ):
+        assert name in flashattn_ext.__all__ and callable(getattr(flashattn_ext, name))
