@@ -38,9 +38,12 @@
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
+#include <memory>
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <type_traits>
+#include <utility>
 
 #include "attention_api.h"
 
@@ -108,6 +111,21 @@ void check_no_forward_ad(const char* op, const Tensors&... tensors) {
                               " has no forward derivative); use reverse mode (backward, torch.func.grad, vjp, jacrev)");
 }
 
+// A new autograd node. torch 2.15 owns nodes by c10::intrusive_ptr, earlier
+// versions by std::shared_ptr with torch::autograd::deleteNode as the deleter
+// (it frees long chains of nodes without deep recursion). Both branches
+// depend on T, so only the installed torch's is compiled; deleteNode is found
+// by argument-dependent lookup (T derives from torch::autograd::Node) and
+// only where it exists.
+template <typename T, typename... Args>
+auto make_node(Args&&... args) {
+  if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, Node>) {
+    return c10::make_intrusive<T>(std::forward<Args>(args)...);
+  } else {
+    return std::shared_ptr<T>(new T(std::forward<Args>(args)...), [](T* node) { deleteNode(node); });
+  }
+}
+
 // The backward of attention. Inputs: q, k, v (next edges 0, 1, 2); one
 // incoming gradient, that of out (lse is not differentiable).
 struct FlashAttnBackward : public Node {
@@ -116,7 +134,7 @@ struct FlashAttnBackward : public Node {
     const at::Tensor& dout = grads[0];
     if (!dout.defined()) return variable_list(3);
     const at::Tensor q = q_.unpack(), k = k_.unpack(), v = v_.unpack();
-    const at::Tensor out = out_.unpack(shared_from_this()), lse = lse_.unpack();
+    const at::Tensor out = out_.unpack(getptr()), lse = lse_.unpack();
     auto [dq, dk, dv] =
         call_bwd(kernel_layout(dout, bhsd), kernel_layout(q, bhsd), kernel_layout(k, bhsd), kernel_layout(v, bhsd),
                  kernel_layout(out, bhsd), lse, scale, window_left, window_right, bottom_right, deterministic);
@@ -159,7 +177,7 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& q, const
     std::tie(out, lse) = attention_below_autograd(q, k, v, scale, window_left, window_right, bottom_right, bhsd);
   }
   if (torch::autograd::compute_requires_grad(q, k, v)) {
-    auto node = std::shared_ptr<FlashAttnBackward>(new FlashAttnBackward(), torch::autograd::deleteNode);
+    auto node = make_node<FlashAttnBackward>();
     node->set_next_edges(torch::autograd::collect_next_edges(q, k, v));
     node->q_ = SavedVariable(q, false);
     node->k_ = SavedVariable(k, false);
@@ -185,8 +203,7 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& q, const
 template <typename... Tensors>
 void attach_error(const std::vector<at::Tensor>& outputs, const char* message, const Tensors&... inputs) {
   if (!torch::autograd::compute_requires_grad(inputs...)) return;
-  auto node = std::shared_ptr<torch::autograd::Error>(
-      new torch::autograd::Error(message, torch::autograd::collect_next_edges(inputs...)), torch::autograd::deleteNode);
+  auto node = make_node<torch::autograd::Error>(message, torch::autograd::collect_next_edges(inputs...));
   for (const auto& t : outputs) {
     if (torch::autograd::isDifferentiableType(t.scalar_type())) torch::autograd::set_history(t, node);
   }
