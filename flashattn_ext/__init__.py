@@ -3,6 +3,7 @@ online softmax, recomputation backward) in C++/CUDA kernels.
 
     from flashattn_ext import flash_attn_func               # flash-attn's API, (B, S, H, D)
     from flashattn_ext import flash_attn_varlen_func        # its packed variable-length form, (total, H, D)
+    from flashattn_ext import flash_attn_with_kvcache       # inference against a KV cache (updated in place)
     from flashattn_ext import scaled_dot_product_attention  # torch's API, (B, H, L, E)
     from flashattn_ext import reference                     # the naive oracle (and the FLOP count)
     from flashattn_ext import tolerance                     # the tolerance rule of every check
@@ -22,6 +23,7 @@ from .interface import (  # noqa: F401
     flash_attn_varlen_func,
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
     scaled_dot_product_attention,
     sdpa_fallback_reason,
 )
@@ -35,6 +37,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_varlen_kvpacked_func",
+    "flash_attn_with_kvcache",
     "scaled_dot_product_attention",
     "sdpa_fallback_reason",
     "build_info",

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _ops
-from .reference import visible_mask
+from .reference import compute_dtype, visible_mask
 
 __all__ = [
     "flash_attn_func",
@@ -28,6 +28,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_varlen_kvpacked_func",
+    "flash_attn_with_kvcache",
     "scaled_dot_product_attention",
     "sdpa_fallback_reason",
     "build_info",
@@ -959,3 +960,327 @@ def flash_attn_varlen_kvpacked_func(
         None,
         return_lse,
     )
+
+
+# --------------------------------------------------------------------------
+# flash_attn_with_kvcache (inference with a KV cache).
+#
+# For now a loop over the batch rows: cache_seqlens (and cache_leftpad,
+# cache_batch_idx, block_table) are read to the host, each row's new keys and
+# values are rotated and written into the cache, and the kernels run once on
+# that row's visible keys. Fused split-KV / paged kernels reading these on the
+# device are the next step (issue #10).
+
+
+def _int_vector(fn, name, x, batch, device):
+    """cache_seqlens / cache_leftpad / cache_batch_idx: an int32 (batch,) tensor on
+    q's device (or, for cache_seqlens, a Python int). Returns a host list."""
+    if isinstance(x, numbers.Integral) and not isinstance(x, bool) and name == "cache_seqlens":
+        return [int(x)] * batch
+    if not isinstance(x, Tensor):
+        kind = "an int or " if name == "cache_seqlens" else ""
+        raise TypeError(f"{fn}: {name} must be {kind}a torch.Tensor of dtype int32, got {_type_name(x)}")
+    if x.dtype != torch.int32:
+        raise TypeError(f"{fn}: {name} must have dtype torch.int32, got {x.dtype}; pass {name}.to(torch.int32)")
+    if tuple(x.shape) != (batch,):
+        raise ValueError(f"{fn}: {name} must have shape (batch,) = ({batch},), got {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{fn}: {name} is on {x.device} but q is on {device}; move it to q's device")
+    return x.tolist()  # the host sync
+
+
+def _rotary(x, cos, sin, positions, interleaved):
+    """x (n, heads, d) rotated on its first rotary_dim = 2 * cos.shape[1] dims,
+    row i at position positions[i] (a LongTensor), in the accumulation dtype, then
+    rounded to x's dtype. interleaved: GPT-J pairs (2i, 2i + 1); else GPT-NeoX
+    halves (i, i + rotary_dim / 2)."""
+    ro = 2 * cos.shape[1]
+    dt = compute_dtype(x.dtype)
+    c = cos[positions].to(dt).unsqueeze(1)  # (n, 1, ro / 2)
+    s = sin[positions].to(dt).unsqueeze(1)
+    xr = x[..., :ro].to(dt)
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        rot = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., : ro // 2], xr[..., ro // 2 :]
+        rot = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return torch.cat((rot.to(x.dtype), x[..., ro:]), dim=-1)
+
+
+def flash_attn_with_kvcache(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Tensor | None = None,
+    v: Tensor | None = None,
+    rotary_cos: Tensor | None = None,
+    rotary_sin: Tensor | None = None,
+    cache_seqlens: Tensor | int | None = None,
+    cache_batch_idx: Tensor | None = None,
+    cache_leftpad: Tensor | None = None,
+    block_table: Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: Tensor | None = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention against a KV cache, updated in place (flash-attn's
+    ``flash_attn_with_kvcache``), for inference.
+
+    q: (batch, seqlen_q, heads_q, head_dim). k_cache, v_cache: (batch_cache,
+    seqlen_cache, heads_kv, head_dim), or with ``block_table`` a paged cache
+    (num_blocks, page_block_size, heads_kv, head_dim); heads_kv divides heads_q.
+    k, v (optional, together): (batch, seqlen_new, heads_kv, head_dim), written
+    into the cache **in place** at positions cache_seqlens[b] ..
+    cache_seqlens[b] + seqlen_new - 1; row b then attends to the keys
+    [cache_leftpad[b], cache_seqlens[b] + seqlen_new) of its cache row.
+    cache_seqlens: int32 (batch,) or an int, the cache lengths before the
+    append (None: the whole cache, only without k/v). cache_batch_idx: int32
+    (batch,), the cache row of each batch row (default: row b; not with
+    block_table). cache_leftpad: int32 (batch,), keys before it are ignored.
+    block_table: int32 (batch, max_blocks_per_seq), position p of row b lives
+    in block block_table[b, p // page_block_size] (page_block_size a multiple of 16).
+
+    rotary_cos / rotary_sin: (seqlen_ro, rotary_dim / 2), q's dtype, applied to
+    the first rotary_dim dims of k (new) at positions cache_seqlens[b] + i and of
+    q at the same positions when causal or local (window_size != (-1, -1)),
+    otherwise to all of q at position cache_seqlens[b]; interleaved (GPT-J,
+    pairs 2i, 2i + 1) or not (GPT-NeoX, halves). Positions are absolute cache
+    indices (cache_leftpad included), as in flash-attn. Only with k/v given (flash-attn
+    ignores them otherwise; this raises).
+
+    causal is aligned bottom-right against the row's visible keys; window_size
+    and softmax_scale as in ``flash_attn_func``. Returns out (batch, seqlen_q,
+    heads_q, head_dim) and, with return_softmax_lse, lse (batch, heads_q,
+    seqlen_q) in float32 (float64 for float64). A row with no visible key
+    outputs zeros (lse -inf).
+
+    Current implementation: the integer arguments are read to the host (a
+    device synchronisation on CUDA) and the kernels run once per batch row.
+    num_splits is accepted and ignored (a performance hint). Runs under
+    torch.no_grad() (no autograd; inputs may require grad). Not supported:
+    softcap != 0 and alibi_slopes (NotImplementedError).
+    """
+    fn = "flash_attn_with_kvcache"
+    _require_tensors(fn, ("q", "k_cache", "v_cache"), (q, k_cache, v_cache))
+    if (k is None) != (v is None):
+        raise ValueError(
+            f"{fn}: k and v must be given together (the new keys and values), got only {'k' if v is None else 'v'}"
+        )
+    if k is not None:
+        _require_tensors(fn, ("k", "v"), (k, v))
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError(f"{fn}: rotary_cos and rotary_sin must be given together")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+        raise TypeError(f"{fn}: num_splits must be an int (a performance hint, ignored), got {_type_name(num_splits)}")
+    if num_splits < 0:
+        raise ValueError(f"{fn}: num_splits must be >= 0 (0: automatic), got {num_splits}")
+    rotary_interleaved = _require_bool(fn, "rotary_interleaved", rotary_interleaved)
+    _, scale, wl, wr, _, return_lse = _common_args(
+        fn, q, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False, False, return_softmax_lse
+    )
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)) + (
+        (("k", k), ("v", v)) if k is not None else ()
+    ):
+        if t.is_nested or t.dim() != 4:
+            raise ValueError(f"{fn}: {name} must be a dense 4-D tensor, got shape {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{fn}: {name} is on {t.device} but q is on {q.device}")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{fn}: {name} has dtype {t.dtype} but q has {q.dtype}; they must match")
+    batch, seqlen_q, heads_q, d = q.shape
+    paged = block_table is not None
+    cache_layout = (
+        "(num_blocks, page_block_size, heads_kv, head_dim)"
+        if paged
+        else "(batch_cache, seqlen_cache, heads_kv, head_dim)"
+    )
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"{fn}: v_cache has shape {tuple(v_cache.shape)} but k_cache {tuple(k_cache.shape)}; they must match"
+        )
+    n_cache, len_cache, heads_kv, d_cache = k_cache.shape
+    if d_cache != d:
+        raise ValueError(f"{fn}: k_cache has head_dim {d_cache} but q has {d}; k_cache must be {cache_layout}")
+    if heads_kv == 0 or heads_q % heads_kv != 0:
+        raise ValueError(
+            f"{fn}: q has {heads_q} heads, not a multiple of the {heads_kv} heads of k_cache/v_cache; for GQA/MQA "
+            "the key/value heads must divide the query heads"
+        )
+    seqlen_new = 0
+    if k is not None:
+        if k.shape != v.shape:
+            raise ValueError(f"{fn}: v has shape {tuple(v.shape)} but k {tuple(k.shape)}; they must match")
+        if k.shape[0] != batch or k.shape[2] != heads_kv or k.shape[3] != d:
+            raise ValueError(
+                f"{fn}: k must have shape (batch, seqlen_new, heads_kv, head_dim) = ({batch}, *, {heads_kv}, {d}), "
+                f"got {tuple(k.shape)}"
+            )
+        seqlen_new = k.shape[1]
+    # The kernels' own checks (dtype per device, head_dim range, ...) on one-token views.
+    probe_q = q[:1, :1] if q.numel() else q.new_empty((1, 1, max(heads_q, 1), max(d, 1)))
+    probe_k = k_cache[:1, :1] if k_cache.numel() else k_cache.new_empty((1, 1, max(heads_kv, 1), max(d, 1)))
+    _ops.check_qkv(probe_q, probe_k, probe_k, unit_stride=False)
+
+    if paged:
+        if not isinstance(block_table, Tensor):
+            raise TypeError(f"{fn}: block_table must be a torch.Tensor of dtype int32, got {_type_name(block_table)}")
+        if block_table.dtype != torch.int32:
+            raise TypeError(f"{fn}: block_table must have dtype torch.int32, got {block_table.dtype}")
+        if block_table.dim() != 2 or block_table.shape[0] != batch:
+            raise ValueError(
+                f"{fn}: block_table must have shape (batch, max_blocks_per_seq) = ({batch}, *), got {tuple(block_table.shape)}"
+            )
+        if block_table.device != q.device:
+            raise ValueError(f"{fn}: block_table is on {block_table.device} but q is on {q.device}")
+        if len_cache % 16 != 0:
+            raise ValueError(
+                f"{fn}: with block_table, k_cache is {cache_layout} and page_block_size (dimension 1) must be a "
+                f"multiple of 16, got {len_cache}"
+            )
+        if cache_batch_idx is not None:
+            raise ValueError(f"{fn}: cache_batch_idx cannot be combined with block_table (as in flash-attn); pass None")
+        capacity = block_table.shape[1] * len_cache
+        rows = list(range(batch))
+    else:
+        capacity = len_cache
+        if cache_batch_idx is None:
+            if n_cache != batch:
+                raise ValueError(
+                    f"{fn}: k_cache has {n_cache} rows but q has batch {batch}; they must match unless cache_batch_idx "
+                    "maps batch rows to cache rows"
+                )
+            rows = list(range(batch))
+        else:
+            rows = _int_vector(fn, "cache_batch_idx", cache_batch_idx, batch, q.device)
+            for b, r in enumerate(rows):
+                if not 0 <= r < n_cache:
+                    raise ValueError(f"{fn}: cache_batch_idx[{b}] = {r} is outside [0, {n_cache}) (k_cache's rows)")
+            if k is not None and len(set(rows)) != len(rows):
+                raise ValueError(
+                    f"{fn}: cache_batch_idx has repeated rows; with k/v each cache row can be appended once"
+                )
+    if cache_seqlens is None:
+        if k is not None:
+            raise ValueError(f"{fn}: cache_seqlens is required when k and v are given (where to append them)")
+        seqlens = [capacity] * batch
+    else:
+        seqlens = _int_vector(fn, "cache_seqlens", cache_seqlens, batch, q.device)
+    for b, s in enumerate(seqlens):
+        if s < 0 or s + seqlen_new > capacity:
+            raise ValueError(
+                f"{fn}: cache_seqlens[{b}] = {s} is outside [0, {capacity - seqlen_new}]: the cache holds {capacity} "
+                f"positions per row{' (max_blocks_per_seq * page_block_size)' if paged else ''} and {seqlen_new} new "
+                "tokens are appended"
+            )
+    if cache_leftpad is None:
+        leftpad = [0] * batch
+    else:
+        leftpad = _int_vector(fn, "cache_leftpad", cache_leftpad, batch, q.device)
+        for b, (lp, s) in enumerate(zip(leftpad, seqlens)):
+            if not 0 <= lp <= s:
+                raise ValueError(f"{fn}: cache_leftpad[{b}] = {lp} is outside [0, cache_seqlens[{b}] = {s}]")
+    if paged:
+        bt = block_table.cpu()  # the host sync
+        for b in range(batch):
+            used = bt[b, : -(-(seqlens[b] + seqlen_new) // len_cache)]
+            if used.numel() and (used.min() < 0 or used.max() >= n_cache):
+                raise ValueError(
+                    f"{fn}: block_table[{b}] holds block indices outside [0, {n_cache}) (k_cache's num_blocks) "
+                    "in the blocks the row uses"
+                )
+    local = wl >= 0 or wr >= 0  # causal sets wr = 0
+    if rotary_cos is not None:
+        if k is None:
+            raise ValueError(
+                f"{fn}: rotary_cos/rotary_sin are only applied together with new k/v (flash-attn's rule); "
+                "pass k and v or leave rotary out"
+            )
+        _require_tensors(fn, ("rotary_cos", "rotary_sin"), (rotary_cos, rotary_sin))
+        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            if t.dtype != q.dtype:
+                raise TypeError(f"{fn}: {name} has dtype {t.dtype} but q has {q.dtype}; they must match")
+            if t.device != q.device:
+                raise ValueError(f"{fn}: {name} is on {t.device} but q is on {q.device}")
+            if t.dim() != 2:
+                raise ValueError(f"{fn}: {name} must be 2-D (seqlen_ro, rotary_dim / 2), got shape {tuple(t.shape)}")
+        if rotary_sin.shape != rotary_cos.shape:
+            raise ValueError(
+                f"{fn}: rotary_sin has shape {tuple(rotary_sin.shape)} but rotary_cos {tuple(rotary_cos.shape)}"
+            )
+        half = rotary_cos.shape[1]
+        if half == 0 or 2 * half > d:
+            raise ValueError(
+                f"{fn}: rotary_cos/rotary_sin have {half} columns (rotary_dim / 2); rotary_dim = {2 * half} must be "
+                f"in [2, head_dim = {d}]"
+            )
+        span = max(seqlen_new, seqlen_q if local else 1)
+        need = max(s + span for s in seqlens) if batch else 0
+        if rotary_cos.shape[0] < need:
+            raise ValueError(
+                f"{fn}: rotary_cos/rotary_sin have {rotary_cos.shape[0]} positions (seqlen_ro) but positions up to "
+                f"{need - 1} are rotated; seqlen_ro must be at least {need}"
+            )
+
+    lse_dtype = _ops._lse_dtype(q.dtype)
+    outs, lses = [], []
+    with torch.no_grad():
+        for b in range(batch):
+            s, lp, r = seqlens[b], leftpad[b], rows[b]
+            end = s + seqlen_new
+            qb = q[b]
+            if rotary_cos is not None:
+                pos_k = torch.arange(s, end, device=q.device)
+                pos_q = torch.arange(s, s + seqlen_q, device=q.device) if local else pos_k.new_full((seqlen_q,), s)
+                qb = _rotary(qb, rotary_cos, rotary_sin, pos_q, rotary_interleaved)
+            if paged:
+                pos = torch.arange(lp, end, device=q.device)
+                blocks = block_table[b].long()[pos // len_cache]
+                offs = pos % len_cache
+            if seqlen_new:
+                kb, vb = k[b], v[b]
+                if rotary_cos is not None:
+                    kb = _rotary(kb, rotary_cos, rotary_sin, pos_k, rotary_interleaved)
+                if paged:
+                    new = slice(s - lp, end - lp)
+                    k_cache[blocks[new], offs[new]] = kb
+                    v_cache[blocks[new], offs[new]] = vb
+                else:
+                    k_cache[r, s:end] = kb
+                    v_cache[r, s:end] = vb
+            if seqlen_q == 0:
+                outs.append(q.new_zeros((seqlen_q, heads_q, d)))
+                lses.append(torch.empty((heads_q, 0), dtype=lse_dtype, device=q.device))
+                continue
+            if end == lp:  # no key to see: zeros, lse -inf
+                outs.append(q.new_zeros((seqlen_q, heads_q, d)))
+                lses.append(torch.full((heads_q, seqlen_q), float("-inf"), dtype=lse_dtype, device=q.device))
+                continue
+            if paged:
+                kv_k, kv_v = k_cache[blocks, offs], v_cache[blocks, offs]
+            else:
+                kv_k, kv_v = k_cache[r, lp:end], v_cache[r, lp:end]
+            o, lse = _ops.attention(
+                _ops.unit_last_stride(qb.unsqueeze(0)),
+                _ops.unit_last_stride(kv_k.unsqueeze(0)),
+                _ops.unit_last_stride(kv_v.unsqueeze(0)),
+                scale,
+                wl,
+                wr,
+                True,
+                False,
+            )
+            outs.append(o[0])
+            lses.append(lse[0])
+        if batch:
+            out = torch.stack(outs)
+            lse = torch.stack(lses) if return_lse else None
+        else:
+            out = q.new_zeros(q.shape)
+            lse = torch.empty((0, heads_q, seqlen_q), dtype=lse_dtype, device=q.device)
+    return (out, lse) if return_lse else out
