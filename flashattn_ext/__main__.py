@@ -147,11 +147,10 @@ def choose_device(requested, build):
 # ----------------------------------------------------------------------------- correctness
 
 
-def check_case(case, dtype, device, api="flash_attn_func"):
-    """One case: forward and backward of ours against the oracle with the rule
-    of flashattn_ext.tolerance. Returns a dict with ok."""
+def case_record(case, dtype, api, **fields):
+    """The JSON record of one check case: its shape and dtype, plus `fields`."""
     b, nq, nk, hq, hkv, d, causal = case
-    res = dict(
+    return dict(
         api=api,
         dtype=str(dtype).replace("torch.", ""),
         b=b,
@@ -161,8 +160,15 @@ def check_case(case, dtype, device, api="flash_attn_func"):
         heads_kv=hkv,
         head_dim=d,
         causal=causal,
-        ok=False,
+        **fields,
     )
+
+
+def check_case(case, dtype, device, api="flash_attn_func"):
+    """One case: forward and backward of ours against the oracle with the rule
+    of flashattn_ext.tolerance. Returns a dict with ok."""
+    b, nq, nk, hq, hkv, d, causal = case
+    res = case_record(case, dtype, api, ok=False)
     try:
         q = torch.randn(b, nq, hq, d, device=device, dtype=dtype, requires_grad=True)
         k = torch.randn(b, nk, hkv, d, device=device, dtype=dtype, requires_grad=True)
@@ -235,20 +241,9 @@ def run_checks(device, dtypes, quick, progress, build):
     for i, (case, dt, api) in enumerate(todo):
         progress.update(f"check {i + 1}/{len(todo)}: {api} {str(dt).replace('torch.', '')} {case_str(case)}")
         if largest is not None and case[5] > largest:
-            b, nq, nk, hq, hkv, d, causal = case
             results.append(
-                dict(
-                    api=api,
-                    dtype=str(dt).replace("torch.", ""),
-                    b=b,
-                    seqlen_q=nq,
-                    seqlen_k=nk,
-                    heads_q=hq,
-                    heads_kv=hkv,
-                    head_dim=d,
-                    causal=causal,
-                    ok=None,
-                    skipped=f"head dim {d} not compiled (build has up to {largest})",
+                case_record(
+                    case, dt, api, ok=None, skipped=f"head dim {case[5]} not compiled (build has up to {largest})"
                 )
             )
             continue
