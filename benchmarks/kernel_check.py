@@ -114,13 +114,12 @@ def quick_perf(dims):
                     lambda: _ops.bwd(dout, q, k, v, out, lse, d**-0.5, -1, 0 if causal else -1, True, False)
                 )
                 if torch.cuda.get_device_capability() == (9, 0):
-                    # Side by side on an sm90 device: the Hopper forward without TMA, the
-                    # boustrophedon tile order, and the mma.sync kernels.
+                    # Side by side on an sm90 device: the Hopper kernels without TMA (the
+                    # cp.async wgmma kernels) and the mma.sync kernels.
                     fwd = lambda: _ops.fwd(q, k, v, d**-0.5, -1, 0 if causal else -1, True, False)  # noqa: E731
                     bwd = lambda: _ops.bwd(dout, q, k, v, out, lse, d**-0.5, -1, 0 if causal else -1, True, False)  # noqa: E731
                     for env, name, fns in (
-                        ("FLASHATTN_DISABLE_TMA", "notma", {"fwd": fwd}),
-                        ("FLASHATTN_FWD_BOUSTROPHEDON", "boustro", {"fwd": fwd}),
+                        ("FLASHATTN_DISABLE_TMA", "notma", {"fwd": fwd, "bwd": bwd}),
                         ("FLASHATTN_DISABLE_SM90", "sm80", {"fwd": fwd, "bwd": bwd}),
                     ):
                         os.environ[env] = "1"
@@ -153,9 +152,10 @@ def quick_perf(dims):
                 rows.append(res)
                 print(
                     f"perf d{d} n{n} causal={causal}: fwd ours {res.get('ours_fwd_tflops', 0):.0f} "
-                    f"(boustrophedon {res.get('boustro_fwd_tflops', 0):.0f}, no TMA {res.get('notma_fwd_tflops', 0):.0f}, mma.sync {res.get('sm80_fwd_tflops', 0):.0f}) "
+                    f"(no TMA {res.get('notma_fwd_tflops', 0):.0f}, mma.sync {res.get('sm80_fwd_tflops', 0):.0f}) "
                     f"fa2 {res.get('fa2_fwd_tflops', 0):.0f} cudnn {res.get('cudnn_fwd_tflops', 0):.0f} | "
-                    f"bwd ours {res.get('ours_bwd_tflops', 0):.0f} (mma.sync {res.get('sm80_bwd_tflops', 0):.0f}) "
+                    f"bwd ours {res.get('ours_bwd_tflops', 0):.0f} (no TMA {res.get('notma_bwd_tflops', 0):.0f}, "
+                    f"mma.sync {res.get('sm80_bwd_tflops', 0):.0f}) "
                     f"fa2 {res.get('fa2_bwd_tflops', 0):.0f} "
                     f"cudnn {res.get('cudnn_bwd_tflops', 0):.0f} TFLOP/s",
                     flush=True,

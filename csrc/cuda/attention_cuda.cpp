@@ -191,6 +191,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_i
   auto params = make_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, mask, deterministic);
   params.dsum_ptr = dsum.data_ptr();
   params.device_arch = device_arch(q);
+  params.allow_tma = !env_flag("FLASHATTN_DISABLE_TMA");
   if (!deterministic) {
     params.dq_accum_ptr = dq_accum.data_ptr();
     params.dq_accum_batch_stride = dq_accum.stride(0);

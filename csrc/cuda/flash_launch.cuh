@@ -8,6 +8,7 @@
 #include "flash_bwd_kernel.cuh"
 #include "flash_fwd_kernel.cuh"
 #include "hopper/flash_bwd_sm90_kernel.cuh"
+#include "hopper/flash_bwd_sm90_ws_kernel.cuh"
 #include "hopper/flash_fwd_sm90_kernel.cuh"
 #include "hopper/flash_fwd_sm90_ws_kernel.cuh"
 #include "hopper/tma_host.h"
@@ -150,6 +151,36 @@ cudaError_t launch_bwd_sm90(const AttnBwdParams& p, cudaStream_t stream) {
   return launch_convert_dq<T>(p, stream);
 }
 
+// Hopper, warp-specialized with TMA (non-deterministic: dQ by bulk
+// reduce-adds). Sets *launched = false (and launches nothing) when TMA cannot
+// describe one of the tensors.
+template <typename Kt>
+cudaError_t launch_bwd_sm90_ws(const AttnBwdParams& p, cudaStream_t stream, bool* launched) {
+  using T = typename Kt::Element;
+  static_assert(kBwdBlockM % Kt::kBlockM == 0, "the dQ accumulator is padded to kBwdBlockM rows");
+  *launched = false;
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  BwdTmaMaps maps;
+  const bool described =
+      make_tensor_map_bshd(&maps.q, p.q_ptr, kBf16, p.batch, p.seqlen_q, p.heads_q, p.head_dim, p.q_batch_stride,
+                           p.q_row_stride, p.q_head_stride, Kt::kBlockM) &&
+      make_tensor_map_bshd(&maps.dout, p.do_ptr, kBf16, p.batch, p.seqlen_q, p.heads_q, p.head_dim, p.do_batch_stride,
+                           p.do_row_stride, p.do_head_stride, Kt::kBlockM) &&
+      make_tensor_map_bshd(&maps.k, p.k_ptr, kBf16, p.batch, p.seqlen_k, p.heads_kv, p.head_dim, p.k_batch_stride,
+                           p.k_row_stride, p.k_head_stride, Kt::kBlockN) &&
+      make_tensor_map_bshd(&maps.v, p.v_ptr, kBf16, p.batch, p.seqlen_k, p.heads_kv, p.head_dim, p.v_batch_stride,
+                           p.v_row_stride, p.v_head_stride, Kt::kBlockN);
+  if (!described) return cudaSuccess;
+  auto kernel = &flash_bwd_sm90_ws_kernel<Kt>;
+  if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
+  if (cudaError_t err = launch_bwd_preprocess<T>(p, stream); err != cudaSuccess) return err;
+  const int64_t blocks = int64_t(ceil_div(p.seqlen_k, Kt::kBlockN)) * p.heads_kv * p.batch;
+  kernel<<<static_cast<unsigned>(blocks), Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, maps);
+  *launched = true;
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  return launch_convert_dq<T>(p, stream);
+}
+
 #ifdef FLASHATTN_TUNING
 // Tuning builds: FLASHATTN_FWD_VARIANT / FLASHATTN_BWD_VARIANT pick an entry of TuneVariants.
 inline int tune_variant(const char* name) {
@@ -221,8 +252,16 @@ template <typename T, int kHeadDim>
 cudaError_t run_bwd(const AttnBwdParams& p, cudaStream_t stream) {
   using Cfg = KernelConfig<kHeadDim, T>;
 #ifdef FLASHATTN_SM90
-  // Built for sm90a and running on an sm90 device: the wgmma kernel, for the
-  // head dims KernelConfig gives one and the (non-deterministic) dQ atomics.
+  // Built for sm90a and running on an sm90 device: the warp-specialized TMA
+  // kernel, else the cp.async wgmma kernel, for the head dims KernelConfig
+  // gives one and the (non-deterministic) dQ adds.
+  if constexpr (HasBwdSm90Ws<Cfg>::value) {
+    if (p.device_arch == 90 && !p.deterministic && p.allow_tma) {
+      bool launched = false;
+      const cudaError_t err = launch_bwd_sm90_ws<typename Cfg::BwdSm90Ws>(p, stream, &launched);
+      if (launched || err != cudaSuccess) return err;
+    }
+  }
   if constexpr (HasBwdSm90<Cfg>::value) {
     if (p.device_arch == 90 && !p.deterministic) {
 #ifdef FLASHATTN_TUNING

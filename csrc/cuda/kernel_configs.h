@@ -19,7 +19,7 @@ struct KernelConfig;
 // BwdDqTraits<D, M, N, warps>
 // FwdSm90WsTraits<D, N, consumer warpgroups, stages> (Hopper warp-specialized TMA forward: 64/128/192/256)
 // FwdSm90Traits<D, N, minBlocksPerSm>, BwdSm90Traits<D, M, warpgroups> (Hopper wgmma kernels: forward 64/128/192/256,
-// backward 64/128)
+// backward 64/128), BwdSm90WsTraits<D, M> (Hopper warp-specialized TMA backward: 64/128)
 template <typename T>
 struct KernelConfig<32, T> {
   using Fwd = FwdTraits<32, 128, 128, 4, 2, 1, T>;
@@ -36,6 +36,7 @@ struct KernelConfig<64, T> {
   // Causal / windowed up to 8k queries: 128-query tiles waste less on the diagonal (tune.py, visit 2 of session 3).
   using FwdSm90WsMasked = FwdSm90WsTraits<64, 128, 2, 2, T>;
   using BwdSm90 = BwdSm90Traits<64, 128, T>;  // 128 queries a step: half the dQ atomics per flop of 64
+  using BwdSm90Ws = BwdSm90WsTraits<64, 128, T>;
 };
 template <typename T>
 struct KernelConfig<96, T> {
@@ -51,6 +52,7 @@ struct KernelConfig<128, T> {
   using FwdSm90 = FwdSm90Traits<128, 128, T>;
   using FwdSm90Ws = FwdSm90WsTraits<128, 128, 2, 2, T>;
   using BwdSm90 = BwdSm90Traits<128, 64, T>;
+  using BwdSm90Ws = BwdSm90WsTraits<128, 64, T>;
 };
 template <typename T>
 struct KernelConfig<192, T> {
@@ -86,6 +88,11 @@ template <typename Cfg, typename = void>
 struct HasBwdSm90 : std::false_type {};
 template <typename Cfg>
 struct HasBwdSm90<Cfg, std::void_t<typename Cfg::BwdSm90>> : std::true_type {};
+
+template <typename Cfg, typename = void>
+struct HasBwdSm90Ws : std::false_type {};
+template <typename Cfg>
+struct HasBwdSm90Ws<Cfg, std::void_t<typename Cfg::BwdSm90Ws>> : std::true_type {};
 
 template <typename... Kts>
 struct Variants {};

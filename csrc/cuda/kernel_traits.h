@@ -225,4 +225,44 @@ struct BwdSm90Traits {
   static_assert(TileQ::kPanel == 64 && TileKV::kPanel == 64 && TileDS::kPanel == 64, "128-byte panels");
 };
 
+// The warp-specialized TMA backward (hopper/flash_bwd_sm90_ws_kernel.cuh):
+// a producer warpgroup (TMA loads; dQ bulk reduce-adds) and two consumer
+// warpgroups of 64 keys.
+template <int kHeadDim_, int kBlockM_, typename Element_>
+struct BwdSm90WsTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;  // queries per step
+  static constexpr int kBlockN = 128;       // keys per CTA: two consumers of 64
+  static constexpr int kStages = 2;         // Q / dO ring
+  static constexpr int kNThreads = 384;
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static constexpr int kPanels = kHeadDim / 64;
+  // The 64 x 64 blocks of the dQ tile, dealt evenly to the two consumers.
+  static constexpr int kDqColBlocks = kHeadDim / 64;
+  static constexpr int kDqBlocks = (kBlockM / 64) * kDqColBlocks;
+  static constexpr int kDqBlocksPerWg = kDqBlocks / 2;
+  // Row stride (floats) of the fp32 dQ tile: +8 floats put the 8 rows of an
+  // accumulator store in different banks.
+  static constexpr int kDqStride = kHeadDim + 8;
+
+  using TileQ = SmemTile<kBlockM, kHeadDim>;   // Q and dO blocks
+  using TileKV = SmemTile<kBlockN, kHeadDim>;  // K and V
+  using TileDS = SmemTile<kBlockN, kBlockM>;   // dS^T, [key][query]
+  static constexpr int kPanelQ = TileQ::kRows * 128;  // bytes of one 64-column panel
+  static constexpr int kPanelKV = TileKV::kRows * 128;
+  static constexpr int kPanelDS = TileDS::kRows * 128;
+  static constexpr int kBytesQ = TileQ::kElems * 2;
+  static constexpr int kBytesKV = TileKV::kElems * 2;
+  // +1024: dynamic shared memory is aligned up to 1024 bytes (the swizzle atom).
+  static constexpr int kSmemBytes = 1024 + 2 * kBytesKV + 2 * kStages * kBytesQ + 2 * TileDS::kElems * 2 +
+                                    kBlockM * kDqStride * 4 + 2 * kStages * kBlockM * 4 + (1 + 2 * kStages) * 8;
+
+  static_assert((kHeadDim == 64 || kHeadDim == 128) && (kBlockM == 64 || kBlockM == 128), "shapes");
+  static_assert(kDqBlocks % 2 == 0, "the dQ blocks deal evenly to the two consumers");
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 65536, "register file");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory");
+};
+
 }  // namespace flashattn

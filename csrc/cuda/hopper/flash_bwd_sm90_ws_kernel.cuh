@@ -1,0 +1,360 @@
+// The warp-specialized backward kernel for Hopper (sm90a): the products of
+// flash_bwd_sm90_kernel (one key block a CTA, query blocks swept, every
+// product on wgmma), fed by TMA and with dQ added by the TMA unit instead of
+// by fp32 atomics from the consumers' registers.
+//
+// A CTA owns kBlockN = 128 keys of one (batch, kv head) and is three
+// warpgroups:
+//
+//   producer warp   (warpgroup 0, warp 0): TMA loads of K and V once, then of
+//                   the Q and dO blocks of each step into a ring of kStages
+//                   stages (full / empty mbarriers, tma.cuh); its lanes also
+//                   copy the step's lse (in log2 units) and D = rowsum(dO * O)
+//                   into the stage, so the consumers read no global memory.
+//   dQ writer warp  (warpgroup 0, warp 1): adds each step's dQ tile, which the
+//                   consumers leave in shared memory, into the fp32 dQ
+//                   accumulator with bulk reduce-adds (cp.reduce.async.bulk
+//                   .add.f32, one row of head_dim floats each). The adds are
+//                   done by the TMA unit in L2, off the consumers' path; the
+//                   old kernel issued 64 x head_dim atomics a step from the
+//                   consumers, which bound it.
+//   consumers       (warpgroups 1, 2): 64 keys each. Per step (query block m):
+//                     S^T  = K_w Q^T, dP^T = V_w dO^T          (wgmma SS, async)
+//                     P^T  = exp2(S^T scale_log2 - lse), dS^T = P^T (dP^T - D)
+//                     dV_w += P^T dO, dK_w += dS^T Q           (wgmma RS, async)
+//                     dS^T -> shared memory (both warpgroups), named barrier
+//                     dQ_i  = dS K for this warpgroup's 64 x 64 block(s) of dQ
+//                     dQ -> shared memory (fp32) for the writer warp
+//
+// dS^T is double-buffered: writing buffer it % 2 at step it only needs both
+// warpgroups to be past their dQ product of step it - 2, which the dS barrier
+// of step it - 1 guarantees. The dQ tile is single-buffered: the writer warp
+// frees it as soon as the TMA unit has read it (well within a step).
+//
+// Named barriers: kDsBar (the two consumers, dS complete), kDqFull (the
+// consumers arrive, the writer syncs) and kDqEmpty (the writer arrives, the
+// consumers sync), kEpilogueBar (the consumers, before dK/dV reuse sK/sV).
+//
+// The masks (causal, window, the ragged key end) are those of the other
+// kernels (../mask.cuh), applied to S^T and dS^T in registers; bias, dropout
+// or softcap would slot in at the same place.
+#pragma once
+
+#include "../../flash_params.h"
+#include "../flash_bwd_kernel.cuh"
+#include "tma.cuh"
+#include "wgmma.cuh"
+
+namespace flashattn {
+
+// The tensor maps of one backward call (tma_host.h): q, k, v, dO as 4-D
+// (head_dim, heads, seqlen, batch) tensors read in 64-column boxes.
+struct BwdTmaMaps {
+  CUtensorMap q, k, v, dout;
+};
+
+// 1-D bulk reduce-add of `bytes` (a multiple of 16) fp32 values from shared
+// to global memory, tracked by the issuing thread's bulk groups.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, const float* smem, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gmem),
+               "r"(smem_u32(smem)), "r"(bytes)
+               : "memory");
+}
+
+template <typename Kt>
+__global__ void __launch_bounds__(Kt::kNThreads, 1)
+    flash_bwd_sm90_ws_kernel(const __grid_constant__ AttnBwdParams p, const __grid_constant__ BwdTmaMaps maps) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = typename Kt::Element;
+  using TileQ = typename Kt::TileQ;
+  using TileKV = typename Kt::TileKV;
+  using TileDS = typename Kt::TileDS;
+  constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
+  constexpr int kStages = Kt::kStages;
+  constexpr int kConsumerThreads = 256;
+  constexpr int kKSteps = kHeadDim / 16;  // k-steps of S^T and dP^T
+  constexpr int kQSteps = kBlockM / 16;   // k-steps of dV and dK (over queries)
+  constexpr int kQT = kBlockM / 8;        // n-tiles of an S^T row
+  constexpr int kDT = kHeadDim / 8;       // n-tiles of a dK / dV row
+  constexpr int kDqStride = Kt::kDqStride;
+  constexpr int kDsBar = 1, kDqFull = 2, kDqEmpty = 3, kEpilogueBar = 4;
+  constexpr int kDqBarThreads = kConsumerThreads + 32;
+
+  extern __shared__ char smem_raw[];
+  char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  T* sK = reinterpret_cast<T*>(smem);
+  T* sV = sK + TileKV::kElems;
+  T* sQ = sV + TileKV::kElems;                // [kStages]
+  T* sdO = sQ + kStages * TileQ::kElems;      // [kStages]
+  T* sdS = sdO + kStages * TileQ::kElems;     // [2] dS^T, [key][query]
+  float* sdQ = reinterpret_cast<float*>(sdS + 2 * TileDS::kElems);  // [kBlockM][kDqStride]
+  float* sLse = sdQ + kBlockM * kDqStride;    // [kStages][kBlockM], log2 units
+  float* sDsum = sLse + kStages * kBlockM;    // [kStages][kBlockM]
+  uint64_t* full_kv = reinterpret_cast<uint64_t*>(sDsum + kStages * kBlockM);
+  uint64_t* full_q = full_kv + 1;             // [kStages]
+  uint64_t* empty_q = full_q + kStages;       // [kStages]
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
+  const int wg = warp / 4;
+  const int num_n_blocks = ceil_div(p.seqlen_k, kBlockN);
+  const int n_block = static_cast<int>(blockIdx.x % num_n_blocks);
+  const int h_kv = static_cast<int>((blockIdx.x / num_n_blocks) % p.heads_kv);
+  const int b = static_cast<int>(blockIdx.x / num_n_blocks / p.heads_kv);
+  const int ratio = p.heads_ratio();
+  const int n0 = n_block * kBlockN;
+  const int keys = min(kBlockN, p.seqlen_k - n0);
+
+  const BlockMask mask(p);
+  int m_min, m_max;
+  mask.query_block_range<kBlockM>(n0, keys, m_min, m_max);
+  const int m_blocks = m_max - m_min;
+  const int iters = m_blocks * ratio;
+  // Step `it` visits query head hq and query block m0; the key blocks of a
+  // head start their sweeps at different query blocks (spreads the dQ adds).
+  auto query_block = [&](int it, int& hq, int& m0) {
+    const int j = (it + n_block) % iters;
+    hq = h_kv * ratio + j / m_blocks;
+    m0 = (m_min + j % m_blocks) * kBlockM;
+  };
+  auto stage = [](int it) { return it % kStages; };
+  auto parity = [](int it) { return uint32_t(it / kStages) & 1; };
+
+  if (tid == 0) {
+    mbar_init(full_kv, 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full_q[s], 2);  // the TMA bytes (with their arrive) + the lanes' lse / D copy
+      mbar_init(&empty_q[s], kConsumerThreads);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();  // the last CTA-wide barrier: from here on the roles run apart
+
+  if (wg == 0) {
+    // ---- producer warpgroup ---------------------------------------------
+    warpgroup_reg_dealloc<Kt::kProducerRegs>();
+    if (warp == 0 && iters > 0) {
+      // Loads.
+      if (lane == 0) {
+        prefetch_tensor_map(&maps.q);
+        prefetch_tensor_map(&maps.dout);
+        mbar_arrive_expect_tx(full_kv, 2 * Kt::kBytesKV);
+#pragma unroll
+        for (int pn = 0; pn < Kt::kPanels; ++pn) {
+          tma_load_4d(sK + pn * TileKV::kRows * 64, &maps.k, full_kv, pn * 64, h_kv, n0, b);
+          tma_load_4d(sV + pn * TileKV::kRows * 64, &maps.v, full_kv, pn * 64, h_kv, n0, b);
+        }
+      }
+      for (int it = 0; it < iters; ++it) {
+        const int s = stage(it);
+        int hq, m0;
+        query_block(it, hq, m0);
+        mbar_wait(&empty_q[s], parity(it) ^ 1);
+        if (lane == 0) {
+          mbar_arrive_expect_tx(&full_q[s], 2 * Kt::kBytesQ);
+#pragma unroll
+          for (int pn = 0; pn < Kt::kPanels; ++pn) {
+            tma_load_4d(sQ + s * TileQ::kElems + pn * TileQ::kRows * 64, &maps.q, &full_q[s], pn * 64, hq, m0, b);
+            tma_load_4d(sdO + s * TileQ::kElems + pn * TileQ::kRows * 64, &maps.dout, &full_q[s], pn * 64, hq, m0,
+                        b);
+          }
+        }
+        // Rows past seqlen_q: lse +inf makes P (and so dS, dV, dK, dQ) zero there.
+        const int64_t vec = (int64_t(b) * p.heads_q + hq) * p.seqlen_q + m0;
+        const float* gLse = static_cast<const float*>(p.lse_ptr) + vec;
+        const float* gDsum = static_cast<const float*>(p.dsum_ptr) + vec;
+#pragma unroll
+        for (int r = lane; r < kBlockM; r += 32) {
+          const bool in = m0 + r < p.seqlen_q;
+          sLse[s * kBlockM + r] = in ? lse_to_log2(gLse[r]) : INFINITY;
+          sDsum[s * kBlockM + r] = in ? gDsum[r] : 0.f;
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&full_q[s]);  // releases the lanes' writes to the consumers
+      }
+    } else if (warp == 1 && iters > 0) {
+      // dQ writer: the consumers' dQ tile of step it into dq_accum, one row a bulk add.
+      named_barrier_arrive(kDqEmpty, kDqBarThreads);  // the tile starts free
+      for (int it = 0; it < iters; ++it) {
+        int hq, m0;
+        query_block(it, hq, m0);
+        named_barrier_sync(kDqFull, kDqBarThreads);
+        float* gdq = static_cast<float*>(p.dq_accum_ptr) + b * p.dq_accum_batch_stride + hq * p.dq_accum_head_stride +
+                     int64_t(m0) * p.dq_accum_row_stride;
+        // The accumulator has kBwdBlockM-padded rows and kernel-head-dim columns: every row of the tile exists.
+#pragma unroll
+        for (int r = lane; r < kBlockM; r += 32)
+          bulk_reduce_add_f32(gdq + r * p.dq_accum_row_stride, sdQ + r * kDqStride, kHeadDim * 4);
+        tma_store_commit();
+        tma_store_wait_read();
+        __syncwarp();
+        if (it + 1 < iters) named_barrier_arrive(kDqEmpty, kDqBarThreads);
+      }
+      tma_store_wait_all();
+    }
+    return;
+  }
+
+  // ---- consumers ----------------------------------------------------------
+  warpgroup_reg_alloc<Kt::kConsumerRegs>();
+  const int cwg = wg - 1;  // consumer index: keys [cwg * 64, +64) of the block
+  const int ctid = tid - 128;
+  const int warp_in_wg = warp % 4;
+  const int g = lane >> 2, t = lane & 3;
+  const int wg_key0 = cwg * 64;
+  const int warp_key0 = wg_key0 + warp_in_wg * 16;  // this warp's rows of S^T, dK, dV
+
+  // Descriptors: K-major operands step 32 bytes per 16 columns inside a panel
+  // and a panel per 64; N/M-major operands step 16 rows (2048 bytes) per k-step.
+  constexpr uint32_t kSbo = 1024;
+  const uint64_t desc_k = smem_desc(smem_u32(sK) + wg_key0 * 128, 16, kSbo);  // A of S^T (K-major)
+  const uint64_t desc_v = smem_desc(smem_u32(sV) + wg_key0 * 128, 16, kSbo);  // A of dP^T
+  auto kmajor_step = [](int ks, uint32_t panel_bytes) { return (ks / 4) * panel_bytes + (ks % 4) * 32; };
+  // dQ: block i of this warpgroup is rows [dq_row0(i), +64) x columns [dq_col0(i), +64), over all keys.
+  constexpr int kDqPerWg = Kt::kDqBlocksPerWg;
+  auto dq_block = [&](int i) { return cwg * kDqPerWg + i; };
+  auto dq_row0 = [&](int i) { return dq_block(i) / Kt::kDqColBlocks * 64; };
+  auto dq_col0 = [&](int i) { return dq_block(i) % Kt::kDqColBlocks * 64; };
+
+  float acc_dk[1][kDT][4], acc_dv[1][kDT][4];
+  clear(acc_dk);
+  clear(acc_dv);
+  if (iters > 0) mbar_wait(full_kv, 0);
+
+  for (int it = 0; it < iters; ++it) {
+    const int s = stage(it);
+    int hq, m0;
+    query_block(it, hq, m0);
+    const uint32_t q_addr = smem_u32(sQ + s * TileQ::kElems), do_addr = smem_u32(sdO + s * TileQ::kElems);
+    const uint64_t desc_q = smem_desc(q_addr, 16, kSbo), desc_do = smem_desc(do_addr, 16, kSbo);  // K-major B
+    const uint64_t desc_q_n = smem_desc(q_addr, Kt::kPanelQ, kSbo);                               // N-major B
+    const uint64_t desc_do_n = smem_desc(do_addr, Kt::kPanelQ, kSbo);
+    const float* sLses = sLse + s * kBlockM;
+    const float* sDsums = sDsum + s * kBlockM;
+    T* sdS_it = sdS + (it & 1) * TileDS::kElems;
+    mbar_wait(&full_q[s], parity(it));
+
+    // S^T and dP^T, issued back to back: the exponentials of S^T overlap dP^T.
+    float acc_s[1][kQT][4], acc_dp[1][kQT][4];
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks)
+      Wgmma<kBlockM, T>::template ss<0, 0>(acc_s[0], desc_add(desc_k, kmajor_step(ks, Kt::kPanelKV)),
+                                           desc_add(desc_q, kmajor_step(ks, Kt::kPanelQ)), ks > 0);
+    wgmma_commit();
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks)
+      Wgmma<kBlockM, T>::template ss<0, 0>(acc_dp[0], desc_add(desc_v, kmajor_step(ks, Kt::kPanelKV)),
+                                           desc_add(desc_do, kmajor_step(ks, Kt::kPanelQ)), ks > 0);
+    wgmma_commit();
+
+    wgmma_wait<1>();
+    pin_registers(acc_s[0]);
+#pragma unroll
+    for (int qi = 0; qi < kQT; ++qi)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float lse_log2 = sLses[qi * 8 + 2 * t + e];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float& x = acc_s[0][qi][2 * h + e];
+          x = fast_exp2(x * p.softmax_scale_log2 - lse_log2);
+        }
+      }
+    const bool needs_mask = mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0);
+    if (needs_mask) apply_mask_cols(acc_s, mask, n0 + warp_key0, m0, lane, 0.f);
+
+    wgmma_wait<0>();
+    pin_registers(acc_dp[0]);
+#pragma unroll
+    for (int qi = 0; qi < kQT; ++qi)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float dsum = sDsums[qi * 8 + 2 * t + e];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float& x = acc_dp[0][qi][2 * h + e];
+          x = acc_s[0][qi][2 * h + e] * (x - dsum);
+        }
+      }
+    // A masked dS is 0 even where dP - D is not finite (0 * NaN).
+    if (needs_mask) apply_mask_cols(acc_dp, mask, n0 + warp_key0, m0, lane, 0.f);
+
+    // dV += P^T dO and dK += dS^T Q, with P^T and dS^T as register A operands.
+    uint32_t a_p[kQSteps][4], a_ds[kQSteps][4];
+#pragma unroll
+    for (int kk = 0; kk < kQSteps; ++kk) {
+      acc_to_a<T>(a_p[kk], acc_s[0], kk);
+      acc_to_a<T>(a_ds[kk], acc_dp[0], kk);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kQSteps; ++kk)
+      Wgmma<kHeadDim, T>::template rs<1>(acc_dv[0], a_p[kk], desc_add(desc_do_n, kk * 2048), 1);
+#pragma unroll
+    for (int kk = 0; kk < kQSteps; ++kk)
+      Wgmma<kHeadDim, T>::template rs<1>(acc_dk[0], a_ds[kk], desc_add(desc_q_n, kk * 2048), 1);
+    wgmma_commit();
+
+    // dQ = dS K needs every key's dS: dS^T of both warpgroups through shared
+    // memory, written from the packed fragments (acc_dp is dead by now:
+    // fewer live registers). a_ds[kk] = rows g / g + 8 of n-tiles 2kk, 2kk + 1.
+#pragma unroll
+    for (int kk = 0; kk < kQSteps; ++kk)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          *reinterpret_cast<uint32_t*>(sdS_it + TileDS::offset(warp_key0 + g + 8 * h, (2 * kk + hh) * 8) + 2 * t) =
+              a_ds[kk][2 * hh + h];
+    fence_proxy_async_smem();  // wgmma (async proxy) reads what st.shared wrote
+    named_barrier_sync(kDsBar, kConsumerThreads);
+    float acc_dq[kDqPerWg][8][4];
+    wgmma_fence();
+#pragma unroll
+    for (int i = 0; i < kDqPerWg; ++i) {
+      const uint64_t desc_ds =
+          smem_desc(smem_u32(sdS_it) + (dq_row0(i) / 64) * Kt::kPanelDS, Kt::kPanelDS, kSbo);  // A, M-major
+      const uint64_t desc_kn =
+          smem_desc(smem_u32(sK) + (dq_col0(i) / 64) * Kt::kPanelKV, Kt::kPanelKV, kSbo);  // B, N-major
+#pragma unroll
+      for (int ks = 0; ks < kBlockN / 16; ++ks)
+        Wgmma<64, T>::template ss<1, 1>(acc_dq[i], desc_add(desc_ds, ks * 2048), desc_add(desc_kn, ks * 2048),
+                                        ks > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<1>();  // dV, dK done: the Q / dO stage is free
+    pin_registers(acc_dv[0]);
+    pin_registers(acc_dk[0]);
+    mbar_arrive(&empty_q[s]);
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < kDqPerWg; ++i) pin_registers(acc_dq[i]);
+
+    // dQ into the shared tile once the writer has read the previous one.
+    named_barrier_sync(kDqEmpty, kDqBarThreads);
+#pragma unroll
+    for (int i = 0; i < kDqPerWg; ++i)
+#pragma unroll
+      for (int di = 0; di < 8; ++di)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = dq_row0(i) + warp_in_wg * 16 + g + 8 * h, c = dq_col0(i) + di * 8 + 2 * t;
+          *reinterpret_cast<float2*>(sdQ + r * kDqStride + c) = make_float2(acc_dq[i][di][2 * h], acc_dq[i][di][2 * h + 1]);
+        }
+    fence_proxy_async_smem();  // the bulk reduce (async proxy) reads what st.shared wrote
+    named_barrier_arrive(kDqFull, kDqBarThreads);
+  }
+
+  // Epilogue: dK (scaled) and dV through sK / sV once both warpgroups are done reading them.
+  named_barrier_sync(kEpilogueBar, kConsumerThreads);
+  store_acc<TileKV>(sK, acc_dk, warp_key0, 0, lane, p.softmax_scale);
+  store_acc<TileKV>(sV, acc_dv, warp_key0, 0, lane);
+  named_barrier_sync(kEpilogueBar, kConsumerThreads);
+  T* gdK = static_cast<T*>(p.dk_ptr) + b * p.dk_batch_stride + h_kv * p.dk_head_stride + n0 * p.dk_row_stride;
+  T* gdV = static_cast<T*>(p.dv_ptr) + b * p.dv_batch_stride + h_kv * p.dv_head_stride + n0 * p.dv_row_stride;
+  store_tile<TileKV, kConsumerThreads>(gdK, p.dk_row_stride, sK, keys, p.head_dim, ctid);
+  store_tile<TileKV, kConsumerThreads>(gdV, p.dv_row_stride, sV, keys, p.head_dim, ctid);
+#endif
+}
+
+}  // namespace flashattn
