@@ -36,7 +36,7 @@ struct KernelConfig<64, T> {
   // Causal / windowed up to 8k queries: 128-query tiles waste less on the diagonal (tune.py, visit 2 of session 3).
   using FwdSm90WsMasked = FwdSm90WsTraits<64, 128, 2, 2, T>;
   using BwdSm90 = BwdSm90Traits<64, 128, T>;  // 128 queries a step: half the dQ atomics per flop of 64
-  using BwdSm90Ws = BwdSm90WsTraits<64, 128, T>;
+  using BwdSm90Ws = BwdSm90WsTraits<64, 64, T>;  // one dQ block a step, the consumers in turn
 };
 template <typename T>
 struct KernelConfig<96, T> {

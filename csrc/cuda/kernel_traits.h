@@ -239,10 +239,12 @@ struct BwdSm90WsTraits {
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
   static constexpr int kPanels = kHeadDim / 64;
-  // The 64 x 64 blocks of the dQ tile, dealt evenly to the two consumers.
+  // The 64 x 64 blocks of the dQ tile, dealt evenly to the two consumers; a
+  // single block goes to them in turn, step by step.
   static constexpr int kDqColBlocks = kHeadDim / 64;
   static constexpr int kDqBlocks = (kBlockM / 64) * kDqColBlocks;
-  static constexpr int kDqBlocksPerWg = kDqBlocks / 2;
+  static constexpr bool kDqAlternate = kDqBlocks == 1;
+  static constexpr int kDqBlocksPerWg = kDqAlternate ? 1 : kDqBlocks / 2;
   // Row stride (floats) of the fp32 dQ tile: +8 floats put the 8 rows of an
   // accumulator store in different banks.
   static constexpr int kDqStride = kHeadDim + 8;
@@ -260,7 +262,7 @@ struct BwdSm90WsTraits {
                                     kBlockM * kDqStride * 4 + 2 * kStages * kBlockM * 4 + (1 + 2 * kStages) * 8;
 
   static_assert((kHeadDim == 64 || kHeadDim == 128) && (kBlockM == 64 || kBlockM == 128), "shapes");
-  static_assert(kDqBlocks % 2 == 0, "the dQ blocks deal evenly to the two consumers");
+  static_assert(kDqAlternate || kDqBlocks % 2 == 0, "the dQ blocks deal evenly to the two consumers");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 65536, "register file");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 };

@@ -19,20 +19,24 @@
 //                   old kernel issued 64 x head_dim atomics a step from the
 //                   consumers, which bound it.
 //   consumers       (warpgroups 1, 2): 64 keys each. Per step (query block m):
-//                     S^T  = K_w Q^T, dP^T = V_w dO^T          (wgmma SS, async)
-//                     P^T  = exp2(S^T scale_log2 - lse), dS^T = P^T (dP^T - D)
-//                     dV_w += P^T dO, dK_w += dS^T Q           (wgmma RS, async)
+//                     S^T  = K_w Q^T, dP^T = V_w dO^T       (wgmma SS, async)
+//                     [the previous step's dQ -> shared memory, for the writer]
+//                     P^T  = exp2(S^T scale_log2 - lse)      (under dP^T)
+//                     dV_w += P^T dO                         (wgmma RS, async)
+//                     dS^T = P^T (dP^T - D)                  (under dV)
+//                     dK_w += dS^T Q                         (wgmma RS, async)
 //                     dS^T -> shared memory (both warpgroups), named barrier
 //                     dQ_i  = dS K for this warpgroup's 64 x 64 block(s) of dQ
-//                     dQ -> shared memory (fp32) for the writer warp
+//                   The dQ of a step is copied out under the next step's
+//                   first products, so the tensor cores do not wait for it.
 //
 // dS^T is double-buffered: writing buffer it % 2 at step it only needs both
-// warpgroups to be past their dQ product of step it - 2, which the dS barrier
-// of step it - 1 guarantees. The dQ tile is single-buffered: the writer warp
+// warpgroups to be past their dQ product of step it - 2 (waited for before the
+// dS barrier of step it - 1). The dQ tile is single-buffered: the writer warp
 // frees it as soon as the TMA unit has read it (well within a step).
 //
 // Named barriers: kDsBar (the two consumers, dS complete), kDqFull (the
-// consumers arrive, the writer syncs) and kDqEmpty (the writer arrives, the
+// consumers computing dQ arrive, the writer syncs) and kDqEmpty (the writer arrives, the
 // consumers sync), kEpilogueBar (the consumers, before dK/dV reuse sK/sV).
 //
 // The masks (causal, window, the ragged key end) are those of the other
@@ -78,7 +82,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   constexpr int kDT = kHeadDim / 8;       // n-tiles of a dK / dV row
   constexpr int kDqStride = Kt::kDqStride;
   constexpr int kDsBar = 1, kDqFull = 2, kDqEmpty = 3, kEpilogueBar = 4;
-  constexpr int kDqBarThreads = kConsumerThreads + 32;
+  // With a single 64 x 64 dQ block (kBlockM = 64, head dim 64) the consumers
+  // take turns: consumer it % 2 computes and hands over the dQ of step it.
+  constexpr bool kDqAlternate = Kt::kDqAlternate;
+  constexpr int kDqBarThreads = (kDqAlternate ? 128 : kConsumerThreads) + 32;
 
   extern __shared__ char smem_raw[];
   char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
@@ -211,13 +218,31 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   auto kmajor_step = [](int ks, uint32_t panel_bytes) { return (ks / 4) * panel_bytes + (ks % 4) * 32; };
   // dQ: block i of this warpgroup is rows [dq_row0(i), +64) x columns [dq_col0(i), +64), over all keys.
   constexpr int kDqPerWg = Kt::kDqBlocksPerWg;
-  auto dq_block = [&](int i) { return cwg * kDqPerWg + i; };
+  auto dq_block = [&](int i) { return kDqAlternate ? 0 : cwg * kDqPerWg + i; };
   auto dq_row0 = [&](int i) { return dq_block(i) / Kt::kDqColBlocks * 64; };
   auto dq_col0 = [&](int i) { return dq_block(i) % Kt::kDqColBlocks * 64; };
 
   float acc_dk[1][kDT][4], acc_dv[1][kDT][4];
   clear(acc_dk);
   clear(acc_dv);
+  // dQ of step it is written to shared memory under the S^T / dP^T products
+  // of step it + 1 (so the tensor cores do not wait for the copy).
+  float acc_dq[kDqPerWg][8][4];
+  auto write_dq = [&]() {
+    named_barrier_sync(kDqEmpty, kDqBarThreads);  // the writer has read the previous tile
+#pragma unroll
+    for (int i = 0; i < kDqPerWg; ++i)
+#pragma unroll
+      for (int di = 0; di < 8; ++di)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = dq_row0(i) + warp_in_wg * 16 + g + 8 * h, c = dq_col0(i) + di * 8 + 2 * t;
+          *reinterpret_cast<float2*>(sdQ + r * kDqStride + c) =
+              make_float2(acc_dq[i][di][2 * h], acc_dq[i][di][2 * h + 1]);
+        }
+    fence_proxy_async_smem();  // the bulk reduce (async proxy) reads what st.shared wrote
+    named_barrier_arrive(kDqFull, kDqBarThreads);
+  };
   if (iters > 0) mbar_wait(full_kv, 0);
 
   for (int it = 0; it < iters; ++it) {
@@ -263,7 +288,17 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const bool needs_mask = mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0);
     if (needs_mask) apply_mask_cols(acc_s, mask, n0 + warp_key0, m0, lane, 0.f);
 
-    wgmma_wait<0>();
+    // dV += P^T dO (P^T as the register A operand) runs under the dS arithmetic.
+    uint32_t a_p[kQSteps][4], a_ds[kQSteps][4];
+#pragma unroll
+    for (int kk = 0; kk < kQSteps; ++kk) acc_to_a<T>(a_p[kk], acc_s[0], kk);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kQSteps; ++kk)
+      Wgmma<kHeadDim, T>::template rs<1>(acc_dv[0], a_p[kk], desc_add(desc_do_n, kk * 2048), 1);
+    wgmma_commit();
+
+    wgmma_wait<1>();  // dP^T (dV may still run)
     pin_registers(acc_dp[0]);
 #pragma unroll
     for (int qi = 0; qi < kQT; ++qi)
@@ -279,25 +314,18 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     // A masked dS is 0 even where dP - D is not finite (0 * NaN).
     if (needs_mask) apply_mask_cols(acc_dp, mask, n0 + warp_key0, m0, lane, 0.f);
 
-    // dV += P^T dO and dK += dS^T Q, with P^T and dS^T as register A operands.
-    uint32_t a_p[kQSteps][4], a_ds[kQSteps][4];
+    // dK += dS^T Q, dS^T as the register A operand.
 #pragma unroll
-    for (int kk = 0; kk < kQSteps; ++kk) {
-      acc_to_a<T>(a_p[kk], acc_s[0], kk);
-      acc_to_a<T>(a_ds[kk], acc_dp[0], kk);
-    }
+    for (int kk = 0; kk < kQSteps; ++kk) acc_to_a<T>(a_ds[kk], acc_dp[0], kk);
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kQSteps; ++kk)
-      Wgmma<kHeadDim, T>::template rs<1>(acc_dv[0], a_p[kk], desc_add(desc_do_n, kk * 2048), 1);
 #pragma unroll
     for (int kk = 0; kk < kQSteps; ++kk)
       Wgmma<kHeadDim, T>::template rs<1>(acc_dk[0], a_ds[kk], desc_add(desc_q_n, kk * 2048), 1);
     wgmma_commit();
 
     // dQ = dS K needs every key's dS: dS^T of both warpgroups through shared
-    // memory, written from the packed fragments (acc_dp is dead by now:
-    // fewer live registers). a_ds[kk] = rows g / g + 8 of n-tiles 2kk, 2kk + 1.
+    // memory, written from the packed fragments (fewer live registers than
+    // acc_dp). a_ds[kk] = rows g / g + 8 of n-tiles 2kk, 2kk + 1.
 #pragma unroll
     for (int kk = 0; kk < kQSteps; ++kk)
 #pragma unroll
@@ -307,8 +335,16 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
           *reinterpret_cast<uint32_t*>(sdS_it + TileDS::offset(warp_key0 + g + 8 * h, (2 * kk + hh) * 8) + 2 * t) =
               a_ds[kk][2 * hh + h];
     fence_proxy_async_smem();  // wgmma (async proxy) reads what st.shared wrote
+    const bool dq_owner = !kDqAlternate || (it & 1) == cwg;
+    if (!dq_owner) {
+      named_barrier_arrive(kDsBar, kConsumerThreads);
+      wgmma_wait<0>();  // dV, dK done: the Q / dO stage is free
+      pin_registers(acc_dv[0]);
+      pin_registers(acc_dk[0]);
+      mbar_arrive(&empty_q[s]);
+      continue;
+    }
     named_barrier_sync(kDsBar, kConsumerThreads);
-    float acc_dq[kDqPerWg][8][4];
     wgmma_fence();
 #pragma unroll
     for (int i = 0; i < kDqPerWg; ++i) {
@@ -322,27 +358,14 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                                         ks > 0);
     }
     wgmma_commit();
-    wgmma_wait<1>();  // dV, dK done: the Q / dO stage is free
+    wgmma_wait<1>();  // dV, dK done: the Q / dO stage is free (and a_p, a_ds)
     pin_registers(acc_dv[0]);
     pin_registers(acc_dk[0]);
     mbar_arrive(&empty_q[s]);
     wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < kDqPerWg; ++i) pin_registers(acc_dq[i]);
-
-    // dQ into the shared tile once the writer has read the previous one.
-    named_barrier_sync(kDqEmpty, kDqBarThreads);
-#pragma unroll
-    for (int i = 0; i < kDqPerWg; ++i)
-#pragma unroll
-      for (int di = 0; di < 8; ++di)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = dq_row0(i) + warp_in_wg * 16 + g + 8 * h, c = dq_col0(i) + di * 8 + 2 * t;
-          *reinterpret_cast<float2*>(sdQ + r * kDqStride + c) = make_float2(acc_dq[i][di][2 * h], acc_dq[i][di][2 * h + 1]);
-        }
-    fence_proxy_async_smem();  // the bulk reduce (async proxy) reads what st.shared wrote
-    named_barrier_arrive(kDqFull, kDqBarThreads);
+    write_dq();
   }
 
   // Epilogue: dK (scaled) and dV through sK / sV once both warpgroups are done reading them.
