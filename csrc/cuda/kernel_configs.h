@@ -19,7 +19,7 @@ struct KernelConfig;
 // BwdDqTraits<D, M, N, warps>
 // FwdSm90WsTraits<D, N, consumer warpgroups, stages> (Hopper warp-specialized TMA forward: 64/128/192/256)
 // FwdSm90Traits<D, N, minBlocksPerSm>, BwdSm90Traits<D, M, warpgroups> (Hopper wgmma kernels: forward 64/128/192/256,
-// backward 64/128), BwdSm90WsTraits<D, M> (Hopper warp-specialized TMA backward: 64/128)
+// backward 64/128), BwdSm90WsTraits<D, M, stages> (Hopper warp-specialized TMA backward: 64/128)
 template <typename T>
 struct KernelConfig<32, T> {
   using Fwd = FwdTraits<32, 128, 128, 4, 2, 1, T>;
@@ -36,7 +36,7 @@ struct KernelConfig<64, T> {
   // Causal / windowed up to 8k queries: 128-query tiles waste less on the diagonal (tune.py, visit 2 of session 3).
   using FwdSm90WsMasked = FwdSm90WsTraits<64, 128, 2, 2, T>;
   using BwdSm90 = BwdSm90Traits<64, 128, T>;  // 128 queries a step: half the dQ atomics per flop of 64
-  using BwdSm90Ws = BwdSm90WsTraits<64, 64, T>;  // one dQ block a step, the consumers in turn
+  using BwdSm90Ws = BwdSm90WsTraits<64, 64, 4, T>;  // one dQ block a step, the consumers in turn; short steps: 4 stages
 };
 template <typename T>
 struct KernelConfig<96, T> {
@@ -52,7 +52,7 @@ struct KernelConfig<128, T> {
   using FwdSm90 = FwdSm90Traits<128, 128, T>;
   using FwdSm90Ws = FwdSm90WsTraits<128, 128, 2, 2, T>;
   using BwdSm90 = BwdSm90Traits<128, 64, T>;
-  using BwdSm90Ws = BwdSm90WsTraits<128, 64, T>;
+  using BwdSm90Ws = BwdSm90WsTraits<128, 64, 2, T>;
 };
 template <typename T>
 struct KernelConfig<192, T> {

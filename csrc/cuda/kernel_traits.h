@@ -228,13 +228,13 @@ struct BwdSm90Traits {
 // The warp-specialized TMA backward (hopper/flash_bwd_sm90_ws_kernel.cuh):
 // a producer warpgroup (TMA loads; dQ bulk reduce-adds) and two consumer
 // warpgroups of 64 keys.
-template <int kHeadDim_, int kBlockM_, typename Element_>
+template <int kHeadDim_, int kBlockM_, int kStages_, typename Element_>
 struct BwdSm90WsTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;  // queries per step
   static constexpr int kBlockN = 128;       // keys per CTA: two consumers of 64
-  static constexpr int kStages = 2;         // Q / dO ring
+  static constexpr int kStages = kStages_;  // Q / dO ring
   static constexpr int kNThreads = 384;
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
@@ -245,6 +245,7 @@ struct BwdSm90WsTraits {
   static constexpr int kDqBlocks = (kBlockM / 64) * kDqColBlocks;
   static constexpr bool kDqAlternate = kDqBlocks == 1;
   static constexpr int kDqBlocksPerWg = kDqAlternate ? 1 : kDqBlocks / 2;
+  static constexpr int kDqTiles = kDqAlternate ? 2 : 1;  // fp32 dQ tiles in shared memory
   // Row stride (floats) of the fp32 dQ tile: +8 floats put the 8 rows of an
   // accumulator store in different banks.
   static constexpr int kDqStride = kHeadDim + 8;
@@ -259,7 +260,7 @@ struct BwdSm90WsTraits {
   static constexpr int kBytesKV = TileKV::kElems * 2;
   // +1024: dynamic shared memory is aligned up to 1024 bytes (the swizzle atom).
   static constexpr int kSmemBytes = 1024 + 2 * kBytesKV + 2 * kStages * kBytesQ + 2 * TileDS::kElems * 2 +
-                                    kBlockM * kDqStride * 4 + 2 * kStages * kBlockM * 4 + (1 + 2 * kStages) * 8;
+                                    kDqTiles * kBlockM * kDqStride * 4 + 2 * kStages * kBlockM * 4 + (1 + 2 * kStages) * 8;
 
   static_assert((kHeadDim == 64 || kHeadDim == 128) && (kBlockM == 64 || kBlockM == 128), "shapes");
   static_assert(kDqAlternate || kDqBlocks % 2 == 0, "the dQ blocks deal evenly to the two consumers");

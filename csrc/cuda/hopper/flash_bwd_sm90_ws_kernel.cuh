@@ -94,8 +94,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   T* sQ = sV + TileKV::kElems;                // [kStages]
   T* sdO = sQ + kStages * TileQ::kElems;      // [kStages]
   T* sdS = sdO + kStages * TileQ::kElems;     // [2] dS^T, [key][query]
-  float* sdQ = reinterpret_cast<float*>(sdS + 2 * TileDS::kElems);  // [kBlockM][kDqStride]
-  float* sLse = sdQ + kBlockM * kDqStride;    // [kStages][kBlockM], log2 units
+  float* sdQ = reinterpret_cast<float*>(sdS + 2 * TileDS::kElems);  // [kDqTiles][kBlockM][kDqStride]
+  float* sLse = sdQ + Kt::kDqTiles * kBlockM * kDqStride;  // [kStages][kBlockM], log2 units
   float* sDsum = sLse + kStages * kBlockM;    // [kStages][kBlockM]
   uint64_t* full_kv = reinterpret_cast<uint64_t*>(sDsum + kStages * kBlockM);
   uint64_t* full_q = full_kv + 1;             // [kStages]
@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   if (tid == 0) {
     mbar_init(full_kv, 1);
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full_q[s], 2);  // the TMA bytes (with their arrive) + the lanes' lse / D copy
+      mbar_init(&full_q[s], 1 + 32);  // the TMA bytes (with lane 0's arrive) + each lane's lse / D rows
       mbar_init(&empty_q[s], kConsumerThreads);
     }
     mbar_fence_init();
@@ -151,6 +151,24 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
           tma_load_4d(sV + pn * TileKV::kRows * 64, &maps.v, full_kv, pn * 64, h_kv, n0, b);
         }
       }
+      // Each lane holds the lse (log2 units) and D of kRowsPerLane rows of the
+      // next step, loaded one step ahead so their latency is not on the path.
+      // Rows past seqlen_q: lse +inf makes P (and so dS, dV, dK, dQ) zero there.
+      constexpr int kRowsPerLane = kBlockM / 32;
+      float lse_next[kRowsPerLane], dsum_next[kRowsPerLane];
+      auto load_rowvecs = [&](int it) {
+        int hq, m0;
+        query_block(it, hq, m0);
+        const int64_t vec = (int64_t(b) * p.heads_q + hq) * p.seqlen_q + m0;
+#pragma unroll
+        for (int i = 0; i < kRowsPerLane; ++i) {
+          const int r = lane + 32 * i;
+          const bool in = m0 + r < p.seqlen_q;
+          lse_next[i] = in ? lse_to_log2(static_cast<const float*>(p.lse_ptr)[vec + r]) : INFINITY;
+          dsum_next[i] = in ? static_cast<const float*>(p.dsum_ptr)[vec + r] : 0.f;
+        }
+      };
+      load_rowvecs(0);
       for (int it = 0; it < iters; ++it) {
         const int s = stage(it);
         int hq, m0;
@@ -165,18 +183,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                         b);
           }
         }
-        // Rows past seqlen_q: lse +inf makes P (and so dS, dV, dK, dQ) zero there.
-        const int64_t vec = (int64_t(b) * p.heads_q + hq) * p.seqlen_q + m0;
-        const float* gLse = static_cast<const float*>(p.lse_ptr) + vec;
-        const float* gDsum = static_cast<const float*>(p.dsum_ptr) + vec;
 #pragma unroll
-        for (int r = lane; r < kBlockM; r += 32) {
-          const bool in = m0 + r < p.seqlen_q;
-          sLse[s * kBlockM + r] = in ? lse_to_log2(gLse[r]) : INFINITY;
-          sDsum[s * kBlockM + r] = in ? gDsum[r] : 0.f;
+        for (int i = 0; i < kRowsPerLane; ++i) {
+          sLse[s * kBlockM + lane + 32 * i] = lse_next[i];
+          sDsum[s * kBlockM + lane + 32 * i] = dsum_next[i];
         }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&full_q[s]);  // releases the lanes' writes to the consumers
+        mbar_arrive(&full_q[s]);  // every lane: releases its own writes to the consumers
+        if (it + 1 < iters) load_rowvecs(it + 1);
       }
     } else if (warp == 1 && iters > 0) {
       // dQ writer: the consumers' dQ tile of step it into dq_accum, one row a bulk add.
@@ -190,7 +203,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         // The accumulator has kBwdBlockM-padded rows and kernel-head-dim columns: every row of the tile exists.
 #pragma unroll
         for (int r = lane; r < kBlockM; r += 32)
-          bulk_reduce_add_f32(gdq + r * p.dq_accum_row_stride, sdQ + r * kDqStride, kHeadDim * 4);
+          bulk_reduce_add_f32(gdq + r * p.dq_accum_row_stride,
+                              sdQ + (it % Kt::kDqTiles) * kBlockM * kDqStride + r * kDqStride, kHeadDim * 4);
         tma_store_commit();
         tma_store_wait_read();
         __syncwarp();
@@ -228,6 +242,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   // dQ of step it is written to shared memory under the S^T / dP^T products
   // of step it + 1 (so the tensor cores do not wait for the copy).
   float acc_dq[kDqPerWg][8][4];
+  // The dQ tile this consumer writes (in turns: each its own, which keeps the
+  // writes of consecutive steps apart).
+  float* sdQ_own = sdQ + (kDqAlternate ? cwg : 0) * kBlockM * kDqStride;
   auto write_dq = [&]() {
     named_barrier_sync(kDqEmpty, kDqBarThreads);  // the writer has read the previous tile
 #pragma unroll
@@ -237,7 +254,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = dq_row0(i) + warp_in_wg * 16 + g + 8 * h, c = dq_col0(i) + di * 8 + 2 * t;
-          *reinterpret_cast<float2*>(sdQ + r * kDqStride + c) =
+          *reinterpret_cast<float2*>(sdQ_own + r * kDqStride + c) =
               make_float2(acc_dq[i][di][2 * h], acc_dq[i][di][2 * h + 1]);
         }
     fence_proxy_async_smem();  // the bulk reduce (async proxy) reads what st.shared wrote
