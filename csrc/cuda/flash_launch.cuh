@@ -173,12 +173,23 @@ cudaError_t launch_bwd_sm90_ws(const AttnBwdParams& p, cudaStream_t stream, bool
   if (!described) return cudaSuccess;
   auto kernel = &flash_bwd_sm90_ws_kernel<Kt>;
   if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
-  if (cudaError_t err = launch_bwd_preprocess<T>(p, stream); err != cudaSuccess) return err;
+  // The kernel adds whole tiles (padding rows and columns included) in its own
+  // order (DqFragLayout): the accumulator is zeroed whole here, not row by row
+  // by the preprocessing kernel.
+  if (cudaError_t err = cudaMemsetAsync(p.dq_accum_ptr, 0, size_t(p.batch) * p.dq_accum_batch_stride * sizeof(float),
+                                        stream);
+      err != cudaSuccess)
+    return err;
+  AttnBwdParams pre = p;
+  pre.dq_accum_ptr = nullptr;
+  if (cudaError_t err = launch_bwd_preprocess<T>(pre, stream); err != cudaSuccess) return err;
   const int64_t blocks = int64_t(ceil_div(p.seqlen_k, Kt::kBlockN)) * p.heads_kv * p.batch;
   kernel<<<static_cast<unsigned>(blocks), Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, maps);
   *launched = true;
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  return launch_convert_dq<T>(p, stream);
+  const int64_t convert_blocks = int64_t(ceil_div(p.seqlen_q, Kt::kBlockM)) * Kt::kDqBlocks * p.heads_q * p.batch;
+  convert_dq_frag_kernel<Kt><<<static_cast<unsigned>(convert_blocks), 128, 0, stream>>>(p);
+  return cudaGetLastError();
 }
 
 #ifdef FLASHATTN_TUNING

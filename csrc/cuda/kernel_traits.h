@@ -246,9 +246,6 @@ struct BwdSm90WsTraits {
   static constexpr bool kDqAlternate = kDqBlocks == 1;
   static constexpr int kDqBlocksPerWg = kDqAlternate ? 1 : kDqBlocks / 2;
   static constexpr int kDqTiles = kDqAlternate ? 2 : 1;  // fp32 dQ tiles in shared memory
-  // Row stride (floats) of the fp32 dQ tile: +8 floats put the 8 rows of an
-  // accumulator store in different banks.
-  static constexpr int kDqStride = kHeadDim + 8;
 
   using TileQ = SmemTile<kBlockM, kHeadDim>;   // Q and dO blocks
   using TileKV = SmemTile<kBlockN, kHeadDim>;  // K and V
@@ -260,7 +257,7 @@ struct BwdSm90WsTraits {
   static constexpr int kBytesKV = TileKV::kElems * 2;
   // +1024: dynamic shared memory is aligned up to 1024 bytes (the swizzle atom).
   static constexpr int kSmemBytes = 1024 + 2 * kBytesKV + 2 * kStages * kBytesQ + 2 * TileDS::kElems * 2 +
-                                    kDqTiles * kBlockM * kDqStride * 4 + 2 * kStages * kBlockM * 4 + (1 + 2 * kStages) * 8;
+                                    kDqTiles * kBlockM * kHeadDim * 4 + 2 * kStages * kBlockM * 4 + (1 + 2 * kStages) * 8;
 
   static_assert((kHeadDim == 64 || kHeadDim == 128) && (kBlockM == 64 || kBlockM == 128), "shapes");
   static_assert(kDqAlternate || kDqBlocks % 2 == 0, "the dQ blocks deal evenly to the two consumers");

@@ -13,11 +13,13 @@
 //                   into the stage, so the consumers read no global memory.
 //   dQ writer warp  (warpgroup 0, warp 1): adds each step's dQ tile, which the
 //                   consumers leave in shared memory, into the fp32 dQ
-//                   accumulator with bulk reduce-adds (cp.reduce.async.bulk
-//                   .add.f32, one row of head_dim floats each). The adds are
-//                   done by the TMA unit in L2, off the consumers' path; the
-//                   old kernel issued 64 x head_dim atomics a step from the
-//                   consumers, which bound it.
+//                   accumulator with one bulk reduce-add (cp.reduce.async.bulk
+//                   .add.f32) of the whole tile, kept in the accumulators'
+//                   fragment order (DqFragLayout). The adds are done by the TMA
+//                   unit in L2, off the consumers' path; the old kernel issued
+//                   64 x head_dim atomics a step from the consumers, which
+//                   bound it. (One bulk add per row measured no faster than
+//                   the atomics at d64: 64 small operations a step.)
 //   consumers       (warpgroups 1, 2): 64 keys each. Per step (query block m):
 //                     S^T  = K_w Q^T, dP^T = V_w dO^T       (wgmma SS, async)
 //                     [the previous step's dQ -> shared memory, for the writer]
@@ -65,6 +67,18 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, const float* sm
                : "memory");
 }
 
+// The order of a dQ tile's fp32 values in shared memory and in the
+// accumulator: [64 x 64 block][n-tile di][row half h][thread of the
+// warpgroup][2], the order the wgmma accumulators come out in. A warp's
+// stores are then 256 contiguous bytes (no bank conflicts), and the tile is
+// one contiguous range for a single bulk add. convert_dq_frag_kernel maps it
+// back to rows and columns.
+struct DqFragLayout {
+  __device__ __forceinline__ static int offset(int block, int di, int h, int wg_tid) {
+    return block * 4096 + ((di * 2 + h) * 128 + wg_tid) * 2;
+  }
+};
+
 template <typename Kt>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
     flash_bwd_sm90_ws_kernel(const __grid_constant__ AttnBwdParams p, const __grid_constant__ BwdTmaMaps maps) {
@@ -80,7 +94,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   constexpr int kQSteps = kBlockM / 16;   // k-steps of dV and dK (over queries)
   constexpr int kQT = kBlockM / 8;        // n-tiles of an S^T row
   constexpr int kDT = kHeadDim / 8;       // n-tiles of a dK / dV row
-  constexpr int kDqStride = Kt::kDqStride;
+  constexpr int kDqTileFloats = kBlockM * kHeadDim;
   constexpr int kDsBar = 1, kDqFull = 2, kDqEmpty = 3, kEpilogueBar = 4;
   // With a single 64 x 64 dQ block (kBlockM = 64, head dim 64) the consumers
   // take turns: consumer it % 2 computes and hands over the dQ of step it.
@@ -94,8 +108,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   T* sQ = sV + TileKV::kElems;                // [kStages]
   T* sdO = sQ + kStages * TileQ::kElems;      // [kStages]
   T* sdS = sdO + kStages * TileQ::kElems;     // [2] dS^T, [key][query]
-  float* sdQ = reinterpret_cast<float*>(sdS + 2 * TileDS::kElems);  // [kDqTiles][kBlockM][kDqStride]
-  float* sLse = sdQ + Kt::kDqTiles * kBlockM * kDqStride;  // [kStages][kBlockM], log2 units
+  float* sdQ = reinterpret_cast<float*>(sdS + 2 * TileDS::kElems);  // [kDqTiles][kDqTileFloats], DqFragLayout
+  float* sLse = sdQ + Kt::kDqTiles * kDqTileFloats;                  // [kStages][kBlockM], log2 units
   float* sDsum = sLse + kStages * kBlockM;    // [kStages][kBlockM]
   uint64_t* full_kv = reinterpret_cast<uint64_t*>(sDsum + kStages * kBlockM);
   uint64_t* full_q = full_kv + 1;             // [kStages]
@@ -200,13 +214,14 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         named_barrier_sync(kDqFull, kDqBarThreads);
         float* gdq = static_cast<float*>(p.dq_accum_ptr) + b * p.dq_accum_batch_stride + hq * p.dq_accum_head_stride +
                      int64_t(m0) * p.dq_accum_row_stride;
-        // The accumulator has kBwdBlockM-padded rows and kernel-head-dim columns: every row of the tile exists.
-#pragma unroll
-        for (int r = lane; r < kBlockM; r += 32)
-          bulk_reduce_add_f32(gdq + r * p.dq_accum_row_stride,
-                              sdQ + (it % Kt::kDqTiles) * kBlockM * kDqStride + r * kDqStride, kHeadDim * 4);
-        tma_store_commit();
-        tma_store_wait_read();
+        // One bulk add of the whole tile: the accumulator keeps each (b, h, query
+        // block) in the tile's fragment order (DqFragLayout), and its rows are
+        // padded to kBwdBlockM, so the tile is one contiguous range.
+        if (lane == 0) {
+          bulk_reduce_add_f32(gdq, sdQ + (it % Kt::kDqTiles) * kDqTileFloats, kDqTileFloats * 4);
+          tma_store_commit();
+          tma_store_wait_read();
+        }
         __syncwarp();
         if (it + 1 < iters) named_barrier_arrive(kDqEmpty, kDqBarThreads);
       }
@@ -244,7 +259,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   float acc_dq[kDqPerWg][8][4];
   // The dQ tile this consumer writes (in turns: each its own, which keeps the
   // writes of consecutive steps apart).
-  float* sdQ_own = sdQ + (kDqAlternate ? cwg : 0) * kBlockM * kDqStride;
+  float* sdQ_own = sdQ + (kDqAlternate ? cwg : 0) * kDqTileFloats;
+  const int wg_tid = ctid % 128;
   auto write_dq = [&]() {
     named_barrier_sync(kDqEmpty, kDqBarThreads);  // the writer has read the previous tile
 #pragma unroll
@@ -253,8 +269,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       for (int di = 0; di < 8; ++di)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int r = dq_row0(i) + warp_in_wg * 16 + g + 8 * h, c = dq_col0(i) + di * 8 + 2 * t;
-          *reinterpret_cast<float2*>(sdQ_own + r * kDqStride + c) =
+          *reinterpret_cast<float2*>(sdQ_own + DqFragLayout::offset(dq_block(i), di, h, wg_tid)) =
               make_float2(acc_dq[i][di][2 * h], acc_dq[i][di][2 * h + 1]);
         }
     fence_proxy_async_smem();  // the bulk reduce (async proxy) reads what st.shared wrote
@@ -395,6 +410,38 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   store_tile<TileKV, kConsumerThreads>(gdK, p.dk_row_stride, sK, keys, p.head_dim, ctid);
   store_tile<TileKV, kConsumerThreads>(gdV, p.dv_row_stride, sV, keys, p.head_dim, ctid);
 #endif
+}
+
+// dq[b, i, h, :] = scale * the accumulator, read in DqFragLayout order: one
+// CTA of 128 threads per 64 x 64 block of a (query block, head, batch).
+template <typename Kt>
+__global__ void __launch_bounds__(128) convert_dq_frag_kernel(const AttnBwdParams p) {
+  using T = typename Kt::Element;
+  const int m_blocks = ceil_div(p.seqlen_q, Kt::kBlockM);
+  int64_t idx = blockIdx.x;
+  const int block = static_cast<int>(idx % Kt::kDqBlocks);
+  idx /= Kt::kDqBlocks;
+  const int mb = static_cast<int>(idx % m_blocks);
+  idx /= m_blocks;
+  const int h = static_cast<int>(idx % p.heads_q);
+  const int b = static_cast<int>(idx / p.heads_q);
+  const int thr = threadIdx.x, lane = thr % 32, g = lane >> 2, t = lane & 3;
+  const float* acc = static_cast<const float*>(p.dq_accum_ptr) + b * p.dq_accum_batch_stride +
+                     h * p.dq_accum_head_stride + int64_t(mb) * Kt::kBlockM * p.dq_accum_row_stride;
+  const int col0 = (block % Kt::kDqColBlocks) * 64 + 2 * t;
+  const int row0 = mb * Kt::kBlockM + (block / Kt::kDqColBlocks) * 64 + (thr / 32) * 16 + g;
+  const float s = p.softmax_scale;
+#pragma unroll
+  for (int di = 0; di < 8; ++di)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int row = row0 + 8 * hh, col = col0 + di * 8;
+      if (row >= p.seqlen_q || col >= p.head_dim) continue;
+      const float2 v = *reinterpret_cast<const float2*>(acc + DqFragLayout::offset(block, di, hh, thr));
+      T* dq = static_cast<T*>(p.dq_ptr) + b * p.dq_batch_stride + int64_t(row) * p.dq_row_stride +
+              h * p.dq_head_stride + col;
+      *reinterpret_cast<uint32_t*>(dq) = pack2<T>(v.x * s, v.y * s);
+    }
 }
 
 }  // namespace flashattn
