@@ -18,6 +18,10 @@ Figures (one PNG each; the grid figures once per dtype in the JSON):
                       fraction of the measured matmul peak, per (mode, head dim, causal).
   gpt2.png            the GPT-2 attention case: speedup over the naive path.
   host_overhead.png   host (CPU) microseconds per call on the tiny case, per mode.
+  decode.png          (the JSON of bench_decode.py) useful K/V TB/s of a decode step vs
+                      cache length, one subplot per batch, a line per implementation;
+                      dashed: the device-to-device copy of the same bytes (read + written
+                      / time); hollow markers: K/V expanded to the query heads.
 Titles carry the GPU name, torch version and date from the JSON. JSON of the old
 impl names (flashattn_ext, cudnn, fa2, mem_efficient) is read with the new ones.
 """
@@ -375,12 +379,72 @@ def plot_host_overhead(plt, data, outdir):
     return path
 
 
+DECODE_STYLE = {  # bench_decode.py's implementations: (label, color, marker)
+    "ours": ("ours, flash_attn_with_kvcache", "#d62728", "o"),
+    "ours_paged": ("ours, paged (block_table)", "#ff7f0e", "D"),
+    "sdpa_cudnn": ("cuDNN (SDPA)", "#1f77b4", "s"),
+    "sdpa_flash": ("FA2 (SDPA flash)", "#2ca02c", "^"),
+    "sdpa_default": ("SDPA default", "#8c564b", "P"),
+    "fa2_package": ("flash-attn package", "#17becf", "*"),
+}
+
+
+def plot_decode(plt, data, outdir):
+    """bench_decode.py's decode section: TB/s vs cache length per batch."""
+    rows = data.get("decode") or []
+    batches = sorted({r["batch"] for r in rows})
+    if not batches:
+        return None
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 3.8), squeeze=False)
+    for ax, b in zip(axes[0], batches):
+        mine = [r for r in rows if r["batch"] == b]
+        copy = sorted((r["cache_len"], r["copy_tbs"]) for r in mine if r["impl"] == "copy" and r.get("copy_tbs"))
+        if copy:
+            ax.plot(*zip(*copy), "k--", lw=1, label="copy ceiling (read + written)")
+        for impl, (label, color, marker) in DECODE_STYLE.items():
+            pts = sorted(
+                (r["cache_len"], r["useful_tbs"], bool(r.get("kv_expanded")))
+                for r in mine
+                if r["impl"] == impl and r.get("useful_tbs")
+            )
+            if not pts:
+                continue
+            xs, ys, expanded = zip(*pts)
+            ax.plot(xs, ys, color=color, lw=1.5, label=label)
+            for x, y, e in pts:
+                ax.plot([x], [y], marker=marker, color=color, mfc="none" if e else color, ls="none")
+        ax.set_xscale("log", base=2)
+        ticks = sorted({r["cache_len"] for r in mine})
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([_seqlen_label(n) for n in ticks], fontsize=8)
+        ax.set_title(f"batch {b}")
+        ax.set_xlabel("cache length")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("useful K/V TB/s")
+    axes[0][-1].legend(fontsize=7, loc="best")
+    c = data.get("config", {})
+    fig.suptitle(
+        f"Decode: q len 1, {c.get('heads_q')} q / {c.get('heads_kv')} kv heads, d{c.get('d')}, {c.get('dtype')} "
+        f"(hollow: K/V expanded, reads 4x)\n{subtitle(data)}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    path = os.path.join(outdir, "decode.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_all(data, outdir, head_dims=None, all_impls=False):
     """Writes every figure the data allows; returns the paths written."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    if "decode" in data:  # bench_decode.py's JSON
+        os.makedirs(outdir, exist_ok=True)
+        return [p for p in [plot_decode(plt, data, outdir)] if p]
 
     data = bench_table.normalize(data)
     shown = None if all_impls else MAIN_IMPLS
@@ -401,8 +465,8 @@ def plot_all(data, outdir, head_dims=None, all_impls=False):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Plot the JSON of benchmarks/bench_gpu.py into PNGs")
-    p.add_argument("json", help="results JSON written by bench_gpu.py --json")
+    p = argparse.ArgumentParser(description="Plot the JSON of benchmarks/bench_gpu.py (or bench_decode.py) into PNGs")
+    p.add_argument("json", help="results JSON written by bench_gpu.py --json or bench_decode.py --json")
     p.add_argument("--out", "-o", default="plots", help="output folder (created)")
     p.add_argument("--head-dims", default=None, help="head dims of the TFLOP/s figures (default: all in the JSON)")
     p.add_argument(

@@ -572,3 +572,49 @@ def test_generated_sources_are_current(tmp_path):
     for name in os.listdir(gen / "instantiations"):
         with open(os.path.join(root, "instantiations", name)) as f:
             assert (gen / "instantiations" / name).read_text() == f.read(), name
+
+
+def test_bench_decode_smoke(tmp_path):
+    """bench_decode.py end to end on the CPU (--smoke): every section, every implementation
+    measured or recorded as skipped with a reason, the markdown and the figure."""
+    out, md = tmp_path / "decode.json", tmp_path / "decode.md"
+    r = _run([os.path.join(BENCH, "bench_decode.py"), "--smoke", "--json", str(out), "--md", str(md)])
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads(out.read_text())
+    for key in ("torch", "timer", "config", "conventions", "decode", "prefill", "varlen"):
+        assert key in data, key
+    points = {(row["batch"], row["cache_len"]) for row in data["decode"]}
+    assert points == {(1, 64), (1, 128), (2, 64), (2, 128)}
+    for row in data["decode"]:
+        b, n, c = row["batch"], row["cache_len"], data["config"]
+        assert row["kv_bytes"] == 2 * b * n * c["heads_kv"] * c["d"] * 4  # float32 in the smoke run
+        if row["impl"] == "copy":
+            assert math.isclose(row["copy_tbs"], 2 * row["kv_bytes"] / (row["ms"] * 1e-3) / 1e12)
+        elif row["impl"] in ("ours", "ours_paged", "sdpa_flash", "sdpa_default"):
+            assert math.isclose(row["useful_tbs"], row["kv_bytes"] / (row["ms"] * 1e-3) / 1e12), row
+        else:
+            assert row.get("skipped"), row  # cuDNN and the flash-attn package need CUDA
+    assert {row["impl"] for row in data["decode"]} >= {"ours", "ours_paged", "sdpa_flash", "sdpa_default", "copy"}
+    assert all(row["tflops"] > 0 for row in data["prefill"] if row["impl"] != "sdpa_cudnn")
+    assert {(row["section"], row["impl"]) for row in data["varlen"]} == {
+        (s, i) for s in ("equal", "mixed") for i in ("varlen", "padded")
+    }
+    assert all(row["useful_tflops"] > 0 and row["tokens"] == 256 for row in data["varlen"])
+    text = md.read_text()
+    assert "## Decode" in text and "## Prefill" in text and "## Varlen" in text
+    assert "(decode: useful K/V TB/s; copy: read + written TB/s)" in r.stdout
+    if importlib.util.find_spec("matplotlib"):
+        r = _run([os.path.join(BENCH, "plot.py"), str(out), "--out", str(tmp_path / "plots")])
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert (tmp_path / "plots" / "decode.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_decode_order_and_budget():
+    """The important decode points (batch 8/32, cache 8k-32k) run first; batch 128 last."""
+    mod = _load("bench_decode")
+    cfg = mod.shapes(smoke=False)
+    pts = mod.decode_points(cfg, quick=False)
+    assert len(pts) == len(set(pts)) == 4 * 8
+    assert set(pts[:6]) == {(b, n) for b in (8, 32) for n in (8192, 16384, 32768)}
+    assert all(b == 128 for b, _ in pts[-8:])
+    assert sum(cfg["varlen"]["mixed"]) == cfg["varlen"]["tokens"]
