@@ -118,9 +118,16 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
   const int wg = warp / 4;
   const int num_n_blocks = ceil_div(p.seqlen_k, kBlockN);
-  const int n_block = static_cast<int>(blockIdx.x % num_n_blocks);
-  const int h_kv = static_cast<int>((blockIdx.x / num_n_blocks) % p.heads_kv);
-  const int b = static_cast<int>(blockIdx.x / num_n_blocks / p.heads_kv);
+  // Causal only (a window on the right and none on the left): the first key
+  // blocks see the most query blocks, so CTAs go out heaviest first across
+  // all heads (key block slowest), which shortens the tail of the last wave.
+  // Otherwise the key blocks of a head are neighbours (their Q / dO reads meet in L2).
+  const bool heavy_first = p.mask.window_right >= 0 && p.mask.window_left < 0;
+  const int heads = p.heads_kv * p.batch;
+  const int n_block = static_cast<int>(heavy_first ? blockIdx.x / heads : blockIdx.x % num_n_blocks);
+  const int bh = static_cast<int>(heavy_first ? blockIdx.x % heads : blockIdx.x / num_n_blocks);
+  const int h_kv = bh % p.heads_kv;
+  const int b = bh / p.heads_kv;
   const int ratio = p.heads_ratio();
   const int n0 = n_block * kBlockN;
   const int keys = min(kBlockN, p.seqlen_k - n0);
