@@ -113,6 +113,9 @@ def quick_perf(dims):
                 res["ours_bwd"] = bench(
                     lambda: _ops.bwd(dout, q, k, v, out, lse, d**-0.5, -1, 0 if causal else -1, True, False)
                 )
+                res["det_bwd"] = bench(
+                    lambda: _ops.bwd(dout, q, k, v, out, lse, d**-0.5, -1, 0 if causal else -1, True, True)
+                )
                 if torch.cuda.get_device_capability() == (9, 0):
                     # Side by side on an sm90 device: the Hopper kernels without TMA (the
                     # cp.async wgmma kernels) and the mma.sync kernels.
@@ -154,7 +157,8 @@ def quick_perf(dims):
                     f"perf d{d} n{n} causal={causal}: fwd ours {res.get('ours_fwd_tflops', 0):.0f} "
                     f"(no TMA {res.get('notma_fwd_tflops', 0):.0f}, mma.sync {res.get('sm80_fwd_tflops', 0):.0f}) "
                     f"fa2 {res.get('fa2_fwd_tflops', 0):.0f} cudnn {res.get('cudnn_fwd_tflops', 0):.0f} | "
-                    f"bwd ours {res.get('ours_bwd_tflops', 0):.0f} (no TMA {res.get('notma_bwd_tflops', 0):.0f}, "
+                    f"bwd ours {res.get('ours_bwd_tflops', 0):.0f} (deterministic {res.get('det_bwd_tflops', 0):.0f}, "
+                    f"no TMA {res.get('notma_bwd_tflops', 0):.0f}, "
                     f"mma.sync {res.get('sm80_bwd_tflops', 0):.0f}) "
                     f"fa2 {res.get('fa2_bwd_tflops', 0):.0f} "
                     f"cudnn {res.get('cudnn_bwd_tflops', 0):.0f} TFLOP/s",

@@ -109,6 +109,10 @@ struct AttnBwdParams : AttnFwdParams {
 
   // Gradients bitwise reproducible from run to run (no float atomics).
   bool deterministic = false;
+  // The deterministic Hopper backward: one int32 counter per (batch, head,
+  // 64-query block), zeroed, counting the key blocks whose dQ is added
+  // (the adds go in a fixed order). nullptr otherwise.
+  int* dq_semaphore_ptr = nullptr;
 };
 
 }  // namespace flashattn

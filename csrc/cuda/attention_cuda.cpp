@@ -183,8 +183,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_i
   // dQ accumulates in fp32 across key blocks: rows padded to the kernel's
   // query block, columns to the kernel head dim (atomics touch all of them).
   const int64_t seqlen_q_padded = (seqlen_q + kBwdBlockM - 1) / kBwdBlockM * kBwdBlockM;
-  // bwd_preprocess_kernel zeroes the part of it that is read back.
-  at::Tensor dq_accum = deterministic ? at::Tensor() : at::empty({batch, heads_q, seqlen_q_padded, kdim}, f32);
+  // bwd_preprocess_kernel zeroes the part of it that is read back. The
+  // deterministic backward needs it only on sm90 (the warp-specialized kernel
+  // adds dQ in a fixed order, counted by the semaphores); elsewhere it runs a
+  // separate dQ pass.
+  const bool hopper = device_arch(q) == 90;
+  at::Tensor dq_accum = deterministic && !hopper ? at::Tensor()
+                                                 : at::empty({batch, heads_q, seqlen_q_padded, kdim}, f32);
+  at::Tensor dq_semaphore = deterministic && hopper
+                                ? at::zeros({batch, heads_q, (seqlen_q + 63) / 64}, q.options().dtype(at::kInt))
+                                : at::Tensor();
   check_grid((k.size(1) + 63) / 64 * 2 * batch * k.size(2), "backward");
   check_grid((seqlen_q + 63) / 64 * batch * heads_q, "backward");
 
@@ -192,7 +200,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_i
   params.dsum_ptr = dsum.data_ptr();
   params.device_arch = device_arch(q);
   params.allow_tma = !env_flag("FLASHATTN_DISABLE_TMA");
-  if (!deterministic) {
+  if (dq_semaphore.defined()) params.dq_semaphore_ptr = dq_semaphore.data_ptr<int>();
+  if (dq_accum.defined()) {
     params.dq_accum_ptr = dq_accum.data_ptr();
     params.dq_accum_batch_stride = dq_accum.stride(0);
     params.dq_accum_head_stride = dq_accum.stride(1);

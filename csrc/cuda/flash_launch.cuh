@@ -151,8 +151,8 @@ cudaError_t launch_bwd_sm90(const AttnBwdParams& p, cudaStream_t stream) {
   return launch_convert_dq<T>(p, stream);
 }
 
-// Hopper, warp-specialized with TMA (non-deterministic: dQ by bulk
-// reduce-adds). Sets *launched = false (and launches nothing) when TMA cannot
+// Hopper, warp-specialized with TMA (dQ by bulk reduce-adds; in a fixed order
+// when p.deterministic). Sets *launched = false (and launches nothing) when TMA cannot
 // describe one of the tensors.
 template <typename Kt>
 cudaError_t launch_bwd_sm90_ws(const AttnBwdParams& p, cudaStream_t stream, bool* launched) {
@@ -264,10 +264,11 @@ cudaError_t run_bwd(const AttnBwdParams& p, cudaStream_t stream) {
   using Cfg = KernelConfig<kHeadDim, T>;
 #ifdef FLASHATTN_SM90
   // Built for sm90a and running on an sm90 device: the warp-specialized TMA
-  // kernel, else the cp.async wgmma kernel, for the head dims KernelConfig
-  // gives one and the (non-deterministic) dQ adds.
+  // kernel (also deterministic: dQ added in a fixed order), else the cp.async
+  // wgmma kernel (non-deterministic dQ atomics only), for the head dims
+  // KernelConfig gives them.
   if constexpr (HasBwdSm90Ws<Cfg>::value) {
-    if (p.device_arch == 90 && !p.deterministic && p.allow_tma) {
+    if (p.device_arch == 90 && p.allow_tma && (!p.deterministic || p.dq_semaphore_ptr != nullptr)) {
       bool launched = false;
       const cudaError_t err = launch_bwd_sm90_ws<typename Cfg::BwdSm90Ws>(p, stream, &launched);
       if (launched || err != cudaSuccess) return err;

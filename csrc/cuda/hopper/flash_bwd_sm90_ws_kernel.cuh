@@ -79,6 +79,18 @@ struct DqFragLayout {
   }
 };
 
+// The deterministic mode's counters: an acquire load, and a release add.
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+// Orders generic-proxy and async-proxy (bulk copy) accesses of this thread.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async;\n" ::: "memory"); }
+
 template <typename Kt>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
     flash_bwd_sm90_ws_kernel(const __grid_constant__ AttnBwdParams p, const __grid_constant__ BwdTmaMaps maps) {
@@ -122,9 +134,15 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   // blocks see the most query blocks, so CTAs go out heaviest first across
   // all heads (key block slowest), which shortens the tail of the last wave.
   // Otherwise the key blocks of a head are neighbours (their Q / dO reads meet in L2).
-  const bool heavy_first = p.mask.window_right >= 0 && p.mask.window_left < 0;
+  // Deterministic: the key blocks of a head add their dQ in descending order
+  // and wait for each other, so a CTA must never wait for one launched after
+  // it (CTAs start in blockIdx order): the last key block of a head goes first.
+  const bool deterministic = p.deterministic;
+  const bool heavy_first = !deterministic && p.mask.window_right >= 0 && p.mask.window_left < 0;
   const int heads = p.heads_kv * p.batch;
-  const int n_block = static_cast<int>(heavy_first ? blockIdx.x / heads : blockIdx.x % num_n_blocks);
+  const int n_block = static_cast<int>(heavy_first     ? blockIdx.x / heads
+                                       : deterministic ? num_n_blocks - 1 - blockIdx.x % num_n_blocks
+                                                       : blockIdx.x % num_n_blocks);
   const int bh = static_cast<int>(heavy_first ? blockIdx.x % heads : blockIdx.x / num_n_blocks);
   const int h_kv = bh % p.heads_kv;
   const int b = bh / p.heads_kv;
@@ -139,8 +157,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   const int iters = m_blocks * ratio;
   // Step `it` visits query head hq and query block m0; the key blocks of a
   // head start their sweeps at different query blocks (spreads the dQ adds).
+  // Deterministic: every key block sweeps in the same order, so that key block
+  // n + 1 reaches a query block no later than key block n, which adds after it.
   auto query_block = [&](int it, int& hq, int& m0) {
-    const int j = (it + n_block) % iters;
+    const int j = deterministic ? it : (it + n_block) % iters;
     hq = h_kv * ratio + j / m_blocks;
     m0 = (m_min + j % m_blocks) * kBlockM;
   };
@@ -225,9 +245,26 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         // block) in the tile's fragment order (DqFragLayout), and its rows are
         // padded to kBwdBlockM, so the tile is one contiguous range.
         if (lane == 0) {
+          int* sem = nullptr;
+          if (deterministic) {
+            // After the key blocks above this one that see the query block: they add first.
+            int n_lo, n_hi;
+            mask.key_block_range<kBlockN>(m0, min(kBlockM, p.seqlen_q - m0), n_lo, n_hi);
+            sem = p.dq_semaphore_ptr + (int64_t(b) * p.heads_q + hq) * ceil_div(p.seqlen_q, 64) + m0 / 64;
+            const int before = n_hi - 1 - n_block;
+            while (ld_acquire_gpu(sem) != before) {
+            }
+            fence_proxy_async();  // the add below (async proxy) comes after the acquire
+          }
           bulk_reduce_add_f32(gdq, sdQ + (it % Kt::kDqTiles) * kDqTileFloats, kDqTileFloats * 4);
           tma_store_commit();
-          tma_store_wait_read();
+          if (deterministic) {
+            tma_store_wait_all();  // the add has landed in global memory
+            fence_proxy_async();
+            red_release_gpu_add(sem, 1);
+          } else {
+            tma_store_wait_read();
+          }
         }
         __syncwarp();
         if (it + 1 < iters) named_barrier_arrive(kDqEmpty, kDqBarThreads);
