@@ -181,7 +181,7 @@ def _reject_nested(names: tuple, values: tuple) -> None:
         if t.is_nested:
             raise TypeError(
                 f"flash_attn_func: {name} is a nested tensor; the kernels take dense (batch, seqlen, heads, head_dim) "
-                "tensors of one shape: pad the batch (varlen batches are not supported yet)"
+                "tensors of one shape: pad the batch, or pack it for flash_attn_varlen_func"
             )
 
 

@@ -527,6 +527,52 @@ def test_varlen_errors(device, case):
     assert "flash_attn_varlen_func" in str(info.value) or "flashattn_ext" in str(info.value)
 
 
+def _op_args(device):
+    a = _valid(device)
+    return [a["q"], a["k"], a["v"], a["cu_seqlens_q"], a["cu_seqlens_k"], 3, 4, 0.25, -1, 0, True]
+
+
+# The varlen ops' own checks (csrc/attention_api.cpp check_varlen_qkv), the
+# same in the fake kernels (flashattn_ext/_ops.py): index -> replacement.
+OP_ERRORS = {
+    "q-rank4": (0, lambda x: x[None], ValueError, r"q must have 3 dimensions"),
+    "k-dtype": (1, lambda x: x.double(), TypeError, r"k has dtype Double but q"),
+    "v-heads-zero": (2, lambda x: x[:, :0], ValueError, r"v has shape .*heads and head_dim must be at least 1"),
+    "v-tokens": (2, lambda x: x[:7], ValueError, r"v has 7 tokens but k has 8"),
+    "head_dim": (1, lambda x: x[..., :8], ValueError, r"head_dim differs: q 16, k 8, v 16"),
+    "heads": (0, lambda x: x[:, :3], ValueError, r"q has 3 heads, not a multiple of the 2"),
+    "q-stride": (0, lambda x: torch.cat([x, x], -1)[..., ::2], ValueError, r"q must have stride 1"),
+    "cu-int64": (3, lambda x: x.long(), TypeError, r"cu_seqlens_q must have dtype int32, got Long"),
+    "cu-2d": (4, lambda x: x[None], ValueError, r"cu_seqlens_k must be 1-D"),
+    "cu-short": (4, lambda x: x[:1], ValueError, r"cu_seqlens_k must have batch \+ 1 >= 2"),
+    "cu-strided": (3, lambda x: torch.stack([x, x], -1)[:, 0], ValueError, r"cu_seqlens_q must be contiguous"),
+    "cu-batch": (
+        4,
+        lambda x: torch.cat([x, x[-1:]]),
+        ValueError,
+        r"cu_seqlens_q has 3 elements but cu_seqlens_k has 4",
+    ),
+    "max-negative": (5, lambda x: -1, ValueError, r"max_seqlen_q must be in \[0, 2\^31 - 1\]"),
+    "scale": (7, lambda x: float("nan"), ValueError, r"softmax_scale must be finite"),
+}
+
+
+@pytest.mark.parametrize("case", list(OP_ERRORS))
+def test_varlen_op_errors_match_fake(device, case):
+    """The op and its fake (meta) kernel reject the same inputs with the same words."""
+    i, change, exc, pattern = OP_ERRORS[case]
+    args = _op_args(device)
+    args[i] = change(args[i])
+    with pytest.raises(exc, match=pattern):
+        _ops.varlen_fwd(*args)
+    meta = [
+        torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta") if isinstance(a, torch.Tensor) else a
+        for a in args
+    ]
+    with pytest.raises(exc, match=pattern):
+        _ops.varlen_fwd(*meta)
+
+
 def test_packed_errors(device):
     dtype = torch.float32 if device == "cpu" else torch.float16
     qkv = randn((2, 5, 3, 2, 16), dtype, device)
