@@ -513,8 +513,8 @@ def _unfold_heads(x, size):
     return x.unflatten(1, (size, x.shape[1] // size)).movedim(1, 0)
 
 
-def _unbatched_cu_seqlens(op, in_dims):
-    if in_dims[3] is not None or in_dims[4] is not None:
+def _unbatched_cu_seqlens(op, cu_dims):
+    if any(d is not None for d in cu_dims):
         raise NotImplementedError(
             f"flashattn_ext::{op}: vmap over cu_seqlens is not supported (the vmapped instances must share their "
             "sequence lengths); loop over them, or pack them into one varlen batch"
@@ -522,7 +522,7 @@ def _unbatched_cu_seqlens(op, in_dims):
 
 
 def _varlen_fwd_vmap_impl(op, name, info, in_dims, q, k, v, cu_q, cu_k, *scalars):
-    _unbatched_cu_seqlens(name, in_dims)
+    _unbatched_cu_seqlens(name, in_dims[3:5])
     n = info.batch_size
     q, k, v = (_fold_heads(x, d, n) for x, d in zip((q, k, v), in_dims[:3]))
     out, lse = op(q, k, v, cu_q, cu_k, *scalars)
@@ -541,8 +541,7 @@ def _varlen_fwd_vmap(info, in_dims, q, k, v, cu_q, cu_k, *scalars):
 
 @torch.library.register_vmap("flashattn_ext::varlen_bwd")
 def _varlen_bwd_vmap(info, in_dims, dout, q, k, v, out, lse, cu_q, cu_k, *scalars):
-    if in_dims[6] is not None or in_dims[7] is not None:
-        _unbatched_cu_seqlens("varlen_bwd", (None, None, None, 0, 0))
+    _unbatched_cu_seqlens("varlen_bwd", in_dims[6:8])
     n = info.batch_size
     dout, q, k, v, out = (_fold_heads(x, d, n) for x, d in zip((dout, q, k, v, out), in_dims[:5]))
     # lse (n, heads_q, total_q) -> (n * heads_q, total_q), contiguous.

@@ -326,7 +326,8 @@ def test_varlen_compiles_without_graph_break(device):
 
 def test_varlen_vmap_and_grad(device):
     """torch.func: vmap folds the vmapped dimension into the heads (cu_seqlens
-    shared); grad goes through the varlen backward."""
+    shared); grad goes through the varlen backward (deterministic: bitwise
+    comparable on CUDA too). vmap over cu_seqlens raises."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     lens_q, lens_k = [4, 0, 7], [6, 3, 7]
     cq, ck = cu(lens_q, device), cu(lens_k, device)
@@ -334,7 +335,7 @@ def test_varlen_vmap_and_grad(device):
     ks, vs = randn((3, sum(lens_k), 2, 16), dtype, device), randn((3, sum(lens_k), 2, 16), dtype, device)
 
     def f(q, k, v):
-        return flash_attn_varlen_func(q, k, v, cq, ck, 7, 7, causal=True)
+        return flash_attn_varlen_func(q, k, v, cq, ck, 7, 7, causal=True, deterministic=True)
 
     got = torch.func.vmap(f)(qs, ks, vs)
     expected = torch.stack([f(qs[i], ks[i], vs[i]) for i in range(3)])
@@ -348,6 +349,8 @@ def test_varlen_vmap_and_grad(device):
         qi = qs[i].clone().requires_grad_()
         (ri,) = torch.autograd.grad(f(qi, ks[i], vs[i]).float().square().sum(), qi)
         torch.testing.assert_close(per_sample[i], ri)
+    with pytest.raises(NotImplementedError, match="vmap over cu_seqlens"):
+        torch.func.vmap(lambda c: flash_attn_varlen_func(qs[0], ks[0], vs[0], c, ck, 7, 7))(cq.expand(2, -1))
 
 
 def test_varlen_dropout_follows_flash_attn_func(device):
