@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 #include <string>
@@ -168,6 +169,7 @@ MaskParams make_mask(int64_t window_left, int64_t window_right, bool bottom_righ
   mask.window_left = window_left >= seqlen_k + seqlen_q ? -1 : static_cast<int>(window_left);
   mask.window_right = window_right >= seqlen_k + seqlen_q ? -1 : static_cast<int>(window_right);
   mask.diag_offset = bottom_right ? static_cast<int>(seqlen_k - seqlen_q) : 0;
+  mask.bottom_right = bottom_right;
   return mask;
 }
 
@@ -233,6 +235,162 @@ AttnBwdParams make_bwd_params(const at::Tensor& dout, const at::Tensor& q, const
   p.dk_batch_stride = dk.stride(0), p.dk_row_stride = dk.stride(1), p.dk_head_stride = dk.stride(2);
   p.dv_batch_stride = dv.stride(0), p.dv_row_stride = dv.stride(1), p.dv_head_stride = dv.stride(2);
   p.deterministic = deterministic;
+  return p;
+}
+
+// ---------------------------------------------------------------------------
+// Variable-length batches
+
+namespace {
+
+void check_rank3(const at::Tensor& t, const char* name, const char* layout) {
+  TORCH_CHECK_VALUE(t.dim() == 3, "flashattn_ext: ", name, " must have 3 dimensions ", layout,
+                    " (the sequences packed along dimension 0), got shape ", shape_str(t));
+}
+
+void check_cu_seqlens(const at::Tensor& cu, const char* name, const at::Tensor& q) {
+  TORCH_CHECK_TYPE(cu.scalar_type() == at::kInt, "flashattn_ext: ", name, " must have dtype int32, got ",
+                   cu.scalar_type(), "; pass ", name, ".to(torch.int32)");
+  TORCH_CHECK_VALUE(cu.dim() == 1, "flashattn_ext: ", name, " must be 1-D (batch + 1,), got shape ", shape_str(cu));
+  TORCH_CHECK_VALUE(cu.size(0) >= 2, "flashattn_ext: ", name,
+                    " must have batch + 1 >= 2 elements (0, then the end of each sequence), got ", cu.size(0));
+  TORCH_CHECK_VALUE(cu.device() == q.device(), "flashattn_ext: ", name, " is on ", cu.device(), " but q is on ",
+                    q.device(), "; move it to q's device");
+  TORCH_CHECK_VALUE(cu.is_contiguous(), "flashattn_ext: ", name, " must be contiguous; pass ", name, ".contiguous()");
+}
+
+void check_max_seqlen(int64_t max_seqlen, const char* name) {
+  TORCH_CHECK_VALUE(max_seqlen >= 0 && max_seqlen <= INT32_MAX, "flashattn_ext: ", name,
+                    " must be in [0, 2^31 - 1] (a bound on the sequence lengths), got ", max_seqlen);
+}
+
+}  // namespace
+
+void check_varlen_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+                      const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                      const BackendSpec& spec) {
+  check_rank3(q, "q", "(total_q, heads_q, head_dim)");
+  check_rank3(k, "k", "(total_k, heads_kv, head_dim)");
+  check_rank3(v, "v", "(total_k, heads_kv, head_dim)");
+  check_same_device(k, "k", q);
+  check_same_device(v, "v", q);
+  check_same_dtype(k, "k", q);
+  check_same_dtype(v, "v", q);
+  bool dtype_ok = false;
+  for (auto d : spec.dtypes) dtype_ok |= (q.scalar_type() == d);
+  TORCH_CHECK_TYPE(dtype_ok, "flashattn_ext: q has dtype ", q.scalar_type(), ", which the ", spec.name,
+                   " kernels do not support; use one of ", dtype_list(spec), spec.dtype_hint);
+  // The token dimension may be 0 (every sequence empty); heads and head_dim may not.
+  auto check_heads_and_dim = [](const at::Tensor& t, const char* name) {
+    TORCH_CHECK_VALUE(t.size(1) > 0 && t.size(2) > 0, "flashattn_ext: ", name, " has shape ", shape_str(t),
+                      "; heads and head_dim must be at least 1");
+  };
+  check_heads_and_dim(q, "q");
+  check_heads_and_dim(k, "k");
+  check_heads_and_dim(v, "v");
+  check_fits_int(q, "q");
+  check_fits_int(k, "k");
+  const int64_t head_dim = q.size(2);
+  TORCH_CHECK_VALUE(k.size(2) == head_dim && v.size(2) == head_dim, "flashattn_ext: head_dim differs: q ", head_dim,
+                    ", k ", k.size(2), ", v ", v.size(2), "; q, k and v must share dimension 2");
+  TORCH_CHECK_VALUE(head_dim <= kMaxHeadDim, "flashattn_ext: head_dim ", head_dim, " is larger than ", kMaxHeadDim,
+                    ", the largest the kernels support; split the heads or use torch's attention");
+  TORCH_CHECK_VALUE(v.size(0) == k.size(0), "flashattn_ext: v has ", v.size(0), " tokens but k has ", k.size(0),
+                    "; k and v must share dimension 0 (total_k)");
+  TORCH_CHECK_VALUE(v.size(1) == k.size(1), "flashattn_ext: v has ", v.size(1), " heads but k has ", k.size(1),
+                    "; k and v must share dimension 1 (heads_kv)");
+  TORCH_CHECK_VALUE(q.size(1) % k.size(1) == 0, "flashattn_ext: q has ", q.size(1), " heads, not a multiple of the ",
+                    k.size(1), " heads of k and v; for GQA/MQA the key/value heads must divide the query heads");
+  check_last_dim_contiguous(q, "q");
+  check_last_dim_contiguous(k, "k");
+  check_last_dim_contiguous(v, "v");
+  check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q);
+  check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q);
+  TORCH_CHECK_VALUE(cu_seqlens_q.size(0) == cu_seqlens_k.size(0), "flashattn_ext: cu_seqlens_q has ",
+                    cu_seqlens_q.size(0), " elements but cu_seqlens_k has ", cu_seqlens_k.size(0),
+                    "; both must be (batch + 1,)");
+  check_max_seqlen(max_seqlen_q, "max_seqlen_q");
+  check_max_seqlen(max_seqlen_k, "max_seqlen_k");
+}
+
+int64_t check_cu_seqlens_values(const at::Tensor& cu_seqlens, const char* name, int64_t total, const char* tensor,
+                                int64_t max_seqlen, const char* max_name) {
+  TORCH_INTERNAL_ASSERT(cu_seqlens.device().is_cpu());
+  const int* cu = cu_seqlens.data_ptr<int>();
+  const int64_t n = cu_seqlens.size(0);
+  TORCH_CHECK_VALUE(cu[0] == 0, "flashattn_ext: ", name, " must start at 0, got ", cu[0]);
+  int64_t longest = 0;
+  for (int64_t i = 0; i + 1 < n; ++i) {
+    TORCH_CHECK_VALUE(cu[i + 1] >= cu[i], "flashattn_ext: ", name, " must be non-decreasing, got ", name, "[", i,
+                      "] = ", cu[i], " > ", name, "[", i + 1, "] = ", cu[i + 1]);
+    longest = std::max<int64_t>(longest, cu[i + 1] - cu[i]);
+  }
+  TORCH_CHECK_VALUE(cu[n - 1] == total, "flashattn_ext: ", name, " ends at ", cu[n - 1], " but ", tensor, " holds ",
+                    total, " tokens (its dimension 0); the last element of ", name,
+                    " must be the total number of tokens");
+  TORCH_CHECK_VALUE(max_seqlen >= longest, "flashattn_ext: ", max_name, "=", max_seqlen,
+                    " is smaller than the longest sequence of ", name, " (", longest,
+                    "); it must be at least the largest length");
+  return longest;
+}
+
+void check_varlen_bwd_extras(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out,
+                             const at::Tensor& lse) {
+  check_same_device(dout, "dout", q);
+  check_same_device(out, "out", q);
+  check_same_device(lse, "lse", q);
+  check_same_dtype(dout, "dout", q);
+  check_same_dtype(out, "out", q);
+  TORCH_CHECK_VALUE(dout.sizes() == q.sizes(), "flashattn_ext: dout has shape ", shape_str(dout), " but q has ",
+                    shape_str(q), "; dout must have the shape of the forward output");
+  TORCH_CHECK_VALUE(out.sizes() == q.sizes(), "flashattn_ext: out has shape ", shape_str(out), " but q has ",
+                    shape_str(q), "; pass the output of the forward");
+  TORCH_CHECK_TYPE(lse.scalar_type() == lse_dtype(q.scalar_type()), "flashattn_ext: lse has dtype ", lse.scalar_type(),
+                   ", expected ", lse_dtype(q.scalar_type()), "; pass the lse of the forward");
+  TORCH_CHECK_VALUE(lse.dim() == 2 && lse.size(0) == q.size(1) && lse.size(1) == q.size(0),
+                    "flashattn_ext: lse has shape ", shape_str(lse), ", expected (heads_q, total_q) = (", q.size(1),
+                    ", ", q.size(0), "); pass the lse of the forward");
+  TORCH_CHECK_VALUE(lse.is_contiguous(), "flashattn_ext: lse must be contiguous; pass the lse of the forward");
+  check_last_dim_contiguous(dout, "dout");
+  check_last_dim_contiguous(out, "out");
+}
+
+namespace {
+
+// The varlen fields over params filled from (1, total, heads, head_dim) views.
+void set_varlen(AttnFwdParams& p, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                int64_t max_seqlen_k) {
+  p.cu_seqlens_q = cu_seqlens_q.data_ptr<int>();
+  p.cu_seqlens_k = cu_seqlens_k.data_ptr<int>();
+  p.batch = static_cast<int>(cu_seqlens_q.size(0) - 1);
+  p.total_q = p.seqlen_q;  // the views' dimension 1
+  p.total_k = p.seqlen_k;
+  p.seqlen_q = static_cast<int>(max_seqlen_q);
+  p.seqlen_k = static_cast<int>(max_seqlen_k);
+  // Rows are located by cu_seqlens (SeqInfo), never by a batch index.
+  p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.o_batch_stride = 0;
+}
+
+}  // namespace
+
+AttnFwdParams make_varlen_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
+                                     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                                     double softmax_scale, const MaskParams& mask) {
+  AttnFwdParams p = make_fwd_params(q, k, v, out, lse, softmax_scale, mask);
+  set_varlen(p, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  return p;
+}
+
+AttnBwdParams make_varlen_bwd_params(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                                     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                     const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv,
+                                     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                     int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
+                                     const MaskParams& mask, bool deterministic) {
+  AttnBwdParams p = make_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, mask, deterministic);
+  set_varlen(p, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  p.do_batch_stride = p.dq_batch_stride = p.dk_batch_stride = p.dv_batch_stride = 0;
   return p;
 }
 

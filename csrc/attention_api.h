@@ -51,4 +51,38 @@ AttnBwdParams make_bwd_params(const at::Tensor& dout, const at::Tensor& q, const
                               const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dq, const at::Tensor& dk,
                               const at::Tensor& dv, double softmax_scale, const MaskParams& mask, bool deterministic);
 
+// ---------------------------------------------------------------------------
+// Variable-length batches (the varlen_* ops): q (total_q, heads_q, head_dim),
+// k, v (total_k, heads_kv, head_dim), cu_seqlens_q / cu_seqlens_k int32
+// (batch + 1,) on q's device, max_seqlen_q / max_seqlen_k the bounds the
+// kernels' grids are sized by.
+
+// Validates everything that needs no read of cu_seqlens' values: ranks,
+// dtypes, devices, sizes, strides (totals may be 0).
+void check_varlen_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+                      const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                      const BackendSpec& spec);
+
+// Validates the values of cu_seqlens (on the CPU only: reading device
+// memory would synchronise the host): 0 first, non-decreasing, the tensor's
+// total last, the bound at least the longest sequence. Returns the longest.
+int64_t check_cu_seqlens_values(const at::Tensor& cu_seqlens, const char* name, int64_t total, const char* tensor,
+                                int64_t max_seqlen, const char* max_name);
+
+// Validates dout, out and lse (heads_q, total_q) of the varlen backward against q.
+void check_varlen_bwd_extras(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out, const at::Tensor& lse);
+
+// Fills the params of a varlen batch from tensors given as (1, total, heads,
+// head_dim) views (so that the dense helpers apply) and lse (heads_q, total_q).
+AttnFwdParams make_varlen_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
+                                     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                                     double softmax_scale, const MaskParams& mask);
+AttnBwdParams make_varlen_bwd_params(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                                     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                     const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv,
+                                     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                     int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
+                                     const MaskParams& mask, bool deterministic);
+
 }  // namespace flashattn

@@ -1,6 +1,8 @@
 // Everything between the Python API and the backend kernels that is not a
 // backend: the autograd formula, the autocast kernels and the catch-all
-// kernels of the three ops (schema in csrc/ops.cpp).
+// kernels of the ops (schema in csrc/ops.cpp). The varlen_* ops mirror
+// attention / fwd / bwd one for one (their own node, VarlenFlashAttnBackward,
+// also saves cu_seqlens and the max_seqlen bounds).
 //
 // Autograd. flashattn_ext::attention is the differentiable op: its kernel on
 // the Autograd key runs fwd below autograd and, when an input requires grad,
@@ -60,6 +62,53 @@ using AttnSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::
 using BwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                               const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                               double, int64_t, int64_t, bool, bool);
+
+using VarlenFwdSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                        const at::Tensor&, const at::Tensor&, int64_t, int64_t, double,
+                                                        int64_t, int64_t, bool);
+using VarlenAttnSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                         const at::Tensor&, const at::Tensor&, int64_t, int64_t, double,
+                                                         int64_t, int64_t, bool, bool);
+using VarlenBwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                    const at::Tensor&, const at::Tensor&,
+                                                                    const at::Tensor&, const at::Tensor&,
+                                                                    const at::Tensor&, const at::Tensor&, int64_t,
+                                                                    int64_t, double, int64_t, int64_t, bool, bool);
+
+// The arguments the varlen ops share after the tensors they differ in.
+struct VarlenArgs {
+  at::Tensor cu_seqlens_q, cu_seqlens_k;
+  int64_t max_seqlen_q = 0, max_seqlen_k = 0;
+  double scale = 0;
+  int64_t window_left = -1, window_right = -1;
+  bool bottom_right = false;
+};
+
+std::tuple<at::Tensor, at::Tensor> call_varlen_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                   const VarlenArgs& a) {
+  static auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::varlen_fwd", "").typed<VarlenFwdSig>();
+  return op.call(q, k, v, a.cu_seqlens_q, a.cu_seqlens_k, a.max_seqlen_q, a.max_seqlen_k, a.scale, a.window_left,
+                 a.window_right, a.bottom_right);
+}
+
+std::tuple<at::Tensor, at::Tensor> call_varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                         const VarlenArgs& a, bool deterministic) {
+  static auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::varlen_attention", "").typed<VarlenAttnSig>();
+  return op.call(q, k, v, a.cu_seqlens_q, a.cu_seqlens_k, a.max_seqlen_q, a.max_seqlen_k, a.scale, a.window_left,
+                 a.window_right, a.bottom_right, deterministic);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> call_varlen_bwd(const at::Tensor& dout, const at::Tensor& q,
+                                                               const at::Tensor& k, const at::Tensor& v,
+                                                               const at::Tensor& out, const at::Tensor& lse,
+                                                               const VarlenArgs& a, bool deterministic) {
+  static auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::varlen_bwd", "").typed<VarlenBwdSig>();
+  return op.call(dout, q, k, v, out, lse, a.cu_seqlens_q, a.cu_seqlens_k, a.max_seqlen_q, a.max_seqlen_k, a.scale,
+                 a.window_left, a.window_right, a.bottom_right, deterministic);
+}
 
 std::tuple<at::Tensor, at::Tensor> call_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                                             int64_t window_left, int64_t window_right, bool bottom_right) {
@@ -198,6 +247,76 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& q, const
   return {out, lse};
 }
 
+// The backward of varlen_attention: as FlashAttnBackward, with cu_seqlens
+// (not differentiable, saved as plain tensors: they are int32) and the bounds.
+struct VarlenFlashAttnBackward : public Node {
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const at::Tensor& dout = grads[0];
+    if (!dout.defined()) return variable_list(3);
+    auto [dq, dk, dv] = call_varlen_bwd(unit_last_stride(dout), unit_last_stride(q_.unpack()),
+                                        unit_last_stride(k_.unpack()), unit_last_stride(v_.unpack()),
+                                        unit_last_stride(out_.unpack(getptr())), lse_.unpack(), args, deterministic);
+    return {dq, dk, dv};
+  }
+  std::string name() const override { return "VarlenFlashAttnBackward"; }
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    q_.reset_data();
+    k_.reset_data();
+    v_.reset_data();
+    out_.reset_data();
+    lse_.reset_data();
+    args.cu_seqlens_q.reset();
+    args.cu_seqlens_k.reset();
+  }
+
+  SavedVariable q_, k_, v_, out_, lse_;
+  VarlenArgs args;
+  bool deterministic = false;
+};
+
+VarlenArgs varlen_args(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                       int64_t max_seqlen_k, double scale, int64_t window_left, int64_t window_right,
+                       bool bottom_right) {
+  return {cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left, window_right, bottom_right};
+}
+
+// Below autograd: the kernels take a unit head_dim stride (copied only when not so).
+std::tuple<at::Tensor, at::Tensor> varlen_attention_below_autograd(const at::Tensor& q, const at::Tensor& k,
+                                                                   const at::Tensor& v, const VarlenArgs& a) {
+  return call_varlen_fwd(kernel_layout(q, false), kernel_layout(k, false), kernel_layout(v, false), a);
+}
+
+std::tuple<at::Tensor, at::Tensor> varlen_attention_autograd(const at::Tensor& q, const at::Tensor& k,
+                                                             const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+                                                             const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                                                             int64_t max_seqlen_k, double scale, int64_t window_left,
+                                                             int64_t window_right, bool bottom_right,
+                                                             bool deterministic) {
+  check_no_forward_ad("varlen_attention", q, k, v);
+  const VarlenArgs args = varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
+                                      window_right, bottom_right);
+  at::Tensor out, lse;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    std::tie(out, lse) = varlen_attention_below_autograd(q, k, v, args);
+  }
+  if (torch::autograd::compute_requires_grad(q, k, v)) {
+    auto node = make_node<VarlenFlashAttnBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(q, k, v));
+    node->q_ = SavedVariable(q, false);
+    node->k_ = SavedVariable(k, false);
+    node->v_ = SavedVariable(v, false);
+    node->args = args;
+    node->deterministic = deterministic;
+    torch::autograd::set_history(out, node);  // lse: no history (see attention_autograd)
+    node->out_ = SavedVariable(out, true);
+    node->lse_ = SavedVariable(lse, false);
+  }
+  return {out, lse};
+}
+
 // Outputs of a non-differentiable op get an Error node when an input requires
 // grad: the backward through them raises `message`.
 template <typename... Tensors>
@@ -249,6 +368,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_autograd(const at::Tensor& do
   return {dq, dk, dv};
 }
 
+std::tuple<at::Tensor, at::Tensor> varlen_fwd_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                       const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                                       int64_t max_seqlen_q, int64_t max_seqlen_k, double scale,
+                                                       int64_t window_left, int64_t window_right, bool bottom_right) {
+  check_no_forward_ad("varlen_fwd", q, k, v);
+  at::Tensor out, lse;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    std::tie(out, lse) = call_varlen_fwd(q, k, v,
+                                         varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                                                     window_left, window_right, bottom_right));
+  }
+  attach_error({out}, kFwdNotDifferentiable, q, k, v);
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_autograd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, double scale, int64_t window_left, int64_t window_right, bool bottom_right,
+    bool deterministic) {
+  check_no_forward_ad("varlen_bwd", dout, q, k, v, out, lse);
+  at::Tensor dq, dk, dv;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    std::tie(dq, dk, dv) = call_varlen_bwd(dout, q, k, v, out, lse,
+                                           varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                                                       window_left, window_right, bottom_right),
+                                           deterministic);
+  }
+  attach_error({dq, dk, dv}, kNoDoubleBackward, dout, q, k, v, out, lse);
+  return {dq, dk, dv};
+}
+
 // ---------------------------------------------------------------------------
 // Autocast
 
@@ -275,6 +428,31 @@ std::tuple<at::Tensor, at::Tensor> fwd_autocast(const at::Tensor& q, const at::T
                   window_left, window_right, bottom_right);
 }
 
+template <c10::DeviceType device_type>
+std::tuple<at::Tensor, at::Tensor> varlen_attention_autocast(const at::Tensor& q, const at::Tensor& k,
+                                                             const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+                                                             const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                                                             int64_t max_seqlen_k, double scale, int64_t window_left,
+                                                             int64_t window_right, bool bottom_right,
+                                                             bool deterministic) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
+  return call_varlen_attention(autocast_arg<device_type>(q), autocast_arg<device_type>(k), autocast_arg<device_type>(v),
+                               varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
+                                           window_right, bottom_right),
+                               deterministic);
+}
+
+template <c10::DeviceType device_type>
+std::tuple<at::Tensor, at::Tensor> varlen_fwd_autocast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                       const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                                       int64_t max_seqlen_q, int64_t max_seqlen_k, double scale,
+                                                       int64_t window_left, int64_t window_right, bool bottom_right) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
+  return call_varlen_fwd(autocast_arg<device_type>(q), autocast_arg<device_type>(k), autocast_arg<device_type>(v),
+                         varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
+                                     window_right, bottom_right));
+}
+
 // ---------------------------------------------------------------------------
 // Catch-all kernels
 
@@ -297,26 +475,71 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_unsupported(const at::Tensor&
   flashattn::reject_backend({{&q, "q"}, {&k, "k"}, {&v, "v"}, {&dout, "dout"}, {&out, "out"}, {&lse, "lse"}});
 }
 
+std::tuple<at::Tensor, at::Tensor> varlen_attention_composite(const at::Tensor& q, const at::Tensor& k,
+                                                              const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+                                                              const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                                                              int64_t max_seqlen_k, double scale, int64_t window_left,
+                                                              int64_t window_right, bool bottom_right,
+                                                              bool /*deterministic: for the backward*/) {
+  return varlen_attention_below_autograd(q, k, v,
+                                         varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                                                     window_left, window_right, bottom_right));
+}
+
+std::tuple<at::Tensor, at::Tensor> varlen_fwd_unsupported(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                          const at::Tensor& cu_seqlens_q,
+                                                          const at::Tensor& cu_seqlens_k, int64_t, int64_t, double,
+                                                          int64_t, int64_t, bool) {
+  flashattn::reject_backend(
+      {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&cu_seqlens_q, "cu_seqlens_q"}, {&cu_seqlens_k, "cu_seqlens_k"}});
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_unsupported(const at::Tensor& dout, const at::Tensor& q,
+                                                                      const at::Tensor& k, const at::Tensor& v,
+                                                                      const at::Tensor& out, const at::Tensor& lse,
+                                                                      const at::Tensor& cu_seqlens_q,
+                                                                      const at::Tensor& cu_seqlens_k, int64_t, int64_t,
+                                                                      double, int64_t, int64_t, bool, bool) {
+  flashattn::reject_backend({{&q, "q"},
+                             {&k, "k"},
+                             {&v, "v"},
+                             {&dout, "dout"},
+                             {&out, "out"},
+                             {&lse, "lse"},
+                             {&cu_seqlens_q, "cu_seqlens_q"},
+                             {&cu_seqlens_k, "cu_seqlens_k"}});
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flashattn_ext, Autograd, m) {
   m.impl("attention", &attention_autograd);
   m.impl("fwd", &fwd_autograd);
   m.impl("bwd", &bwd_autograd);
+  m.impl("varlen_attention", &varlen_attention_autograd);
+  m.impl("varlen_fwd", &varlen_fwd_autograd);
+  m.impl("varlen_bwd", &varlen_bwd_autograd);
 }
 
 TORCH_LIBRARY_IMPL(flashattn_ext, AutocastCPU, m) {
   m.impl("attention", &attention_autocast<c10::DeviceType::CPU>);
   m.impl("fwd", &fwd_autocast<c10::DeviceType::CPU>);
+  m.impl("varlen_attention", &varlen_attention_autocast<c10::DeviceType::CPU>);
+  m.impl("varlen_fwd", &varlen_fwd_autocast<c10::DeviceType::CPU>);
 }
 
 TORCH_LIBRARY_IMPL(flashattn_ext, AutocastCUDA, m) {
   m.impl("attention", &attention_autocast<c10::DeviceType::CUDA>);
   m.impl("fwd", &fwd_autocast<c10::DeviceType::CUDA>);
+  m.impl("varlen_attention", &varlen_attention_autocast<c10::DeviceType::CUDA>);
+  m.impl("varlen_fwd", &varlen_fwd_autocast<c10::DeviceType::CUDA>);
 }
 
 TORCH_LIBRARY_IMPL(flashattn_ext, CompositeExplicitAutograd, m) {
   m.impl("attention", &attention_composite);
   m.impl("fwd", &fwd_unsupported);
   m.impl("bwd", &bwd_unsupported);
+  m.impl("varlen_attention", &varlen_attention_composite);
+  m.impl("varlen_fwd", &varlen_fwd_unsupported);
+  m.impl("varlen_bwd", &varlen_bwd_unsupported);
 }

@@ -11,6 +11,12 @@
 //   q, o, dq, do : (batch, seqlen_q, heads_q,  head_dim)
 //   k, v, dk, dv : (batch, seqlen_k, heads_kv, head_dim)
 //   lse, dsum    : (batch, heads_q, seqlen_q)  float32 (float64 for float64 inputs), contiguous
+// Variable-length batches (is_varlen(), flash_attn_varlen_func) pack the
+// sequences along the rows instead, FA2's layout:
+//   q, o, dq, do : (total_q, heads_q,  head_dim)   sequence b is rows [cu_seqlens_q[b], cu_seqlens_q[b + 1])
+//   k, v, dk, dv : (total_k, heads_kv, head_dim)   likewise with cu_seqlens_k
+//   lse, dsum    : (heads_q, total_q)
+// Kernels find a sequence's rows, lengths and diagonal through SeqInfo below.
 #pragma once
 
 #include <cstdint>
@@ -37,6 +43,9 @@ struct MaskParams {
   int window_left = -1;   // -1: unbounded
   int window_right = -1;  // -1: unbounded; 0: causal
   int diag_offset = 0;
+  // Varlen batches have one diagonal per sequence: seqlen_k_b - seqlen_q_b
+  // when bottom_right, else 0 (SeqInfo computes it; diag_offset is unused).
+  bool bottom_right = false;
 };
 
 struct AttnFwdParams {
@@ -84,7 +93,21 @@ struct AttnFwdParams {
   // at d64/d128 causal in the A/B of benchmarks/NOTES.md).
   bool fwd_boustrophedon = false;
 
+  // Variable-length batches (FA2's varlen layout, see the top of this file):
+  // int32 arrays of batch + 1 cumulative lengths, on the device of the
+  // tensors (host memory for the CPU kernels), read by the kernels
+  // themselves; nullptr for a dense batch. seqlen_q / seqlen_k then hold
+  // max_seqlen_q / max_seqlen_k, the bounds the grids are sized by (CTAs past
+  // the end of their sequence exit), and every batch stride is 0.
+  const int* cu_seqlens_q = nullptr;
+  const int* cu_seqlens_k = nullptr;
+  int total_q = 0, total_k = 0;  // rows of the packed tensors
+
   FLASHATTN_HOST_DEVICE int heads_ratio() const { return heads_q / heads_kv; }
+  // The one test the dispatch asks before it picks a kernel: a kernel that
+  // does not go through SeqInfo (the warp-specialized TMA forward, whose 4-D
+  // tensor maps cannot describe packed rows) must not run a varlen batch.
+  FLASHATTN_HOST_DEVICE bool is_varlen() const { return cu_seqlens_q != nullptr; }
 };
 
 struct AttnBwdParams : AttnFwdParams {
@@ -101,8 +124,11 @@ struct AttnBwdParams : AttnFwdParams {
   index_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
 
   // Workspace owned by the binding layer (CUDA only; nullptr on the CPU):
-  //   dsum     : rowsum(dO * O), (batch, heads_q, seqlen_q) float32
-  //   dq_accum : float32 accumulator for dq, (batch, seqlen_q_rounded, heads_q, head_dim_rounded)
+  //   dsum     : rowsum(dO * O), (batch, heads_q, seqlen_q) float32; varlen (heads_q, total_q)
+  //   dq_accum : float32 accumulator for dq, (batch, heads_q, seqlen_q_rounded, head_dim_rounded);
+  //              varlen (heads_q, total_q + batch * kBwdBlockM, head_dim_rounded), sequence b
+  //              from row cu_seqlens_q[b] + b * kBwdBlockM, so that the atomics of its last,
+  //              partial query block land on padding rows of its own, not on the next sequence
   void* dsum_ptr = nullptr;
   void* dq_accum_ptr = nullptr;
   index_t dq_accum_batch_stride = 0, dq_accum_row_stride = 0, dq_accum_head_stride = 0;
@@ -113,6 +139,58 @@ struct AttnBwdParams : AttnFwdParams {
   // 64-query block), zeroed, counting the key blocks whose dQ is added
   // (the adds go in a fixed order). nullptr otherwise.
   int* dq_semaphore_ptr = nullptr;
+};
+
+// One sequence b of a batch as the kernels see it (FA2's BlockInfo): where
+// its rows start, its lengths and its diagonal. Dense batches: every sequence
+// is seqlen_q x seqlen_k and starts at row 0 of batch entry b. Varlen: read
+// from cu_seqlens, then clamped to the packed tensors and to the max_seqlen
+// bounds, so that any values (the CUDA path cannot check them without a host
+// synchronisation) keep every access inside the tensors.
+struct SeqInfo {
+  int q_start = 0, k_start = 0;  // first row of the sequence in the packed tensors (int: fewer registers)
+  int seqlen_q = 0, seqlen_k = 0;
+  int diag_offset = 0;
+  bool varlen = false;
+
+  FLASHATTN_HOST_DEVICE SeqInfo(const AttnFwdParams& p, int b) : SeqInfo(p, b, p.is_varlen()) {}
+
+  // `varlen` must equal p.is_varlen(). The hot CUDA kernels compile their body
+  // once for each value and pass it as a constant: the dense body then holds
+  // the params' constants here and no varlen state in registers.
+  FLASHATTN_HOST_DEVICE SeqInfo(const AttnFwdParams& p, int b, bool varlen_) : varlen(varlen_) {
+    if (!varlen) {
+      seqlen_q = p.seqlen_q;
+      seqlen_k = p.seqlen_k;
+      diag_offset = p.mask.diag_offset;
+      return;
+    }
+    rows_of(p.cu_seqlens_q, b, p.total_q, p.seqlen_q, q_start, seqlen_q);
+    rows_of(p.cu_seqlens_k, b, p.total_k, p.seqlen_k, k_start, seqlen_k);
+    diag_offset = p.mask.bottom_right ? seqlen_k - seqlen_q : 0;
+  }
+
+  // Element offset of row 0 of sequence b in a q-like (k-like) tensor: the
+  // batch stride is 0 in a varlen batch and the start row 0 in a dense one.
+  FLASHATTN_HOST_DEVICE int64_t q_offset(int64_t batch_stride, int64_t row_stride, int b) const {
+    return varlen ? int64_t(q_start) * row_stride : b * batch_stride;
+  }
+  FLASHATTN_HOST_DEVICE int64_t k_offset(int64_t batch_stride, int64_t row_stride, int b) const {
+    return varlen ? int64_t(k_start) * row_stride : b * batch_stride;
+  }
+  // Index of (b, h, row 0) in lse or dsum: (batch, heads_q, seqlen_q), or (heads_q, total_q) when varlen.
+  FLASHATTN_HOST_DEVICE int64_t rowvec_offset(const AttnFwdParams& p, int b, int h) const {
+    return varlen ? int64_t(h) * p.total_q + q_start : (int64_t(b) * p.heads_q + h) * p.seqlen_q;
+  }
+
+ private:
+  FLASHATTN_HOST_DEVICE static void rows_of(const int* cu, int b, int total, int max_len, int& start, int& len) {
+    int begin = cu[b], end = cu[b + 1];
+    begin = begin < 0 ? 0 : (begin > total ? total : begin);
+    end = end < begin ? begin : (end > total ? total : end);
+    start = begin;
+    len = end - begin < max_len ? end - begin : max_len;
+  }
 };
 
 }  // namespace flashattn

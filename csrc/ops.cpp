@@ -72,6 +72,30 @@ TORCH_LIBRARY(flashattn_ext, m) {
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float softmax_scale, "
       "int window_left, int window_right, bool bottom_right, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
+  // Variable-length batches (flash_attn_varlen_func), FlashAttention-2's varlen
+  // layout: the sequences packed along dimension 0, q (total_q, heads_q,
+  // head_dim), k, v (total_k, heads_kv, head_dim); cu_seqlens_q / cu_seqlens_k
+  // int32 (batch + 1,) cumulative lengths on q's device, read by the kernels
+  // (sequence b is rows cu[b]:cu[b + 1]); max_seqlen_q / max_seqlen_k bound the
+  // lengths (they size the kernels' grids). bottom_right aligns each
+  // sequence's diagonal to its own last key. Returns out with q's shape and lse
+  // (heads_q, total_q). The CUDA kernels do not check cu_seqlens' values (that
+  // would synchronise the host; they clamp them to the tensors instead); the
+  // CPU kernels do. varlen_attention is the differentiable op (autograd
+  // formula in csrc/autograd.cpp, any strides: a strided head_dim is copied);
+  // varlen_fwd and varlen_bwd are the kernels, as fwd and bwd.
+  m.def(
+      "varlen_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
+      "int max_seqlen_k, float softmax_scale, int window_left, int window_right, bool bottom_right, "
+      "bool deterministic) -> (Tensor out, Tensor lse)");
+  m.def(
+      "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
+      "int max_seqlen_k, float softmax_scale, int window_left, int window_right, bool bottom_right) "
+      "-> (Tensor out, Tensor lse)");
+  m.def(
+      "varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, "
+      "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, int window_left, "
+      "int window_right, bool bottom_right, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
   // What this build holds, as "key=value;..." (cuda, archs, head dims).
   m.def("build_info() -> str", []() -> std::string { return build_info(); });
 }

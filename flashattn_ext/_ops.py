@@ -319,3 +319,233 @@ def _bwd_vmap(info, in_dims, dout, q, k, v, out, lse, *scalars):
     tensors[5] = tensors[5].contiguous()
     dq, dk, dv = bwd(*tensors, *scalars)
     return (_unfold(dq, n), _unfold(dk, n), _unfold(dv, n)), (0, 0, 0)
+
+
+# ----------------------------------------------------------------------------- varlen ops
+# varlen_attention / varlen_fwd / varlen_bwd (csrc/ops.cpp): q (total_q, heads_q,
+# head_dim), k, v (total_k, heads_kv, head_dim), cu_seqlens int32 (batch + 1,),
+# lse (heads_q, total_q). The fake kernels check what csrc/attention_api.cpp
+# check_varlen_qkv checks (same order, same words); the values of cu_seqlens
+# are not read here (the CPU kernels check them, the CUDA kernels cannot).
+
+varlen_attention = torch.ops.flashattn_ext.varlen_attention.default  # differentiable
+varlen_fwd = torch.ops.flashattn_ext.varlen_fwd.default
+varlen_bwd = torch.ops.flashattn_ext.varlen_bwd.default
+
+
+def _rank3(t, name, layout):
+    if t.dim() != 3:
+        raise ValueError(
+            f"flashattn_ext: {name} must have 3 dimensions {layout} (the sequences packed along dimension 0), "
+            f"got shape {_sizes(t)}"
+        )
+
+
+def _cu_seqlens(cu, name, q):
+    if cu.dtype != torch.int32:
+        raise TypeError(
+            f"flashattn_ext: {name} must have dtype int32, got {_c10(cu.dtype)}; pass {name}.to(torch.int32)"
+        )
+    if cu.dim() != 1:
+        raise ValueError(f"flashattn_ext: {name} must be 1-D (batch + 1,), got shape {_sizes(cu)}")
+    if cu.shape[0] < 2:
+        raise ValueError(
+            f"flashattn_ext: {name} must have batch + 1 >= 2 elements (0, then the end of each sequence), got {cu.shape[0]}"
+        )
+    if cu.device != q.device:
+        raise ValueError(f"flashattn_ext: {name} is on {cu.device} but q is on {q.device}; move it to q's device")
+    if not cu.is_contiguous():
+        raise ValueError(f"flashattn_ext: {name} must be contiguous; pass {name}.contiguous()")
+
+
+def _max_seqlen(m, name):
+    if not 0 <= m <= _INT_MAX:
+        raise ValueError(f"flashattn_ext: {name} must be in [0, 2^31 - 1] (a bound on the sequence lengths), got {m}")
+
+
+def check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, unit_stride=True):
+    """csrc/attention_api.cpp check_varlen_qkv."""
+    _rank3(q, "q", "(total_q, heads_q, head_dim)")
+    _rank3(k, "k", "(total_k, heads_kv, head_dim)")
+    _rank3(v, "v", "(total_k, heads_kv, head_dim)")
+    _same_device(k, "k", q)
+    _same_device(v, "v", q)
+    _same_dtype(k, "k", q)
+    _same_dtype(v, "v", q)
+    backend = q.device.type
+    dtypes = _KERNEL_DTYPES.get(backend, _KERNEL_DTYPES["cpu"])
+    if q.dtype not in dtypes:
+        name = {"cpu": "CPU", "cuda": "CUDA"}.get(backend, backend)
+        hint = _CUDA_DTYPE_HINT if backend == "cuda" else ""
+        raise TypeError(
+            f"flashattn_ext: q has dtype {_c10(q.dtype)}, which the {name} kernels do not support; use one of "
+            f"{', '.join(_c10(d) for d in dtypes)}{hint}"
+        )
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        if t.shape[1] <= 0 or t.shape[2] <= 0:
+            raise ValueError(f"flashattn_ext: {name} has shape {_sizes(t)}; heads and head_dim must be at least 1")
+    _fits_int(q, "q")
+    _fits_int(k, "k")
+    head_dim = q.shape[2]
+    if k.shape[2] != head_dim or v.shape[2] != head_dim:
+        raise ValueError(
+            f"flashattn_ext: head_dim differs: q {head_dim}, k {k.shape[2]}, v {v.shape[2]}; q, k and v must share "
+            "dimension 2"
+        )
+    if head_dim > _MAX_HEAD_DIM:
+        raise ValueError(
+            f"flashattn_ext: head_dim {head_dim} is larger than {_MAX_HEAD_DIM}, the largest the kernels support; "
+            "split the heads or use torch's attention"
+        )
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(
+            f"flashattn_ext: v has {v.shape[0]} tokens but k has {k.shape[0]}; k and v must share dimension 0 (total_k)"
+        )
+    if v.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"flashattn_ext: v has {v.shape[1]} heads but k has {k.shape[1]}; k and v must share dimension 1 (heads_kv)"
+        )
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(
+            f"flashattn_ext: q has {q.shape[1]} heads, not a multiple of the {k.shape[1]} heads of k and v; for "
+            "GQA/MQA the key/value heads must divide the query heads"
+        )
+    if unit_stride:
+        _last_dim_contiguous(q, "q")
+        _last_dim_contiguous(k, "k")
+        _last_dim_contiguous(v, "v")
+    _cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q)
+    _cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q)
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+        raise ValueError(
+            f"flashattn_ext: cu_seqlens_q has {cu_seqlens_q.shape[0]} elements but cu_seqlens_k has "
+            f"{cu_seqlens_k.shape[0]}; both must be (batch + 1,)"
+        )
+    _max_seqlen(max_seqlen_q, "max_seqlen_q")
+    _max_seqlen(max_seqlen_k, "max_seqlen_k")
+    if backend == "cuda":
+        from .interface import _BUILD
+
+        if head_dim > max(_BUILD["head_dims"], default=0):
+            raise ValueError(
+                f"flashattn_ext: no CUDA kernel for head_dim {head_dim} in this build (compiled head dims: "
+                f"{','.join(str(d) for d in _BUILD['head_dims'])}); rebuild with FLASHATTN_HEAD_DIMS including a head "
+                f"dim >= {head_dim}"
+            )
+
+
+def check_varlen_bwd_extras(dout, q, out, lse):
+    """csrc/attention_api.cpp check_varlen_bwd_extras."""
+    _same_device(dout, "dout", q)
+    _same_device(out, "out", q)
+    _same_device(lse, "lse", q)
+    _same_dtype(dout, "dout", q)
+    _same_dtype(out, "out", q)
+    if dout.shape != q.shape:
+        raise ValueError(
+            f"flashattn_ext: dout has shape {_sizes(dout)} but q has {_sizes(q)}; dout must have the shape of the forward output"
+        )
+    if out.shape != q.shape:
+        raise ValueError(
+            f"flashattn_ext: out has shape {_sizes(out)} but q has {_sizes(q)}; pass the output of the forward"
+        )
+    if lse.dtype != _lse_dtype(q.dtype):
+        raise TypeError(
+            f"flashattn_ext: lse has dtype {_c10(lse.dtype)}, expected {_c10(_lse_dtype(q.dtype))}; pass the lse of the forward"
+        )
+    if lse.dim() != 2 or lse.shape[0] != q.shape[1] or lse.shape[1] != q.shape[0]:
+        raise ValueError(
+            f"flashattn_ext: lse has shape {_sizes(lse)}, expected (heads_q, total_q) = ({q.shape[1]}, {q.shape[0]}); "
+            "pass the lse of the forward"
+        )
+    if not lse.is_contiguous():
+        raise ValueError("flashattn_ext: lse must be contiguous; pass the lse of the forward")
+    _last_dim_contiguous(dout, "dout")
+    _last_dim_contiguous(out, "out")
+
+
+def _varlen_fwd_fake_impl(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, unit_stride):
+    check_varlen_qkv(q, k, v, cu_q, cu_k, max_q, max_k, unit_stride)
+    check_scalars(softmax_scale, window_left, window_right)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q.dtype), device=q.device)
+    return out, lse
+
+
+@torch.library.register_fake("flashattn_ext::varlen_fwd")
+def _varlen_fwd_fake(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, bottom_right):
+    return _varlen_fwd_fake_impl(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, True)
+
+
+@torch.library.register_fake("flashattn_ext::varlen_attention")
+def _varlen_attention_fake(
+    q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, bottom_right, deterministic
+):
+    return _varlen_fwd_fake_impl(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, False)
+
+
+@torch.library.register_fake("flashattn_ext::varlen_bwd")
+def _varlen_bwd_fake(
+    dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, bottom_right, det
+):
+    check_varlen_qkv(q, k, v, cu_q, cu_k, max_q, max_k)
+    check_varlen_bwd_extras(dout, q, out, lse)
+    check_scalars(softmax_scale, window_left, window_right)
+    return (
+        torch.empty(q.shape, dtype=q.dtype, device=q.device),
+        torch.empty(k.shape, dtype=k.dtype, device=k.device),
+        torch.empty(v.shape, dtype=v.dtype, device=v.device),
+    )
+
+
+# vmap: the sequences of every vmapped instance are the same (cu_seqlens is not
+# batched), so the vmapped dimension is folded into the heads: q (n, total_q,
+# heads_q, d) becomes (total_q, n * heads_q, d). GQA survives the fold: folded q
+# head i * heads_q + j reads kv head (i * heads_q + j) // ratio = i * heads_kv + j // ratio.
+
+
+def _fold_heads(x, bdim, size):
+    x = x.unsqueeze(0).expand(size, *x.shape) if bdim is None else x.movedim(bdim, 0)
+    return unit_last_stride(x.movedim(0, 1).reshape(x.shape[1], size * x.shape[2], *x.shape[3:]))
+
+
+def _unfold_heads(x, size):
+    return x.unflatten(1, (size, x.shape[1] // size)).movedim(1, 0)
+
+
+def _unbatched_cu_seqlens(op, cu_dims):
+    if any(d is not None for d in cu_dims):
+        raise NotImplementedError(
+            f"flashattn_ext::{op}: vmap over cu_seqlens is not supported (the vmapped instances must share their "
+            "sequence lengths); loop over them, or pack them into one varlen batch"
+        )
+
+
+def _varlen_fwd_vmap_impl(op, name, info, in_dims, q, k, v, cu_q, cu_k, *scalars):
+    _unbatched_cu_seqlens(name, in_dims[3:5])
+    n = info.batch_size
+    q, k, v = (_fold_heads(x, d, n) for x, d in zip((q, k, v), in_dims[:3]))
+    out, lse = op(q, k, v, cu_q, cu_k, *scalars)
+    return (_unfold_heads(out, n), lse.unflatten(0, (n, lse.shape[0] // n))), (0, 0)
+
+
+@torch.library.register_vmap("flashattn_ext::varlen_attention")
+def _varlen_attention_vmap(info, in_dims, q, k, v, cu_q, cu_k, *scalars):
+    return _varlen_fwd_vmap_impl(varlen_attention, "varlen_attention", info, in_dims, q, k, v, cu_q, cu_k, *scalars)
+
+
+@torch.library.register_vmap("flashattn_ext::varlen_fwd")
+def _varlen_fwd_vmap(info, in_dims, q, k, v, cu_q, cu_k, *scalars):
+    return _varlen_fwd_vmap_impl(varlen_fwd, "varlen_fwd", info, in_dims, q, k, v, cu_q, cu_k, *scalars)
+
+
+@torch.library.register_vmap("flashattn_ext::varlen_bwd")
+def _varlen_bwd_vmap(info, in_dims, dout, q, k, v, out, lse, cu_q, cu_k, *scalars):
+    _unbatched_cu_seqlens("varlen_bwd", in_dims[6:8])
+    n = info.batch_size
+    dout, q, k, v, out = (_fold_heads(x, d, n) for x, d in zip((dout, q, k, v, out), in_dims[:5]))
+    # lse (n, heads_q, total_q) -> (n * heads_q, total_q), contiguous.
+    lse = lse.unsqueeze(0).expand(n, *lse.shape) if in_dims[5] is None else lse.movedim(in_dims[5], 0)
+    lse = lse.reshape(n * lse.shape[1], lse.shape[2]).contiguous()
+    dq, dk, dv = varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, *scalars)
+    return (_unfold_heads(dq, n), _unfold_heads(dk, n), _unfold_heads(dv, n)), (0, 0, 0)

@@ -181,7 +181,7 @@ def _reject_nested(names: tuple, values: tuple) -> None:
         if t.is_nested:
             raise TypeError(
                 f"flash_attn_func: {name} is a nested tensor; the kernels take dense (batch, seqlen, heads, head_dim) "
-                "tensors of one shape: pad the batch (varlen batches are not supported yet)"
+                "tensors of one shape: pad the batch, or pack it for flash_attn_varlen_func"
             )
 
 
@@ -583,13 +583,12 @@ def scaled_dot_product_attention(
 # Packed and variable-length forms of flash_attn_func (flash-attn's
 # flash_attn_{qkv,kv}packed_func and flash_attn_varlen{,_qkvpacked,_kvpacked}_func).
 #
-# The varlen functions are, for now, a loop over the sequences: cu_seqlens is
-# read to the host (one device synchronisation per call), each sequence is a
-# (1, len, heads, head_dim) view of the packed tensors (torch.split: no copy,
-# and its backward is one concatenation), the differentiable op runs on it
-# (one kernel launch per sequence, autograd gives the backward) and the outputs
-# are concatenated. A fused varlen kernel reading cu_seqlens on the device is
-# the next step (issue #10).
+# The varlen functions make one call of the varlen_attention op: the kernels
+# read cu_seqlens on the device (FlashAttention-2's varlen kernels), forward
+# and backward, with no host synchronisation. Nothing here reads cu_seqlens'
+# values: the CPU kernels check them (host memory, free to read); the CUDA
+# kernels cannot without a synchronisation and do not, as flash-attn's
+# (README, "Variable-length batches").
 
 
 def _common_args(
@@ -640,10 +639,9 @@ def _common_args(
     return p, scale, window_left, window_right, deterministic, return_lse
 
 
-def _check_cu_seqlens(fn, name, cu, total, q, max_name, max_seqlen):
-    """cu_seqlens: int32, 1-D, (batch + 1,), 0 first, non-decreasing, total last,
-    on q's device; max_seqlen at least its largest length. Returns the lengths
-    (a host list: this reads the tensor, a device synchronisation on CUDA)."""
+def _check_cu_seqlens(fn, name, cu, q, max_name, max_seqlen):
+    """cu_seqlens: int32, 1-D, (batch + 1,), on q's device; max_seqlen an int.
+    Only what needs no read of the values (that would synchronise on CUDA)."""
     if not isinstance(cu, Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor of dtype int32, got {_type_name(cu)}")
     if cu.dtype != torch.int32:
@@ -656,28 +654,9 @@ def _check_cu_seqlens(fn, name, cu, total, q, max_name, max_seqlen):
         )
     if cu.device != q.device:
         raise ValueError(f"{fn}: {name} is on {cu.device} but q is on {q.device}; move it to q's device")
-    bounds = cu.tolist()  # the host sync
-    if bounds[0] != 0:
-        raise ValueError(f"{fn}: {name} must start at 0, got {bounds[0]}")
-    lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    if min(lens) < 0:
-        i = next(i for i, n in enumerate(lens) if n < 0)
-        raise ValueError(
-            f"{fn}: {name} must be non-decreasing, got {name}[{i}] = {bounds[i]} > {name}[{i + 1}] = {bounds[i + 1]}"
-        )
-    if bounds[-1] != total:
-        raise ValueError(
-            f"{fn}: {name} ends at {bounds[-1]} but the packed tensor holds {total} tokens (its dimension 0); "
-            f"the last element of {name} must be the total number of tokens"
-        )
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral):
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, (numbers.Integral, torch.SymInt)):
         raise TypeError(f"{fn}: {max_name} must be an int, got {_type_name(max_seqlen)} {max_seqlen!r}")
-    if max_seqlen < max(lens):
-        raise ValueError(
-            f"{fn}: {max_name}={max_seqlen} is smaller than the longest sequence of {name} ({max(lens)}); "
-            f"it must be at least the largest length"
-        )
-    return lens
+    return int(max_seqlen) if isinstance(max_seqlen, numbers.Integral) else max_seqlen
 
 
 def _check_varlen_qkv(fn, q, k, v):
@@ -704,13 +683,7 @@ def _check_varlen_qkv(fn, q, k, v):
             f"{fn}: q has {q.shape[1]} heads, not a multiple of the {k.shape[1]} heads of k and v; for "
             "GQA/MQA the key/value heads must divide the query heads"
         )
-
-    # The kernels' own checks (device, dtype, head_dim range, ...), on one-token
-    # views, so that they hold even when no sequence reaches the op.
-    def probe(x):
-        return (x[:1] if x.shape[0] else x.new_empty((1, *x.shape[1:]))).unsqueeze(0)
-
-    _ops.check_qkv(probe(q), probe(k), probe(v), unit_stride=False)
+    # The rest (device, dtype, head_dim range, ...) is the op's own check.
 
 
 def flash_attn_varlen_func(
@@ -747,8 +720,12 @@ def flash_attn_varlen_func(
     ``return_lse=True``, lse (heads_q, total_q) in float32 (float64 for float64),
     flash-attn's varlen layout.
 
-    Current implementation: cu_seqlens is read to the host (a device
-    synchronisation) and the kernels run once per sequence (one launch each).
+    One call of the kernels for the whole batch, which read cu_seqlens on the
+    device: no host synchronisation (and no graph break under torch.compile).
+    The values of cu_seqlens and the max_seqlen bounds are checked on the CPU
+    only; on CUDA, as in flash-attn, they are trusted (reading them would
+    synchronise): wrong values give wrong rows (never an access outside the
+    tensors), a max_seqlen below a sequence's length cuts that sequence.
     Not supported: softcap, alibi_slopes, return_attn_probs, block_table (paged
     KV) raise NotImplementedError. dropout_p > 0 is computed per sequence by
     torch's scaled_dot_product_attention, as ``flash_attn_func`` does (one-time
@@ -771,41 +748,43 @@ def flash_attn_varlen_func(
         return_attn_probs,
         return_lse,
     )
-    lens_q = _check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, q.shape[0], q, "max_seqlen_q", max_seqlen_q)
-    lens_k = _check_cu_seqlens(fn, "cu_seqlens_k", cu_seqlens_k, k.shape[0], q, "max_seqlen_k", max_seqlen_k)
-    if len(lens_q) != len(lens_k):
+    max_q = _check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, q, "max_seqlen_q", max_seqlen_q)
+    max_k = _check_cu_seqlens(fn, "cu_seqlens_k", cu_seqlens_k, q, "max_seqlen_k", max_seqlen_k)
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
         raise ValueError(
-            f"{fn}: cu_seqlens_q has {len(lens_q) + 1} elements but cu_seqlens_k has {len(lens_k) + 1}; "
+            f"{fn}: cu_seqlens_q has {cu_seqlens_q.shape[0]} elements but cu_seqlens_k has {cu_seqlens_k.shape[0]}; "
             "both must be (batch + 1,)"
         )
-    # One copy of a strided head_dim for the whole batch, not one per sequence.
-    q, k, v = _ops.unit_last_stride(q), _ops.unit_last_stride(k), _ops.unit_last_stride(v)
+    if p > 0.0:
+        return _varlen_dropout_fallback(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, p, scale, wl, wr, return_lse)
+    # The op takes any strides (it copies a strided head_dim, nothing else).
+    out, lse = _ops.varlen_attention(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, wl, wr, True, deterministic
+    )
+    return (out, lse) if return_lse else out
+
+
+def _varlen_dropout_fallback(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, p, scale, wl, wr, return_lse):
+    """dropout_p > 0: per sequence, as flash_attn_func computes it (torch's SDPA
+    with an explicit mask). This path reads cu_seqlens to the host (a device
+    synchronisation on CUDA); the kernels' varlen op first validates the call
+    (on the CPU: the values of cu_seqlens too) and gives the lse."""
+    with torch.no_grad():
+        _, lse = _ops.varlen_attention(
+            q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, wl, wr, True, False
+        )
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()  # the host sync
     heads_q, head_dim = q.shape[1], q.shape[2]
-    lse_dtype = _ops._lse_dtype(q.dtype)
-    outs, lses = [], []
-    for qi, ki, vi in zip(q.split(lens_q), k.split(lens_k), v.split(lens_k)):
-        n_q, n_k = qi.shape[0], ki.shape[0]
-        if n_q == 0:
+    outs = []
+    for (sq, eq), (sk, ek) in zip(zip(bounds_q[:-1], bounds_q[1:]), zip(bounds_k[:-1], bounds_k[1:])):
+        if eq == sq:
             continue
-        if n_k == 0:  # no key to see: zeros, lse -inf
-            outs.append(q.new_zeros((n_q, heads_q, head_dim)))
-            if return_lse:
-                lses.append(torch.full((heads_q, n_q), float("-inf"), dtype=lse_dtype, device=q.device))
+        if ek == sk:  # no key to see: zeros
+            outs.append(q.new_zeros((eq - sq, heads_q, head_dim)))
             continue
-        qi, ki, vi = qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0)
-        if p > 0.0:
-            oi, li = _flash_attn_dropout_fallback(qi, ki, vi, p, scale, wl, wr, True)
-        else:
-            oi, li = _ops.attention(qi, ki, vi, scale, wl, wr, True, deterministic)
+        oi, _ = _flash_attn_dropout_fallback(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], p, scale, wl, wr, True)
         outs.append(oi[0])
-        if return_lse:
-            lses.append(li[0])
-    if not outs:  # every query sequence is empty (total_q == 0)
-        out = q[:0] * 0
-        lse = torch.empty((heads_q, 0), dtype=lse_dtype, device=q.device)
-    else:
-        out = torch.cat(outs) if len(outs) > 1 else outs[0]
-        lse = (torch.cat(lses, dim=1) if len(lses) > 1 else lses[0]) if return_lse else None
+    out = torch.cat(outs) if outs else q[:0] * 0
     return (out, lse) if return_lse else out
 
 

@@ -53,6 +53,40 @@ def test_opcheck_bwd(device):
         torch.library.opcheck(bwd, (dout, q, k, v, out, lse) + args[3:])
 
 
+varlen_attention = torch.ops.flashattn_ext.varlen_attention.default
+varlen_fwd = torch.ops.flashattn_ext.varlen_fwd.default
+varlen_bwd = torch.ops.flashattn_ext.varlen_bwd.default
+
+
+def _varlen_samples(device):
+    """(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+    window_left, window_right, bottom_right, deterministic)."""
+    lo = torch.float32 if device == "cpu" else torch.float16
+
+    def cu(*c):
+        return torch.tensor(c, dtype=torch.int32, device=device)
+
+    out = []
+    q, k, v = randn((9, 4, 16), lo, device), randn((13, 2, 16), lo, device), randn((13, 2, 16), lo, device)
+    out.append((q, k, v, cu(0, 3, 3, 9), cu(0, 5, 7, 13), 6, 6, 0.25, -1, 0, True, False))  # causal, GQA, empty seq
+    q = randn((7, 3, 48), torch.bfloat16, device)[:, 1:, :40]  # sliced: strided heads, head_dim 40
+    k = randn((12, 1, 40), torch.bfloat16, device)
+    v = randn((12, 1, 40), torch.bfloat16, device)
+    out.append((q, k, v, cu(0, 7), cu(0, 12), 9, 12, 0.1, 3, 2, False, True))  # window, top-left, MQA, bounds > lengths
+    return out
+
+
+def test_opcheck_varlen(device):
+    for args in _varlen_samples(device):
+        q, k, v = (x.detach().requires_grad_() for x in args[:3])
+        torch.library.opcheck(varlen_attention, (q, k, v) + args[3:])
+        torch.library.opcheck(varlen_attention, args)
+        torch.library.opcheck(varlen_fwd, args[:-1])
+        out, lse = varlen_fwd(*args[:-1])
+        dout = randn(out.shape, out.dtype, out.device)
+        torch.library.opcheck(varlen_bwd, (dout,) + args[:3] + (out, lse) + args[3:])
+
+
 def test_fake_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

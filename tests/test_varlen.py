@@ -4,7 +4,14 @@ flash_attn_varlen_{qkv,kv}packed_func): flash-attn's signatures and semantics.
 Every sequence of a varlen batch is checked against the oracle on its own
 (tolerance.check_attention: out, lse and the gradients under the one rule),
 with causal aligned bottom-right per sequence; sequences of length 0 are checked
-exactly (no rows / zero rows, lse -inf, zero gradients)."""
+exactly (no rows / zero rows, lse -inf, zero gradients).
+
+The varlen functions make one call of the fused varlen kernels (the
+varlen_fwd / varlen_bwd ops, which read cu_seqlens on the device):
+test_one_fused_call checks that, test_cuda_varlen_kernel_paths runs every CUDA
+kernel that takes varlen batches (each head dim, Hopper and mma.sync,
+atomic and deterministic dQ) against the oracle, and test_cuda_no_host_sync
+runs forward and backward under torch.cuda.set_sync_debug_mode("error")."""
 
 import re
 
@@ -15,6 +22,7 @@ from helpers import KernelCalls, randn
 import flashattn_ext
 from flashattn_ext import (
     FlashAttnFallbackWarning,
+    _ops,
     flash_attn_func,
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
@@ -41,10 +49,21 @@ def bounds(lens):
     return list(zip(c[:-1], c[1:]))
 
 
-def run_varlen(q, k, v, lens_q, lens_k, dout=None, **kw):
+def run_varlen(q, k, v, lens_q, lens_k, dout=None, op_deterministic=None, **kw):
+    """flash_attn_varlen_func(**kw), or with op_deterministic=True/False the
+    varlen_attention op itself with that flag (torch's deterministic mode, which
+    the poison fixture turns on, would otherwise force the deterministic dQ)."""
     leaves = [x.detach().requires_grad_(dout is not None) for x in (q, k, v)]
     cq, ck = cu(lens_q, q.device), cu(lens_k, q.device)
-    out, lse = flash_attn_varlen_func(*leaves, cq, ck, max(lens_q), max(lens_k), return_lse=True, **kw)
+    if op_deterministic is None:
+        out, lse = flash_attn_varlen_func(*leaves, cq, ck, max(lens_q), max(lens_k), return_lse=True, **kw)
+    else:
+        wl, wr = kw.get("window_size", (-1, -1))
+        wr = 0 if kw.get("causal", False) else wr
+        scale = kw.get("softmax_scale", q.shape[-1] ** -0.5)
+        out, lse = _ops.varlen_attention(
+            *leaves, cq, ck, max(lens_q), max(lens_k), scale, wl, wr, True, op_deterministic
+        )
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (q.shape[1], q.shape[0])
     assert lse.dtype == (torch.float64 if q.dtype == torch.float64 else torch.float32)
@@ -52,11 +71,11 @@ def run_varlen(q, k, v, lens_q, lens_k, dout=None, **kw):
     return out, lse, grads
 
 
-def check_varlen(q, k, v, lens_q, lens_k, with_grads=True, bottom_right=True, **kw):
+def check_varlen(q, k, v, lens_q, lens_k, with_grads=True, bottom_right=True, op_deterministic=None, **kw):
     """Ours against the oracle, sequence by sequence. Returns the list of
     failure messages (empty when all pass)."""
     dout = randn(q.shape, q.dtype, q.device) if with_grads else None
-    out, lse, grads = run_varlen(q, k, v, lens_q, lens_k, dout, **kw)
+    out, lse, grads = run_varlen(q, k, v, lens_q, lens_k, dout, op_deterministic, **kw)
     dq, dk, dv = grads if grads is not None else (None, None, None)
     bad = []
     for i, ((sq, eq), (sk, ek)) in enumerate(zip(bounds(lens_q), bounds(lens_k))):
@@ -101,6 +120,11 @@ CASES = {
     "window": ([12, 1, 7, 4], [10, 5, 7, 9], 4, 2, 16, {"window_size": (3, 1)}),
     "window-causal": ([12, 6, 2], [7, 6, 9], 2, 1, 64, {"window_size": (2, 5), "causal": True}),
     "scale": ([7, 3], [4, 11], 2, 2, 16, {"softmax_scale": 0.3, "causal": True}),
+    # Several query / key blocks of the CUDA kernels (64 and 128 rows) per sequence,
+    # partial last blocks, empty sequences between long ones.
+    "long-causal-gqa": ([130, 0, 257, 1, 64], [200, 3, 129, 0, 257], 4, 2, 64, {"causal": True}),
+    "long-window-mqa": ([70, 193, 5], [300, 64, 129], 4, 1, 32, {"window_size": (40, 7)}),
+    "all-keys-empty": ([3, 9], [0, 0], 2, 2, 16, {"causal": True}),
 }
 
 
@@ -164,10 +188,169 @@ def test_varlen_strided_inputs(device, dtype):
 
 
 def test_varlen_all_queries_empty(device):
-    q = torch.zeros((0, 2, 16), device=device)
-    k, v = (randn((5, 2, 16), torch.float32, device) for _ in range(2))
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q = torch.zeros((0, 2, 16), device=device, dtype=dtype, requires_grad=True)
+    k, v = (randn((5, 2, 16), dtype, device).requires_grad_() for _ in range(2))
     out, lse = flash_attn_varlen_func(q, k, v, cu([0, 0], device), cu([2, 3], device), 0, 3, return_lse=True)
     assert out.shape == (0, 2, 16) and lse.shape == (2, 0)
+    # Keys nobody queries get zero gradients (max_seqlen_q = 0: empty grids).
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.zeros_like(out))
+    assert dq.shape == q.shape and torch.equal(dk, torch.zeros_like(dk)) and torch.equal(dv, torch.zeros_like(dv))
+
+
+def test_one_fused_call(device):
+    """One call of the varlen kernels for the whole batch, forward and backward
+    (not one per sequence), and cu_seqlens reach them as given, on q's device."""
+    dtype = torch.float32 if device == "cpu" else torch.float16
+    lens_q, lens_k = [3, 0, 5, 1], [4, 2, 5, 0]
+    q, k, v = (x.requires_grad_() for x in make_varlen(lens_q, lens_k, 4, 2, 16, dtype, device))
+    cq, ck = cu(lens_q, device), cu(lens_k, device)
+    with KernelCalls() as calls:
+        out = flash_attn_varlen_func(q, k, v, cq, ck, 5, 5, causal=True)
+        out.backward(torch.ones_like(out))
+    assert [name for name, _ in calls.calls] == ["varlen_fwd", "varlen_bwd"]
+    fwd_args = calls.calls[0][1]
+    assert fwd_args[3] is cq and fwd_args[4] is ck and fwd_args[5:7] == (5, 5)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_varlen_backward_poisoned(device, deterministic, poison):
+    """Every output element is written (torch.empty returns NaNs here), with
+    either dQ path, through the op (the poison fixture's deterministic mode
+    would force deterministic=True through flash_attn_varlen_func)."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    lens_q, lens_k = [70, 0, 1, 130], [3, 9, 0, 200]
+    q, k, v = make_varlen(lens_q, lens_k, 4, 2, 64, dtype, device)
+    bad = check_varlen(q, k, v, lens_q, lens_k, op_deterministic=deterministic, causal=True)
+    assert not bad, "; ".join(bad)
+
+
+def test_varlen_deterministic_is_bitwise(device):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    lens_q, lens_k = [150, 3, 0, 77], [200, 3, 5, 64]
+    q, k, v = make_varlen(lens_q, lens_k, 4, 1, 64, dtype, device)
+    dout = randn(q.shape, dtype, device)
+    runs = [run_varlen(q, k, v, lens_q, lens_k, dout, deterministic=True)[2] for _ in range(3)]
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("sm90", [True, False], ids=["sm90-kernels", "mma-sync-kernels"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic-dq"])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256, 40])
+def test_cuda_varlen_kernel_paths(head_dim, deterministic, sm90, monkeypatch, poison):
+    """Every CUDA kernel that runs varlen batches, against the oracle: on an
+    H200 the Hopper cp.async forward (64/128/192/256) and backward (64/128,
+    atomic dQ), with FLASHATTN_DISABLE_SM90=1 the mma.sync forward and
+    backward; the deterministic dQ kernel; preprocessing and dQ conversion;
+    head dim 40 through the padded copy. Poisoned outputs: nothing unwritten."""
+    if not sm90:
+        monkeypatch.setenv("FLASHATTN_DISABLE_SM90", "1")
+    device, dtype = "cuda", torch.bfloat16
+    lens_q, lens_k = [130, 0, 1, 257, 64, 17], [200, 5, 0, 129, 64, 300]
+    for causal, hq, hkv in ((True, 4, 2), (False, 3, 1)):
+        q, k, v = make_varlen(lens_q, lens_k, hq, hkv, head_dim, dtype, device)
+        bad = check_varlen(q, k, v, lens_q, lens_k, op_deterministic=deterministic, causal=causal)
+        assert not bad, f"causal={causal}: " + "; ".join(bad)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cuda_no_host_sync(deterministic):
+    """Forward and backward never synchronise the host with the device: the
+    kernels read cu_seqlens where they are (flash-attn's contract)."""
+    device, dtype = "cuda", torch.float16
+    lens_q, lens_k = [5, 0, 130, 1], [7, 3, 129, 0]
+    q, k, v = (x.requires_grad_() for x in make_varlen(lens_q, lens_k, 4, 2, 64, dtype, device))
+    cq, ck = cu(lens_q, device), cu(lens_k, device)
+    dout = randn(q.shape, dtype, device)
+    torch.cuda.synchronize()
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, lse = flash_attn_varlen_func(
+            q, k, v, cq, ck, 130, 129, causal=True, deterministic=deterministic, return_lse=True
+        )
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+        qkv = torch.stack([q.detach(), q.detach(), q.detach()], 1).requires_grad_()
+        flash_attn_varlen_qkvpacked_func(qkv, cq, 130).backward(dout)
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all() and torch.isfinite(dq).all()
+
+
+@pytest.mark.cuda
+def test_cuda_bad_cu_seqlens_stay_in_bounds():
+    """The CUDA path cannot check cu_seqlens' values without a synchronisation:
+    wrong values give unspecified rows but no access outside the tensors (the
+    kernels clamp them); the device stays usable. compute-sanitizer (memcheck)
+    on this test shows the accesses."""
+    device, dtype = "cuda", torch.float16
+    q, k, v = (x.requires_grad_() for x in make_varlen([9, 4], [6, 6], 4, 2, 64, dtype, device))
+    bad = {
+        "decreasing": ([0, 9, 2], [0, 12, 6]),
+        "past-the-end": ([0, 500, 100000], [0, -7, 2**31 - 1]),
+        "negative": ([-100, -1, 13], [0, 6, 12]),
+    }
+    for cq, ck in bad.values():
+        cq, ck = torch.tensor(cq, dtype=torch.int32, device=device), torch.tensor(ck, dtype=torch.int32, device=device)
+        for det in (False, True):
+            out = flash_attn_varlen_func(q, k, v, cq, ck, 9, 6, causal=True, deterministic=det)
+            torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    # A max_seqlen below the longest sequence cuts it (rows past the bound are not computed).
+    flash_attn_varlen_func(q, k, v, cu([9, 4], device), cu([6, 6], device), 2, 2)
+    torch.cuda.synchronize()
+    assert not check_varlen(q, k, v, [9, 4], [6, 6], causal=True)  # the device still works
+
+
+def test_varlen_compiles_without_graph_break(device):
+    """No host read of cu_seqlens anywhere: torch.compile(fullgraph=True) traces it."""
+    torch._dynamo.reset()
+    dtype = torch.float32 if device == "cpu" else torch.float16
+    lens_q, lens_k = [3, 0, 6], [5, 2, 6]
+    q, k, v = (x.requires_grad_() for x in make_varlen(lens_q, lens_k, 4, 2, 16, dtype, device))
+    cq, ck = cu(lens_q, device), cu(lens_k, device)
+
+    def f(q, k, v, cq, ck):
+        return flash_attn_varlen_func(q * 2, k, v, cq, ck, 6, 6, causal=True).square().sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    expected = torch.autograd.grad(f(q, k, v, cq, ck), (q, k, v))
+    got = torch.autograd.grad(compiled(q, k, v, cq, ck), (q, k, v))
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e)
+
+
+def test_varlen_vmap_and_grad(device):
+    """torch.func: vmap folds the vmapped dimension into the heads (cu_seqlens
+    shared); grad goes through the varlen backward (deterministic: bitwise
+    comparable on CUDA too). vmap over cu_seqlens raises."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    lens_q, lens_k = [4, 0, 7], [6, 3, 7]
+    cq, ck = cu(lens_q, device), cu(lens_k, device)
+    qs = randn((3, sum(lens_q), 4, 16), dtype, device)
+    ks, vs = randn((3, sum(lens_k), 2, 16), dtype, device), randn((3, sum(lens_k), 2, 16), dtype, device)
+
+    def f(q, k, v):
+        return flash_attn_varlen_func(q, k, v, cq, ck, 7, 7, causal=True, deterministic=True)
+
+    got = torch.func.vmap(f)(qs, ks, vs)
+    expected = torch.stack([f(qs[i], ks[i], vs[i]) for i in range(3)])
+    assert torch.equal(got, expected) if device == "cpu" else torch.allclose(got, expected, atol=1e-2)
+    g = torch.func.grad(lambda q: f(q, ks[0], vs[0]).float().square().sum())(qs[0])
+    q0 = qs[0].clone().requires_grad_()
+    (ref,) = torch.autograd.grad(f(q0, ks[0], vs[0]).float().square().sum(), q0)
+    assert torch.equal(g, ref)
+    per_sample = torch.func.vmap(torch.func.grad(lambda q, k, v: f(q, k, v).float().square().sum()))(qs, ks, vs)
+    for i in range(3):
+        qi = qs[i].clone().requires_grad_()
+        (ri,) = torch.autograd.grad(f(qi, ks[i], vs[i]).float().square().sum(), qi)
+        torch.testing.assert_close(per_sample[i], ri)
+    with pytest.raises(NotImplementedError, match="vmap over cu_seqlens"):
+        torch.func.vmap(lambda c: flash_attn_varlen_func(qs[0], ks[0], vs[0], c, ck, 7, 7))(cq.expand(2, -1))
 
 
 def test_varlen_dropout_follows_flash_attn_func(device):
@@ -326,15 +509,71 @@ VARLEN_ERRORS = {
 }
 
 
+# Checks of cu_seqlens' values, which need them on the host: made by the CPU
+# kernels only (on CUDA they would synchronise; test_cuda_bad_cu_seqlens_stay_in_bounds).
+VALUE_CHECKS = {"cu_q-start", "cu_k-decreasing", "cu_q-total", "cu_k-total", "max_seqlen_q-small", "max_seqlen_k-small"}
+
+
 @pytest.mark.parametrize("case", list(VARLEN_ERRORS))
 def test_varlen_errors(device, case):
     args = _valid(device)
     flash_attn_varlen_func(**args)  # the valid call passes
     change, exc, pattern = VARLEN_ERRORS[case]
     args.update(change(args, device))
+    if device == "cuda" and case in VALUE_CHECKS:
+        out = flash_attn_varlen_func(**args)  # not checked: no error, no access outside the tensors
+        torch.cuda.synchronize()
+        assert out.shape == args["q"].shape
+        return
     with pytest.raises(exc, match=pattern) as info:
         flash_attn_varlen_func(**args)
     assert "flash_attn_varlen_func" in str(info.value) or "flashattn_ext" in str(info.value)
+
+
+def _op_args(device):
+    a = _valid(device)
+    return [a["q"], a["k"], a["v"], a["cu_seqlens_q"], a["cu_seqlens_k"], 3, 4, 0.25, -1, 0, True]
+
+
+# The varlen ops' own checks (csrc/attention_api.cpp check_varlen_qkv), the
+# same in the fake kernels (flashattn_ext/_ops.py): index -> replacement.
+OP_ERRORS = {
+    "q-rank4": (0, lambda x: x[None], ValueError, r"q must have 3 dimensions"),
+    "k-dtype": (1, lambda x: x.double(), TypeError, r"k has dtype Double but q"),
+    "v-heads-zero": (2, lambda x: x[:, :0], ValueError, r"v has shape .*heads and head_dim must be at least 1"),
+    "v-tokens": (2, lambda x: x[:7], ValueError, r"v has 7 tokens but k has 8"),
+    "head_dim": (1, lambda x: x[..., :8], ValueError, r"head_dim differs: q 16, k 8, v 16"),
+    "heads": (0, lambda x: x[:, :3], ValueError, r"q has 3 heads, not a multiple of the 2"),
+    "q-stride": (0, lambda x: torch.cat([x, x], -1)[..., ::2], ValueError, r"q must have stride 1"),
+    "cu-int64": (3, lambda x: x.long(), TypeError, r"cu_seqlens_q must have dtype int32, got Long"),
+    "cu-2d": (4, lambda x: x[None], ValueError, r"cu_seqlens_k must be 1-D"),
+    "cu-short": (4, lambda x: x[:1], ValueError, r"cu_seqlens_k must have batch \+ 1 >= 2"),
+    "cu-strided": (3, lambda x: torch.stack([x, x], -1)[:, 0], ValueError, r"cu_seqlens_q must be contiguous"),
+    "cu-batch": (
+        4,
+        lambda x: torch.cat([x, x[-1:]]),
+        ValueError,
+        r"cu_seqlens_q has 3 elements but cu_seqlens_k has 4",
+    ),
+    "max-negative": (5, lambda x: -1, ValueError, r"max_seqlen_q must be in \[0, 2\^31 - 1\]"),
+    "scale": (7, lambda x: float("nan"), ValueError, r"softmax_scale must be finite"),
+}
+
+
+@pytest.mark.parametrize("case", list(OP_ERRORS))
+def test_varlen_op_errors_match_fake(device, case):
+    """The op and its fake (meta) kernel reject the same inputs with the same words."""
+    i, change, exc, pattern = OP_ERRORS[case]
+    args = _op_args(device)
+    args[i] = change(args[i])
+    with pytest.raises(exc, match=pattern):
+        _ops.varlen_fwd(*args)
+    meta = [
+        torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta") if isinstance(a, torch.Tensor) else a
+        for a in args
+    ]
+    with pytest.raises(exc, match=pattern):
+        _ops.varlen_fwd(*meta)
 
 
 def test_packed_errors(device):

@@ -35,10 +35,59 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dout, c
   return {dq, dk, dv};
 }
 
+// Variable-length batches: q (total_q, heads_q, head_dim), k, v (total_k,
+// heads_kv, head_dim). cu_seqlens live in host memory here, so their values
+// are checked (the CUDA path cannot without a synchronisation), and the
+// kernels' grids are sized by the longest sequences rather than by the
+// caller's bounds.
+struct VarlenLengths {
+  int64_t max_q, max_k;
+};
+
+VarlenLengths check_varlen_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
+                               const at::Tensor& cu_k, int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  check_varlen_qkv(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, kCpuSpec);
+  return {check_cu_seqlens_values(cu_q, "cu_seqlens_q", q.size(0), "q", max_seqlen_q, "max_seqlen_q"),
+          check_cu_seqlens_values(cu_k, "cu_seqlens_k", k.size(0), "k", max_seqlen_k, "max_seqlen_k")};
+}
+
+std::tuple<at::Tensor, at::Tensor> varlen_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                  const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                                  int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
+                                                  int64_t window_left, int64_t window_right, bool bottom_right) {
+  const auto len = check_varlen_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  const auto mask = make_mask(window_left, window_right, bottom_right, len.max_q, len.max_k);
+  auto out = at::empty(q.sizes(), q.options());
+  auto lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(lse_dtype(q.scalar_type())));
+  run_fwd_cpu(make_varlen_fwd_params(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse,
+                                     cu_seqlens_q, cu_seqlens_k, len.max_q, len.max_k, softmax_scale, mask));
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, double softmax_scale, int64_t window_left, int64_t window_right, bool bottom_right,
+    bool deterministic /*the CPU backward always is*/) {
+  const auto len = check_varlen_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  check_varlen_bwd_extras(dout, q, out, lse);
+  const auto mask = make_mask(window_left, window_right, bottom_right, len.max_q, len.max_k);
+  auto dq = at::empty(q.sizes(), q.options());
+  auto dk = at::empty(k.sizes(), k.options());
+  auto dv = at::empty(v.sizes(), v.options());
+  run_bwd_cpu(make_varlen_bwd_params(dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                     out.unsqueeze(0), lse, dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0),
+                                     cu_seqlens_q, cu_seqlens_k, len.max_q, len.max_k, softmax_scale, mask,
+                                     deterministic));
+  return {dq, dk, dv};
+}
+
 }  // namespace
 }  // namespace flashattn
 
 TORCH_LIBRARY_IMPL(flashattn_ext, CPU, m) {
   m.impl("fwd", &flashattn::fwd_cpu);
   m.impl("bwd", &flashattn::bwd_cpu);
+  m.impl("varlen_fwd", &flashattn::varlen_fwd_cpu);
+  m.impl("varlen_bwd", &flashattn::varlen_bwd_cpu);
 }

@@ -31,6 +31,15 @@ struct AttnMask {
         window_left(m.window_left),
         window_right(m.window_right) {}
 
+  // The mask of one sequence of a batch: its lengths and its diagonal (per
+  // sequence in a varlen batch).
+  AttnMask(const MaskParams& m, const SeqInfo& seq)
+      : seqlen_q(seq.seqlen_q),
+        seqlen_k(seq.seqlen_k),
+        diag_offset(seq.diag_offset),
+        window_left(m.window_left),
+        window_right(m.window_right) {}
+
   static int64_t clamp(int64_t x, int64_t hi) { return std::min(std::max<int64_t>(x, 0), hi); }
 
   // Keys visible from query i: [key_begin(i), key_end(i)), possibly empty.

@@ -57,7 +57,8 @@ bool is_full_tile(int rows, int cols) { return rows == kBlockQ && cols == kBlock
 
 // Row statistics of the forward that the backward needs, per (batch, q-head,
 // query): neg_lse = -lse (-inf for rows without keys, so that their P is 0)
-// and dsum = rowsum(dO * O). Contiguous (batch, heads_q, seqlen_q), like lse.
+// and dsum = rowsum(dO * O). Contiguous, in the layout of lse: (batch,
+// heads_q, seqlen_q), or (heads_q, total_q) in a varlen batch.
 template <typename acc_t>
 struct RowStats {
   const acc_t* neg_lse;
@@ -134,7 +135,7 @@ void add_query_rows_over_visible_keys(const int* bad, int num_bad, const scalar_
   }
 }
 
-// Pointers of one (batch, head) slice of every tensor.
+// Pointers of one (sequence, head) slice of every tensor.
 template <typename scalar_t, typename acc_t>
 struct HeadView {
   const scalar_t* q;
@@ -145,14 +146,19 @@ struct HeadView {
 };
 
 template <typename scalar_t, typename acc_t>
-HeadView<scalar_t, acc_t> head_view(const AttnBwdParams& p, const RowStats<acc_t>& stats, int64_t b, int64_t h) {
+HeadView<scalar_t, acc_t> head_view(const AttnBwdParams& p, const SeqInfo& seq, const RowStats<acc_t>& stats, int b,
+                                    int h) {
   const int64_t h_kv = h / p.heads_ratio();
-  const int64_t row0 = (b * p.heads_q + h) * p.seqlen_q;
-  return {static_cast<const scalar_t*>(p.q_ptr) + b * p.q_batch_stride + h * p.q_head_stride,
-          static_cast<const scalar_t*>(p.do_ptr) + b * p.do_batch_stride + h * p.do_head_stride,
-          static_cast<const scalar_t*>(p.k_ptr) + b * p.k_batch_stride + h_kv * p.k_head_stride,
-          static_cast<const scalar_t*>(p.v_ptr) + b * p.v_batch_stride + h_kv * p.v_head_stride,
-          {stats.neg_lse + row0, stats.dsum + row0}};
+  const int64_t row0 = seq.rowvec_offset(p, b, h);
+  return {
+      static_cast<const scalar_t*>(p.q_ptr) + seq.q_offset(p.q_batch_stride, p.q_row_stride, b) + h * p.q_head_stride,
+      static_cast<const scalar_t*>(p.do_ptr) + seq.q_offset(p.do_batch_stride, p.do_row_stride, b) +
+          h * p.do_head_stride,
+      static_cast<const scalar_t*>(p.k_ptr) + seq.k_offset(p.k_batch_stride, p.k_row_stride, b) +
+          h_kv * p.k_head_stride,
+      static_cast<const scalar_t*>(p.v_ptr) + seq.k_offset(p.v_batch_stride, p.v_row_stride, b) +
+          h_kv * p.v_head_stride,
+      {stats.neg_lse + row0, stats.dsum + row0}};
 }
 
 // The part both passes share: for keys [k0, k0 + cols) and queries
@@ -190,13 +196,14 @@ void load_query_tile_transposed(const AttnBwdParams& p, const HeadView<scalar_t,
                        scratch.do_t.get(), kBlockQ);
 }
 
-// Pass 1: dK, dV of one key tile of one (batch, kv-head).
+// Pass 1: dK, dV of one key tile of one (sequence, kv-head); the caller
+// skips tiles past the sequence's end.
 template <typename scalar_t, typename acc_t>
-void dkdv_key_tile(const AttnBwdParams& p, const AttnMask& mask, const RowStats<acc_t>& stats, int64_t b, int64_t h_kv,
-                   int64_t k_tile, BwdScratch<acc_t>& scratch) {
+void dkdv_key_tile(const AttnBwdParams& p, const SeqInfo& seq, const AttnMask& mask, const RowStats<acc_t>& stats,
+                   int b, int h_kv, int64_t k_tile, BwdScratch<acc_t>& scratch) {
   const int d = p.head_dim;
   const int64_t k0 = k_tile * kBlockK;
-  const int cols = static_cast<int>(std::min<int64_t>(kBlockK, p.seqlen_k - k0));
+  const int cols = static_cast<int>(std::min<int64_t>(kBlockK, seq.seqlen_k - k0));
   acc_t* dk_acc = scratch.dk_acc.get();
   acc_t* dv_acc = scratch.dv_acc.get();
   std::fill(dk_acc, dk_acc + cols * d, acc_t(0));
@@ -207,13 +214,13 @@ void dkdv_key_tile(const AttnBwdParams& p, const AttnMask& mask, const RowStats<
   if (query_begin < query_end) {
     const int ratio = p.heads_ratio();
     // The key tile serves every q-head of the GQA group.
-    const HeadView<scalar_t, acc_t> group = head_view<scalar_t, acc_t>(p, stats, b, h_kv * ratio);
+    const HeadView<scalar_t, acc_t> group = head_view<scalar_t, acc_t>(p, seq, stats, b, h_kv * ratio);
     const Operand<acc_t> k_op = as_operand(group.k + k0 * p.k_row_stride, p.k_row_stride, cols, d, scratch.k.get(), d);
     const Operand<acc_t> v_op = as_operand(group.v + k0 * p.v_row_stride, p.v_row_stride, cols, d, scratch.v.get(), d);
-    for (int64_t h = h_kv * ratio; h < (h_kv + 1) * ratio; ++h) {
-      const HeadView<scalar_t, acc_t> head = head_view<scalar_t, acc_t>(p, stats, b, h);
+    for (int h = h_kv * ratio; h < (h_kv + 1) * ratio; ++h) {
+      const HeadView<scalar_t, acc_t> head = head_view<scalar_t, acc_t>(p, seq, stats, b, h);
       for (int64_t q0 = query_begin / kBlockQ * kBlockQ; q0 < query_end; q0 += kBlockQ) {
-        const int rows = static_cast<int>(std::min<int64_t>(kBlockQ, p.seqlen_q - q0));
+        const int rows = static_cast<int>(std::min<int64_t>(kBlockQ, seq.seqlen_q - q0));
         load_query_tile_transposed(p, head, q0, rows, scratch);
         const bool masked = recompute_block(p, mask, head, k0, cols, q0, rows, k_op, v_op, scratch);
         // dV += P^T dO,  dK += dS^T Q                                       cols x d
@@ -243,22 +250,23 @@ void dkdv_key_tile(const AttnBwdParams& p, const AttnMask& mask, const RowStats<
     }
   }
 
-  scalar_t* dk =
-      static_cast<scalar_t*>(p.dk_ptr) + b * p.dk_batch_stride + k0 * p.dk_row_stride + h_kv * p.dk_head_stride;
-  scalar_t* dv =
-      static_cast<scalar_t*>(p.dv_ptr) + b * p.dv_batch_stride + k0 * p.dv_row_stride + h_kv * p.dv_head_stride;
+  scalar_t* dk = static_cast<scalar_t*>(p.dk_ptr) + seq.k_offset(p.dk_batch_stride, p.dk_row_stride, b) +
+                 k0 * p.dk_row_stride + h_kv * p.dk_head_stride;
+  scalar_t* dv = static_cast<scalar_t*>(p.dv_ptr) + seq.k_offset(p.dv_batch_stride, p.dv_row_stride, b) +
+                 k0 * p.dv_row_stride + h_kv * p.dv_head_stride;
   store_tile(dk_acc, d, cols, d, static_cast<acc_t>(p.softmax_scale), dk, p.dk_row_stride);
   store_tile(dv_acc, d, cols, d, acc_t(1), dv, p.dv_row_stride);
 }
 
-// Pass 2: dQ of one query tile of one (batch, q-head).
+// Pass 2: dQ of one query tile of one (sequence, q-head); the caller skips
+// tiles past the sequence's end.
 template <typename scalar_t, typename acc_t>
-void dq_query_tile(const AttnBwdParams& p, const AttnMask& mask, const RowStats<acc_t>& stats, int64_t b, int64_t h,
-                   int64_t q_tile, BwdScratch<acc_t>& scratch) {
+void dq_query_tile(const AttnBwdParams& p, const SeqInfo& seq, const AttnMask& mask, const RowStats<acc_t>& stats,
+                   int b, int h, int64_t q_tile, BwdScratch<acc_t>& scratch) {
   const int d = p.head_dim;
   const int64_t q0 = q_tile * kBlockQ;
-  const int rows = static_cast<int>(std::min<int64_t>(kBlockQ, p.seqlen_q - q0));
-  const HeadView<scalar_t, acc_t> head = head_view<scalar_t, acc_t>(p, stats, b, h);
+  const int rows = static_cast<int>(std::min<int64_t>(kBlockQ, seq.seqlen_q - q0));
+  const HeadView<scalar_t, acc_t> head = head_view<scalar_t, acc_t>(p, seq, stats, b, h);
   acc_t* dq_t_acc = scratch.dq_t_acc.get();
   for (int i = 0; i < d; ++i) std::fill(dq_t_acc + i * kBlockQ, dq_t_acc + i * kBlockQ + rows, acc_t(0));
 
@@ -267,7 +275,7 @@ void dq_query_tile(const AttnBwdParams& p, const AttnMask& mask, const RowStats<
   if (key_begin < key_end) {
     load_query_tile_transposed(p, head, q0, rows, scratch);
     for (int64_t k0 = key_begin / kBlockK * kBlockK; k0 < key_end; k0 += kBlockK) {
-      const int cols = static_cast<int>(std::min<int64_t>(kBlockK, p.seqlen_k - k0));
+      const int cols = static_cast<int>(std::min<int64_t>(kBlockK, seq.seqlen_k - k0));
       const Operand<acc_t> k_op = as_operand(head.k + k0 * p.k_row_stride, p.k_row_stride, cols, d, scratch.k.get(), d);
       const Operand<acc_t> v_op = as_operand(head.v + k0 * p.v_row_stride, p.v_row_stride, cols, d, scratch.v.get(), d);
       const bool masked = recompute_block(p, mask, head, k0, cols, q0, rows, k_op, v_op, scratch);
@@ -292,17 +300,21 @@ void dq_query_tile(const AttnBwdParams& p, const AttnMask& mask, const RowStats<
     }
   }
 
-  scalar_t* dq = static_cast<scalar_t*>(p.dq_ptr) + b * p.dq_batch_stride + q0 * p.dq_row_stride + h * p.dq_head_stride;
+  scalar_t* dq = static_cast<scalar_t*>(p.dq_ptr) + seq.q_offset(p.dq_batch_stride, p.dq_row_stride, b) +
+                 q0 * p.dq_row_stride + h * p.dq_head_stride;
   const acc_t* no_row_scale = nullptr;
   store_tile_transposed(dq_t_acc, kBlockQ, rows, d, static_cast<acc_t>(p.softmax_scale), no_row_scale, dq,
                         p.dq_row_stride);
 }
 
+// Items run over (batch, head, tile of seqlen_q or seqlen_k): in a varlen
+// batch these are the longest sequences' lengths, and the items past a
+// shorter sequence's end do nothing.
 template <typename scalar_t>
 void bwd(const AttnBwdParams& p) {
   using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-  const AttnMask mask(p.mask, p.seqlen_q, p.seqlen_k);
-  const int64_t num_rows = static_cast<int64_t>(p.batch) * p.heads_q * p.seqlen_q;
+  const int64_t num_rows =
+      static_cast<int64_t>(p.heads_q) * (p.is_varlen() ? p.total_q : static_cast<int64_t>(p.batch) * p.seqlen_q);
 
   // Pass 0: neg_lse and dsum for every query row, in the layout of lse.
   // O(batch * heads * seqlen) numbers, the only buffer beyond per-thread tiles.
@@ -313,14 +325,19 @@ void bwd(const AttnBwdParams& p) {
   for_each_item_in_parallel(
       static_cast<int64_t>(p.batch) * p.heads_q * q_tiles, /*make_scratch=*/[] { return 0; },
       [&](int64_t item, int& /*no scratch*/) {
-        const int64_t bh = item / q_tiles, b = bh / p.heads_q, h = bh % p.heads_q;
+        const int64_t bh = item / q_tiles;
+        const int b = static_cast<int>(bh / p.heads_q), h = static_cast<int>(bh % p.heads_q);
         const int64_t q0 = item % q_tiles * kBlockQ;
-        const int rows = static_cast<int>(std::min<int64_t>(kBlockQ, p.seqlen_q - q0));
-        const int64_t row0 = bh * p.seqlen_q + q0;
-        const scalar_t* dout = static_cast<const scalar_t*>(p.do_ptr) + b * p.do_batch_stride + q0 * p.do_row_stride +
+        const SeqInfo seq(p, b);
+        if (q0 >= seq.seqlen_q) return;
+        const int rows = static_cast<int>(std::min<int64_t>(kBlockQ, seq.seqlen_q - q0));
+        const int64_t row0 = seq.rowvec_offset(p, b, h) + q0;
+        const scalar_t* dout = static_cast<const scalar_t*>(p.do_ptr) +
+                               seq.q_offset(p.do_batch_stride, p.do_row_stride, b) + q0 * p.do_row_stride +
                                h * p.do_head_stride;
-        const scalar_t* out =
-            static_cast<const scalar_t*>(p.o_ptr) + b * p.o_batch_stride + q0 * p.o_row_stride + h * p.o_head_stride;
+        const scalar_t* out = static_cast<const scalar_t*>(p.o_ptr) +
+                              seq.q_offset(p.o_batch_stride, p.o_row_stride, b) + q0 * p.o_row_stride +
+                              h * p.o_head_stride;
         row_dot(dout, p.do_row_stride, out, p.o_row_stride, rows, p.head_dim, dsum.data() + row0);
         // A row without keys has lse = -inf; its exponent offset must be -inf
         // too (not +inf), so that P = exp(-inf) = 0 even where no mask says so.
@@ -334,17 +351,24 @@ void bwd(const AttnBwdParams& p) {
   for_each_item_in_parallel(
       static_cast<int64_t>(p.batch) * p.heads_kv * k_tiles, [&] { return BwdScratch<acc_t>(p.head_dim); },
       [&](int64_t item, BwdScratch<acc_t>& scratch) {
-        const int64_t bh = item / k_tiles;
-        dkdv_key_tile<scalar_t, acc_t>(p, mask, stats, bh / p.heads_kv, bh % p.heads_kv, item % k_tiles, scratch);
+        const int64_t bh = item / k_tiles, k_tile = item % k_tiles;
+        const int b = static_cast<int>(bh / p.heads_kv);
+        const SeqInfo seq(p, b);
+        if (k_tile * kBlockK >= seq.seqlen_k) return;
+        dkdv_key_tile<scalar_t, acc_t>(p, seq, AttnMask(p.mask, seq), stats, b, static_cast<int>(bh % p.heads_kv),
+                                       k_tile, scratch);
       });
 
   // Pass 2: dQ, last query tile first (under a causal mask it sees the most keys).
   for_each_item_in_parallel(
       static_cast<int64_t>(p.batch) * p.heads_q * q_tiles, [&] { return BwdScratch<acc_t>(p.head_dim); },
       [&](int64_t item, BwdScratch<acc_t>& scratch) {
-        const int64_t bh = item / q_tiles;
-        dq_query_tile<scalar_t, acc_t>(p, mask, stats, bh / p.heads_q, bh % p.heads_q, q_tiles - 1 - item % q_tiles,
-                                       scratch);
+        const int64_t bh = item / q_tiles, q_tile = q_tiles - 1 - item % q_tiles;
+        const int b = static_cast<int>(bh / p.heads_q);
+        const SeqInfo seq(p, b);
+        if (q_tile * kBlockQ >= seq.seqlen_q) return;
+        dq_query_tile<scalar_t, acc_t>(p, seq, AttnMask(p.mask, seq), stats, b, static_cast<int>(bh % p.heads_q),
+                                       q_tile, scratch);
       });
 }
 

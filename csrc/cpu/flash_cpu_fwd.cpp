@@ -102,21 +102,26 @@ void add_keys_over_visible_queries(const int* keys, int num_keys, const scalar_t
   }
 }
 
+// Query block q_block of head h of sequence b (seq: its rows and lengths;
+// the caller skips blocks past the sequence's end).
 template <typename scalar_t, typename acc_t>
-void fwd_query_block(const AttnFwdParams& p, const AttnMask& mask, int64_t b, int64_t h, int64_t q_block,
+void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask& mask, int b, int h, int64_t q_block,
                      FwdScratch<acc_t>& scratch) {
   const int d = p.head_dim;
   const int block_q = scratch.block_q;
   const int64_t q0 = q_block * block_q;
-  const int rows = static_cast<int>(std::min<int64_t>(block_q, p.seqlen_q - q0));
+  const int rows = static_cast<int>(std::min<int64_t>(block_q, seq.seqlen_q - q0));
   const int64_t h_kv = h / p.heads_ratio();  // GQA: q-heads share k/v heads in groups, read in place
 
-  const scalar_t* q =
-      static_cast<const scalar_t*>(p.q_ptr) + b * p.q_batch_stride + q0 * p.q_row_stride + h * p.q_head_stride;
-  const scalar_t* k = static_cast<const scalar_t*>(p.k_ptr) + b * p.k_batch_stride + h_kv * p.k_head_stride;
-  const scalar_t* v = static_cast<const scalar_t*>(p.v_ptr) + b * p.v_batch_stride + h_kv * p.v_head_stride;
-  scalar_t* o = static_cast<scalar_t*>(p.o_ptr) + b * p.o_batch_stride + q0 * p.o_row_stride + h * p.o_head_stride;
-  acc_t* lse = static_cast<acc_t*>(p.lse_ptr) + (b * p.heads_q + h) * p.seqlen_q + q0;
+  const scalar_t* q = static_cast<const scalar_t*>(p.q_ptr) + seq.q_offset(p.q_batch_stride, p.q_row_stride, b) +
+                      q0 * p.q_row_stride + h * p.q_head_stride;
+  const scalar_t* k = static_cast<const scalar_t*>(p.k_ptr) + seq.k_offset(p.k_batch_stride, p.k_row_stride, b) +
+                      h_kv * p.k_head_stride;
+  const scalar_t* v = static_cast<const scalar_t*>(p.v_ptr) + seq.k_offset(p.v_batch_stride, p.v_row_stride, b) +
+                      h_kv * p.v_head_stride;
+  scalar_t* o = static_cast<scalar_t*>(p.o_ptr) + seq.q_offset(p.o_batch_stride, p.o_row_stride, b) +
+                q0 * p.o_row_stride + h * p.o_head_stride;
+  acc_t* lse = static_cast<acc_t*>(p.lse_ptr) + seq.rowvec_offset(p, b, h) + q0;
 
   acc_t* row_max = scratch.row_max.get();
   acc_t* row_sum = scratch.row_sum.get();
@@ -133,7 +138,7 @@ void fwd_query_block(const AttnFwdParams& p, const AttnMask& mask, int64_t b, in
     // The softmax scale goes into Q once, so that S^T comes out scaled.
     load_tile_transposed(q, p.q_row_stride, rows, d, static_cast<acc_t>(p.softmax_scale), scratch.q_t.get(), block_q);
     for (int64_t k0 = key_begin / kBlockK * kBlockK; k0 < key_end; k0 += kBlockK) {
-      const int cols = static_cast<int>(std::min<int64_t>(kBlockK, p.seqlen_k - k0));
+      const int cols = static_cast<int>(std::min<int64_t>(kBlockK, seq.seqlen_k - k0));
       const bool full_tile = rows == block_q && cols == kBlockK;  // see tile_gemm.h
 
       // S^T = K (scale Q)^T                                                cols x rows
@@ -200,16 +205,20 @@ struct FewQueriesScratch {
 };
 
 template <typename scalar_t, typename acc_t>
-void fwd_few_queries(const AttnFwdParams& p, const AttnMask& mask, int64_t b, int64_t h,
+void fwd_few_queries(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask& mask, int b, int h,
                      FewQueriesScratch<acc_t>& scratch) {
   const int d = p.head_dim;
-  const int rows = p.seqlen_q;
+  const int rows = seq.seqlen_q;
   const int64_t h_kv = h / p.heads_ratio();
-  const scalar_t* q = static_cast<const scalar_t*>(p.q_ptr) + b * p.q_batch_stride + h * p.q_head_stride;
-  const scalar_t* k = static_cast<const scalar_t*>(p.k_ptr) + b * p.k_batch_stride + h_kv * p.k_head_stride;
-  const scalar_t* v = static_cast<const scalar_t*>(p.v_ptr) + b * p.v_batch_stride + h_kv * p.v_head_stride;
-  scalar_t* o = static_cast<scalar_t*>(p.o_ptr) + b * p.o_batch_stride + h * p.o_head_stride;
-  acc_t* lse = static_cast<acc_t*>(p.lse_ptr) + (b * p.heads_q + h) * p.seqlen_q;
+  const scalar_t* q =
+      static_cast<const scalar_t*>(p.q_ptr) + seq.q_offset(p.q_batch_stride, p.q_row_stride, b) + h * p.q_head_stride;
+  const scalar_t* k = static_cast<const scalar_t*>(p.k_ptr) + seq.k_offset(p.k_batch_stride, p.k_row_stride, b) +
+                      h_kv * p.k_head_stride;
+  const scalar_t* v = static_cast<const scalar_t*>(p.v_ptr) + seq.k_offset(p.v_batch_stride, p.v_row_stride, b) +
+                      h_kv * p.v_head_stride;
+  scalar_t* o =
+      static_cast<scalar_t*>(p.o_ptr) + seq.q_offset(p.o_batch_stride, p.o_row_stride, b) + h * p.o_head_stride;
+  acc_t* lse = static_cast<acc_t*>(p.lse_ptr) + seq.rowvec_offset(p, b, h);
 
   constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
   acc_t* row_max = scratch.row_max.get();
@@ -249,16 +258,21 @@ void fwd_few_queries(const AttnFwdParams& p, const AttnMask& mask, int64_t b, in
   }
 }
 
+// Items run over (batch, head, query block of seqlen_q): in a varlen batch
+// seqlen_q is the longest sequence's length, and the items past a shorter
+// sequence's end do nothing.
 template <typename scalar_t>
 void fwd(const AttnFwdParams& p) {
   using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-  const AttnMask mask(p.mask, p.seqlen_q, p.seqlen_k);
   const int64_t batch_heads = static_cast<int64_t>(p.batch) * p.heads_q;
   if (p.seqlen_q <= kFewQueries) {
     for_each_item_in_parallel(
         batch_heads, [&] { return FewQueriesScratch<acc_t>(p.head_dim); },
         [&](int64_t bh, FewQueriesScratch<acc_t>& scratch) {
-          fwd_few_queries<scalar_t, acc_t>(p, mask, bh / p.heads_q, bh % p.heads_q, scratch);
+          const int b = static_cast<int>(bh / p.heads_q);
+          const SeqInfo seq(p, b);
+          if (seq.seqlen_q == 0) return;
+          fwd_few_queries<scalar_t, acc_t>(p, seq, AttnMask(p.mask, seq), b, static_cast<int>(bh % p.heads_q), scratch);
         });
     return;
   }
@@ -271,7 +285,11 @@ void fwd(const AttnFwdParams& p) {
         // and the dynamic schedule balances best when big items go first.
         const int64_t q_block = q_blocks - 1 - item % q_blocks;
         const int64_t bh = item / q_blocks;
-        fwd_query_block<scalar_t, acc_t>(p, mask, bh / p.heads_q, bh % p.heads_q, q_block, scratch);
+        const int b = static_cast<int>(bh / p.heads_q);
+        const SeqInfo seq(p, b);
+        if (q_block * block_q >= seq.seqlen_q) return;
+        fwd_query_block<scalar_t, acc_t>(p, seq, AttnMask(p.mask, seq), b, static_cast<int>(bh % p.heads_q), q_block,
+                                         scratch);
       });
 }
 

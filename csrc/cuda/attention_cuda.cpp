@@ -216,10 +216,97 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_i
   return {unpad(dq, head_dim), unpad(dk, head_dim), unpad(dv, head_dim)};
 }
 
+// ---------------------------------------------------------------------------
+// Variable-length batches: one launch for the whole batch; the kernels read
+// cu_seqlens on the device. Nothing here reads device memory on the host (no
+// synchronisation): cu_seqlens' values are not checked (the kernels clamp
+// them to the tensors, so bad values give wrong rows, never an access outside
+// the tensors), and max_seqlen_q / max_seqlen_k are trusted as bounds (a
+// sequence longer than its bound is cut to it). The tensors go through the
+// dense helpers as (1, total, heads, head_dim) views.
+
+std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                   const at::Tensor& v_in, const at::Tensor& cu_seqlens_q,
+                                                   const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                                                   int64_t max_seqlen_k, double softmax_scale, int64_t window_left,
+                                                   int64_t window_right, bool bottom_right) {
+  check_varlen_qkv(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kCudaSpec);
+  check_device(q_in);
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const int64_t head_dim = q_in.size(2);
+  const int kdim = kernel_head_dim(head_dim);
+  const auto mask = make_mask(window_left, window_right, bottom_right, max_seqlen_q, max_seqlen_k);
+  const at::Tensor q = make_kernel_ready(q_in.unsqueeze(0)), k = make_kernel_ready(k_in.unsqueeze(0)),
+                   v = make_kernel_ready(v_in.unsqueeze(0));
+  auto out = at::empty(q.sizes(), q.options());
+  auto lse = at::empty({q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
+  const int64_t batch = cu_seqlens_q.size(0) - 1;
+  check_grid((max_seqlen_q + 63) / 64 * batch * q.size(2), "forward");
+  auto params = make_varlen_fwd_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                       softmax_scale, mask);
+  params.device_arch = device_arch(q);
+  const auto stream = at::cuda::getCurrentCUDAStream().stream();
+  const cudaError_t err = with_element_type(q.scalar_type(), [&](auto elem) {
+    return with_kernel_head_dim(
+        kdim, [&](auto dim) { return run_fwd<decltype(elem), decltype(dim)::value>(params, stream); });
+  });
+  check_launch(err, "forward", kdim, q);
+  return {unpad(out, head_dim)[0], lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out_in, const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale, int64_t window_left, int64_t window_right,
+    bool bottom_right, bool deterministic) {
+  check_varlen_qkv(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kCudaSpec);
+  check_varlen_bwd_extras(dout_in, q_in, out_in, lse);
+  check_device(q_in);
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const int64_t head_dim = q_in.size(2);
+  const int kdim = kernel_head_dim(head_dim);
+  const auto mask = make_mask(window_left, window_right, bottom_right, max_seqlen_q, max_seqlen_k);
+  const at::Tensor q = make_kernel_ready(q_in.unsqueeze(0)), k = make_kernel_ready(k_in.unsqueeze(0)),
+                   v = make_kernel_ready(v_in.unsqueeze(0));
+  const at::Tensor out = make_kernel_ready(out_in.unsqueeze(0)), dout = make_kernel_ready(dout_in.unsqueeze(0));
+
+  auto dq = at::empty(q.sizes(), q.options());
+  auto dk = at::empty(k.sizes(), k.options());
+  auto dv = at::empty(v.sizes(), v.options());
+  const int64_t batch = cu_seqlens_q.size(0) - 1, total_q = q.size(1), heads_q = q.size(2);
+  auto f32 = q.options().dtype(at::kFloat);
+  auto dsum = at::empty({heads_q, total_q}, f32);
+  // Each sequence's dQ accumulator rows are followed by kBwdBlockM padding
+  // rows of its own (flash_params.h); bwd_preprocess_kernel zeroes the rows read back.
+  at::Tensor dq_accum = deterministic ? at::Tensor() : at::empty({heads_q, total_q + batch * kBwdBlockM, kdim}, f32);
+  check_grid((max_seqlen_k + 63) / 64 * 2 * batch * k.size(2), "backward");
+  check_grid((max_seqlen_q + 63) / 64 * batch * heads_q, "backward");
+
+  auto params = make_varlen_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                       max_seqlen_k, softmax_scale, mask, deterministic);
+  params.dsum_ptr = dsum.data_ptr();
+  params.device_arch = device_arch(q);
+  if (!deterministic) {
+    params.dq_accum_ptr = dq_accum.data_ptr();
+    params.dq_accum_batch_stride = 0;  // sequences are located by cu_seqlens (SeqInfo)
+    params.dq_accum_head_stride = dq_accum.stride(0);
+    params.dq_accum_row_stride = dq_accum.stride(1);
+  }
+  const auto stream = at::cuda::getCurrentCUDAStream().stream();
+  const cudaError_t err = with_element_type(q.scalar_type(), [&](auto elem) {
+    return with_kernel_head_dim(
+        kdim, [&](auto dim) { return run_bwd<decltype(elem), decltype(dim)::value>(params, stream); });
+  });
+  check_launch(err, "backward", kdim, q);
+  return {unpad(dq, head_dim)[0], unpad(dk, head_dim)[0], unpad(dv, head_dim)[0]};
+}
+
 }  // namespace
 }  // namespace flashattn
 
 TORCH_LIBRARY_IMPL(flashattn_ext, CUDA, m) {
   m.impl("fwd", &flashattn::fwd_cuda);
   m.impl("bwd", &flashattn::bwd_cuda);
+  m.impl("varlen_fwd", &flashattn::varlen_fwd_cuda);
+  m.impl("varlen_bwd", &flashattn::varlen_bwd_cuda);
 }

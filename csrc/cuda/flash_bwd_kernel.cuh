@@ -17,6 +17,7 @@
 #pragma once
 
 #include "../flash_params.h"
+#include "dispatch.h"
 #include "kernel_traits.h"
 #include "mask.cuh"
 #include "tile.cuh"
@@ -29,8 +30,18 @@ constexpr float kLog2e = 1.4426950408889634f;
 // that exp2(s - lse) is 0 there instead of inf.
 __device__ __forceinline__ float lse_to_log2(float lse) { return lse == -INFINITY ? INFINITY : lse * kLog2e; }
 
+// Element offset of dq_accum[b, h, row 0] (layout: flash_params.h). A varlen
+// sequence's rows start kBwdBlockM rows further per earlier sequence: the
+// atomics of a partial last query block write up to kBwdBlockM - 1 rows past
+// the sequence's end, which must not be the next sequence's rows.
+__device__ __forceinline__ int64_t dq_accum_offset(const AttnBwdParams& p, const SeqInfo& seq, int b, int h) {
+  const int64_t row0 = seq.varlen ? seq.q_start + int64_t(b) * kBwdBlockM : 0;
+  return b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride + row0 * p.dq_accum_row_stride;
+}
+
 // D[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d], kLanesPerRow lanes a row
-// (8 elements each), several rows a warp. In the atomic-dQ mode it also zeroes
+// (8 elements each), several rows a warp. The rows run over (b, h, i < seqlen_q);
+// in a varlen batch seqlen_q is max_seqlen_q and rows past a sequence's end idle. In the atomic-dQ mode it also zeroes
 // dq_accum[b, h, i, 0:head_dim], the only part convert_dq_kernel reads (the
 // atomics also land on padding rows and columns, which nothing reads): this
 // saves a separate memset of the accumulator.
@@ -39,18 +50,22 @@ __global__ void bwd_preprocess_kernel(const AttnBwdParams p) {
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kLanesPerRow;  // over (b, h, i)
   const int sub = threadIdx.x % kLanesPerRow;
   const int64_t total = int64_t(p.batch) * p.heads_q * p.seqlen_q;
-  const bool valid = row < total;  // no early return: the whole warp takes part in the shuffles
+  const int i = static_cast<int>(row % p.seqlen_q);
+  const int h = static_cast<int>((row / p.seqlen_q) % p.heads_q);
+  const int b = static_cast<int>(row / (int64_t(p.seqlen_q) * p.heads_q));
+  const SeqInfo seq(p, row < total ? b : 0);           // (cu_seqlens has batch + 1 entries)
+  const bool valid = row < total && i < seq.seqlen_q;  // no early return: the whole warp takes part in the shuffles
   float sum = 0.f;
+  int64_t dsum_index = 0;
   if (valid) {
-    const int i = static_cast<int>(row % p.seqlen_q);
-    const int h = static_cast<int>((row / p.seqlen_q) % p.heads_q);
-    const int b = static_cast<int>(row / (int64_t(p.seqlen_q) * p.heads_q));
-    const T* o = static_cast<const T*>(p.o_ptr) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
-    const T* dout =
-        static_cast<const T*>(p.do_ptr) + b * p.do_batch_stride + i * p.do_row_stride + h * p.do_head_stride;
+    const T* o = static_cast<const T*>(p.o_ptr) + seq.q_offset(p.o_batch_stride, p.o_row_stride, b) +
+                 int64_t(i) * p.o_row_stride + h * p.o_head_stride;
+    const T* dout = static_cast<const T*>(p.do_ptr) + seq.q_offset(p.do_batch_stride, p.do_row_stride, b) +
+                    int64_t(i) * p.do_row_stride + h * p.do_head_stride;
     float* acc = p.dq_accum_ptr == nullptr ? nullptr
-                                           : static_cast<float*>(p.dq_accum_ptr) + b * p.dq_accum_batch_stride +
-                                                 h * p.dq_accum_head_stride + i * p.dq_accum_row_stride;
+                                           : static_cast<float*>(p.dq_accum_ptr) + dq_accum_offset(p, seq, b, h) +
+                                                 int64_t(i) * p.dq_accum_row_stride;
+    dsum_index = seq.rowvec_offset(p, b, h) + i;
     for (int c = sub * 8; c < p.head_dim; c += kLanesPerRow * 8) {
       const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
       const uint4 dv = *reinterpret_cast<const uint4*>(dout + c);
@@ -66,10 +81,11 @@ __global__ void bwd_preprocess_kernel(const AttnBwdParams p) {
   }
 #pragma unroll
   for (int off = kLanesPerRow / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
-  if (valid && sub == 0) static_cast<float*>(p.dsum_ptr)[row] = sum;
+  if (valid && sub == 0) static_cast<float*>(p.dsum_ptr)[dsum_index] = sum;
 }
 
-// dq[b, i, h, :] = scale * dq_accum[b, h, i, :], in the input dtype.
+// dq[b, i, h, :] = scale * dq_accum[b, h, i, :], in the input dtype (i < seqlen_q:
+// max_seqlen_q in a varlen batch, where threads past a sequence's end return).
 template <typename T>
 __global__ void convert_dq_kernel(const AttnBwdParams p) {
   const int chunks_per_row = p.head_dim / 8;
@@ -81,8 +97,10 @@ __global__ void convert_dq_kernel(const AttnBwdParams p) {
   const int i = static_cast<int>(row % p.seqlen_q);
   const int h = static_cast<int>((row / p.seqlen_q) % p.heads_q);
   const int b = static_cast<int>(row / (int64_t(p.seqlen_q) * p.heads_q));
-  const float* acc = static_cast<const float*>(p.dq_accum_ptr) + b * p.dq_accum_batch_stride +
-                     h * p.dq_accum_head_stride + i * p.dq_accum_row_stride + c;
+  const SeqInfo seq(p, b);
+  if (i >= seq.seqlen_q) return;
+  const float* acc = static_cast<const float*>(p.dq_accum_ptr) + dq_accum_offset(p, seq, b, h) +
+                     int64_t(i) * p.dq_accum_row_stride + c;
   const float4 a = reinterpret_cast<const float4*>(acc)[0];
   const float4 bb = reinterpret_cast<const float4*>(acc)[1];
   const float s = p.softmax_scale;
@@ -91,7 +109,8 @@ __global__ void convert_dq_kernel(const AttnBwdParams p) {
   out.y = pack2<T>(a.z * s, a.w * s);
   out.z = pack2<T>(bb.x * s, bb.y * s);
   out.w = pack2<T>(bb.z * s, bb.w * s);
-  T* dq = static_cast<T*>(p.dq_ptr) + b * p.dq_batch_stride + i * p.dq_row_stride + h * p.dq_head_stride + c;
+  T* dq = static_cast<T*>(p.dq_ptr) + seq.q_offset(p.dq_batch_stride, p.dq_row_stride, b) +
+          int64_t(i) * p.dq_row_stride + h * p.dq_head_stride + c;
   *reinterpret_cast<uint4*>(dq) = out;
 }
 
@@ -106,7 +125,7 @@ __device__ __forceinline__ void copy_rowvec_async(float* smem, const float* gmem
   }
 }
 
-template <typename Kt, bool kComputeDq>
+template <typename Kt, bool kComputeDq, bool kVarlen>
 __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const AttnBwdParams p) {
   using T = typename Kt::Element;
   using TileQ = typename Kt::TileQ;
@@ -141,14 +160,20 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
   const int b = static_cast<int>(rest / p.heads_kv);
   const int ratio = p.heads_ratio();
   const int n0 = n_block * kBlockN;
-  const int keys = min(kBlockN, p.seqlen_k - n0);
+  const SeqInfo seq(p, b, kVarlen);
+  if (kVarlen && n0 >= seq.seqlen_k) return;  // this key block starts past the end of its sequence
+  const int keys = min(kBlockN, seq.seqlen_k - n0);
 
-  const T* gK = static_cast<const T*>(p.k_ptr) + b * p.k_batch_stride + h_kv * p.k_head_stride + n0 * p.k_row_stride;
-  const T* gV = static_cast<const T*>(p.v_ptr) + b * p.v_batch_stride + h_kv * p.v_head_stride + n0 * p.v_row_stride;
-  T* gdK = static_cast<T*>(p.dk_ptr) + b * p.dk_batch_stride + h_kv * p.dk_head_stride + n0 * p.dk_row_stride;
-  T* gdV = static_cast<T*>(p.dv_ptr) + b * p.dv_batch_stride + h_kv * p.dv_head_stride + n0 * p.dv_row_stride;
+  const T* gK = static_cast<const T*>(p.k_ptr) + seq.k_offset(p.k_batch_stride, p.k_row_stride, b) +
+                h_kv * p.k_head_stride + n0 * p.k_row_stride;
+  const T* gV = static_cast<const T*>(p.v_ptr) + seq.k_offset(p.v_batch_stride, p.v_row_stride, b) +
+                h_kv * p.v_head_stride + n0 * p.v_row_stride;
+  T* gdK = static_cast<T*>(p.dk_ptr) + seq.k_offset(p.dk_batch_stride, p.dk_row_stride, b) + h_kv * p.dk_head_stride +
+           n0 * p.dk_row_stride;
+  T* gdV = static_cast<T*>(p.dv_ptr) + seq.k_offset(p.dv_batch_stride, p.dv_row_stride, b) + h_kv * p.dv_head_stride +
+           n0 * p.dv_row_stride;
 
-  const BlockMask mask(p);
+  const BlockMask mask(p, seq);
   int m_min, m_max;
   mask.query_block_range<kBlockM>(n0, keys, m_min, m_max);
   const int m_blocks = m_max - m_min;
@@ -178,11 +203,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
   auto load_q_block = [&](int it, int stage) {
     int hq, m0;
     query_block(it, hq, m0);
-    const int rows = min(kBlockM, p.seqlen_q - m0);
-    const T* gQ = static_cast<const T*>(p.q_ptr) + b * p.q_batch_stride + hq * p.q_head_stride + m0 * p.q_row_stride;
-    const T* gdO =
-        static_cast<const T*>(p.do_ptr) + b * p.do_batch_stride + hq * p.do_head_stride + m0 * p.do_row_stride;
-    const int64_t vec = (int64_t(b) * p.heads_q + hq) * p.seqlen_q + m0;
+    const int rows = min(kBlockM, seq.seqlen_q - m0);
+    const T* gQ = static_cast<const T*>(p.q_ptr) + seq.q_offset(p.q_batch_stride, p.q_row_stride, b) +
+                  hq * p.q_head_stride + m0 * p.q_row_stride;
+    const T* gdO = static_cast<const T*>(p.do_ptr) + seq.q_offset(p.do_batch_stride, p.do_row_stride, b) +
+                   hq * p.do_head_stride + m0 * p.do_row_stride;
+    const int64_t vec = seq.rowvec_offset(p, b, hq) + m0;
     copy_tile_async<TileQ, kNThreads>(sQ + stage * TileQ::kElems, gQ, p.q_row_stride, rows, p.head_dim, tid);
     copy_tile_async<TileQ, kNThreads>(sdO + stage * TileQ::kElems, gdO, p.do_row_stride, rows, p.head_dim, tid);
     copy_rowvec_async<kBlockM, kNThreads>(sLse + stage * kBlockM, static_cast<const float*>(p.lse_ptr) + vec, rows,
@@ -225,7 +251,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int q = s_q0 + qi * 8 + 2 * t + e;
-        const float lse_log2 = (m0 + q < p.seqlen_q) ? lse_to_log2(sLses[q]) : INFINITY;
+        const float lse_log2 = (m0 + q < seq.seqlen_q) ? lse_to_log2(sLses[q]) : INFINITY;
 #pragma unroll
         for (int mi = 0; mi < kMT; ++mi)
 #pragma unroll
@@ -289,7 +315,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
       clear(acc_dq);
       gemm_tt_kn<kQMT, kQDT, kBlockN, T>(acc_dq, LdsmB<TileDS>(sdS, 0, q_row0, lane),
                                          LdsmA<TileKV>(sK, 0, q_col0, lane));
-      float* gdq = static_cast<float*>(p.dq_accum_ptr) + b * p.dq_accum_batch_stride + hq * p.dq_accum_head_stride +
+      float* gdq = static_cast<float*>(p.dq_accum_ptr) + dq_accum_offset(p, seq, b, hq) +
                    (m0 + q_row0) * p.dq_accum_row_stride + q_col0;
 #pragma unroll
       for (int mi = 0; mi < kQMT; ++mi)
@@ -317,7 +343,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
   store_tile<TileKV, kNThreads, Kt::kDOut>(gdV, p.dv_row_stride, sV, keys, p.head_dim, tid, d0);
 }
 
-template <typename Kt>
+template <typename Kt, bool kVarlen>
 __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dq_kernel(const AttnBwdParams p) {
   using T = typename Kt::Element;
   using TileQ = typename Kt::TileQ;
@@ -335,17 +361,24 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dq_kernel(const At
   T* sV = sK + TileKV::kElems;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
-  const QueryBlockOfCta<kBlockM> blk(p);
+  const QueryBlockOfCta<kBlockM> blk(p, kVarlen);
   const int h = blk.h, b = blk.b, h_kv = blk.h_kv, m0 = blk.m0, rows = blk.rows;
+  if (kVarlen && rows <= 0) return;  // this block starts past the end of its sequence
+  const SeqInfo& seq = blk.seq;
   const int warp_row0 = warp * Kt::kRowsPerWarp;
   const int g = lane >> 2;
 
-  const T* gQ = static_cast<const T*>(p.q_ptr) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
-  const T* gdO = static_cast<const T*>(p.do_ptr) + b * p.do_batch_stride + h * p.do_head_stride + m0 * p.do_row_stride;
-  const T* gK = static_cast<const T*>(p.k_ptr) + b * p.k_batch_stride + h_kv * p.k_head_stride;
-  const T* gV = static_cast<const T*>(p.v_ptr) + b * p.v_batch_stride + h_kv * p.v_head_stride;
-  T* gdQ = static_cast<T*>(p.dq_ptr) + b * p.dq_batch_stride + h * p.dq_head_stride + m0 * p.dq_row_stride;
-  const int64_t vec = (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0;
+  const T* gQ = static_cast<const T*>(p.q_ptr) + seq.q_offset(p.q_batch_stride, p.q_row_stride, b) +
+                h * p.q_head_stride + m0 * p.q_row_stride;
+  const T* gdO = static_cast<const T*>(p.do_ptr) + seq.q_offset(p.do_batch_stride, p.do_row_stride, b) +
+                 h * p.do_head_stride + m0 * p.do_row_stride;
+  const T* gK =
+      static_cast<const T*>(p.k_ptr) + seq.k_offset(p.k_batch_stride, p.k_row_stride, b) + h_kv * p.k_head_stride;
+  const T* gV =
+      static_cast<const T*>(p.v_ptr) + seq.k_offset(p.v_batch_stride, p.v_row_stride, b) + h_kv * p.v_head_stride;
+  T* gdQ = static_cast<T*>(p.dq_ptr) + seq.q_offset(p.dq_batch_stride, p.dq_row_stride, b) + h * p.dq_head_stride +
+           m0 * p.dq_row_stride;
+  const int64_t vec = seq.rowvec_offset(p, b, h) + m0;
 
   // Per-row lse (log2 units) and D of this lane's rows.
   float lse_log2[kMT][2], dsum[kMT][2];
@@ -358,7 +391,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dq_kernel(const At
       dsum[mi][hh] = r < rows ? static_cast<const float*>(p.dsum_ptr)[vec + r] : 0.f;
     }
 
-  const BlockMask mask(p);
+  const BlockMask mask(p, seq);
   int n_min, n_max;
   mask.key_block_range<kBlockN>(m0, rows, n_min, n_max);
 
@@ -374,9 +407,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dq_kernel(const At
 
   for (int n_block = n_min; n_block < n_max; ++n_block) {
     const int n0 = n_block * kBlockN;
-    copy_tile_async<TileKV, kNThreads>(sK, gK + int64_t(n0) * p.k_row_stride, p.k_row_stride, p.seqlen_k - n0,
+    copy_tile_async<TileKV, kNThreads>(sK, gK + int64_t(n0) * p.k_row_stride, p.k_row_stride, seq.seqlen_k - n0,
                                        p.head_dim, tid);
-    copy_tile_async<TileKV, kNThreads>(sV, gV + int64_t(n0) * p.v_row_stride, p.v_row_stride, p.seqlen_k - n0,
+    copy_tile_async<TileKV, kNThreads>(sV, gV + int64_t(n0) * p.v_row_stride, p.v_row_stride, seq.seqlen_k - n0,
                                        p.head_dim, tid);
     cp_async_commit();
     cp_async_wait<0>();

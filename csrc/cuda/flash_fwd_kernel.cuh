@@ -21,7 +21,7 @@
 
 namespace flashattn {
 
-template <typename Kt>
+template <typename Kt, bool kVarlen>
 __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_kernel(const AttnFwdParams p) {
   using T = typename Kt::Element;
   using TileQ = typename Kt::TileQ;
@@ -38,16 +38,23 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
   T* sV = sK + Kt::kStages * Kt::kStageElems;  // [kStages] V blocks
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
-  const QueryBlockOfCta<kBlockM> blk(p);
+  const QueryBlockOfCta<kBlockM> blk(p, kVarlen);
   const int h = blk.h, b = blk.b, h_kv = blk.h_kv, m0 = blk.m0, rows = blk.rows;
+  if (kVarlen && rows <= 0) return;  // this block starts past the end of its sequence
+  const SeqInfo& seq = blk.seq;
+  const int seqlen_k = seq.seqlen_k;
 
-  const T* gQ = static_cast<const T*>(p.q_ptr) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
-  const T* gK = static_cast<const T*>(p.k_ptr) + b * p.k_batch_stride + h_kv * p.k_head_stride;
-  const T* gV = static_cast<const T*>(p.v_ptr) + b * p.v_batch_stride + h_kv * p.v_head_stride;
-  T* gO = static_cast<T*>(p.o_ptr) + b * p.o_batch_stride + h * p.o_head_stride + m0 * p.o_row_stride;
-  float* gLse = static_cast<float*>(p.lse_ptr) + (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0;
+  const T* gQ = static_cast<const T*>(p.q_ptr) + seq.q_offset(p.q_batch_stride, p.q_row_stride, b) +
+                h * p.q_head_stride + m0 * p.q_row_stride;
+  const T* gK =
+      static_cast<const T*>(p.k_ptr) + seq.k_offset(p.k_batch_stride, p.k_row_stride, b) + h_kv * p.k_head_stride;
+  const T* gV =
+      static_cast<const T*>(p.v_ptr) + seq.k_offset(p.v_batch_stride, p.v_row_stride, b) + h_kv * p.v_head_stride;
+  T* gO = static_cast<T*>(p.o_ptr) + seq.q_offset(p.o_batch_stride, p.o_row_stride, b) + h * p.o_head_stride +
+          m0 * p.o_row_stride;
+  float* gLse = static_cast<float*>(p.lse_ptr) + seq.rowvec_offset(p, b, h) + m0;
 
-  const BlockMask mask(p);
+  const BlockMask mask(p, seq);
   int n_min, n_max;
   mask.key_block_range<kBlockN>(m0, rows, n_min, n_max);
 
@@ -55,7 +62,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
   const int g = lane >> 2, t = lane & 3;
 
   if (n_max <= n_min) {
-    store_unseeing_query_block<T>(p, b, h, m0, rows, tid, kNThreads);
+    store_unseeing_query_block<T>(p, seq, b, h, m0, rows, tid, kNThreads);
     return;
   }
 
@@ -66,11 +73,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
 
   auto load_k = [&](int n_block, int stage) {
     copy_tile_async<TileKV, kNThreads>(sK + stage * Kt::kStageElems, gK + int64_t(n_block) * kBlockN * p.k_row_stride,
-                                       p.k_row_stride, p.seqlen_k - n_block * kBlockN, p.head_dim, tid);
+                                       p.k_row_stride, seqlen_k - n_block * kBlockN, p.head_dim, tid);
   };
   auto load_v = [&](int n_block, int stage) {
     copy_tile_async<TileKV, kNThreads>(sV + stage * Kt::kStageElems, gV + int64_t(n_block) * kBlockN * p.v_row_stride,
-                                       p.v_row_stride, p.seqlen_k - n_block * kBlockN, p.head_dim, tid);
+                                       p.v_row_stride, seqlen_k - n_block * kBlockN, p.head_dim, tid);
   };
 
   // Prologue: Q and the first (last) key block in flight; with two stages,

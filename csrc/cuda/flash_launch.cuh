@@ -37,14 +37,22 @@ inline int sm_count() {
   return counts[dev];
 }
 
+// The kernels that run varlen batches are compiled twice (kVarlen, picked by
+// p.is_varlen() below): the dense instance keeps no varlen state in its
+// registers (SeqInfo's fields are the params' constants there). With one
+// instance for both, ptxas spilled in kernels that had not spilled before.
+
 // All grids are one-dimensional: blockIdx.x goes to 2^31 - 1, where y and z
 // stop at 65535 (batch x heads can exceed that). The binding layer checks the
-// block count fits.
+// block count fits. A varlen batch sizes them by max_seqlen_q / max_seqlen_k,
+// which may be 0 (every sequence empty): an empty grid is no launch (CUDA
+// rejects a launch of zero blocks).
 template <typename Kt>
 cudaError_t launch_fwd(const AttnFwdParams& p, cudaStream_t stream) {
-  auto kernel = &flash_fwd_kernel<Kt>;
+  auto kernel = p.is_varlen() ? &flash_fwd_kernel<Kt, true> : &flash_fwd_kernel<Kt, false>;
   if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
   const int64_t blocks = int64_t(ceil_div(p.seqlen_q, Kt::kBlockM)) * p.batch * p.heads_q;
+  if (blocks == 0) return cudaSuccess;
   kernel<<<static_cast<unsigned>(blocks), Kt::kNThreads, Kt::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
@@ -52,9 +60,10 @@ cudaError_t launch_fwd(const AttnFwdParams& p, cudaStream_t stream) {
 // Hopper: the wgmma forward; same grid as launch_fwd.
 template <typename Kt>
 cudaError_t launch_fwd_sm90(const AttnFwdParams& p, cudaStream_t stream) {
-  auto kernel = &flash_fwd_sm90_kernel<Kt>;
+  auto kernel = p.is_varlen() ? &flash_fwd_sm90_kernel<Kt, true> : &flash_fwd_sm90_kernel<Kt, false>;
   if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
   const int64_t blocks = int64_t(ceil_div(p.seqlen_q, Kt::kBlockM)) * p.batch * p.heads_q;
+  if (blocks == 0) return cudaSuccess;
   kernel<<<static_cast<unsigned>(blocks), Kt::kNThreads, Kt::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
@@ -89,6 +98,7 @@ cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool
 template <typename T>
 cudaError_t launch_bwd_preprocess(const AttnBwdParams& p, cudaStream_t stream) {
   const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
+  if (rows == 0) return cudaSuccess;
   constexpr int kThreads = 256;
   auto launch = [&](auto kernel, int lanes_per_row) {
     kernel<<<static_cast<unsigned>((rows * lanes_per_row + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p);
@@ -105,6 +115,7 @@ cudaError_t launch_bwd_preprocess(const AttnBwdParams& p, cudaStream_t stream) {
 template <typename T>
 cudaError_t launch_convert_dq(const AttnBwdParams& p, cudaStream_t stream) {
   const int64_t chunks = int64_t(p.batch) * p.heads_q * p.seqlen_q * (p.head_dim / 8);
+  if (chunks == 0) return cudaSuccess;
   constexpr int kThreads = 256;
   convert_dq_kernel<T><<<static_cast<unsigned>((chunks + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
@@ -119,21 +130,21 @@ cudaError_t launch_bwd(const AttnBwdParams& p, cudaStream_t stream) {
 
   const int64_t dkdv_blocks = int64_t(ceil_div(p.seqlen_k, Kt::kBlockN)) * Kt::kDSplit * p.heads_kv * p.batch;
   if (!p.deterministic) {
-    auto kernel = &flash_bwd_dkdv_kernel<Kt, true>;
+    auto kernel = p.is_varlen() ? &flash_bwd_dkdv_kernel<Kt, true, true> : &flash_bwd_dkdv_kernel<Kt, true, false>;
     if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
-    kernel<<<static_cast<unsigned>(dkdv_blocks), Kt::kNThreads, Kt::kSmemBytes, stream>>>(p);
+    if (dkdv_blocks > 0) kernel<<<static_cast<unsigned>(dkdv_blocks), Kt::kNThreads, Kt::kSmemBytes, stream>>>(p);
     if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
     return launch_convert_dq<T>(p, stream);
   }
 
-  auto dkdv = &flash_bwd_dkdv_kernel<Kt, false>;
+  auto dkdv = p.is_varlen() ? &flash_bwd_dkdv_kernel<Kt, false, true> : &flash_bwd_dkdv_kernel<Kt, false, false>;
   if (cudaError_t err = allow_smem(dkdv, Kt::kSmemBytes); err != cudaSuccess) return err;
-  dkdv<<<static_cast<unsigned>(dkdv_blocks), Kt::kNThreads, Kt::kSmemBytes, stream>>>(p);
+  if (dkdv_blocks > 0) dkdv<<<static_cast<unsigned>(dkdv_blocks), Kt::kNThreads, Kt::kSmemBytes, stream>>>(p);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  auto dq = &flash_bwd_dq_kernel<KtDq>;
+  auto dq = p.is_varlen() ? &flash_bwd_dq_kernel<KtDq, true> : &flash_bwd_dq_kernel<KtDq, false>;
   if (cudaError_t err = allow_smem(dq, KtDq::kSmemBytes); err != cudaSuccess) return err;
   const int64_t dq_blocks = int64_t(ceil_div(p.seqlen_q, KtDq::kBlockM)) * p.batch * p.heads_q;
-  dq<<<static_cast<unsigned>(dq_blocks), KtDq::kNThreads, KtDq::kSmemBytes, stream>>>(p);
+  if (dq_blocks > 0) dq<<<static_cast<unsigned>(dq_blocks), KtDq::kNThreads, KtDq::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -143,10 +154,10 @@ cudaError_t launch_bwd_sm90(const AttnBwdParams& p, cudaStream_t stream) {
   using T = typename Kt::Element;
   static_assert(kBwdBlockM % Kt::kBlockM == 0, "the dQ accumulator is padded to kBwdBlockM rows");
   if (cudaError_t err = launch_bwd_preprocess<T>(p, stream); err != cudaSuccess) return err;
-  auto kernel = &flash_bwd_sm90_kernel<Kt>;
+  auto kernel = p.is_varlen() ? &flash_bwd_sm90_kernel<Kt, true> : &flash_bwd_sm90_kernel<Kt, false>;
   if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
   const int64_t blocks = int64_t(ceil_div(p.seqlen_k, Kt::kBlockN)) * p.heads_kv * p.batch;
-  kernel<<<static_cast<unsigned>(blocks), Kt::kNThreads, Kt::kSmemBytes, stream>>>(p);
+  if (blocks > 0) kernel<<<static_cast<unsigned>(blocks), Kt::kNThreads, Kt::kSmemBytes, stream>>>(p);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   return launch_convert_dq<T>(p, stream);
 }
@@ -210,13 +221,20 @@ cudaError_t run_variant(Variants<Kts...>, const char* env, Launch&& launch) {
 }
 #endif
 
+// Varlen batches (p.is_varlen()) run on the kernels that locate their rows
+// through SeqInfo: the mma.sync forward and backward (deterministic dQ and
+// the preprocessing / convert kernels included) and the cp.async wgmma
+// forward and backward. The warp-specialized TMA forward is not one of them:
+// its 4-D tensor maps (batch, seqlen, heads, head_dim) cannot describe
+// sequences packed along the rows. A kernel added to the dispatch below runs
+// varlen batches only once it reads SeqInfo; until then, test is_varlen().
 template <typename T, int kHeadDim>
 cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
 #ifdef FLASHATTN_SM90
   // Built for sm90a and running on an sm90 device: the wgmma kernel, for the
   // head dims KernelConfig gives one.
   if constexpr (HasFwdSm90Ws<KernelConfig<kHeadDim, T>>::value) {
-    if (p.device_arch == 90 && p.allow_tma) {
+    if (p.device_arch == 90 && p.allow_tma && !p.is_varlen()) {
       bool launched = false;
 #ifdef FLASHATTN_TUNING
       cudaError_t err = cudaSuccess;

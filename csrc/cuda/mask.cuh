@@ -14,12 +14,21 @@ struct BlockMask {
   int seqlen_q, seqlen_k;
   int window_left, window_right, diag_offset;
 
+  // The mask of a dense batch (every sequence seqlen_q x seqlen_k).
   __device__ __forceinline__ explicit BlockMask(const AttnFwdParams& p)
       : seqlen_q(p.seqlen_q),
         seqlen_k(p.seqlen_k),
         window_left(p.mask.window_left),
         window_right(p.mask.window_right),
         diag_offset(p.mask.diag_offset) {}
+
+  // The mask of one sequence: its own lengths and diagonal (varlen batches).
+  __device__ __forceinline__ BlockMask(const AttnFwdParams& p, const SeqInfo& seq)
+      : seqlen_q(seq.seqlen_q),
+        seqlen_k(seq.seqlen_k),
+        window_left(p.mask.window_left),
+        window_right(p.mask.window_right),
+        diag_offset(seq.diag_offset) {}
 
   __device__ __forceinline__ static int clamp(int64_t x, int lo, int hi) {
     return static_cast<int>(x < lo ? lo : (x > hi ? hi : x));
@@ -72,21 +81,28 @@ struct BlockMask {
 // owns (the forward and the deterministic dQ kernel). blockIdx.x runs over
 // query blocks fastest, so the CTAs of one head are co-resident and share K/V
 // in L2, and the heaviest query blocks (last rows: the most keys under a causal
-// mask) start first.
+// mask) start first. In a varlen batch the grid is sized by max_seqlen_q: a
+// CTA whose block starts past its sequence's end has rows <= 0 and exits.
 template <int kBlockM>
 struct QueryBlockOfCta {
   int h, b, h_kv;  // query head, batch, key/value head
-  int m0, rows;    // first row, valid rows
+  int m0, rows;    // first row, valid rows (<= 0: nothing to do)
+  SeqInfo seq;     // the sequence's rows and lengths
 
-  __device__ __forceinline__ explicit QueryBlockOfCta(const AttnFwdParams& p) {
+  // varlen == p.is_varlen(), a constant in kernels compiled once per batch kind (SeqInfo).
+  __device__ __forceinline__ QueryBlockOfCta(const AttnFwdParams& p, bool varlen)
+      : QueryBlockOfCta(p, static_cast<int>(blockIdx.x / ceil_div(p.seqlen_q, kBlockM)), varlen) {}
+
+ private:
+  __device__ __forceinline__ QueryBlockOfCta(const AttnFwdParams& p, int bh, bool varlen)
+      : seq(p, bh / p.heads_q, varlen) {
     const int num_m_blocks = ceil_div(p.seqlen_q, kBlockM);
     const int m_block = num_m_blocks - 1 - static_cast<int>(blockIdx.x % num_m_blocks);
-    const int bh = static_cast<int>(blockIdx.x / num_m_blocks);
     h = bh % p.heads_q;
     b = bh / p.heads_q;
     h_kv = h / p.heads_ratio();
     m0 = m_block * kBlockM;
-    rows = min(kBlockM, p.seqlen_q - m0);
+    rows = min(kBlockM, seq.seqlen_q - m0);
   }
 };
 
@@ -94,16 +110,24 @@ struct QueryBlockOfCta {
 // lse = -inf (MaskParams' rule), written by `nthreads` threads numbered `tid`.
 // Shared by the forward kernels, which skip such a block entirely.
 template <typename T>
-__device__ __forceinline__ void store_unseeing_query_block(const AttnFwdParams& p, int b, int h, int m0, int rows,
-                                                           int tid, int nthreads) {
-  T* gO = static_cast<T*>(p.o_ptr) + b * p.o_batch_stride + h * p.o_head_stride + m0 * p.o_row_stride;
-  float* gLse = static_cast<float*>(p.lse_ptr) + (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0;
+__device__ __forceinline__ void store_unseeing_query_block(const AttnFwdParams& p, const SeqInfo& seq, int b, int h,
+                                                           int m0, int rows, int tid, int nthreads) {
+  T* gO = static_cast<T*>(p.o_ptr) + seq.q_offset(p.o_batch_stride, p.o_row_stride, b) + h * p.o_head_stride +
+          m0 * p.o_row_stride;
+  float* gLse = static_cast<float*>(p.lse_ptr) + seq.rowvec_offset(p, b, h) + m0;
   const int chunks = p.head_dim / 8;
   for (int i = tid; i < rows * chunks; i += nthreads) {
     const int r = i / chunks, c = (i % chunks) * 8;
     *reinterpret_cast<uint4*>(gO + r * p.o_row_stride + c) = make_uint4(0, 0, 0, 0);
   }
   for (int r = tid; r < rows; r += nthreads) gLse[r] = -INFINITY;
+}
+
+// The same for a dense batch (the warp-specialized forward, which never runs varlen ones).
+template <typename T>
+__device__ __forceinline__ void store_unseeing_query_block(const AttnFwdParams& p, int b, int h, int m0, int rows,
+                                                           int tid, int nthreads) {
+  store_unseeing_query_block<T>(p, SeqInfo(p, b, false), b, h, m0, rows, tid, nthreads);
 }
 
 // Sets to `fill` the entries of invisible keys in a warp's accumulator tile

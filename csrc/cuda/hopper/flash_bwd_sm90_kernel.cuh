@@ -33,7 +33,7 @@
 
 namespace flashattn {
 
-template <typename Kt>
+template <typename Kt, bool kVarlen>
 __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_bwd_sm90_kernel(const AttnBwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T = typename Kt::Element;
@@ -66,14 +66,20 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_bwd_
   const int b = static_cast<int>(blockIdx.x / num_n_blocks / p.heads_kv);
   const int ratio = p.heads_ratio();
   const int n0 = n_block * kBlockN;
-  const int keys = min(kBlockN, p.seqlen_k - n0);
+  const SeqInfo seq(p, b, kVarlen);
+  if (kVarlen && n0 >= seq.seqlen_k) return;  // this key block starts past the end of its sequence
+  const int keys = min(kBlockN, seq.seqlen_k - n0);
 
-  const T* gK = static_cast<const T*>(p.k_ptr) + b * p.k_batch_stride + h_kv * p.k_head_stride + n0 * p.k_row_stride;
-  const T* gV = static_cast<const T*>(p.v_ptr) + b * p.v_batch_stride + h_kv * p.v_head_stride + n0 * p.v_row_stride;
-  T* gdK = static_cast<T*>(p.dk_ptr) + b * p.dk_batch_stride + h_kv * p.dk_head_stride + n0 * p.dk_row_stride;
-  T* gdV = static_cast<T*>(p.dv_ptr) + b * p.dv_batch_stride + h_kv * p.dv_head_stride + n0 * p.dv_row_stride;
+  const T* gK = static_cast<const T*>(p.k_ptr) + seq.k_offset(p.k_batch_stride, p.k_row_stride, b) +
+                h_kv * p.k_head_stride + n0 * p.k_row_stride;
+  const T* gV = static_cast<const T*>(p.v_ptr) + seq.k_offset(p.v_batch_stride, p.v_row_stride, b) +
+                h_kv * p.v_head_stride + n0 * p.v_row_stride;
+  T* gdK = static_cast<T*>(p.dk_ptr) + seq.k_offset(p.dk_batch_stride, p.dk_row_stride, b) + h_kv * p.dk_head_stride +
+           n0 * p.dk_row_stride;
+  T* gdV = static_cast<T*>(p.dv_ptr) + seq.k_offset(p.dv_batch_stride, p.dv_row_stride, b) + h_kv * p.dv_head_stride +
+           n0 * p.dv_row_stride;
 
-  const BlockMask mask(p);
+  const BlockMask mask(p, seq);
   int m_min, m_max;
   mask.query_block_range<kBlockM>(n0, keys, m_min, m_max);
   const int m_blocks = m_max - m_min;
@@ -91,11 +97,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_bwd_
   auto load_q_block = [&](int it, int stage) {
     int hq, m0;
     query_block(it, hq, m0);
-    const int rows = min(kBlockM, p.seqlen_q - m0);
-    const T* gQ = static_cast<const T*>(p.q_ptr) + b * p.q_batch_stride + hq * p.q_head_stride + m0 * p.q_row_stride;
-    const T* gdO =
-        static_cast<const T*>(p.do_ptr) + b * p.do_batch_stride + hq * p.do_head_stride + m0 * p.do_row_stride;
-    const int64_t vec = (int64_t(b) * p.heads_q + hq) * p.seqlen_q + m0;
+    const int rows = min(kBlockM, seq.seqlen_q - m0);
+    const T* gQ = static_cast<const T*>(p.q_ptr) + seq.q_offset(p.q_batch_stride, p.q_row_stride, b) +
+                  hq * p.q_head_stride + m0 * p.q_row_stride;
+    const T* gdO = static_cast<const T*>(p.do_ptr) + seq.q_offset(p.do_batch_stride, p.do_row_stride, b) +
+                   hq * p.do_head_stride + m0 * p.do_row_stride;
+    const int64_t vec = seq.rowvec_offset(p, b, hq) + m0;
     copy_tile_async<TileQ, kNThreads>(sQ + stage * TileQ::kElems, gQ, p.q_row_stride, rows, p.head_dim, tid);
     copy_tile_async<TileQ, kNThreads>(sdO + stage * TileQ::kElems, gdO, p.do_row_stride, rows, p.head_dim, tid);
     copy_rowvec_async<kBlockM, kNThreads>(sLse + stage * kBlockM, static_cast<const float*>(p.lse_ptr) + vec, rows,
@@ -178,7 +185,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_bwd_
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int q = qi * 8 + 2 * t + e;
-        const float lse_log2 = (m0 + q < p.seqlen_q) ? lse_to_log2(sLses[q]) : INFINITY;
+        const float lse_log2 = (m0 + q < seq.seqlen_q) ? lse_to_log2(sLses[q]) : INFINITY;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           float& x = acc_s[0][qi][2 * h + e];
@@ -241,7 +248,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_bwd_
 
 #pragma unroll
     for (int i = 0; i < kDqPerWg; ++i) {
-      float* gdq = static_cast<float*>(p.dq_accum_ptr) + b * p.dq_accum_batch_stride + hq * p.dq_accum_head_stride +
+      float* gdq = static_cast<float*>(p.dq_accum_ptr) + dq_accum_offset(p, seq, b, hq) +
                    (m0 + dq_row0(i) + warp_in_wg * 16) * p.dq_accum_row_stride + dq_col0(i);
 #pragma unroll
       for (int di = 0; di < 8; ++di)

@@ -27,7 +27,7 @@
 
 namespace flashattn {
 
-template <typename Kt>
+template <typename Kt, bool kVarlen>
 __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_sm90_kernel(const AttnFwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T = typename Kt::Element;
@@ -48,33 +48,40 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
   const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
   const int wg = warp / 4;
   const int g = lane >> 2, t = lane & 3;
-  const QueryBlockOfCta<kBlockM> blk(p);
+  const QueryBlockOfCta<kBlockM> blk(p, kVarlen);
   const int h = blk.h, b = blk.b, h_kv = blk.h_kv, m0 = blk.m0, rows = blk.rows;
+  if (kVarlen && rows <= 0) return;  // this block starts past the end of its sequence
+  const SeqInfo& seq = blk.seq;
+  const int seqlen_k = seq.seqlen_k;
   const int warp_row0 = warp * 16;  // this warp's 16 rows (warpgroup wg: rows 64 wg ..)
 
-  const T* gQ = static_cast<const T*>(p.q_ptr) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
-  const T* gK = static_cast<const T*>(p.k_ptr) + b * p.k_batch_stride + h_kv * p.k_head_stride;
-  const T* gV = static_cast<const T*>(p.v_ptr) + b * p.v_batch_stride + h_kv * p.v_head_stride;
-  T* gO = static_cast<T*>(p.o_ptr) + b * p.o_batch_stride + h * p.o_head_stride + m0 * p.o_row_stride;
-  float* gLse = static_cast<float*>(p.lse_ptr) + (int64_t(b) * p.heads_q + h) * p.seqlen_q + m0;
+  const T* gQ = static_cast<const T*>(p.q_ptr) + seq.q_offset(p.q_batch_stride, p.q_row_stride, b) +
+                h * p.q_head_stride + m0 * p.q_row_stride;
+  const T* gK =
+      static_cast<const T*>(p.k_ptr) + seq.k_offset(p.k_batch_stride, p.k_row_stride, b) + h_kv * p.k_head_stride;
+  const T* gV =
+      static_cast<const T*>(p.v_ptr) + seq.k_offset(p.v_batch_stride, p.v_row_stride, b) + h_kv * p.v_head_stride;
+  T* gO = static_cast<T*>(p.o_ptr) + seq.q_offset(p.o_batch_stride, p.o_row_stride, b) + h * p.o_head_stride +
+          m0 * p.o_row_stride;
+  float* gLse = static_cast<float*>(p.lse_ptr) + seq.rowvec_offset(p, b, h) + m0;
 
-  const BlockMask mask(p);
+  const BlockMask mask(p, seq);
   int n_min, n_max;
   mask.key_block_range<kBlockN>(m0, rows, n_min, n_max);
   if (n_max <= n_min) {
-    store_unseeing_query_block<T>(p, b, h, m0, rows, tid, kNThreads);
+    store_unseeing_query_block<T>(p, seq, b, h, m0, rows, tid, kNThreads);
     return;
   }
   const int blocks = n_max - n_min;  // step j visits key block n_max - 1 - j
   auto load_k = [&](int j) {
     const int n_block = n_max - 1 - j;
     copy_tile_async<TileKV, kNThreads>(sK + (j & 1) * TileKV::kElems, gK + int64_t(n_block) * kBlockN * p.k_row_stride,
-                                       p.k_row_stride, p.seqlen_k - n_block * kBlockN, p.head_dim, tid);
+                                       p.k_row_stride, seqlen_k - n_block * kBlockN, p.head_dim, tid);
   };
   auto load_v = [&](int j) {
     const int n_block = n_max - 1 - j;
     copy_tile_async<TileKV, kNThreads>(sV + (j & 1) * TileKV::kElems, gV + int64_t(n_block) * kBlockN * p.v_row_stride,
-                                       p.v_row_stride, p.seqlen_k - n_block * kBlockN, p.head_dim, tid);
+                                       p.v_row_stride, seqlen_k - n_block * kBlockN, p.head_dim, tid);
   };
 
   // Q: A of S, K-major, this warpgroup's 64 rows. K: B of S, K-major.
