@@ -224,9 +224,9 @@ cudaError_t run_variant(Variants<Kts...>, const char* env, Launch&& launch) {
 // Varlen batches (p.is_varlen()) run on the kernels that locate their rows
 // through SeqInfo: the mma.sync forward and backward (deterministic dQ and
 // the preprocessing / convert kernels included) and the cp.async wgmma
-// forward and backward. The warp-specialized TMA forward is not one of them:
-// its 4-D tensor maps (batch, seqlen, heads, head_dim) cannot describe
-// sequences packed along the rows. A kernel added to the dispatch below runs
+// forward and backward. The warp-specialized TMA forward and backward are not
+// among them: their 4-D tensor maps (batch, seqlen, heads, head_dim) cannot
+// describe sequences packed along the rows. A kernel added to the dispatch below runs
 // varlen batches only once it reads SeqInfo; until then, test is_varlen().
 template <typename T, int kHeadDim>
 cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
@@ -286,7 +286,7 @@ cudaError_t run_bwd(const AttnBwdParams& p, cudaStream_t stream) {
   // wgmma kernel (non-deterministic dQ atomics only), for the head dims
   // KernelConfig gives them.
   if constexpr (HasBwdSm90Ws<Cfg>::value) {
-    if (p.device_arch == 90 && p.allow_tma && (!p.deterministic || p.dq_semaphore_ptr != nullptr)) {
+    if (p.device_arch == 90 && p.allow_tma && !p.is_varlen() && (!p.deterministic || p.dq_semaphore_ptr != nullptr)) {
       bool launched = false;
       const cudaError_t err = launch_bwd_sm90_ws<typename Cfg::BwdSm90Ws>(p, stream, &launched);
       if (launched || err != cudaSuccess) return err;
