@@ -596,8 +596,9 @@ def test_packed_errors(device):
             flash_attn_qkvpacked_func(qkv, **kw)
         with pytest.raises(NotImplementedError, match=name):
             flash_attn_varlen_qkvpacked_func(qkv[0], cu([5], device), 5, **kw)
-    with pytest.raises(ValueError, match="cu_seqlens_q ends at 4"):
-        flash_attn_varlen_qkvpacked_func(qkv[0], cu([4], device), 5)
+    if device == "cpu":  # a value of cu_seqlens: checked on the CPU only (on CUDA it would need a host sync)
+        with pytest.raises(ValueError, match="cu_seqlens_q ends at 4"):
+            flash_attn_varlen_qkvpacked_func(qkv[0], cu([4], device), 5)
 
 
 def test_exported():

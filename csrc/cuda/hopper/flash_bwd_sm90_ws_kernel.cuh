@@ -130,20 +130,17 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
   const int wg = warp / 4;
   const int num_n_blocks = ceil_div(p.seqlen_k, kBlockN);
-  // Causal only (a window on the right and none on the left): the first key
-  // blocks see the most query blocks, so CTAs go out heaviest first across
-  // all heads (key block slowest), which shortens the tail of the last wave.
-  // Otherwise the key blocks of a head are neighbours (their Q / dO reads meet in L2).
-  // Deterministic: the key blocks of a head add their dQ in descending order
-  // and wait for each other, so a CTA must never wait for one launched after
-  // it (CTAs start in blockIdx order): the last key block of a head goes first.
+  // The key blocks of a head are neighbours in the grid: their Q / dO reads
+  // meet in L2. (Causal CTAs launched heaviest first across all heads, key
+  // block slowest, measured 5-11% slower: the L2 reuse is worth more than the
+  // shorter tail.) Deterministic: the key blocks of a head add their dQ in
+  // descending order and wait for each other, so a CTA must never wait for one
+  // launched after it (CTAs start in blockIdx order): the last key block of a
+  // head goes first.
   const bool deterministic = p.deterministic;
-  const bool heavy_first = !deterministic && p.mask.window_right >= 0 && p.mask.window_left < 0;
-  const int heads = p.heads_kv * p.batch;
-  const int n_block = static_cast<int>(heavy_first     ? blockIdx.x / heads
-                                       : deterministic ? num_n_blocks - 1 - blockIdx.x % num_n_blocks
-                                                       : blockIdx.x % num_n_blocks);
-  const int bh = static_cast<int>(heavy_first ? blockIdx.x % heads : blockIdx.x / num_n_blocks);
+  const int n_block = static_cast<int>(deterministic ? num_n_blocks - 1 - blockIdx.x % num_n_blocks
+                                                     : blockIdx.x % num_n_blocks);
+  const int bh = static_cast<int>(blockIdx.x / num_n_blocks);
   const int h_kv = bh % p.heads_kv;
   const int b = bh / p.heads_kv;
   const int ratio = p.heads_ratio();
