@@ -1,6 +1,6 @@
 // Everything between the Python API and the backend kernels that is not a
 // backend: the autograd formula, the autocast kernels and the catch-all
-// kernels of the three ops (schema in csrc/ops.cpp).
+// kernels of the ops (schema in csrc/ops.cpp).
 //
 // Autograd. flashattn_ext::attention is the differentiable op: its kernel on
 // the Autograd key runs fwd below autograd and, when an input requires grad,
@@ -13,19 +13,21 @@
 // (grad, vjp, jacrev), which refuse C++ autograd Functions. vmap has rules of
 // its own (flashattn_ext/_ops.py).
 //
-// fwd and bwd are not differentiable. Their Autograd kernels attach an Error
+// fwd, bwd and fwd_kvcache are not differentiable. Their Autograd kernels attach an Error
 // node when an input requires grad, so that backpropagating through them
 // raises with a message that says so (torch's default for an op without a
 // formula is a warning and a silently wrong gradient). For bwd this is the
 // double backward (a gradient penalty, create_graph=True), which torch's SDPA
 // flash/efficient/cuDNN backends refuse too. Forward-mode AD (jvp, jacfwd)
-// raises at once on all three ops.
+// raises at once on all of them.
 //
 // Autocast (AutocastCPU, AutocastCUDA): attention and fwd cast floating q, k,
 // v (not float64) to the autocast dtype, as torch's autocast does for its
-// scaled_dot_product_attention.
+// scaled_dot_product_attention. fwd_kvcache has no autocast kernel (autocast
+// passes it through): it reads a cache of one dtype in place, which a cast
+// would copy, and requires q in that dtype.
 //
-// Catch-all (CompositeExplicitAutograd): for fwd and bwd, every backend
+// Catch-all (CompositeExplicitAutograd): for fwd, bwd and fwd_kvcache, every backend
 // without kernels of its own reaches a kernel that raises an error naming the
 // offending argument; for attention it is fwd itself (so inference mode, which
 // skips the Autograd key, still runs the kernels).
@@ -40,6 +42,7 @@
 
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -66,6 +69,12 @@ std::tuple<at::Tensor, at::Tensor> call_fwd(const at::Tensor& q, const at::Tenso
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::fwd", "").typed<FwdSig>();
   return op.call(q, k, v, scale, window_left, window_right, bottom_right);
 }
+
+using KvcacheSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                      const at::Tensor&, const std::optional<at::Tensor>&,
+                                                      const std::optional<at::Tensor>&,
+                                                      const std::optional<at::Tensor>&, double, int64_t, int64_t,
+                                                      int64_t);
 
 std::tuple<at::Tensor, at::Tensor> call_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                   double scale, int64_t window_left, int64_t window_right,
@@ -249,6 +258,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_autograd(const at::Tensor& do
   return {dq, dk, dv};
 }
 
+constexpr const char* kKvcacheNotDifferentiable =
+    "flashattn_ext::fwd_kvcache (flash_attn_with_kvcache) is for inference and has no derivative; for training "
+    "call flash_attn_func on the keys and values";
+
+// fwd_kvcache: no formula (inference); an Error node makes a backward through
+// its output raise instead of silently giving no gradient.
+std::tuple<at::Tensor, at::Tensor> fwd_kvcache_autograd(const at::Tensor& q, const at::Tensor& k_cache,
+                                                        const at::Tensor& v_cache, const at::Tensor& seqlens_k,
+                                                        const std::optional<at::Tensor>& batch_idx,
+                                                        const std::optional<at::Tensor>& leftpad,
+                                                        const std::optional<at::Tensor>& block_table, double scale,
+                                                        int64_t window_left, int64_t window_right, int64_t num_splits) {
+  check_no_forward_ad("fwd_kvcache", q, k_cache, v_cache);
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::fwd_kvcache", "").typed<KvcacheSig>();
+  at::Tensor out, lse;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    std::tie(out, lse) = op.call(q, k_cache, v_cache, seqlens_k, batch_idx, leftpad, block_table, scale, window_left,
+                                 window_right, num_splits);
+  }
+  attach_error({out}, kKvcacheNotDifferentiable, q, k_cache, v_cache);
+  return {out, lse};
+}
+
 // ---------------------------------------------------------------------------
 // Autocast
 
@@ -297,12 +330,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_unsupported(const at::Tensor&
   flashattn::reject_backend({{&q, "q"}, {&k, "k"}, {&v, "v"}, {&dout, "dout"}, {&out, "out"}, {&lse, "lse"}});
 }
 
+std::tuple<at::Tensor, at::Tensor> fwd_kvcache_unsupported(const at::Tensor& q, const at::Tensor& k_cache,
+                                                           const at::Tensor& v_cache, const at::Tensor& seqlens_k,
+                                                           const std::optional<at::Tensor>& batch_idx,
+                                                           const std::optional<at::Tensor>& leftpad,
+                                                           const std::optional<at::Tensor>& block_table, double,
+                                                           int64_t, int64_t, int64_t) {
+  const at::Tensor none;
+  flashattn::reject_backend({{&q, "q"},
+                             {&k_cache, "k_cache"},
+                             {&v_cache, "v_cache"},
+                             {&seqlens_k, "seqlens_k"},
+                             {batch_idx ? &*batch_idx : &none, "cache_batch_idx"},
+                             {leftpad ? &*leftpad : &none, "cache_leftpad"},
+                             {block_table ? &*block_table : &none, "block_table"}});
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flashattn_ext, Autograd, m) {
   m.impl("attention", &attention_autograd);
   m.impl("fwd", &fwd_autograd);
   m.impl("bwd", &bwd_autograd);
+  m.impl("fwd_kvcache", &fwd_kvcache_autograd);
 }
 
 TORCH_LIBRARY_IMPL(flashattn_ext, AutocastCPU, m) {
@@ -319,4 +369,5 @@ TORCH_LIBRARY_IMPL(flashattn_ext, CompositeExplicitAutograd, m) {
   m.impl("attention", &attention_composite);
   m.impl("fwd", &fwd_unsupported);
   m.impl("bwd", &bwd_unsupported);
+  m.impl("fwd_kvcache", &fwd_kvcache_unsupported);
 }
