@@ -1193,11 +1193,15 @@ def flash_attn_with_kvcache(
                 f"got {tuple(k.shape)}"
             )
         seqlen_new = k.shape[1]
-    # The kernels' own checks (dtype per device, head_dim range, compiled head
-    # dims) on one-token views, before anything is written into the cache.
-    probe_q = q[:1, :1] if q.numel() else q.new_empty((1, 1, max(heads_q, 1), max(d, 1)))
-    probe_k = k_cache[:1, :1] if k_cache.numel() else k_cache.new_empty((1, 1, max(heads_kv, 1), max(d, 1)))
-    _ops.check_qkv(probe_q, probe_k, probe_k, unit_stride=False)
+    # What the op would refuse for the device (its checks run after the append),
+    # checked before anything is written into the cache.
+    if q.device.type in ("cpu", "cuda") and q.dtype not in _ops._KERNEL_DTYPES[q.device.type]:
+        _ops.check_qkv(q[:1, :1], k_cache[:1, :1], v_cache[:1, :1], unit_stride=False)  # raises, in its words
+    if d > _MAX_HEAD_DIM or (q.device.type == "cuda" and d > _CUDA_MAX_HEAD_DIM):
+        raise ValueError(
+            f"{fn}: head_dim {d} is larger than {_CUDA_MAX_HEAD_DIM if q.device.type == 'cuda' else _MAX_HEAD_DIM}, "
+            f"the largest the {'compiled CUDA' if q.device.type == 'cuda' else 'CPU'} kernels take"
+        )
 
     if paged:
         if not isinstance(block_table, Tensor):
@@ -1311,11 +1315,13 @@ def flash_attn_with_kvcache(
                 if not checked:
                     rows = rows.clamp(0, max(n_cache - 1, 0))
                 index = (rows, pos % len_cache)
-            else:
-                rows = cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(batch, device=q.device)
+            elif cache_batch_idx is not None:
+                rows = cache_batch_idx.long()
                 if not checked:
                     rows = rows.clamp(0, max(n_cache - 1, 0))
-                index = (rows.unsqueeze(1).expand(batch, seqlen_new), pos)
+                index = (rows.unsqueeze(1), pos)  # broadcast against pos
+            else:
+                index = (torch.arange(batch, device=q.device).unsqueeze(1), pos)
             k_cache.index_put_(index, k)
             v_cache.index_put_(index, v)
             seqlens = seqlens + seqlen_new

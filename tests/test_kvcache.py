@@ -298,8 +298,13 @@ def test_int_seqlens_num_splits_and_grad_inputs(device, dtype):
 # ----------------------------------------------------------------------------- errors
 
 
+def _dt(device):
+    """The dtype of the error cases: one the device's kernels take."""
+    return torch.float32 if torch.device(device).type == "cpu" else torch.float16
+
+
 def _base(device):
-    dt = torch.float32
+    dt = _dt(device)
     return dict(
         q=randn((2, 1, 4, 16), dt, device),
         k_cache=randn((2, 32, 2, 16), dt, device),
@@ -389,8 +394,8 @@ ERRORS = {
 
 
 def _paged(a, dev, table=None, page=16):
-    a["k_cache"] = randn((6, page, 2, 16), torch.float32, dev)
-    a["v_cache"] = randn((6, page, 2, 16), torch.float32, dev)
+    a["k_cache"] = randn((6, page, 2, 16), _dt(dev), dev)
+    a["v_cache"] = randn((6, page, 2, 16), _dt(dev), dev)
     a["block_table"] = table if table is not None else _i32([[0, 1], [2, 3]], dev)
 
 
@@ -424,8 +429,9 @@ ERRORS.update(
 )
 
 
-def _rot(a, d, rows=32, half=8, only=None, dtype=torch.float32):
-    cos, sin = rotary_tables(rows, 2 * half, dtype, d) if half else (torch.ones(rows, 0, device=d),) * 2
+def _rot(a, d, rows=32, half=8, only=None, dtype=None):
+    dtype = dtype or _dt(d)
+    cos, sin = rotary_tables(rows, 2 * half, dtype, d) if half else (torch.ones(rows, 0, dtype=dtype, device=d),) * 2
     a["rotary_cos"] = cos if only != "sin" else None
     a["rotary_sin"] = sin if only != "cos" else None
 
@@ -451,7 +457,9 @@ ERRORS.update(
         "rotary-empty": (lambda a, d: _rot(a, d, half=0), ValueError, "rotary_dim = 0"),
         "rotary-short": (lambda a, d: _rot(a, d, rows=5), ValueError, "seqlen_ro must be at least 6"),
         "rotary-rank": (
-            lambda a, d: a.update(rotary_cos=torch.ones(32, device=d), rotary_sin=torch.ones(32, device=d)),
+            lambda a, d: a.update(
+                rotary_cos=torch.ones(32, dtype=_dt(d), device=d), rotary_sin=torch.ones(32, dtype=_dt(d), device=d)
+            ),
             ValueError,
             "rotary_cos must be 2-D",
         ),
@@ -502,7 +510,6 @@ def test_unchecked_values_stay_in_bounds(device, monkeypatch):
     from flashattn_ext import interface
 
     monkeypatch.setattr(interface, "_kvcache_host_checks", lambda device: False)
-    dt = torch.float32 if device == "cpu" else torch.float16
     for mutate in (
         lambda a, d: a.update(cache_seqlens=_i32([-5, 1000], d)),
         lambda a, d: a.update(cache_leftpad=_i32([7, -3], d)),
@@ -512,9 +519,6 @@ def test_unchecked_values_stay_in_bounds(device, monkeypatch):
     ):
         args = _base(device)
         mutate(args, device)
-        args = {
-            key: (x.to(dt) if isinstance(x, torch.Tensor) and x.is_floating_point() else x) for key, x in args.items()
-        }
         try:
             out = flash_attn_with_kvcache(**args)
         except ValueError:  # the CPU kernel reads (and checks) the values it is given
@@ -692,9 +696,8 @@ MASKS = {
 }
 
 
-def run_decode_case(dtype, d, group, layout, mask, num_splits, capacity=KV_CAP, batch=4):
+def run_decode_case(dtype, d, group, layout, mask, num_splits, capacity=KV_CAP, batch=4, device="cuda"):
     hq, hkv, seqlen_q = group
-    device = "cuda"
     n_new = 0 if layout == "contiguous-noappend" else seqlen_q
     # ragged: full after the append, empty, middle, one key (then random)
     seqlens = [capacity - n_new, 0, capacity // 2 - 1, 1][:batch]
@@ -738,6 +741,14 @@ def run_decode_case(dtype, d, group, layout, mask, num_splits, capacity=KV_CAP, 
         lk, lv = kc, vc
     assert torch.equal(lk, ek) and torch.equal(lv, ev)
     return out, lse
+
+
+@pytest.mark.parametrize("layout, mask", [("paged256", "window-causal"), ("batch-idx", "window"), ("leftpad", "none")])
+@pytest.mark.parametrize("group", ["gqa4-q4", "gqa8-q16"])
+def test_decode_cases_cpu(group, layout, mask):
+    """A few of the CUDA kernel's cases on the CPU op (the same harness; the CPU
+    path is the reference semantics the CUDA kernel must match)."""
+    run_decode_case(torch.float32, 32, GROUPS[group], layout, mask, 0, capacity=512, device="cpu")
 
 
 @pytest.mark.cuda

@@ -28,6 +28,8 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
+
 #include "../kvcache_params.h"
 #include "decode_dispatch.h"
 #include "softmax.cuh"
@@ -456,8 +458,16 @@ cudaError_t run_decode(const KvcacheParams& params, int m_tiles, cudaStream_t st
       m_tiles, [&](auto mt) { return launch_decode<T, kHeadDim, decltype(mt)::value>(params, stream); });
 }
 
+// Queried once per (device, m_tiles) and kept: the answer depends only on the
+// kernel and the device, and the call runs on every decode step.
 template <typename T, int kHeadDim>
 int decode_ctas_per_sm(int m_tiles) {
+  static std::atomic<int> cached[64][3];  // [device][log2 m_tiles]; 0 (static zero-init): not asked yet
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) dev = 0;
+  const int slot = m_tiles == 4 ? 2 : m_tiles - 1;
+  if (slot < 0 || slot > 2) return 0;
+  if (const int known = cached[dev][slot].load(std::memory_order_relaxed); known > 0) return known;
   int ctas = 0;
   const cudaError_t err = with_decode_m_tiles<T, kHeadDim>(m_tiles, [&](auto mt) {
     using Kt = DecodeTraits<T, kHeadDim, decltype(mt)::value>;
@@ -465,7 +475,9 @@ int decode_ctas_per_sm(int m_tiles) {
     if (cudaError_t e = decode_allow_smem(kernel, Kt::kSmemBytes); e != cudaSuccess) return e;
     return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, Kt::kNThreads, Kt::kSmemBytes);
   });
-  return err == cudaSuccess ? ctas : 0;
+  if (err != cudaSuccess) return 0;
+  cached[dev][slot].store(ctas, std::memory_order_relaxed);
+  return ctas;
 }
 
 }  // namespace flashattn
