@@ -15,19 +15,21 @@
 // (grad, vjp, jacrev), which refuse C++ autograd Functions. vmap has rules of
 // its own (flashattn_ext/_ops.py).
 //
-// fwd and bwd are not differentiable. Their Autograd kernels attach an Error
+// fwd, bwd and fwd_kvcache are not differentiable. Their Autograd kernels attach an Error
 // node when an input requires grad, so that backpropagating through them
 // raises with a message that says so (torch's default for an op without a
 // formula is a warning and a silently wrong gradient). For bwd this is the
 // double backward (a gradient penalty, create_graph=True), which torch's SDPA
 // flash/efficient/cuDNN backends refuse too. Forward-mode AD (jvp, jacfwd)
-// raises at once on all three ops.
+// raises at once on all of them.
 //
 // Autocast (AutocastCPU, AutocastCUDA): attention and fwd cast floating q, k,
 // v (not float64) to the autocast dtype, as torch's autocast does for its
-// scaled_dot_product_attention.
+// scaled_dot_product_attention. fwd_kvcache has no autocast kernel (autocast
+// passes it through): it reads a cache of one dtype in place, which a cast
+// would copy, and requires q in that dtype.
 //
-// Catch-all (CompositeExplicitAutograd): for fwd and bwd, every backend
+// Catch-all (CompositeExplicitAutograd): for fwd, bwd and fwd_kvcache, every backend
 // without kernels of its own reaches a kernel that raises an error naming the
 // offending argument; for attention it is fwd itself (so inference mode, which
 // skips the Autograd key, still runs the kernels).
@@ -42,6 +44,7 @@
 
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -115,6 +118,12 @@ std::tuple<at::Tensor, at::Tensor> call_fwd(const at::Tensor& q, const at::Tenso
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::fwd", "").typed<FwdSig>();
   return op.call(q, k, v, scale, window_left, window_right, bottom_right);
 }
+
+using KvcacheSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                      const at::Tensor&, const std::optional<at::Tensor>&,
+                                                      const std::optional<at::Tensor>&,
+                                                      const std::optional<at::Tensor>&, double, int64_t, int64_t,
+                                                      int64_t);
 
 std::tuple<at::Tensor, at::Tensor> call_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                   double scale, int64_t window_left, int64_t window_right,
@@ -402,6 +411,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_autograd(
   return {dq, dk, dv};
 }
 
+
+constexpr const char* kKvcacheNotDifferentiable =
+    "flashattn_ext::fwd_kvcache (flash_attn_with_kvcache) is for inference and has no derivative; for training "
+    "call flash_attn_func on the keys and values";
+
+// fwd_kvcache: no formula (inference); an Error node makes a backward through
+// its output raise instead of silently giving no gradient.
+std::tuple<at::Tensor, at::Tensor> fwd_kvcache_autograd(const at::Tensor& q, const at::Tensor& k_cache,
+                                                        const at::Tensor& v_cache, const at::Tensor& seqlens_k,
+                                                        const std::optional<at::Tensor>& batch_idx,
+                                                        const std::optional<at::Tensor>& leftpad,
+                                                        const std::optional<at::Tensor>& block_table, double scale,
+                                                        int64_t window_left, int64_t window_right, int64_t num_splits) {
+  check_no_forward_ad("fwd_kvcache", q, k_cache, v_cache);
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::fwd_kvcache", "").typed<KvcacheSig>();
+  at::Tensor out, lse;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    std::tie(out, lse) = op.call(q, k_cache, v_cache, seqlens_k, batch_idx, leftpad, block_table, scale, window_left,
+                                 window_right, num_splits);
+  }
+  attach_error({out}, kKvcacheNotDifferentiable, q, k_cache, v_cache);
+  return {out, lse};
+}
+
 // ---------------------------------------------------------------------------
 // Autocast
 
@@ -508,6 +542,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_unsupported(const at::
                              {&lse, "lse"},
                              {&cu_seqlens_q, "cu_seqlens_q"},
                              {&cu_seqlens_k, "cu_seqlens_k"}});
+
+std::tuple<at::Tensor, at::Tensor> fwd_kvcache_unsupported(const at::Tensor& q, const at::Tensor& k_cache,
+                                                           const at::Tensor& v_cache, const at::Tensor& seqlens_k,
+                                                           const std::optional<at::Tensor>& batch_idx,
+                                                           const std::optional<at::Tensor>& leftpad,
+                                                           const std::optional<at::Tensor>& block_table, double,
+                                                           int64_t, int64_t, int64_t) {
+  const at::Tensor none;
+  flashattn::reject_backend({{&q, "q"},
+                             {&k_cache, "k_cache"},
+                             {&v_cache, "v_cache"},
+                             {&seqlens_k, "seqlens_k"},
+                             {batch_idx ? &*batch_idx : &none, "cache_batch_idx"},
+                             {leftpad ? &*leftpad : &none, "cache_leftpad"},
+                             {block_table ? &*block_table : &none, "block_table"}});
 }
 
 }  // namespace
@@ -519,6 +568,7 @@ TORCH_LIBRARY_IMPL(flashattn_ext, Autograd, m) {
   m.impl("varlen_attention", &varlen_attention_autograd);
   m.impl("varlen_fwd", &varlen_fwd_autograd);
   m.impl("varlen_bwd", &varlen_bwd_autograd);
+  m.impl("fwd_kvcache", &fwd_kvcache_autograd);
 }
 
 TORCH_LIBRARY_IMPL(flashattn_ext, AutocastCPU, m) {
@@ -542,4 +592,5 @@ TORCH_LIBRARY_IMPL(flashattn_ext, CompositeExplicitAutograd, m) {
   m.impl("varlen_attention", &varlen_attention_composite);
   m.impl("varlen_fwd", &varlen_fwd_unsupported);
   m.impl("varlen_bwd", &varlen_bwd_unsupported);
+  m.impl("fwd_kvcache", &fwd_kvcache_unsupported);
 }

@@ -96,6 +96,23 @@ TORCH_LIBRARY(flashattn_ext, m) {
       "varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, "
       "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, int window_left, "
       "int window_right, bool bottom_right, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
+
+  // Attention of q (batch, seqlen_q, heads_q, head_dim) against a KV cache, for
+  // inference (flash_attn_with_kvcache calls it after appending the new keys):
+  // batch row b sees the keys [cache_leftpad[b], seqlens_k[b]) of cache row
+  // cache_batch_idx[b] (default b), k_cache/v_cache (batch_cache, seqlen_cache,
+  // heads_kv, head_dim) or, with block_table (batch, max_blocks) int32, paged
+  // (num_blocks, page_size, heads_kv, head_dim). Causal (window_right = 0) and
+  // windows are aligned bottom-right per row: query i sits at key
+  // seqlens_k[b] - seqlen_q + i. The int32 (batch,) tensors stay on q's device:
+  // the CUDA kernels read them there (no host synchronisation; values out of
+  // range are clamped, not checked), the CPU kernel checks them. num_splits:
+  // split-KV parts per row on CUDA (0: chosen from the SM count and the shapes).
+  // Not differentiable. Returns out and lse as fwd does.
+  m.def(
+      "fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens_k, Tensor? cache_batch_idx, "
+      "Tensor? cache_leftpad, Tensor? block_table, float softmax_scale, int window_left, int window_right, "
+      "int num_splits) -> (Tensor out, Tensor lse)");
   // What this build holds, as "key=value;..." (cuda, archs, head dims).
   m.def("build_info() -> str", []() -> std::string { return build_info(); });
 }

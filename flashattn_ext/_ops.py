@@ -23,6 +23,7 @@ from . import _C  # noqa: F401  (loads the library, which registers the ops)
 attention = torch.ops.flashattn_ext.attention.default  # differentiable; what the Python API calls
 fwd_op = torch.ops.flashattn_ext.fwd.default  # the forward kernels alone
 bwd = torch.ops.flashattn_ext.bwd.default
+fwd_kvcache = torch.ops.flashattn_ext.fwd_kvcache.default  # attention against a KV cache (inference)
 # The benchmarks (benchmarks/kernel_check.py, tune.py, bench_cpu.py) call
 # _ops.fwd(q, k, v, scale, window_left, window_right, bottom_right, deterministic)
 # and backpropagate through it: the differentiable op, under its old name.
@@ -278,6 +279,125 @@ def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
         torch.empty(k.shape, dtype=k.dtype, device=k.device),
         torch.empty(v.shape, dtype=v.dtype, device=v.device),
     )
+
+
+_CACHE_LAYOUT = (
+    "(batch_cache, seqlen_cache, heads_kv, head_dim), or with block_table (num_blocks, page_size, heads_kv, head_dim)"
+)
+
+
+def _int_vector(t, name, q):
+    if t.dtype != torch.int32:
+        raise TypeError(
+            f"flashattn_ext: {name} must have dtype torch.int32, got {_c10(t.dtype)}; pass {name}.to(torch.int32)"
+        )
+    if t.dim() != 1 or t.shape[0] != q.shape[0]:
+        raise ValueError(f"flashattn_ext: {name} must have shape (batch,) = ({q.shape[0]},), got {_sizes(t)}")
+    _same_device(t, name, q)
+
+
+def check_kvcache(q, k_cache, v_cache, seqlens_k, batch_idx, leftpad, block_table, softmax_scale, wl, wr, num_splits):
+    """csrc/kvcache_api.cpp check_kvcache, in its order and words."""
+    if q.dim() != 4:
+        raise ValueError(
+            f"flashattn_ext: q must have 4 dimensions (batch, seqlen_q, heads_q, head_dim), got shape {_sizes(q)}"
+        )
+    for t, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        if t.dim() != 4:
+            raise ValueError(f"flashattn_ext: {name} must have 4 dimensions {_CACHE_LAYOUT}, got shape {_sizes(t)}")
+    _same_device(k_cache, "k_cache", q)
+    _same_device(v_cache, "v_cache", q)
+    _same_dtype(k_cache, "k_cache", q)
+    _same_dtype(v_cache, "v_cache", q)
+    backend = q.device.type
+    dtypes = _KERNEL_DTYPES.get(backend, _KERNEL_DTYPES["cpu"])
+    if q.dtype not in dtypes:
+        name = {"cpu": "CPU", "cuda": "CUDA"}.get(backend, backend)
+        hint = _CUDA_DTYPE_HINT if backend == "cuda" else ""
+        raise TypeError(
+            f"flashattn_ext: q has dtype {_c10(q.dtype)}, which the {name} kernels do not support; use one of "
+            f"{', '.join(_c10(d) for d in dtypes)}{hint}"
+        )
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"flashattn_ext: v_cache has shape {_sizes(v_cache)} but k_cache has {_sizes(k_cache)}; they must match"
+        )
+    head_dim, heads_q, heads_kv = q.shape[3], q.shape[2], k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(
+            f"flashattn_ext: k_cache has head_dim {k_cache.shape[3]} but q has {head_dim}; they must match"
+        )
+    if not 1 <= head_dim <= _MAX_HEAD_DIM:
+        raise ValueError(
+            f"flashattn_ext: head_dim {head_dim} is outside [1, {_MAX_HEAD_DIM}], the head dims the kernels support"
+        )
+    if heads_q < 1 or heads_kv < 1 or heads_q % heads_kv != 0:
+        raise ValueError(
+            f"flashattn_ext: q has {heads_q} heads, not a multiple of the {heads_kv} heads of k_cache/v_cache; for "
+            "GQA/MQA the key/value heads must divide the query heads"
+        )
+    for t, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+        if t.stride(3) != 1 and t.shape[3] != 1:
+            raise ValueError(
+                f"flashattn_ext: {name} must have stride 1 in its last (head_dim) dimension; pass a tensor whose "
+                "head_dim is contiguous"
+            )
+        for i, s in enumerate(t.shape):
+            if s > _INT_MAX:
+                raise ValueError(
+                    f"flashattn_ext: {name} dimension {i} has size {s}, larger than 2^31 - 1; split the call"
+                )
+    _int_vector(seqlens_k, "seqlens_k", q)
+    if batch_idx is not None:
+        _int_vector(batch_idx, "cache_batch_idx", q)
+    if leftpad is not None:
+        _int_vector(leftpad, "cache_leftpad", q)
+    if block_table is not None:
+        if block_table.dtype != torch.int32:
+            raise TypeError(
+                f"flashattn_ext: block_table must have dtype torch.int32, got {_c10(block_table.dtype)}; pass "
+                "block_table.to(torch.int32)"
+            )
+        if block_table.dim() != 2 or block_table.shape[0] != q.shape[0]:
+            raise ValueError(
+                f"flashattn_ext: block_table must have shape (batch, max_blocks_per_seq) = ({q.shape[0]}, *), got "
+                f"{_sizes(block_table)}"
+            )
+        _same_device(block_table, "block_table", q)
+        if batch_idx is not None:
+            raise ValueError(
+                "flashattn_ext: cache_batch_idx cannot be combined with block_table (as in flash-attn); pass None"
+            )
+        if block_table.shape[1] * k_cache.shape[1] > _INT_MAX:
+            raise ValueError(
+                f"flashattn_ext: block_table holds {block_table.shape[1]} blocks of {k_cache.shape[1]} keys per row, "
+                "more than 2^31 - 1 keys; split the cache"
+            )
+    elif batch_idx is None and k_cache.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"flashattn_ext: k_cache has {k_cache.shape[0]} rows but q has batch {q.shape[0]}; they must match "
+            "unless cache_batch_idx maps batch rows to cache rows"
+        )
+    check_scalars(softmax_scale, wl, wr)
+    if num_splits < 0:
+        raise ValueError(f"flashattn_ext: num_splits must be >= 0 (0: automatic), got {num_splits}")
+    if backend == "cuda":
+        from .interface import _BUILD  # the compiled CUDA head dims
+
+        if head_dim > max(_BUILD["head_dims"], default=0):
+            raise ValueError(
+                f"flashattn_ext: no CUDA kernel for head_dim {head_dim} in this build (compiled head dims: "
+                f"{','.join(str(d) for d in _BUILD['head_dims'])}); rebuild with FLASHATTN_HEAD_DIMS including a head "
+                f"dim >= {head_dim}"
+            )
+
+
+@torch.library.register_fake("flashattn_ext::fwd_kvcache")
+def _fwd_kvcache_fake(q, k_cache, v_cache, seqlens_k, batch_idx, leftpad, block_table, softmax_scale, wl, wr, splits):
+    check_kvcache(q, k_cache, v_cache, seqlens_k, batch_idx, leftpad, block_table, softmax_scale, wl, wr, splits)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q.dtype), device=q.device)
+    return out, lse
 
 
 # ----------------------------------------------------------------------------- vmap rules

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import warnings
 
 import torch
@@ -944,18 +945,26 @@ def flash_attn_varlen_kvpacked_func(
 # --------------------------------------------------------------------------
 # flash_attn_with_kvcache (inference with a KV cache).
 #
-# For now a loop over the batch rows: cache_seqlens (and cache_leftpad,
-# cache_batch_idx, block_table) are read to the host, each row's new keys and
-# values are rotated and written into the cache, and the kernels run once on
-# that row's visible keys. Fused split-KV / paged kernels reading these on the
-# device are the next step (issue #10).
+# The new keys are rotated and appended, and q rotated, by device-side torch
+# ops (index arithmetic on the device integer tensors, index_put_); then one
+# call of flashattn_ext::fwd_kvcache, whose CUDA kernels read cache_seqlens,
+# cache_leftpad, cache_batch_idx and block_table on the device (split-KV
+# decoding, csrc/cuda/flash_decode_kernel.cuh). Nothing on the CUDA path reads a
+# device value on the host, so a decode step captures in a CUDA graph and
+# traces under torch.compile(fullgraph=True).
+#
+# Checks that need the integers' values (ranges, repeated cache rows, the
+# rotary table's length) read them, so they run where that is free: on CPU
+# tensors in eager mode, and on CUDA only when FLASHATTN_KVCACHE_CHECK=1 (a
+# host synchronisation per call, for debugging). Otherwise, as in flash-attn,
+# they are not checked; out-of-range values are clamped into range so that
+# nothing is read or written outside the tensors, and the result is
+# unspecified.
 
 
 def _int_vector(fn, name, x, batch, device):
     """cache_seqlens / cache_leftpad / cache_batch_idx: an int32 (batch,) tensor on
-    q's device (or, for cache_seqlens, a Python int). Returns a host list."""
-    if isinstance(x, numbers.Integral) and not isinstance(x, bool) and name == "cache_seqlens":
-        return [int(x)] * batch
+    q's device. Checks dtype, shape and device (not the values)."""
     if not isinstance(x, Tensor):
         kind = "an int or " if name == "cache_seqlens" else ""
         raise TypeError(f"{fn}: {name} must be {kind}a torch.Tensor of dtype int32, got {_type_name(x)}")
@@ -965,18 +974,68 @@ def _int_vector(fn, name, x, batch, device):
         raise ValueError(f"{fn}: {name} must have shape (batch,) = ({batch},), got {tuple(x.shape)}")
     if x.device != device:
         raise ValueError(f"{fn}: {name} is on {x.device} but q is on {device}; move it to q's device")
-    return x.tolist()  # the host sync
+    return x
+
+
+def _kvcache_host_checks(device) -> bool:
+    """Whether the checks that read the integer tensors' values run (see above)."""
+    if torch.compiler.is_compiling():
+        return False
+    return device.type == "cpu" or os.environ.get("FLASHATTN_KVCACHE_CHECK", "0") == "1"
+
+
+def _check_kvcache_values(fn, seqlens, leftpad, batch_idx, block_table, capacity, page, n_cache, seqlen_new, need_ro):
+    """The checks that read values (host tensors, or a host sync on CUDA).
+    need_ro: (seqlen_ro, span) when rotary is applied: positions up to
+    cache_seqlens[b] + span - 1 are rotated."""
+    seq = seqlens.tolist()
+    paged = block_table is not None
+    for b, s in enumerate(seq):
+        if s < 0 or s + seqlen_new > capacity:
+            raise ValueError(
+                f"{fn}: cache_seqlens[{b}] = {s} is outside [0, {capacity - seqlen_new}]: the cache holds {capacity} "
+                f"positions per row{' (max_blocks_per_seq * page_block_size)' if paged else ''} and {seqlen_new} new "
+                "tokens are appended"
+            )
+    if batch_idx is not None:
+        rows = batch_idx.tolist()
+        for b, r in enumerate(rows):
+            if not 0 <= r < n_cache:
+                raise ValueError(f"{fn}: cache_batch_idx[{b}] = {r} is outside [0, {n_cache}) (k_cache's rows)")
+        if seqlen_new and len(set(rows)) != len(rows):
+            raise ValueError(f"{fn}: cache_batch_idx has repeated rows; with k/v each cache row can be appended once")
+    if leftpad is not None:
+        for b, (lp, s) in enumerate(zip(leftpad.tolist(), seq)):
+            if not 0 <= lp <= s:
+                raise ValueError(f"{fn}: cache_leftpad[{b}] = {lp} is outside [0, cache_seqlens[{b}] = {s}]")
+    if paged:
+        bt = block_table.cpu()
+        for b, s in enumerate(seq):
+            used = bt[b, : -(-(s + seqlen_new) // page)]
+            if used.numel() and (used.min() < 0 or used.max() >= n_cache):
+                raise ValueError(
+                    f"{fn}: block_table[{b}] holds block indices outside [0, {n_cache}) (k_cache's num_blocks) "
+                    "in the blocks the row uses"
+                )
+    if need_ro is not None and seq:
+        seqlen_ro, span = need_ro
+        need = max(seq) + span
+        if seqlen_ro < need:
+            raise ValueError(
+                f"{fn}: rotary_cos/rotary_sin have {seqlen_ro} positions (seqlen_ro) but positions up to "
+                f"{need - 1} are rotated; seqlen_ro must be at least {need}"
+            )
 
 
 def _rotary(x, cos, sin, positions, interleaved):
-    """x (n, heads, d) rotated on its first rotary_dim = 2 * cos.shape[1] dims,
-    row i at position positions[i] (a LongTensor), in the accumulation dtype, then
-    rounded to x's dtype. interleaved: GPT-J pairs (2i, 2i + 1); else GPT-NeoX
-    halves (i, i + rotary_dim / 2)."""
+    """x (..., heads, d) rotated on its first rotary_dim = 2 * cos.shape[1] dims,
+    the entry at x[idx] by the angle of position positions[idx] (a LongTensor of
+    x's leading shape), in the accumulation dtype, then rounded to x's dtype.
+    interleaved: GPT-J pairs (2i, 2i + 1); else GPT-NeoX halves (i, i + rotary_dim / 2)."""
     ro = 2 * cos.shape[1]
     dt = compute_dtype(x.dtype)
-    c = cos[positions].to(dt).unsqueeze(1)  # (n, 1, ro / 2)
-    s = sin[positions].to(dt).unsqueeze(1)
+    c = cos[positions].to(dt).unsqueeze(-2)  # (..., 1, ro / 2)
+    s = sin[positions].to(dt).unsqueeze(-2)
     xr = x[..., :ro].to(dt)
     if interleaved:
         x1, x2 = xr[..., 0::2], xr[..., 1::2]
@@ -1013,12 +1072,12 @@ def flash_attn_with_kvcache(
 
     q: (batch, seqlen_q, heads_q, head_dim). k_cache, v_cache: (batch_cache,
     seqlen_cache, heads_kv, head_dim), or with ``block_table`` a paged cache
-    (num_blocks, page_block_size, heads_kv, head_dim); heads_kv divides heads_q.
-    k, v (optional, together): (batch, seqlen_new, heads_kv, head_dim), written
-    into the cache **in place** at positions cache_seqlens[b] ..
-    cache_seqlens[b] + seqlen_new - 1; row b then attends to the keys
-    [cache_leftpad[b], cache_seqlens[b] + seqlen_new) of its cache row.
-    cache_seqlens: int32 (batch,) or an int, the cache lengths before the
+    (num_blocks, page_block_size, heads_kv, head_dim); heads_kv divides heads_q;
+    unit stride on head_dim. k, v (optional, together): (batch, seqlen_new,
+    heads_kv, head_dim), written into the cache **in place** at positions
+    cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1; row b then attends
+    to the keys [cache_leftpad[b], cache_seqlens[b] + seqlen_new) of its cache
+    row. cache_seqlens: int32 (batch,) or an int, the cache lengths before the
     append (None: the whole cache, only without k/v). cache_batch_idx: int32
     (batch,), the cache row of each batch row (default: row b; not with
     block_table). cache_leftpad: int32 (batch,), keys before it are ignored.
@@ -1034,16 +1093,22 @@ def flash_attn_with_kvcache(
     ignores them otherwise; this raises).
 
     causal is aligned bottom-right against the row's visible keys; window_size
-    and softmax_scale as in ``flash_attn_func``. Returns out (batch, seqlen_q,
-    heads_q, head_dim) and, with return_softmax_lse, lse (batch, heads_q,
-    seqlen_q) in float32 (float64 for float64). A row with no visible key
-    outputs zeros (lse -inf).
+    and softmax_scale as in ``flash_attn_func``. num_splits: on CUDA the number
+    of parts each row's keys are split into (split-KV decoding; 0 picks it from
+    the SM count and the shapes; clamped to the 64-key blocks of a row);
+    ignored on the CPU. Returns out (batch, seqlen_q, heads_q, head_dim) and,
+    with return_softmax_lse, lse (batch, heads_q, seqlen_q) in float32 (float64
+    for float64). A row with no visible key outputs zeros (lse -inf).
 
-    Current implementation: the integer arguments are read to the host (a
-    device synchronisation on CUDA) and the kernels run once per batch row.
-    num_splits is accepted and ignored (a performance hint). Runs under
-    torch.no_grad() (no autograd; inputs may require grad). Not supported:
-    softcap != 0 and alibi_slopes (NotImplementedError).
+    No host synchronisation on CUDA: the integer tensors stay on the device, a
+    call captures in a CUDA graph and traces under torch.compile. Hence their
+    values (ranges, repeated cache_batch_idx rows with k/v, the rotary table's
+    length) are checked on the CPU only, or on CUDA with the environment
+    variable FLASHATTN_KVCACHE_CHECK=1 (a host sync per call); unchecked
+    out-of-range values are clamped (no access outside the tensors) and give
+    unspecified results, as in flash-attn. Runs under torch.no_grad() (no
+    autograd; inputs may require grad). Not supported: softcap != 0 and
+    alibi_slopes (NotImplementedError).
     """
     fn = "flash_attn_with_kvcache"
     _require_tensors(fn, ("q", "k_cache", "v_cache"), (q, k_cache, v_cache))
@@ -1056,7 +1121,7 @@ def flash_attn_with_kvcache(
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError(f"{fn}: rotary_cos and rotary_sin must be given together")
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
-        raise TypeError(f"{fn}: num_splits must be an int (a performance hint, ignored), got {_type_name(num_splits)}")
+        raise TypeError(f"{fn}: num_splits must be an int (0: automatic), got {_type_name(num_splits)}")
     if num_splits < 0:
         raise ValueError(f"{fn}: num_splits must be >= 0 (0: automatic), got {num_splits}")
     rotary_interleaved = _require_bool(fn, "rotary_interleaved", rotary_interleaved)
@@ -1091,6 +1156,12 @@ def flash_attn_with_kvcache(
             f"{fn}: q has {heads_q} heads, not a multiple of the {heads_kv} heads of k_cache/v_cache; for GQA/MQA "
             "the key/value heads must divide the query heads"
         )
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1 and d > 1:
+            raise ValueError(
+                f"{fn}: {name} must have stride 1 in its last (head_dim) dimension, got strides {tuple(t.stride())}; "
+                "the cache is read and updated in place, so it is not copied: allocate it contiguous in head_dim"
+            )
     seqlen_new = 0
     if k is not None:
         if k.shape != v.shape:
@@ -1101,10 +1172,15 @@ def flash_attn_with_kvcache(
                 f"got {tuple(k.shape)}"
             )
         seqlen_new = k.shape[1]
-    # The kernels' own checks (dtype per device, head_dim range, ...) on one-token views.
-    probe_q = q[:1, :1] if q.numel() else q.new_empty((1, 1, max(heads_q, 1), max(d, 1)))
-    probe_k = k_cache[:1, :1] if k_cache.numel() else k_cache.new_empty((1, 1, max(heads_kv, 1), max(d, 1)))
-    _ops.check_qkv(probe_q, probe_k, probe_k, unit_stride=False)
+    # What the op would refuse for the device (its checks run after the append),
+    # checked before anything is written into the cache.
+    if q.device.type in ("cpu", "cuda") and q.dtype not in _ops._KERNEL_DTYPES[q.device.type]:
+        _ops.check_qkv(q[:1, :1], k_cache[:1, :1], v_cache[:1, :1], unit_stride=False)  # raises, in its words
+    if d > _MAX_HEAD_DIM or (q.device.type == "cuda" and d > _CUDA_MAX_HEAD_DIM):
+        raise ValueError(
+            f"{fn}: head_dim {d} is larger than {_CUDA_MAX_HEAD_DIM if q.device.type == 'cuda' else _MAX_HEAD_DIM}, "
+            f"the largest the {'compiled CUDA' if q.device.type == 'cuda' else 'CPU'} kernels take"
+        )
 
     if paged:
         if not isinstance(block_table, Tensor):
@@ -1125,7 +1201,6 @@ def flash_attn_with_kvcache(
         if cache_batch_idx is not None:
             raise ValueError(f"{fn}: cache_batch_idx cannot be combined with block_table (as in flash-attn); pass None")
         capacity = block_table.shape[1] * len_cache
-        rows = list(range(batch))
     else:
         capacity = len_cache
         if cache_batch_idx is None:
@@ -1134,46 +1209,32 @@ def flash_attn_with_kvcache(
                     f"{fn}: k_cache has {n_cache} rows but q has batch {batch}; they must match unless cache_batch_idx "
                     "maps batch rows to cache rows"
                 )
-            rows = list(range(batch))
         else:
-            rows = _int_vector(fn, "cache_batch_idx", cache_batch_idx, batch, q.device)
-            for b, r in enumerate(rows):
-                if not 0 <= r < n_cache:
-                    raise ValueError(f"{fn}: cache_batch_idx[{b}] = {r} is outside [0, {n_cache}) (k_cache's rows)")
-            if k is not None and len(set(rows)) != len(rows):
-                raise ValueError(
-                    f"{fn}: cache_batch_idx has repeated rows; with k/v each cache row can be appended once"
-                )
+            _int_vector(fn, "cache_batch_idx", cache_batch_idx, batch, q.device)
+    if seqlen_new > capacity:
+        raise ValueError(
+            f"{fn}: {seqlen_new} new tokens do not fit in a cache of {capacity} positions per row"
+            f"{' (max_blocks_per_seq * page_block_size)' if paged else ''}"
+        )
     if cache_seqlens is None:
         if k is not None:
             raise ValueError(f"{fn}: cache_seqlens is required when k and v are given (where to append them)")
-        seqlens = [capacity] * batch
-    else:
-        seqlens = _int_vector(fn, "cache_seqlens", cache_seqlens, batch, q.device)
-    for b, s in enumerate(seqlens):
+        seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
+    elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        s = int(cache_seqlens)  # a Python int: checked here on every device
         if s < 0 or s + seqlen_new > capacity:
             raise ValueError(
-                f"{fn}: cache_seqlens[{b}] = {s} is outside [0, {capacity - seqlen_new}]: the cache holds {capacity} "
+                f"{fn}: cache_seqlens[0] = {s} is outside [0, {capacity - seqlen_new}]: the cache holds {capacity} "
                 f"positions per row{' (max_blocks_per_seq * page_block_size)' if paged else ''} and {seqlen_new} new "
                 "tokens are appended"
             )
-    if cache_leftpad is None:
-        leftpad = [0] * batch
+        seqlens = torch.full((batch,), s, dtype=torch.int32, device=q.device)
     else:
-        leftpad = _int_vector(fn, "cache_leftpad", cache_leftpad, batch, q.device)
-        for b, (lp, s) in enumerate(zip(leftpad, seqlens)):
-            if not 0 <= lp <= s:
-                raise ValueError(f"{fn}: cache_leftpad[{b}] = {lp} is outside [0, cache_seqlens[{b}] = {s}]")
-    if paged:
-        bt = block_table.cpu()  # the host sync
-        for b in range(batch):
-            used = bt[b, : -(-(seqlens[b] + seqlen_new) // len_cache)]
-            if used.numel() and (used.min() < 0 or used.max() >= n_cache):
-                raise ValueError(
-                    f"{fn}: block_table[{b}] holds block indices outside [0, {n_cache}) (k_cache's num_blocks) "
-                    "in the blocks the row uses"
-                )
+        seqlens = _int_vector(fn, "cache_seqlens", cache_seqlens, batch, q.device)
+    if cache_leftpad is not None:
+        _int_vector(fn, "cache_leftpad", cache_leftpad, batch, q.device)
     local = wl >= 0 or wr >= 0  # causal sets wr = 0
+    span = max(seqlen_new, seqlen_q if local else 1)  # rotated positions past cache_seqlens[b]
     if rotary_cos is not None:
         if k is None:
             raise ValueError(
@@ -1198,68 +1259,62 @@ def flash_attn_with_kvcache(
                 f"{fn}: rotary_cos/rotary_sin have {half} columns (rotary_dim / 2); rotary_dim = {2 * half} must be "
                 f"in [2, head_dim = {d}]"
             )
-        span = max(seqlen_new, seqlen_q if local else 1)
-        need = max(s + span for s in seqlens) if batch else 0
-        if rotary_cos.shape[0] < need:
-            raise ValueError(
-                f"{fn}: rotary_cos/rotary_sin have {rotary_cos.shape[0]} positions (seqlen_ro) but positions up to "
-                f"{need - 1} are rotated; seqlen_ro must be at least {need}"
-            )
+    checked = _kvcache_host_checks(q.device)
+    if checked:
+        _check_kvcache_values(
+            fn,
+            seqlens,
+            cache_leftpad,
+            cache_batch_idx if not paged else None,
+            block_table,
+            capacity,
+            len_cache,
+            n_cache,
+            seqlen_new,
+            (rotary_cos.shape[0], span) if rotary_cos is not None else None,
+        )
 
-    lse_dtype = _ops._lse_dtype(q.dtype)
-    outs, lses = [], []
     with torch.no_grad():
-        for b in range(batch):
-            s, lp, r = seqlens[b], leftpad[b], rows[b]
-            end = s + seqlen_new
-            qb = q[b]
+        base = seqlens.long().unsqueeze(1)  # (batch, 1): the first new position of each row
+        if rotary_cos is not None:
+            steps = torch.arange(max(seqlen_new, seqlen_q), device=q.device)
+            pos_q = base + steps[:seqlen_q] if local else base.expand(batch, seqlen_q)
+            if not checked:
+                pos_q = pos_q.clamp(0, rotary_cos.shape[0] - 1)
+            q = _rotary(q, rotary_cos, rotary_sin, pos_q, rotary_interleaved)
+        if seqlen_new:
+            pos = base + torch.arange(seqlen_new, device=q.device)  # (batch, seqlen_new) cache positions
+            if not checked:
+                pos = pos.clamp(0, max(capacity - 1, 0))
             if rotary_cos is not None:
-                pos_k = torch.arange(s, end, device=q.device)
-                pos_q = torch.arange(s, s + seqlen_q, device=q.device) if local else pos_k.new_full((seqlen_q,), s)
-                qb = _rotary(qb, rotary_cos, rotary_sin, pos_q, rotary_interleaved)
+                pos_k = pos if checked else pos.clamp(max=rotary_cos.shape[0] - 1)
+                k = _rotary(k, rotary_cos, rotary_sin, pos_k, rotary_interleaved)
             if paged:
-                pos = torch.arange(lp, end, device=q.device)
-                blocks = block_table[b].long()[pos // len_cache]
-                offs = pos % len_cache
-            if seqlen_new:
-                kb, vb = k[b], v[b]
-                if rotary_cos is not None:
-                    kb = _rotary(kb, rotary_cos, rotary_sin, pos_k, rotary_interleaved)
-                if paged:
-                    new = slice(s - lp, end - lp)
-                    k_cache[blocks[new], offs[new]] = kb
-                    v_cache[blocks[new], offs[new]] = vb
-                else:
-                    k_cache[r, s:end] = kb
-                    v_cache[r, s:end] = vb
-            if seqlen_q == 0:
-                outs.append(q.new_zeros((seqlen_q, heads_q, d)))
-                lses.append(torch.empty((heads_q, 0), dtype=lse_dtype, device=q.device))
-                continue
-            if end == lp:  # no key to see: zeros, lse -inf
-                outs.append(q.new_zeros((seqlen_q, heads_q, d)))
-                lses.append(torch.full((heads_q, seqlen_q), float("-inf"), dtype=lse_dtype, device=q.device))
-                continue
-            if paged:
-                kv_k, kv_v = k_cache[blocks, offs], v_cache[blocks, offs]
+                rows = torch.gather(block_table, 1, pos // len_cache).long()
+                if not checked:
+                    rows = rows.clamp(0, max(n_cache - 1, 0))
+                index = (rows, pos % len_cache)
+            elif cache_batch_idx is not None:
+                rows = cache_batch_idx.long()
+                if not checked:
+                    rows = rows.clamp(0, max(n_cache - 1, 0))
+                index = (rows.unsqueeze(1), pos)  # broadcast against pos
             else:
-                kv_k, kv_v = k_cache[r, lp:end], v_cache[r, lp:end]
-            o, lse = _ops.attention(
-                _ops.unit_last_stride(qb.unsqueeze(0)),
-                _ops.unit_last_stride(kv_k.unsqueeze(0)),
-                _ops.unit_last_stride(kv_v.unsqueeze(0)),
-                scale,
-                wl,
-                wr,
-                True,
-                False,
-            )
-            outs.append(o[0])
-            lses.append(lse[0])
-        if batch:
-            out = torch.stack(outs)
-            lse = torch.stack(lses) if return_lse else None
-        else:
-            out = q.new_zeros(q.shape)
-            lse = torch.empty((0, heads_q, seqlen_q), dtype=lse_dtype, device=q.device)
+                index = (torch.arange(batch, device=q.device).unsqueeze(1), pos)
+            k_cache.index_put_(index, k)
+            v_cache.index_put_(index, v)
+            seqlens = seqlens + seqlen_new
+        out, lse = _ops.fwd_kvcache(
+            _ops.unit_last_stride(q),
+            k_cache,
+            v_cache,
+            seqlens,
+            cache_batch_idx if not paged else None,
+            cache_leftpad,
+            block_table,
+            scale,
+            wl,
+            wr,
+            num_splits,
+        )
     return (out, lse) if return_lse else out

@@ -1,0 +1,98 @@
+// CPU implementation of flashattn_ext::fwd_kvcache: each batch row is one call
+// of the tiled forward kernel (flash_cpu_fwd.cpp) on a (1, seqlen_q, heads_q,
+// head_dim) view of q against the row's visible keys [leftpad, seqlens_k) of
+// its cache row, causal and windows aligned bottom-right against them. A
+// contiguous cache is used in place (a view); a paged one is gathered row by
+// row (the CPU path reads every visible key once either way). The integer
+// arguments are host tensors here, so their values are checked, each error
+// naming the argument.
+#include <torch/library.h>
+
+#include <limits>
+#include <optional>
+
+#include "../kvcache_api.h"
+#include "flash_cpu.h"
+
+namespace flashattn {
+namespace {
+
+const BackendSpec kCpuSpec{"CPU", {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}, ""};
+
+std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu(const at::Tensor& q, const at::Tensor& k_cache,
+                                                   const at::Tensor& v_cache, const at::Tensor& seqlens_k,
+                                                   const std::optional<at::Tensor>& batch_idx,
+                                                   const std::optional<at::Tensor>& leftpad,
+                                                   const std::optional<at::Tensor>& block_table, double softmax_scale,
+                                                   int64_t window_left, int64_t window_right,
+                                                   int64_t num_splits /*a CUDA performance hint*/) {
+  const KvcacheInputs in{q, k_cache, v_cache, seqlens_k, batch_idx, leftpad, block_table};
+  check_kvcache(in, softmax_scale, window_left, window_right, num_splits, kCpuSpec);
+  const int64_t batch = q.size(0), seqlen_q = q.size(1), capacity = kvcache_capacity(in);
+  const int64_t cache_rows = k_cache.size(0), page = k_cache.size(1);
+  auto [out, lse] = alloc_kvcache_outputs(q);
+
+  // Every value first: a rejected call computes nothing.
+  const auto seq = seqlens_k.contiguous();
+  const int32_t* sk = seq.data_ptr<int32_t>();
+  at::Tensor lp_t = leftpad ? leftpad->contiguous() : at::Tensor();
+  at::Tensor idx_t = batch_idx ? batch_idx->contiguous() : at::Tensor();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK_VALUE(sk[b] >= 0 && sk[b] <= capacity, "flashattn_ext: seqlens_k[", b, "] = ", sk[b],
+                      " is outside [0, ", capacity, "], the keys a cache row holds");
+    if (leftpad) {
+      const int32_t lp = lp_t.data_ptr<int32_t>()[b];
+      TORCH_CHECK_VALUE(lp >= 0 && lp <= sk[b], "flashattn_ext: cache_leftpad[", b, "] = ", lp,
+                        " is outside [0, seqlens_k[", b, "] = ", sk[b], "]");
+    }
+    if (batch_idx) {
+      const int32_t r = idx_t.data_ptr<int32_t>()[b];
+      TORCH_CHECK_VALUE(r >= 0 && r < cache_rows, "flashattn_ext: cache_batch_idx[", b, "] = ", r, " is outside [0, ",
+                        cache_rows, ") (k_cache's rows)");
+    }
+  }
+  at::Tensor table = block_table ? block_table->to(at::kLong) : at::Tensor();  // (batch, max_blocks)
+  if (block_table) {
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t used = (sk[b] + page - 1) / page;
+      if (used == 0) continue;
+      const auto blocks = table[b].narrow(0, 0, used);
+      TORCH_CHECK_VALUE(blocks.min().item<int64_t>() >= 0 && blocks.max().item<int64_t>() < cache_rows,
+                        "flashattn_ext: block_table[", b, "] holds block indices outside [0, ", cache_rows,
+                        ") (k_cache's num_blocks) in the blocks the row uses");
+    }
+  }
+  if (batch == 0 || seqlen_q == 0) return {out, lse};
+
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t lp = leftpad ? lp_t.data_ptr<int32_t>()[b] : 0;
+    const int64_t n = sk[b] - lp;  // visible keys
+    auto out_b = out.narrow(0, b, 1);
+    auto lse_b = lse.narrow(0, b, 1);
+    if (n == 0) {  // no key to see: zeros, lse -inf (MaskParams' rule)
+      out_b.zero_();
+      lse_b.fill_(-std::numeric_limits<double>::infinity());
+      continue;
+    }
+    at::Tensor kb, vb;  // (1, n, heads_kv, head_dim)
+    if (block_table) {
+      const auto pos = at::arange(lp, sk[b], table.options());
+      const auto blocks = table[b].index_select(0, at::floor_divide(pos, page));
+      const auto offs = at::remainder(pos, page);
+      kb = k_cache.index({blocks, offs}).unsqueeze(0);
+      vb = v_cache.index({blocks, offs}).unsqueeze(0);
+    } else {
+      const int64_t row = batch_idx ? idx_t.data_ptr<int32_t>()[b] : b;
+      kb = k_cache.narrow(0, row, 1).narrow(1, lp, n);
+      vb = v_cache.narrow(0, row, 1).narrow(1, lp, n);
+    }
+    const auto mask = make_mask(window_left, window_right, /*bottom_right=*/true, seqlen_q, n);
+    run_fwd_cpu(make_fwd_params(q.narrow(0, b, 1), kb, vb, out_b, lse_b, softmax_scale, mask));
+  }
+  return {out, lse};
+}
+
+}  // namespace
+}  // namespace flashattn
+
+TORCH_LIBRARY_IMPL(flashattn_ext, CPU, m) { m.impl("fwd_kvcache", &flashattn::fwd_kvcache_cpu); }

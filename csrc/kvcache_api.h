@@ -1,0 +1,44 @@
+// The binding layer of flashattn_ext::fwd_kvcache (attention against a KV
+// cache), shared by the CPU and CUDA kernels: argument validation (shapes,
+// dtypes, devices; each error names the argument and the fix), output
+// allocation and the torch-free KvcacheParams. The values of the integer
+// tensors are not read here: the CUDA kernels read them on the device (no host
+// synchronisation), the CPU kernel checks them as it reads them.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+#include "attention_api.h"
+#include "kvcache_params.h"
+
+namespace flashattn {
+
+struct KvcacheInputs {
+  const at::Tensor& q;
+  const at::Tensor& k_cache;
+  const at::Tensor& v_cache;
+  const at::Tensor& seqlens_k;
+  const std::optional<at::Tensor>& batch_idx;
+  const std::optional<at::Tensor>& leftpad;
+  const std::optional<at::Tensor>& block_table;
+};
+
+// Validates everything but the integer tensors' values, and the scalars.
+void check_kvcache(const KvcacheInputs& in, double softmax_scale, int64_t window_left, int64_t window_right,
+                   int64_t num_splits, const BackendSpec& spec);
+
+// Keys a row can hold: seqlen_cache, or max_blocks_per_seq * page_size when paged.
+int64_t kvcache_capacity(const KvcacheInputs& in);
+
+// out (batch, seqlen_q, heads_q, head_dim) in q's dtype, lse (batch, heads_q, seqlen_q).
+std::tuple<at::Tensor, at::Tensor> alloc_kvcache_outputs(const at::Tensor& q);
+
+// Fills the params (sizes, strides, pointers, scalars); num_splits and the
+// workspace are the CUDA binding's business.
+KvcacheParams make_kvcache_params(const KvcacheInputs& in, const at::Tensor& out, const at::Tensor& lse,
+                                  double softmax_scale, int64_t window_left, int64_t window_right);
+
+}  // namespace flashattn
