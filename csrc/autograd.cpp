@@ -542,6 +542,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_unsupported(const at::
                              {&lse, "lse"},
                              {&cu_seqlens_q, "cu_seqlens_q"},
                              {&cu_seqlens_k, "cu_seqlens_k"}});
+}
 
 std::tuple<at::Tensor, at::Tensor> fwd_kvcache_unsupported(const at::Tensor& q, const at::Tensor& k_cache,
                                                            const at::Tensor& v_cache, const at::Tensor& seqlens_k,
