@@ -174,10 +174,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
            n0 * p.dv_row_stride;
 
   const BlockMask mask(p, seq);
-  int m_min, m_max;
-  mask.query_block_range<kBlockM>(n0, keys, m_min, m_max);
-  const int m_blocks = m_max - m_min;
-  const int iters = m_blocks * ratio;  // every query head of the group, every query block
   const int g = lane >> 2, t = lane & 3;
   // This warp's tile of S^T (keys s_key0.., queries s_q0..) and of dK / dV
   // (keys v_key0.., columns v_col0.. of the CTA's slice).
@@ -189,15 +185,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
   clear(acc_dk);
   clear(acc_dv);
 
-  // Step `it` visits query head hq and query block m0. With kRotate, the key
-  // blocks of one head start their sweeps at different query blocks, so their
-  // fp32 dQ atomics do not all land on the same rows at the same time.
-  const int rotation = Kt::kRotate && kComputeDq ? n_block : 0;
-  auto query_block = [&](int it, int& hq, int& m0) {
-    const int j = (it + rotation) % iters;
-    hq = h_kv * ratio + j / m_blocks;
-    m0 = (m_min + j % m_blocks) * kBlockM;
-  };
+  // Every query head of the group, every query block that sees the keys. With
+  // kRotate, the key blocks of one head start their sweeps at different query
+  // blocks, so their fp32 dQ atomics do not all land on the same rows at once.
+  const QuerySweep<kBlockM> sweep(mask, n0, keys, h_kv, ratio, Kt::kRotate && kComputeDq ? n_block : 0);
+  const int iters = sweep.iters;
+  auto query_block = [&](int it, int& hq, int& m0) { sweep.step(it, hq, m0); };
 
   // Loads query block `it` (head, block) into stage `stage`.
   auto load_q_block = [&](int it, int stage) {

@@ -106,6 +106,30 @@ struct QueryBlockOfCta {
   }
 };
 
+// The query side of a backward CTA that owns one key block [n0, n0 + keys):
+// the query blocks [m_min, m_max) that see some of its keys, for every query
+// head of its GQA group, as steps 0 .. iters - 1. Step `it` visits query head
+// hq and rows [m0, m0 + kBlockM). `rotation` starts the sweep `rotation` steps
+// in (the key blocks of a head then add their dQ to different rows at a time).
+template <int kBlockM>
+struct QuerySweep {
+  int m_min, m_blocks, iters, hq0, rotation;
+
+  __device__ __forceinline__ QuerySweep(const BlockMask& mask, int n0, int keys, int h_kv, int ratio, int rotation_)
+      : hq0(h_kv * ratio), rotation(rotation_) {
+    int m_max;
+    mask.query_block_range<kBlockM>(n0, keys, m_min, m_max);
+    m_blocks = m_max - m_min;
+    iters = m_blocks * ratio;
+  }
+
+  __device__ __forceinline__ void step(int it, int& hq, int& m0) const {
+    const int j = (it + rotation) % iters;
+    hq = hq0 + j / m_blocks;
+    m0 = (m_min + j % m_blocks) * kBlockM;
+  }
+};
+
 // The output of a query block none of whose rows sees a key: zero rows and
 // lse = -inf (MaskParams' rule), written by `nthreads` threads numbered `tid`.
 // Shared by the forward kernels, which skip such a block entirely.

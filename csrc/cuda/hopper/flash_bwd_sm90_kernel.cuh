@@ -80,20 +80,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_bwd_
            n0 * p.dv_row_stride;
 
   const BlockMask mask(p, seq);
-  int m_min, m_max;
-  mask.query_block_range<kBlockM>(n0, keys, m_min, m_max);
-  const int m_blocks = m_max - m_min;
-  const int iters = m_blocks * ratio;
+  // The key blocks of a head start their sweeps at different query blocks (spreads the dQ atomics).
+  const QuerySweep<kBlockM> sweep(mask, n0, keys, h_kv, ratio, n_block);
+  const int iters = sweep.iters;
   const int wg_key0 = wg * Kt::kWgKeys;             // this warpgroup's first key in the block
   const int warp_key0 = wg_key0 + warp_in_wg * 16;  // this warp's rows of S^T, dK, dV
 
-  // Step `it` visits query head hq and query block m0; the key blocks of a head
-  // start their sweeps at different query blocks (spreads the dQ atomics).
-  auto query_block = [&](int it, int& hq, int& m0) {
-    const int j = (it + n_block) % iters;
-    hq = h_kv * ratio + j / m_blocks;
-    m0 = (m_min + j % m_blocks) * kBlockM;
-  };
+  auto query_block = [&](int it, int& hq, int& m0) { sweep.step(it, hq, m0); };
   auto load_q_block = [&](int it, int stage) {
     int hq, m0;
     query_block(it, hq, m0);

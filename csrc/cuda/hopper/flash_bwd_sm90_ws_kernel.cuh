@@ -148,19 +148,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   const int keys = min(kBlockN, p.seqlen_k - n0);
 
   const BlockMask mask(p);
-  int m_min, m_max;
-  mask.query_block_range<kBlockM>(n0, keys, m_min, m_max);
-  const int m_blocks = m_max - m_min;
-  const int iters = m_blocks * ratio;
-  // Step `it` visits query head hq and query block m0; the key blocks of a
-  // head start their sweeps at different query blocks (spreads the dQ adds).
-  // Deterministic: every key block sweeps in the same order, so that key block
-  // n + 1 reaches a query block no later than key block n, which adds after it.
-  auto query_block = [&](int it, int& hq, int& m0) {
-    const int j = deterministic ? it : (it + n_block) % iters;
-    hq = h_kv * ratio + j / m_blocks;
-    m0 = (m_min + j % m_blocks) * kBlockM;
-  };
+  // The key blocks of a head start their sweeps at different query blocks
+  // (spreads the dQ adds). Deterministic: every key block sweeps in the same
+  // order, so that key block n + 1 reaches a query block no later than key
+  // block n, which adds after it.
+  const QuerySweep<kBlockM> sweep(mask, n0, keys, h_kv, ratio, deterministic ? 0 : n_block);
+  const int iters = sweep.iters;
+  auto query_block = [&](int it, int& hq, int& m0) { sweep.step(it, hq, m0); };
   auto stage = [](int it) { return it % kStages; };
   auto parity = [](int it) { return uint32_t(it / kStages) & 1; };
 
