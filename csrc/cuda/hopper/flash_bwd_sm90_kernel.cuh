@@ -29,6 +29,7 @@
 #pragma once
 
 #include "../flash_bwd_kernel.cuh"
+#include "bwd_sm90_common.cuh"
 #include "wgmma.cuh"
 
 namespace flashattn {
@@ -42,7 +43,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_bwd_
   using TileDS = typename Kt::TileDS;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
   constexpr int kNThreads = Kt::kNThreads, kStages = Kt::kQStages;
-  constexpr int kKSteps = kHeadDim / 16;  // k-steps of S^T and dP^T
   constexpr int kQSteps = kBlockM / 16;   // k-steps of dV and dK (over queries)
   constexpr int kQT = kBlockM / 8;        // n-tiles of an S^T row
   constexpr int kDT = kHeadDim / 8;       // n-tiles of a dK / dV row
@@ -109,7 +109,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_bwd_
   constexpr uint32_t kSbo = 1024;
   const uint64_t desc_k = smem_desc(smem_u32(sK) + wg_key0 * 128, 16, kSbo);  // A of S^T (K-major)
   const uint64_t desc_v = smem_desc(smem_u32(sV) + wg_key0 * 128, 16, kSbo);  // A of dP^T
-  auto kmajor_step = [](int ks, uint32_t panel_bytes) { return (ks / 4) * panel_bytes + (ks % 4) * 32; };
   // dQ: block i of warpgroup wg contracts keys [dq_key0, ..) into rows
   // [dq_row0(i), +64) x columns [dq_col0(i), +64).
   constexpr int kDqKSteps = (Kt::kDqSplitKeys ? Kt::kWgKeys : kBlockN) / 16;
@@ -157,49 +156,17 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_bwd_
       cp_async_commit();
     }
 
-    // S^T and dP^T, issued back to back: the exponentials of S^T overlap dP^T.
     float acc_s[1][kQT][4], acc_dp[1][kQT][4];
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks)
-      Wgmma<kBlockM, T>::template ss<0, 0>(acc_s[0], desc_add(desc_k, kmajor_step(ks, Kt::kPanelKV)),
-                                           desc_add(desc_q, kmajor_step(ks, Kt::kPanelQ)), ks > 0);
-    wgmma_commit();
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks)
-      Wgmma<kBlockM, T>::template ss<0, 0>(acc_dp[0], desc_add(desc_v, kmajor_step(ks, Kt::kPanelKV)),
-                                           desc_add(desc_do, kmajor_step(ks, Kt::kPanelQ)), ks > 0);
-    wgmma_commit();
-
+    issue_scores_and_dp_t<Kt>(acc_s[0], acc_dp[0], desc_k, desc_v, desc_q, desc_do);
     wgmma_wait<1>();
     pin_registers(acc_s[0]);
-#pragma unroll
-    for (int qi = 0; qi < kQT; ++qi)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int q = qi * 8 + 2 * t + e;
-        const float lse_log2 = (m0 + q < seq.seqlen_q) ? lse_to_log2(sLses[q]) : INFINITY;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float& x = acc_s[0][qi][2 * h + e];
-          x = fast_exp2(x * p.softmax_scale_log2 - lse_log2);
-        }
-      }
+    probs_t(acc_s[0], p.softmax_scale_log2, t,
+            [&](int q) { return (m0 + q < seq.seqlen_q) ? lse_to_log2(sLses[q]) : INFINITY; });
     if (mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0)) apply_mask_cols(acc_s, mask, n0 + warp_key0, m0, lane, 0.f);
 
     wgmma_wait<0>();
     pin_registers(acc_dp[0]);
-#pragma unroll
-    for (int qi = 0; qi < kQT; ++qi)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float dsum = sDsums[qi * 8 + 2 * t + e];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float& x = acc_dp[0][qi][2 * h + e];
-          x = acc_s[0][qi][2 * h + e] * (x - dsum);
-        }
-      }
+    ds_t(acc_dp[0], acc_s[0], sDsums, t);
     // A masked dS is 0 even where dP - D is not finite (0 * NaN): non-finite
     // inputs reach only the rows that see them (README, "Errors, non-finite inputs and transforms").
     if (mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0)) apply_mask_cols(acc_dp, mask, n0 + warp_key0, m0, lane, 0.f);

@@ -48,6 +48,7 @@
 
 #include "../../flash_params.h"
 #include "../flash_bwd_kernel.cuh"
+#include "bwd_sm90_common.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
 
@@ -102,7 +103,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
   constexpr int kStages = Kt::kStages;
   constexpr int kConsumerThreads = 256;
-  constexpr int kKSteps = kHeadDim / 16;  // k-steps of S^T and dP^T
   constexpr int kQSteps = kBlockM / 16;   // k-steps of dV and dK (over queries)
   constexpr int kQT = kBlockM / 8;        // n-tiles of an S^T row
   constexpr int kDT = kHeadDim / 8;       // n-tiles of a dK / dV row
@@ -279,7 +279,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   constexpr uint32_t kSbo = 1024;
   const uint64_t desc_k = smem_desc(smem_u32(sK) + wg_key0 * 128, 16, kSbo);  // A of S^T (K-major)
   const uint64_t desc_v = smem_desc(smem_u32(sV) + wg_key0 * 128, 16, kSbo);  // A of dP^T
-  auto kmajor_step = [](int ks, uint32_t panel_bytes) { return (ks / 4) * panel_bytes + (ks % 4) * 32; };
   // dQ: block i of this warpgroup is rows [dq_row0(i), +64) x columns [dq_col0(i), +64), over all keys.
   constexpr int kDqPerWg = Kt::kDqBlocksPerWg;
   auto dq_block = [&](int i) { return kDqAlternate ? 0 : cwg * kDqPerWg + i; };
@@ -325,33 +324,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     T* sdS_it = sdS + (it & 1) * TileDS::kElems;
     mbar_wait(&full_q[s], parity(it));
 
-    // S^T and dP^T, issued back to back: the exponentials of S^T overlap dP^T.
     float acc_s[1][kQT][4], acc_dp[1][kQT][4];
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks)
-      Wgmma<kBlockM, T>::template ss<0, 0>(acc_s[0], desc_add(desc_k, kmajor_step(ks, Kt::kPanelKV)),
-                                           desc_add(desc_q, kmajor_step(ks, Kt::kPanelQ)), ks > 0);
-    wgmma_commit();
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks)
-      Wgmma<kBlockM, T>::template ss<0, 0>(acc_dp[0], desc_add(desc_v, kmajor_step(ks, Kt::kPanelKV)),
-                                           desc_add(desc_do, kmajor_step(ks, Kt::kPanelQ)), ks > 0);
-    wgmma_commit();
-
+    issue_scores_and_dp_t<Kt>(acc_s[0], acc_dp[0], desc_k, desc_v, desc_q, desc_do);
     wgmma_wait<1>();
     pin_registers(acc_s[0]);
-#pragma unroll
-    for (int qi = 0; qi < kQT; ++qi)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float lse_log2 = sLses[qi * 8 + 2 * t + e];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float& x = acc_s[0][qi][2 * h + e];
-          x = fast_exp2(x * p.softmax_scale_log2 - lse_log2);
-        }
-      }
+    probs_t(acc_s[0], p.softmax_scale_log2, t, [&](int q) { return sLses[q]; });
     const bool needs_mask = mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0);
     if (needs_mask) apply_mask_cols(acc_s, mask, n0 + warp_key0, m0, lane, 0.f);
 
@@ -367,17 +344,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 
     wgmma_wait<1>();  // dP^T (dV may still run)
     pin_registers(acc_dp[0]);
-#pragma unroll
-    for (int qi = 0; qi < kQT; ++qi)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float dsum = sDsums[qi * 8 + 2 * t + e];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float& x = acc_dp[0][qi][2 * h + e];
-          x = acc_s[0][qi][2 * h + e] * (x - dsum);
-        }
-      }
+    ds_t(acc_dp[0], acc_s[0], sDsums, t);
     // A masked dS is 0 even where dP - D is not finite (0 * NaN).
     if (needs_mask) apply_mask_cols(acc_dp, mask, n0 + warp_key0, m0, lane, 0.f);
 

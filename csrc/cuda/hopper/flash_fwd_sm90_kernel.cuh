@@ -87,7 +87,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
   // Q: A of S, K-major, this warpgroup's 64 rows. K: B of S, K-major.
   // V: B of P V, N-major (keys are the contraction, 16 rows = 2048 bytes a step).
   const uint64_t desc_q = smem_desc(smem_u32(sQ) + wg * 64 * 128, 16, kSbo);
-  auto kmajor_step = [](int ks, uint32_t panel_bytes) { return (ks / 4) * panel_bytes + (ks % 4) * 32; };
   auto desc_k = [&](int j) { return smem_desc(smem_u32(sK + (j & 1) * TileKV::kElems), 16, kSbo); };
   auto desc_v = [&](int j) { return smem_desc(smem_u32(sV + (j & 1) * TileKV::kElems), Kt::kPanelKV, kSbo); };
 

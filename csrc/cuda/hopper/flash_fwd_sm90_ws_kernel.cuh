@@ -165,7 +165,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   // Q: A of S, K-major, this consumer's 64 rows. K: B of S, K-major.
   // V: B of P V, N-major (keys are the contraction, 16 rows = 2048 bytes a step).
   const uint64_t desc_q = smem_desc(smem_u32(sQ) + cwg * 64 * 128, 16, kSbo);
-  auto kmajor_step = [](int ks, uint32_t panel_bytes) { return (ks / 4) * panel_bytes + (ks % 4) * 32; };
 
   auto issue_scores = [&](float(&acc_s)[1][kNT][4], int it) {
     const uint64_t dk = smem_desc(smem_u32(sK + stage(it) * TileKV::kElems), 16, kSbo);

@@ -27,6 +27,12 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo_bytes,
 // Byte offsets are added to a descriptor's start-address field (bits 0-13).
 __device__ __forceinline__ uint64_t desc_add(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
 
+// The byte offset of k-step ks (16 columns) of a K-major operand stored as
+// 64-column panels of panel_bytes each: 32 bytes a step inside a panel.
+__device__ __forceinline__ uint32_t kmajor_step(int ks, uint32_t panel_bytes) {
+  return (ks / 4) * panel_bytes + (ks % 4) * 32;
+}
+
 // Before the first wgmma of a batch: register writes by ordinary instructions
 // (cleared accumulators, packed A fragments) become visible to it.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }

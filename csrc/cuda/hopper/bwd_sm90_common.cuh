@@ -1,0 +1,65 @@
+// The pieces the two Hopper backward kernels (flash_bwd_sm90_kernel.cuh,
+// cp.async; flash_bwd_sm90_ws_kernel.cuh, warp-specialized) share: a
+// warpgroup's S^T and dP^T products over its 64 keys and the elementwise
+// steps between them, on accumulators in the transposed layout (rows: keys,
+// columns: the kBlockM queries of the step; thread column q = 8 qi + 2 t + e).
+#pragma once
+
+#include "../tile.cuh"
+#include "wgmma.cuh"
+
+namespace flashattn {
+
+// S^T = K_w Q^T and dP^T = V_w dO^T, both operands K-major, issued back to back
+// as two commit groups (the exponentials of S^T then overlap dP^T).
+template <typename Kt, typename T = typename Kt::Element>
+__device__ __forceinline__ void issue_scores_and_dp_t(float (&acc_s)[Kt::kBlockM / 8][4],
+                                                      float (&acc_dp)[Kt::kBlockM / 8][4], uint64_t desc_k,
+                                                      uint64_t desc_v, uint64_t desc_q, uint64_t desc_do) {
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < Kt::kHeadDim / 16; ++ks)
+    Wgmma<Kt::kBlockM, T>::template ss<0, 0>(acc_s, desc_add(desc_k, kmajor_step(ks, Kt::kPanelKV)),
+                                             desc_add(desc_q, kmajor_step(ks, Kt::kPanelQ)), ks > 0);
+  wgmma_commit();
+#pragma unroll
+  for (int ks = 0; ks < Kt::kHeadDim / 16; ++ks)
+    Wgmma<Kt::kBlockM, T>::template ss<0, 0>(acc_dp, desc_add(desc_v, kmajor_step(ks, Kt::kPanelKV)),
+                                             desc_add(desc_do, kmajor_step(ks, Kt::kPanelQ)), ks > 0);
+  wgmma_commit();
+}
+
+// P^T = exp2(S^T * scale_log2 - lse_log2(q)) in place; lse_log2(q) is the
+// log-sum-exp of query column q in log2 units (+inf: P = 0).
+template <int kQT, typename LseLog2>
+__device__ __forceinline__ void probs_t(float (&acc_s)[kQT][4], float scale_log2, int t, LseLog2&& lse_log2) {
+#pragma unroll
+  for (int qi = 0; qi < kQT; ++qi)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float l = lse_log2(qi * 8 + 2 * t + e);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float& x = acc_s[qi][2 * h + e];
+        x = fast_exp2(x * scale_log2 - l);
+      }
+    }
+}
+
+// dS^T = P^T (dP^T - D[q]) in place of dP^T (D = rowsum(dO * O), per query).
+template <int kQT>
+__device__ __forceinline__ void ds_t(float (&acc_dp)[kQT][4], const float (&acc_p)[kQT][4], const float* dsum, int t) {
+#pragma unroll
+  for (int qi = 0; qi < kQT; ++qi)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float d = dsum[qi * 8 + 2 * t + e];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float& x = acc_dp[qi][2 * h + e];
+        x = acc_p[qi][2 * h + e] * (x - d);
+      }
+    }
+}
+
+}  // namespace flashattn
