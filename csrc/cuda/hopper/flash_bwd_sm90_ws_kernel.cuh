@@ -22,24 +22,32 @@
 //                   the atomics at d64: 64 small operations a step.)
 //   consumers       (warpgroups 1, 2): 64 keys each. Per step (query block m):
 //                     S^T  = K_w Q^T, dP^T = V_w dO^T       (wgmma SS, async)
-//                     [the previous step's dQ -> shared memory, for the writer]
 //                     P^T  = exp2(S^T scale_log2 - lse)      (under dP^T)
 //                     dV_w += P^T dO                         (wgmma RS, async)
 //                     dS^T = P^T (dP^T - D)                  (under dV)
 //                     dK_w += dS^T Q                         (wgmma RS, async)
 //                     dS^T -> shared memory (both warpgroups), named barrier
 //                     dQ_i  = dS K for this warpgroup's 64 x 64 block(s) of dQ
-//                   The dQ of a step is copied out under the next step's
-//                   first products, so the tensor cores do not wait for it.
+//                     dQ -> shared memory (fp32) for the writer warp
+//                   With a single 64 x 64 dQ block (64-query steps at head dim
+//                   64) the consumers compute it in turns, step by step, each
+//                   into its own dQ tile. (Writing a step's dQ under the next
+//                   step's first products keeps a wgmma group in flight across
+//                   the loop's back edge: ptxas then serializes every wgmma.)
 //
 // dS^T is double-buffered: writing buffer it % 2 at step it only needs both
 // warpgroups to be past their dQ product of step it - 2 (waited for before the
-// dS barrier of step it - 1). The dQ tile is single-buffered: the writer warp
+// dS barrier of step it - 1). A dQ tile is single-buffered: the writer warp
 // frees it as soon as the TMA unit has read it (well within a step).
 //
+// Deterministic mode (p.deterministic): the key blocks of a head add their dQ
+// tiles in descending key-block order, each waiting for a per-(batch, head,
+// 64-query block) counter; see the grid order and the writer warp below.
+//
 // Named barriers: kDsBar (the two consumers, dS complete), kDqFull (the
-// consumers computing dQ arrive, the writer syncs) and kDqEmpty (the writer arrives, the
-// consumers sync), kEpilogueBar (the consumers, before dK/dV reuse sK/sV).
+// consumers computing dQ arrive, the writer syncs) and kDqEmpty (the writer
+// arrives, the consumers sync), kEpilogueBar (the consumers, before dK/dV
+// reuse sK/sV).
 //
 // The masks (causal, window, the ragged key end) are those of the other
 // kernels (../mask.cuh), applied to S^T and dS^T in registers; bias, dropout
