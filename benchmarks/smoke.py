@@ -16,7 +16,9 @@ ap = argparse.ArgumentParser(description=__doc__)
 ap.add_argument("--bwd", action="store_true", help="check the backward too")
 ap.add_argument("--dims", default="64,128,192,256")
 ap.add_argument(
-    "--deterministic", action="store_true", help="deterministic backward; also checks that a second run is bitwise equal"
+    "--deterministic",
+    action="store_true",
+    help="deterministic backward; also checks that a second run is bitwise equal",
 )
 args = ap.parse_args()
 

@@ -411,7 +411,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_autograd(
   return {dq, dk, dv};
 }
 
-
 constexpr const char* kKvcacheNotDifferentiable =
     "flashattn_ext::fwd_kvcache (flash_attn_with_kvcache) is for inference and has no derivative; for training "
     "call flash_attn_func on the keys and values";

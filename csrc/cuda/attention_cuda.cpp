@@ -188,8 +188,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_i
   // adds dQ in a fixed order, counted by the semaphores); elsewhere it runs a
   // separate dQ pass.
   const bool hopper = device_arch(q) == 90;
-  at::Tensor dq_accum = deterministic && !hopper ? at::Tensor()
-                                                 : at::empty({batch, heads_q, seqlen_q_padded, kdim}, f32);
+  at::Tensor dq_accum =
+      deterministic && !hopper ? at::Tensor() : at::empty({batch, heads_q, seqlen_q_padded, kdim}, f32);
   at::Tensor dq_semaphore = deterministic && hopper
                                 ? at::zeros({batch, heads_q, (seqlen_q + 63) / 64}, q.options().dtype(at::kInt))
                                 : at::Tensor();

@@ -172,23 +172,22 @@ cudaError_t launch_bwd_sm90_ws(const AttnBwdParams& p, cudaStream_t stream, bool
   *launched = false;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   BwdTmaMaps maps;
-  const bool described =
-      make_tensor_map_bshd(&maps.q, p.q_ptr, kBf16, p.batch, p.seqlen_q, p.heads_q, p.head_dim, p.q_batch_stride,
-                           p.q_row_stride, p.q_head_stride, Kt::kBlockM) &&
-      make_tensor_map_bshd(&maps.dout, p.do_ptr, kBf16, p.batch, p.seqlen_q, p.heads_q, p.head_dim, p.do_batch_stride,
-                           p.do_row_stride, p.do_head_stride, Kt::kBlockM) &&
-      make_tensor_map_bshd(&maps.k, p.k_ptr, kBf16, p.batch, p.seqlen_k, p.heads_kv, p.head_dim, p.k_batch_stride,
-                           p.k_row_stride, p.k_head_stride, Kt::kBlockN) &&
-      make_tensor_map_bshd(&maps.v, p.v_ptr, kBf16, p.batch, p.seqlen_k, p.heads_kv, p.head_dim, p.v_batch_stride,
-                           p.v_row_stride, p.v_head_stride, Kt::kBlockN);
+  const bool described = make_tensor_map_bshd(&maps.q, p.q_ptr, kBf16, p.batch, p.seqlen_q, p.heads_q, p.head_dim,
+                                              p.q_batch_stride, p.q_row_stride, p.q_head_stride, Kt::kBlockM) &&
+                         make_tensor_map_bshd(&maps.dout, p.do_ptr, kBf16, p.batch, p.seqlen_q, p.heads_q, p.head_dim,
+                                              p.do_batch_stride, p.do_row_stride, p.do_head_stride, Kt::kBlockM) &&
+                         make_tensor_map_bshd(&maps.k, p.k_ptr, kBf16, p.batch, p.seqlen_k, p.heads_kv, p.head_dim,
+                                              p.k_batch_stride, p.k_row_stride, p.k_head_stride, Kt::kBlockN) &&
+                         make_tensor_map_bshd(&maps.v, p.v_ptr, kBf16, p.batch, p.seqlen_k, p.heads_kv, p.head_dim,
+                                              p.v_batch_stride, p.v_row_stride, p.v_head_stride, Kt::kBlockN);
   if (!described) return cudaSuccess;
   auto kernel = &flash_bwd_sm90_ws_kernel<Kt>;
   if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
   // The kernel adds whole tiles (padding rows and columns included) in its own
   // order (DqFragLayout): the accumulator is zeroed whole here, not row by row
   // by the preprocessing kernel.
-  if (cudaError_t err = cudaMemsetAsync(p.dq_accum_ptr, 0, size_t(p.batch) * p.dq_accum_batch_stride * sizeof(float),
-                                        stream);
+  if (cudaError_t err =
+          cudaMemsetAsync(p.dq_accum_ptr, 0, size_t(p.batch) * p.dq_accum_batch_stride * sizeof(float), stream);
       err != cudaSuccess)
     return err;
   AttnBwdParams pre = p;

@@ -35,7 +35,7 @@ struct KernelConfig<64, T> {
   using FwdSm90Ws = FwdSm90WsTraits<64, 128, 3, 2, T>;  // 192 queries: three consumers
   // Causal / windowed up to 8k queries: 128-query tiles waste less on the diagonal (tune.py, visit 2 of session 3).
   using FwdSm90WsMasked = FwdSm90WsTraits<64, 128, 2, 2, T>;
-  using BwdSm90 = BwdSm90Traits<64, 128, T>;  // 128 queries a step: half the dQ atomics per flop of 64
+  using BwdSm90 = BwdSm90Traits<64, 128, T>;        // 128 queries a step: half the dQ atomics per flop of 64
   using BwdSm90Ws = BwdSm90WsTraits<64, 64, 4, T>;  // one dQ block a step, the consumers in turn; short steps: 4 stages
 };
 template <typename T>

@@ -247,9 +247,9 @@ struct BwdSm90WsTraits {
   static constexpr int kDqBlocksPerWg = kDqAlternate ? 1 : kDqBlocks / 2;
   static constexpr int kDqTiles = kDqAlternate ? 2 : 1;  // fp32 dQ tiles in shared memory
 
-  using TileQ = SmemTile<kBlockM, kHeadDim>;   // Q and dO blocks
-  using TileKV = SmemTile<kBlockN, kHeadDim>;  // K and V
-  using TileDS = SmemTile<kBlockN, kBlockM>;   // dS^T, [key][query]
+  using TileQ = SmemTile<kBlockM, kHeadDim>;          // Q and dO blocks
+  using TileKV = SmemTile<kBlockN, kHeadDim>;         // K and V
+  using TileDS = SmemTile<kBlockN, kBlockM>;          // dS^T, [key][query]
   static constexpr int kPanelQ = TileQ::kRows * 128;  // bytes of one 64-column panel
   static constexpr int kPanelKV = TileKV::kRows * 128;
   static constexpr int kPanelDS = TileDS::kRows * 128;
@@ -257,7 +257,8 @@ struct BwdSm90WsTraits {
   static constexpr int kBytesKV = TileKV::kElems * 2;
   // +1024: dynamic shared memory is aligned up to 1024 bytes (the swizzle atom).
   static constexpr int kSmemBytes = 1024 + 2 * kBytesKV + 2 * kStages * kBytesQ + 2 * TileDS::kElems * 2 +
-                                    kDqTiles * kBlockM * kHeadDim * 4 + 2 * kStages * kBlockM * 4 + (1 + 2 * kStages) * 8;
+                                    kDqTiles * kBlockM * kHeadDim * 4 + 2 * kStages * kBlockM * 4 +
+                                    (1 + 2 * kStages) * 8;
 
   static_assert((kHeadDim == 64 || kHeadDim == 128) && (kBlockM == 64 || kBlockM == 128), "shapes");
   static_assert(kDqAlternate || kDqBlocks % 2 == 0, "the dQ blocks deal evenly to the two consumers");

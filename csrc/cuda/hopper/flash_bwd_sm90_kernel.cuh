@@ -43,9 +43,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_bwd_
   using TileDS = typename Kt::TileDS;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
   constexpr int kNThreads = Kt::kNThreads, kStages = Kt::kQStages;
-  constexpr int kQSteps = kBlockM / 16;   // k-steps of dV and dK (over queries)
-  constexpr int kQT = kBlockM / 8;        // n-tiles of an S^T row
-  constexpr int kDT = kHeadDim / 8;       // n-tiles of a dK / dV row
+  constexpr int kQSteps = kBlockM / 16;  // k-steps of dV and dK (over queries)
+  constexpr int kQT = kBlockM / 8;       // n-tiles of an S^T row
+  constexpr int kDT = kHeadDim / 8;      // n-tiles of a dK / dV row
 
   extern __shared__ char smem_raw[];
   char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);

@@ -111,9 +111,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
   constexpr int kStages = Kt::kStages;
   constexpr int kConsumerThreads = 256;
-  constexpr int kQSteps = kBlockM / 16;   // k-steps of dV and dK (over queries)
-  constexpr int kQT = kBlockM / 8;        // n-tiles of an S^T row
-  constexpr int kDT = kHeadDim / 8;       // n-tiles of a dK / dV row
+  constexpr int kQSteps = kBlockM / 16;  // k-steps of dV and dK (over queries)
+  constexpr int kQT = kBlockM / 8;       // n-tiles of an S^T row
+  constexpr int kDT = kHeadDim / 8;      // n-tiles of a dK / dV row
   constexpr int kDqTileFloats = kBlockM * kHeadDim;
   constexpr int kDsBar = 1, kDqFull = 2, kDqEmpty = 3, kEpilogueBar = 4;
   // With a single 64 x 64 dQ block (kBlockM = 64, head dim 64) the consumers
@@ -125,15 +125,15 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   T* sK = reinterpret_cast<T*>(smem);
   T* sV = sK + TileKV::kElems;
-  T* sQ = sV + TileKV::kElems;                // [kStages]
-  T* sdO = sQ + kStages * TileQ::kElems;      // [kStages]
-  T* sdS = sdO + kStages * TileQ::kElems;     // [2] dS^T, [key][query]
+  T* sQ = sV + TileKV::kElems;                                      // [kStages]
+  T* sdO = sQ + kStages * TileQ::kElems;                            // [kStages]
+  T* sdS = sdO + kStages * TileQ::kElems;                           // [2] dS^T, [key][query]
   float* sdQ = reinterpret_cast<float*>(sdS + 2 * TileDS::kElems);  // [kDqTiles][kDqTileFloats], DqFragLayout
-  float* sLse = sdQ + Kt::kDqTiles * kDqTileFloats;                  // [kStages][kBlockM], log2 units
-  float* sDsum = sLse + kStages * kBlockM;    // [kStages][kBlockM]
+  float* sLse = sdQ + Kt::kDqTiles * kDqTileFloats;                 // [kStages][kBlockM], log2 units
+  float* sDsum = sLse + kStages * kBlockM;                          // [kStages][kBlockM]
   uint64_t* full_kv = reinterpret_cast<uint64_t*>(sDsum + kStages * kBlockM);
-  uint64_t* full_q = full_kv + 1;             // [kStages]
-  uint64_t* empty_q = full_q + kStages;       // [kStages]
+  uint64_t* full_q = full_kv + 1;        // [kStages]
+  uint64_t* empty_q = full_q + kStages;  // [kStages]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
   const int wg = warp / 4;
@@ -146,8 +146,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   // launched after it (CTAs start in blockIdx order): the last key block of a
   // head goes first.
   const bool deterministic = p.deterministic;
-  const int n_block = static_cast<int>(deterministic ? num_n_blocks - 1 - blockIdx.x % num_n_blocks
-                                                     : blockIdx.x % num_n_blocks);
+  const int n_block =
+      static_cast<int>(deterministic ? num_n_blocks - 1 - blockIdx.x % num_n_blocks : blockIdx.x % num_n_blocks);
   const int bh = static_cast<int>(blockIdx.x / num_n_blocks);
   const int h_kv = bh % p.heads_kv;
   const int b = bh / p.heads_kv;
@@ -219,8 +219,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 #pragma unroll
           for (int pn = 0; pn < Kt::kPanels; ++pn) {
             tma_load_4d(sQ + s * TileQ::kElems + pn * TileQ::kRows * 64, &maps.q, &full_q[s], pn * 64, hq, m0, b);
-            tma_load_4d(sdO + s * TileQ::kElems + pn * TileQ::kRows * 64, &maps.dout, &full_q[s], pn * 64, hq, m0,
-                        b);
+            tma_load_4d(sdO + s * TileQ::kElems + pn * TileQ::kRows * 64, &maps.dout, &full_q[s], pn * 64, hq, m0, b);
           }
         }
 #pragma unroll
@@ -356,7 +355,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     // A masked dS is 0 even where dP - D is not finite (0 * NaN).
     if (needs_mask) apply_mask_cols(acc_dp, mask, n0 + warp_key0, m0, lane, 0.f);
 
-    // dK += dS^T Q, dS^T as the register A operand.
+      // dK += dS^T Q, dS^T as the register A operand.
 #pragma unroll
     for (int kk = 0; kk < kQSteps; ++kk) acc_to_a<T>(a_ds[kk], acc_dp[0], kk);
     wgmma_fence();
@@ -396,8 +395,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
           smem_desc(smem_u32(sK) + (dq_col0(i) / 64) * Kt::kPanelKV, Kt::kPanelKV, kSbo);  // B, N-major
 #pragma unroll
       for (int ks = 0; ks < kBlockN / 16; ++ks)
-        Wgmma<64, T>::template ss<1, 1>(acc_dq[i], desc_add(desc_ds, ks * 2048), desc_add(desc_kn, ks * 2048),
-                                        ks > 0);
+        Wgmma<64, T>::template ss<1, 1>(acc_dq[i], desc_add(desc_ds, ks * 2048), desc_add(desc_kn, ks * 2048), ks > 0);
     }
     wgmma_commit();
     wgmma_wait<1>();  // dV, dK done: the Q / dO stage is free (and a_p, a_ds)
