@@ -17,6 +17,8 @@ decode   q length 1, 32 query heads / 8 key-value heads, head dim 128, bf16, bat
                          cache, cache_seqlens = cache_len (no append)
            ours_paged    the same with a paged cache: pages of 256 tokens in a random
                          order, an int32 block_table
+           ours_sdpa     our SDPA drop-in as a model calls it at a decode step,
+                         (b, h, 1, d) against the (b, h_kv, n, d) cache, enable_gqa=True
            sdpa_cudnn / sdpa_flash / sdpa_default
                          torch SDPA (a backend forced, or none), (b, h, n, d) tensors with
                          enable_gqa=True; a backend that refuses GQA gets K/V expanded to
@@ -60,7 +62,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from bench_gpu import OURS, OURS_IMPORT_ERROR, Progress, Skip, _free, _short, attention_flops, make_timer  # noqa: E402
 
-DECODE_IMPLS = ("ours", "ours_paged", "sdpa_cudnn", "sdpa_flash", "sdpa_default", "fa2_package", "copy")
+DECODE_IMPLS = ("ours", "ours_paged", "ours_sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_default", "fa2_package", "copy")
 PREFILL_IMPLS = ("ours", "ours_paged", "sdpa_cudnn", "sdpa_flash", "sdpa_default", "fa2_package")
 TORCH_BACKENDS = {"sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_flash": "FLASH_ATTENTION"}
 PAGE = 256
@@ -255,6 +257,17 @@ def decode_case(impl, batch, n, cfg, device, bench, gen):
                 extra["block_table"] = table
                 row["page"] = cfg["page"]
             fn = lambda: kvcache(q, k, v, cache_seqlens=seqlens, causal=True, **extra)  # noqa: E731
+            fn()
+        elif impl == "ours_sdpa":
+            # Our drop-in as a model calls it at a decode step ((B, H, 1, D) against the
+            # whole cache, no mask): today it runs the main forward kernels, not the
+            # split-KV decode kernel.
+            if OURS is None:
+                raise RuntimeError(OURS_IMPORT_ERROR)
+            _fits(device, kv_bytes, "the cache")
+            q = _rand((batch, hq, 1, d), dtype, device, gen)
+            k, v = _rand((batch, hk, n, d), dtype, device, gen), _rand((batch, hk, n, d), dtype, device, gen)
+            fn = lambda: OURS.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
             fn()
         else:
             _fits(device, kv_bytes, "the cache")

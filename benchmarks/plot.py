@@ -382,6 +382,7 @@ def plot_host_overhead(plt, data, outdir):
 DECODE_STYLE = {  # bench_decode.py's implementations: (label, color, marker)
     "ours": ("ours, flash_attn_with_kvcache", "#d62728", "o"),
     "ours_paged": ("ours, paged (block_table)", "#ff7f0e", "D"),
+    "ours_sdpa": ("ours, SDPA drop-in", "#e377c2", "v"),
     "sdpa_cudnn": ("cuDNN (SDPA)", "#1f77b4", "s"),
     "sdpa_flash": ("FA2 (SDPA flash)", "#2ca02c", "^"),
     "sdpa_default": ("SDPA default", "#8c564b", "P"),

@@ -590,11 +590,18 @@ def test_bench_decode_smoke(tmp_path):
         assert row["kv_bytes"] == 2 * b * n * c["heads_kv"] * c["d"] * 4  # float32 in the smoke run
         if row["impl"] == "copy":
             assert math.isclose(row["copy_tbs"], 2 * row["kv_bytes"] / (row["ms"] * 1e-3) / 1e12)
-        elif row["impl"] in ("ours", "ours_paged", "sdpa_flash", "sdpa_default"):
+        elif row["impl"] in ("ours", "ours_paged", "ours_sdpa", "sdpa_flash", "sdpa_default"):
             assert math.isclose(row["useful_tbs"], row["kv_bytes"] / (row["ms"] * 1e-3) / 1e12), row
         else:
             assert row.get("skipped"), row  # cuDNN and the flash-attn package need CUDA
-    assert {row["impl"] for row in data["decode"]} >= {"ours", "ours_paged", "sdpa_flash", "sdpa_default", "copy"}
+    assert {row["impl"] for row in data["decode"]} >= {
+        "ours",
+        "ours_paged",
+        "ours_sdpa",
+        "sdpa_flash",
+        "sdpa_default",
+        "copy",
+    }
     assert all(row["tflops"] > 0 for row in data["prefill"] if row["impl"] != "sdpa_cudnn")
     assert {(row["section"], row["impl"]) for row in data["varlen"]} == {
         (s, i) for s in ("equal", "mixed") for i in ("varlen", "padded")
