@@ -174,6 +174,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
            n0 * p.dv_row_stride;
 
   const BlockMask mask(p, seq);
+  // Every query head of the group, every query block that sees the keys. With
+  // kRotate, the key blocks of one head start their sweeps at different query
+  // blocks, so their fp32 dQ atomics do not all land on the same rows at once.
+  const QuerySweep<kBlockM> sweep(mask, n0, keys, h_kv, ratio, Kt::kRotate && kComputeDq ? n_block : 0);
+  const int iters = sweep.iters;
   const int g = lane >> 2, t = lane & 3;
   // This warp's tile of S^T (keys s_key0.., queries s_q0..) and of dK / dV
   // (keys v_key0.., columns v_col0.. of the CTA's slice).
@@ -185,11 +190,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
   clear(acc_dk);
   clear(acc_dv);
 
-  // Every query head of the group, every query block that sees the keys. With
-  // kRotate, the key blocks of one head start their sweeps at different query
-  // blocks, so their fp32 dQ atomics do not all land on the same rows at once.
-  const QuerySweep<kBlockM> sweep(mask, n0, keys, h_kv, ratio, Kt::kRotate && kComputeDq ? n_block : 0);
-  const int iters = sweep.iters;
   auto query_block = [&](int it, int& hq, int& m0) { sweep.step(it, hq, m0); };
 
   // Loads query block `it` (head, block) into stage `stage`.
