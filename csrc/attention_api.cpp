@@ -1,6 +1,7 @@
 #include "attention_api.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 
 #include <algorithm>
 #include <cmath>
@@ -56,11 +57,6 @@ void check_same_dtype(const at::Tensor& t, const char* name, const at::Tensor& q
                    " but q has dtype ", q.scalar_type(), "; cast them to one dtype");
 }
 
-void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& q) {
-  TORCH_CHECK_VALUE(t.device() == q.device(), "flashattn_ext: ", name, " is on ", t.device(), " but q is on ",
-                    q.device(), "; move them to one device");
-}
-
 // The kernels index with 64-bit offsets but size loop bounds with int.
 void check_fits_int(const at::Tensor& t, const char* name) {
   for (int64_t i = 0; i < t.dim(); ++i) {
@@ -69,20 +65,68 @@ void check_fits_int(const at::Tensor& t, const char* name) {
   }
 }
 
+void check_head_dim_supported(int64_t head_dim) {
+  TORCH_CHECK_VALUE(head_dim <= kMaxHeadDim, "flashattn_ext: head_dim ", head_dim, " is larger than ", kMaxHeadDim,
+                    ", the largest the kernels support; split the heads or use torch's attention");
+}
+
+void check_heads_divide(int64_t heads_q, int64_t heads_kv) {
+  TORCH_CHECK_VALUE(heads_q % heads_kv == 0, "flashattn_ext: q has ", heads_q, " heads, not a multiple of the ",
+                    heads_kv, " heads of k and v; for GQA/MQA the key/value heads must divide the query heads");
+}
+
+void check_qkv_last_dim_contiguous(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  check_last_dim_contiguous(q, "q");
+  check_last_dim_contiguous(k, "k");
+  check_last_dim_contiguous(v, "v");
+}
+
+// dout, out and lse of either backward against q; lse_shape is the shape of
+// the forward's lse, lse_layout the names of its dimensions.
+void check_bwd_tensors(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out, const at::Tensor& lse,
+                       at::IntArrayRef lse_shape, const char* lse_layout) {
+  check_same_device(dout, "dout", q);
+  check_same_device(out, "out", q);
+  check_same_device(lse, "lse", q);
+  check_same_dtype(dout, "dout", q);
+  check_same_dtype(out, "out", q);
+  TORCH_CHECK_VALUE(dout.sizes() == q.sizes(), "flashattn_ext: dout has shape ", shape_str(dout), " but q has ",
+                    shape_str(q), "; dout must have the shape of the forward output");
+  TORCH_CHECK_VALUE(out.sizes() == q.sizes(), "flashattn_ext: out has shape ", shape_str(out), " but q has ",
+                    shape_str(q), "; pass the output of the forward");
+  TORCH_CHECK_TYPE(lse.scalar_type() == lse_dtype(q.scalar_type()), "flashattn_ext: lse has dtype ", lse.scalar_type(),
+                   ", expected ", lse_dtype(q.scalar_type()), "; pass the lse of the forward");
+  TORCH_CHECK_VALUE(lse.sizes() == lse_shape, "flashattn_ext: lse has shape ", shape_str(lse), ", expected ",
+                    lse_layout, " = (", c10::Join(", ", lse_shape), "); pass the lse of the forward");
+  TORCH_CHECK_VALUE(lse.is_contiguous(), "flashattn_ext: lse must be contiguous; pass the lse of the forward");
+  check_last_dim_contiguous(dout, "dout");
+  check_last_dim_contiguous(out, "out");
+}
+
 }  // namespace
+
+void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& q) {
+  TORCH_CHECK_VALUE(t.device() == q.device(), "flashattn_ext: ", name, " is on ", t.device(), " but q is on ",
+                    q.device(), "; move them to one device");
+}
+
+void check_devices_and_dtypes(const at::Tensor& q, const at::Tensor& k, const char* k_name, const at::Tensor& v,
+                              const char* v_name, const BackendSpec& spec) {
+  check_same_device(k, k_name, q);
+  check_same_device(v, v_name, q);
+  check_same_dtype(k, k_name, q);
+  check_same_dtype(v, v_name, q);
+  bool dtype_ok = false;
+  for (auto d : spec.dtypes) dtype_ok |= (q.scalar_type() == d);
+  TORCH_CHECK_TYPE(dtype_ok, "flashattn_ext: q has dtype ", q.scalar_type(), ", which the ", spec.name,
+                   " kernels do not support; use one of ", dtype_list(spec), spec.dtype_hint);
+}
 
 void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const BackendSpec& spec) {
   check_rank4(q, "q", "(batch, seqlen_q, heads_q, head_dim)");
   check_rank4(k, "k", "(batch, seqlen_k, heads_kv, head_dim)");
   check_rank4(v, "v", "(batch, seqlen_k, heads_kv, head_dim)");
-  check_same_device(k, "k", q);
-  check_same_device(v, "v", q);
-  check_same_dtype(k, "k", q);
-  check_same_dtype(v, "v", q);
-  bool dtype_ok = false;
-  for (auto d : spec.dtypes) dtype_ok |= (q.scalar_type() == d);
-  TORCH_CHECK_TYPE(dtype_ok, "flashattn_ext: q has dtype ", q.scalar_type(), ", which the ", spec.name,
-                   " kernels do not support; use one of ", dtype_list(spec), spec.dtype_hint);
+  check_devices_and_dtypes(q, k, "k", v, "v", spec);
   check_no_zero_size(q, "q");
   check_no_zero_size(k, "k");
   check_no_zero_size(v, "v");
@@ -95,19 +139,15 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   TORCH_CHECK_VALUE(v.size(3) == head_dim, "flashattn_ext: v has head_dim ", v.size(3), " but q has ", head_dim,
                     "; a value head dim different from the query's is not supported by the kernels "
                     "(scaled_dot_product_attention falls back to torch for it)");
-  TORCH_CHECK_VALUE(head_dim <= kMaxHeadDim, "flashattn_ext: head_dim ", head_dim, " is larger than ", kMaxHeadDim,
-                    ", the largest the kernels support; split the heads or use torch's attention");
+  check_head_dim_supported(head_dim);
   TORCH_CHECK_VALUE(k.size(0) == q.size(0) && v.size(0) == q.size(0), "flashattn_ext: batch sizes differ: q ",
                     q.size(0), ", k ", k.size(0), ", v ", v.size(0), "; q, k and v must share dimension 0");
   TORCH_CHECK_VALUE(v.size(1) == k.size(1), "flashattn_ext: v has seqlen ", v.size(1), " but k has ", k.size(1),
                     "; k and v must share dimension 1 (seqlen_k)");
   TORCH_CHECK_VALUE(v.size(2) == k.size(2), "flashattn_ext: v has ", v.size(2), " heads but k has ", k.size(2),
                     "; k and v must share dimension 2 (heads_kv)");
-  TORCH_CHECK_VALUE(q.size(2) % k.size(2) == 0, "flashattn_ext: q has ", q.size(2), " heads, not a multiple of the ",
-                    k.size(2), " heads of k and v; for GQA/MQA the key/value heads must divide the query heads");
-  check_last_dim_contiguous(q, "q");
-  check_last_dim_contiguous(k, "k");
-  check_last_dim_contiguous(v, "v");
+  check_heads_divide(q.size(2), k.size(2));
+  check_qkv_last_dim_contiguous(q, k, v);
 }
 
 void reject_backend(const std::vector<std::pair<const at::Tensor*, const char*>>& tensors) {
@@ -141,23 +181,7 @@ void reject_backend(const std::vector<std::pair<const at::Tensor*, const char*>>
 }
 
 void check_bwd_extras(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out, const at::Tensor& lse) {
-  check_same_device(dout, "dout", q);
-  check_same_device(out, "out", q);
-  check_same_device(lse, "lse", q);
-  check_same_dtype(dout, "dout", q);
-  check_same_dtype(out, "out", q);
-  TORCH_CHECK_VALUE(dout.sizes() == q.sizes(), "flashattn_ext: dout has shape ", shape_str(dout), " but q has ",
-                    shape_str(q), "; dout must have the shape of the forward output");
-  TORCH_CHECK_VALUE(out.sizes() == q.sizes(), "flashattn_ext: out has shape ", shape_str(out), " but q has ",
-                    shape_str(q), "; pass the output of the forward");
-  TORCH_CHECK_TYPE(lse.scalar_type() == lse_dtype(q.scalar_type()), "flashattn_ext: lse has dtype ", lse.scalar_type(),
-                   ", expected ", lse_dtype(q.scalar_type()), "; pass the lse of the forward");
-  TORCH_CHECK_VALUE(lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(2) && lse.size(2) == q.size(1),
-                    "flashattn_ext: lse has shape ", shape_str(lse), ", expected (batch, heads_q, seqlen_q) = (",
-                    q.size(0), ", ", q.size(2), ", ", q.size(1), "); pass the lse of the forward");
-  TORCH_CHECK_VALUE(lse.is_contiguous(), "flashattn_ext: lse must be contiguous; pass the lse of the forward");
-  check_last_dim_contiguous(dout, "dout");
-  check_last_dim_contiguous(out, "out");
+  check_bwd_tensors(dout, q, out, lse, {q.size(0), q.size(2), q.size(1)}, "(batch, heads_q, seqlen_q)");
 }
 
 MaskParams make_mask(int64_t window_left, int64_t window_right, bool bottom_right, int64_t seqlen_q, int64_t seqlen_k) {
@@ -195,10 +219,8 @@ ScalarKind scalar_kind(at::ScalarType t) {
 
 }  // namespace
 
-AttnFwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                              const at::Tensor& lse, double softmax_scale, const MaskParams& mask) {
-  TORCH_CHECK_VALUE(std::isfinite(softmax_scale), "flashattn_ext: softmax_scale must be finite, got ", softmax_scale);
-  AttnFwdParams p;
+void set_qkvo(QkvoParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+              const at::Tensor& lse) {
   p.q_ptr = q.data_ptr();
   p.k_ptr = k.data_ptr();
   p.v_ptr = v.data_ptr();
@@ -208,6 +230,13 @@ AttnFwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at
   p.k_batch_stride = k.stride(0), p.k_row_stride = k.stride(1), p.k_head_stride = k.stride(2);
   p.v_batch_stride = v.stride(0), p.v_row_stride = v.stride(1), p.v_head_stride = v.stride(2);
   p.o_batch_stride = out.stride(0), p.o_row_stride = out.stride(1), p.o_head_stride = out.stride(2);
+}
+
+AttnFwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                              const at::Tensor& lse, double softmax_scale, const MaskParams& mask) {
+  TORCH_CHECK_VALUE(std::isfinite(softmax_scale), "flashattn_ext: softmax_scale must be finite, got ", softmax_scale);
+  AttnFwdParams p;
+  set_qkvo(p, q, k, v, out, lse);
   p.batch = static_cast<int>(q.size(0));
   p.seqlen_q = static_cast<int>(q.size(1));
   p.heads_q = static_cast<int>(q.size(2));
@@ -272,14 +301,7 @@ void check_varlen_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   check_rank3(q, "q", "(total_q, heads_q, head_dim)");
   check_rank3(k, "k", "(total_k, heads_kv, head_dim)");
   check_rank3(v, "v", "(total_k, heads_kv, head_dim)");
-  check_same_device(k, "k", q);
-  check_same_device(v, "v", q);
-  check_same_dtype(k, "k", q);
-  check_same_dtype(v, "v", q);
-  bool dtype_ok = false;
-  for (auto d : spec.dtypes) dtype_ok |= (q.scalar_type() == d);
-  TORCH_CHECK_TYPE(dtype_ok, "flashattn_ext: q has dtype ", q.scalar_type(), ", which the ", spec.name,
-                   " kernels do not support; use one of ", dtype_list(spec), spec.dtype_hint);
+  check_devices_and_dtypes(q, k, "k", v, "v", spec);
   // The token dimension may be 0 (every sequence empty); heads and head_dim may not.
   auto check_heads_and_dim = [](const at::Tensor& t, const char* name) {
     TORCH_CHECK_VALUE(t.size(1) > 0 && t.size(2) > 0, "flashattn_ext: ", name, " has shape ", shape_str(t),
@@ -293,17 +315,13 @@ void check_varlen_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const int64_t head_dim = q.size(2);
   TORCH_CHECK_VALUE(k.size(2) == head_dim && v.size(2) == head_dim, "flashattn_ext: head_dim differs: q ", head_dim,
                     ", k ", k.size(2), ", v ", v.size(2), "; q, k and v must share dimension 2");
-  TORCH_CHECK_VALUE(head_dim <= kMaxHeadDim, "flashattn_ext: head_dim ", head_dim, " is larger than ", kMaxHeadDim,
-                    ", the largest the kernels support; split the heads or use torch's attention");
+  check_head_dim_supported(head_dim);
   TORCH_CHECK_VALUE(v.size(0) == k.size(0), "flashattn_ext: v has ", v.size(0), " tokens but k has ", k.size(0),
                     "; k and v must share dimension 0 (total_k)");
   TORCH_CHECK_VALUE(v.size(1) == k.size(1), "flashattn_ext: v has ", v.size(1), " heads but k has ", k.size(1),
                     "; k and v must share dimension 1 (heads_kv)");
-  TORCH_CHECK_VALUE(q.size(1) % k.size(1) == 0, "flashattn_ext: q has ", q.size(1), " heads, not a multiple of the ",
-                    k.size(1), " heads of k and v; for GQA/MQA the key/value heads must divide the query heads");
-  check_last_dim_contiguous(q, "q");
-  check_last_dim_contiguous(k, "k");
-  check_last_dim_contiguous(v, "v");
+  check_heads_divide(q.size(1), k.size(1));
+  check_qkv_last_dim_contiguous(q, k, v);
   check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q);
   check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q);
   TORCH_CHECK_VALUE(cu_seqlens_q.size(0) == cu_seqlens_k.size(0), "flashattn_ext: cu_seqlens_q has ",
@@ -336,23 +354,7 @@ int64_t check_cu_seqlens_values(const at::Tensor& cu_seqlens, const char* name, 
 
 void check_varlen_bwd_extras(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out,
                              const at::Tensor& lse) {
-  check_same_device(dout, "dout", q);
-  check_same_device(out, "out", q);
-  check_same_device(lse, "lse", q);
-  check_same_dtype(dout, "dout", q);
-  check_same_dtype(out, "out", q);
-  TORCH_CHECK_VALUE(dout.sizes() == q.sizes(), "flashattn_ext: dout has shape ", shape_str(dout), " but q has ",
-                    shape_str(q), "; dout must have the shape of the forward output");
-  TORCH_CHECK_VALUE(out.sizes() == q.sizes(), "flashattn_ext: out has shape ", shape_str(out), " but q has ",
-                    shape_str(q), "; pass the output of the forward");
-  TORCH_CHECK_TYPE(lse.scalar_type() == lse_dtype(q.scalar_type()), "flashattn_ext: lse has dtype ", lse.scalar_type(),
-                   ", expected ", lse_dtype(q.scalar_type()), "; pass the lse of the forward");
-  TORCH_CHECK_VALUE(lse.dim() == 2 && lse.size(0) == q.size(1) && lse.size(1) == q.size(0),
-                    "flashattn_ext: lse has shape ", shape_str(lse), ", expected (heads_q, total_q) = (", q.size(1),
-                    ", ", q.size(0), "); pass the lse of the forward");
-  TORCH_CHECK_VALUE(lse.is_contiguous(), "flashattn_ext: lse must be contiguous; pass the lse of the forward");
-  check_last_dim_contiguous(dout, "dout");
-  check_last_dim_contiguous(out, "out");
+  check_bwd_tensors(dout, q, out, lse, {q.size(1), q.size(0)}, "(heads_q, total_q)");
 }
 
 namespace {

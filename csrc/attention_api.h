@@ -21,6 +21,14 @@ struct BackendSpec {
 
 constexpr int kMaxHeadDim = 256;
 
+// Raises unless t (called name in the error) is on q's device.
+void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& q);
+
+// Validates that k and v (named k_name, v_name in the errors) are on q's
+// device and of q's dtype, and that the backend has kernels for that dtype.
+void check_devices_and_dtypes(const at::Tensor& q, const at::Tensor& k, const char* k_name, const at::Tensor& v,
+                              const char* v_name, const BackendSpec& spec);
+
 // Validates q, k, v for either pass: rank, dtype, device, sizes, strides.
 void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const BackendSpec& spec);
 
@@ -41,6 +49,10 @@ at::ScalarType lse_dtype(at::ScalarType input);
 
 // Allocates out (batch, seqlen_q, heads_q, head_dim) and lse (batch, heads_q, seqlen_q).
 std::tuple<at::Tensor, at::Tensor> alloc_fwd_outputs(const at::Tensor& q);
+
+// Fills the pointers and strides of q, k, v, out and lse (4-D tensors).
+void set_qkvo(QkvoParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+              const at::Tensor& lse);
 
 // Fills the forward params from validated tensors.
 AttnFwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,

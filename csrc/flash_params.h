@@ -48,7 +48,10 @@ struct MaskParams {
   bool bottom_right = false;
 };
 
-struct AttnFwdParams {
+// Where q, k, v, the output and lse are: base pointers and the strides of
+// (batch, seqlen, heads, head_dim) tensors (the head_dim stride is 1). The
+// first part of AttnFwdParams and of KvcacheParams (kvcache_params.h).
+struct QkvoParams {
   using index_t = int64_t;
 
   // Inputs.
@@ -63,7 +66,9 @@ struct AttnFwdParams {
   void* o_ptr = nullptr;
   index_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;
   void* lse_ptr = nullptr;  // contiguous (batch, heads_q, seqlen_q), accumulation type
+};
 
+struct AttnFwdParams : QkvoParams {
   // Sizes.
   int batch = 0;
   int heads_q = 0;

@@ -20,18 +20,13 @@ std::string sizes_str(const at::Tensor& t) {
   return os.str();
 }
 
-void check_same(const at::Tensor& t, const char* name, const at::Tensor& q) {
-  TORCH_CHECK_VALUE(t.device() == q.device(), "flashattn_ext: ", name, " is on ", t.device(), " but q is on ",
-                    q.device(), "; move them to one device");
-}
-
 // cache_seqlens-like arguments: int32 (batch,) on q's device.
 void check_int_vector(const at::Tensor& t, const char* name, const at::Tensor& q) {
   TORCH_CHECK_TYPE(t.scalar_type() == at::kInt, "flashattn_ext: ", name, " must have dtype torch.int32, got ",
                    t.scalar_type(), "; pass ", name, ".to(torch.int32)");
   TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == q.size(0), "flashattn_ext: ", name, " must have shape (batch,) = (",
                     q.size(0), ",), got ", sizes_str(t));
-  check_same(t, name, q);
+  check_same_device(t, name, q);
 }
 
 }  // namespace
@@ -45,20 +40,7 @@ void check_kvcache(const KvcacheInputs& in, double softmax_scale, int64_t window
                     ", got shape ", sizes_str(in.k_cache));
   TORCH_CHECK_VALUE(in.v_cache.dim() == 4, "flashattn_ext: v_cache must have 4 dimensions ", kCacheLayout,
                     ", got shape ", sizes_str(in.v_cache));
-  check_same(in.k_cache, "k_cache", q);
-  check_same(in.v_cache, "v_cache", q);
-  for (const auto& [t, name] : {std::pair{&in.k_cache, "k_cache"}, std::pair{&in.v_cache, "v_cache"}}) {
-    TORCH_CHECK_TYPE(t->scalar_type() == q.scalar_type(), "flashattn_ext: ", name, " has dtype ", t->scalar_type(),
-                     " but q has dtype ", q.scalar_type(), "; cast them to one dtype");
-  }
-  bool dtype_ok = false;
-  std::string names;
-  for (auto d : spec.dtypes) {
-    dtype_ok |= q.scalar_type() == d;
-    names += (names.empty() ? "" : ", ") + std::string(c10::toString(d));
-  }
-  TORCH_CHECK_TYPE(dtype_ok, "flashattn_ext: q has dtype ", q.scalar_type(), ", which the ", spec.name,
-                   " kernels do not support; use one of ", names, spec.dtype_hint);
+  check_devices_and_dtypes(q, in.k_cache, "k_cache", in.v_cache, "v_cache", spec);
   TORCH_CHECK_VALUE(in.v_cache.sizes() == in.k_cache.sizes(), "flashattn_ext: v_cache has shape ",
                     sizes_str(in.v_cache), " but k_cache has ", sizes_str(in.k_cache), "; they must match");
   const int64_t head_dim = q.size(3), heads_q = q.size(2), heads_kv = in.k_cache.size(2);
@@ -89,7 +71,7 @@ void check_kvcache(const KvcacheInputs& in, double softmax_scale, int64_t window
     TORCH_CHECK_VALUE(bt.dim() == 2 && bt.size(0) == q.size(0),
                       "flashattn_ext: block_table must have shape (batch, max_blocks_per_seq) = (", q.size(0),
                       ", *), got ", sizes_str(bt));
-    check_same(bt, "block_table", q);
+    check_same_device(bt, "block_table", q);
     TORCH_CHECK_VALUE(!in.batch_idx,
                       "flashattn_ext: cache_batch_idx cannot be combined with block_table (as in "
                       "flash-attn); pass None");
@@ -118,15 +100,7 @@ KvcacheParams make_kvcache_params(const KvcacheInputs& in, const at::Tensor& out
                                   double softmax_scale, int64_t window_left, int64_t window_right) {
   const at::Tensor &q = in.q, &k = in.k_cache, &v = in.v_cache;
   KvcacheParams p;
-  p.q_ptr = q.data_ptr();
-  p.k_ptr = k.data_ptr();
-  p.v_ptr = v.data_ptr();
-  p.o_ptr = out.data_ptr();
-  p.lse_ptr = lse.data_ptr();
-  p.q_batch_stride = q.stride(0), p.q_row_stride = q.stride(1), p.q_head_stride = q.stride(2);
-  p.k_batch_stride = k.stride(0), p.k_row_stride = k.stride(1), p.k_head_stride = k.stride(2);
-  p.v_batch_stride = v.stride(0), p.v_row_stride = v.stride(1), p.v_head_stride = v.stride(2);
-  p.o_batch_stride = out.stride(0), p.o_row_stride = out.stride(1), p.o_head_stride = out.stride(2);
+  set_qkvo(p, q, k, v, out, lse);
   p.seqlens_k = in.seqlens_k.data_ptr<int32_t>();
   p.batch_idx = in.batch_idx ? in.batch_idx->data_ptr<int32_t>() : nullptr;
   p.leftpad = in.leftpad ? in.leftpad->data_ptr<int32_t>() : nullptr;

@@ -19,23 +19,13 @@
 
 #include <cstdint>
 
+#include "flash_params.h"
+
 namespace flashattn {
 
-struct KvcacheParams {
-  using index_t = int64_t;
-
-  const void* q_ptr = nullptr;
-  const void* k_ptr = nullptr;
-  const void* v_ptr = nullptr;
-  index_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
-  // For a paged cache the batch stride is the stride between blocks.
-  index_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
-  index_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
-
-  void* o_ptr = nullptr;
-  index_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;
-  void* lse_ptr = nullptr;
-
+// The pointers and strides of q, k, v, o and lse come from QkvoParams; for a
+// paged cache the batch stride of k and v is the stride between blocks.
+struct KvcacheParams : QkvoParams {
   const int32_t* seqlens_k = nullptr;    // (batch,): keys of each row (after any append)
   const int32_t* batch_idx = nullptr;    // (batch,) or nullptr: cache row of each batch row
   const int32_t* leftpad = nullptr;      // (batch,) or nullptr: first visible key
