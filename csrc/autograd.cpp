@@ -184,9 +184,41 @@ auto make_node(Args&&... args) {
   }
 }
 
+// What the backward nodes of attention and varlen_attention save: q, k, v as
+// the caller passed them (next edges 0, 1, 2), out as returned and lse.
+struct AttentionBackwardNode : public Node {
+  SavedVariable q_, k_, v_, out_, lse_;
+
+  // Records the node: edges to q, k, v, and the history of out. lse gets none:
+  // it shows requires_grad=False, and backpropagating through it alone raises
+  // (the kernels take no gradient for it, and one silently dropped would be a
+  // wrong answer).
+  template <typename NodePtr>
+  static void attach(const NodePtr& node, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& out, const at::Tensor& lse) {
+    node->set_next_edges(torch::autograd::collect_next_edges(q, k, v));
+    node->q_ = SavedVariable(q, false);
+    node->k_ = SavedVariable(k, false);
+    node->v_ = SavedVariable(v, false);
+    torch::autograd::set_history(out, node);
+    node->out_ = SavedVariable(out, true);
+    node->lse_ = SavedVariable(lse, false);
+  }
+
+ protected:
+  // For release_variables, under mutex_.
+  void reset_saved() {
+    q_.reset_data();
+    k_.reset_data();
+    v_.reset_data();
+    out_.reset_data();
+    lse_.reset_data();
+  }
+};
+
 // The backward of attention. Inputs: q, k, v (next edges 0, 1, 2); one
 // incoming gradient, that of out (lse is not differentiable).
-struct FlashAttnBackward : public Node {
+struct FlashAttnBackward : public AttentionBackwardNode {
   variable_list apply(variable_list&& grads) override {
     std::lock_guard<std::mutex> lock(mutex_);
     const at::Tensor& dout = grads[0];
@@ -201,17 +233,12 @@ struct FlashAttnBackward : public Node {
   std::string name() const override { return "FlashAttnBackward"; }
   void release_variables() override {
     std::lock_guard<std::mutex> lock(mutex_);
-    q_.reset_data();
-    k_.reset_data();
-    v_.reset_data();
-    out_.reset_data();
-    lse_.reset_data();
+    reset_saved();
   }
 
-  // q, k, v as the caller passed them (the kernels' views are remade in the
-  // backward, so that the version checks of autograd see the inputs
-  // themselves); out as returned (caller's layout).
-  SavedVariable q_, k_, v_, out_, lse_;
+  // The saved q, k, v are the caller's tensors (the kernels' views are remade
+  // in the backward, so that the version checks of autograd see the inputs
+  // themselves); out is in the caller's layout.
   double scale = 0;
   int64_t window_left = -1, window_right = -1;
   bool bottom_right = false, deterministic = false, bhsd = false;
@@ -236,29 +263,20 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& q, const
   }
   if (torch::autograd::compute_requires_grad(q, k, v)) {
     auto node = make_node<FlashAttnBackward>();
-    node->set_next_edges(torch::autograd::collect_next_edges(q, k, v));
-    node->q_ = SavedVariable(q, false);
-    node->k_ = SavedVariable(k, false);
-    node->v_ = SavedVariable(v, false);
     node->scale = scale;
     node->window_left = window_left;
     node->window_right = window_right;
     node->bottom_right = bottom_right;
     node->deterministic = deterministic;
     node->bhsd = bhsd;
-    // out gets the history; lse none: it shows requires_grad=False, and
-    // backpropagating through it alone raises (the kernels take no gradient
-    // for it, and one silently dropped would be a wrong answer).
-    torch::autograd::set_history(out, node);
-    node->out_ = SavedVariable(out, true);
-    node->lse_ = SavedVariable(lse, false);
+    AttentionBackwardNode::attach(node, q, k, v, out, lse);
   }
   return {out, lse};
 }
 
 // The backward of varlen_attention: as FlashAttnBackward, with cu_seqlens
 // (not differentiable, saved as plain tensors: they are int32) and the bounds.
-struct VarlenFlashAttnBackward : public Node {
+struct VarlenFlashAttnBackward : public AttentionBackwardNode {
   variable_list apply(variable_list&& grads) override {
     std::lock_guard<std::mutex> lock(mutex_);
     const at::Tensor& dout = grads[0];
@@ -271,16 +289,11 @@ struct VarlenFlashAttnBackward : public Node {
   std::string name() const override { return "VarlenFlashAttnBackward"; }
   void release_variables() override {
     std::lock_guard<std::mutex> lock(mutex_);
-    q_.reset_data();
-    k_.reset_data();
-    v_.reset_data();
-    out_.reset_data();
-    lse_.reset_data();
+    reset_saved();
     args.cu_seqlens_q.reset();
     args.cu_seqlens_k.reset();
   }
 
-  SavedVariable q_, k_, v_, out_, lse_;
   VarlenArgs args;
   bool deterministic = false;
 };
@@ -313,15 +326,9 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention_autograd(const at::Tensor& q
   }
   if (torch::autograd::compute_requires_grad(q, k, v)) {
     auto node = make_node<VarlenFlashAttnBackward>();
-    node->set_next_edges(torch::autograd::collect_next_edges(q, k, v));
-    node->q_ = SavedVariable(q, false);
-    node->k_ = SavedVariable(k, false);
-    node->v_ = SavedVariable(v, false);
     node->args = args;
     node->deterministic = deterministic;
-    torch::autograd::set_history(out, node);  // lse: no history (see attention_autograd)
-    node->out_ = SavedVariable(out, true);
-    node->lse_ = SavedVariable(lse, false);
+    AttentionBackwardNode::attach(node, q, k, v, out, lse);
   }
   return {out, lse};
 }
