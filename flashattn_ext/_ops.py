@@ -131,17 +131,12 @@ def _last_dim_contiguous(t, name):
         )
 
 
-def check_qkv(q, k, v, unit_stride=True):
-    """csrc/attention_api.cpp check_qkv, for the device q is on (meta tensors:
-    any dtype some backend takes). unit_stride=False: the strides are the
-    attention op's business (it copies a strided head_dim)."""
-    _rank4(q, "q", "(batch, seqlen_q, heads_q, head_dim)")
-    _rank4(k, "k", "(batch, seqlen_k, heads_kv, head_dim)")
-    _rank4(v, "v", "(batch, seqlen_k, heads_kv, head_dim)")
-    _same_device(k, "k", q)
-    _same_device(v, "v", q)
-    _same_dtype(k, "k", q)
-    _same_dtype(v, "v", q)
+def _devices_and_dtypes(q, k, k_name, v, v_name):
+    """csrc/attention_api.cpp check_devices_and_dtypes; returns the backend (q's device type)."""
+    _same_device(k, k_name, q)
+    _same_device(v, v_name, q)
+    _same_dtype(k, k_name, q)
+    _same_dtype(v, v_name, q)
     backend = q.device.type
     dtypes = _KERNEL_DTYPES.get(backend, _KERNEL_DTYPES["cpu"])
     if q.dtype not in dtypes:
@@ -151,6 +146,46 @@ def check_qkv(q, k, v, unit_stride=True):
             f"flashattn_ext: q has dtype {_c10(q.dtype)}, which the {name} kernels do not support; use one of "
             f"{', '.join(_c10(d) for d in dtypes)}{hint}"
         )
+    return backend
+
+
+def _head_dim_supported(head_dim):
+    if head_dim > _MAX_HEAD_DIM:
+        raise ValueError(
+            f"flashattn_ext: head_dim {head_dim} is larger than {_MAX_HEAD_DIM}, the largest the kernels support; "
+            "split the heads or use torch's attention"
+        )
+
+
+def _heads_divide(heads_q, heads_kv):
+    if heads_q % heads_kv != 0:
+        raise ValueError(
+            f"flashattn_ext: q has {heads_q} heads, not a multiple of the {heads_kv} heads of k and v; for "
+            "GQA/MQA the key/value heads must divide the query heads"
+        )
+
+
+def _compiled_head_dim(backend, head_dim):
+    """csrc/cuda/binding_util.h kernel_head_dim: a CUDA kernel of this build holds head_dim."""
+    if backend == "cuda":
+        from .interface import _BUILD  # the compiled CUDA head dims
+
+        if head_dim > max(_BUILD["head_dims"], default=0):
+            raise ValueError(
+                f"flashattn_ext: no CUDA kernel for head_dim {head_dim} in this build (compiled head dims: "
+                f"{','.join(str(d) for d in _BUILD['head_dims'])}); rebuild with FLASHATTN_HEAD_DIMS including a head "
+                f"dim >= {head_dim}"
+            )
+
+
+def check_qkv(q, k, v, unit_stride=True):
+    """csrc/attention_api.cpp check_qkv, for the device q is on (meta tensors:
+    any dtype some backend takes). unit_stride=False: the strides are the
+    attention op's business (it copies a strided head_dim)."""
+    _rank4(q, "q", "(batch, seqlen_q, heads_q, head_dim)")
+    _rank4(k, "k", "(batch, seqlen_k, heads_kv, head_dim)")
+    _rank4(v, "v", "(batch, seqlen_k, heads_kv, head_dim)")
+    backend = _devices_and_dtypes(q, k, "k", v, "v")
     _no_zero_size(q, "q")
     _no_zero_size(k, "k")
     _no_zero_size(v, "v")
@@ -166,11 +201,7 @@ def check_qkv(q, k, v, unit_stride=True):
             f"flashattn_ext: v has head_dim {v.shape[3]} but q has {head_dim}; a value head dim different from the "
             "query's is not supported by the kernels (scaled_dot_product_attention falls back to torch for it)"
         )
-    if head_dim > _MAX_HEAD_DIM:
-        raise ValueError(
-            f"flashattn_ext: head_dim {head_dim} is larger than {_MAX_HEAD_DIM}, the largest the kernels support; "
-            "split the heads or use torch's attention"
-        )
+    _head_dim_supported(head_dim)
     if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
         raise ValueError(
             f"flashattn_ext: batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}; q, k and v must share dimension 0"
@@ -183,24 +214,11 @@ def check_qkv(q, k, v, unit_stride=True):
         raise ValueError(
             f"flashattn_ext: v has {v.shape[2]} heads but k has {k.shape[2]}; k and v must share dimension 2 (heads_kv)"
         )
-    if q.shape[2] % k.shape[2] != 0:
-        raise ValueError(
-            f"flashattn_ext: q has {q.shape[2]} heads, not a multiple of the {k.shape[2]} heads of k and v; for "
-            "GQA/MQA the key/value heads must divide the query heads"
-        )
+    _heads_divide(q.shape[2], k.shape[2])
     if unit_stride:
-        _last_dim_contiguous(q, "q")
-        _last_dim_contiguous(k, "k")
-        _last_dim_contiguous(v, "v")
-    if backend == "cuda":
-        from .interface import _BUILD  # the compiled CUDA head dims
-
-        if head_dim > max(_BUILD["head_dims"], default=0):
-            raise ValueError(
-                f"flashattn_ext: no CUDA kernel for head_dim {head_dim} in this build (compiled head dims: "
-                f"{','.join(str(d) for d in _BUILD['head_dims'])}); rebuild with FLASHATTN_HEAD_DIMS including a head "
-                f"dim >= {head_dim}"
-            )
+        for t, name in ((q, "q"), (k, "k"), (v, "v")):
+            _last_dim_contiguous(t, name)
+    _compiled_head_dim(backend, head_dim)
 
 
 def check_scalars(softmax_scale, window_left, window_right):
@@ -214,8 +232,9 @@ def check_scalars(softmax_scale, window_left, window_right):
         raise ValueError(f"flashattn_ext: softmax_scale must be finite, got {softmax_scale}")
 
 
-def check_bwd_extras(dout, q, out, lse):
-    """csrc/attention_api.cpp check_bwd_extras."""
+def _bwd_tensors(dout, q, out, lse, lse_shape, lse_layout):
+    """csrc/attention_api.cpp check_bwd_tensors: dout, out and lse of either backward against q;
+    lse_shape is the shape of the forward's lse, lse_layout the names of its dimensions."""
     _same_device(dout, "dout", q)
     _same_device(out, "out", q)
     _same_device(lse, "lse", q)
@@ -233,10 +252,9 @@ def check_bwd_extras(dout, q, out, lse):
         raise TypeError(
             f"flashattn_ext: lse has dtype {_c10(lse.dtype)}, expected {_c10(_lse_dtype(q.dtype))}; pass the lse of the forward"
         )
-    b, s, h = q.shape[0], q.shape[1], q.shape[2]
-    if lse.dim() != 3 or lse.shape[0] != b or lse.shape[1] != h or lse.shape[2] != s:
+    if tuple(lse.shape) != tuple(lse_shape):
         raise ValueError(
-            f"flashattn_ext: lse has shape {_sizes(lse)}, expected (batch, heads_q, seqlen_q) = ({b}, {h}, {s}); "
+            f"flashattn_ext: lse has shape {_sizes(lse)}, expected {lse_layout} = ({', '.join(map(str, lse_shape))}); "
             "pass the lse of the forward"
         )
     if not lse.is_contiguous():
@@ -245,15 +263,29 @@ def check_bwd_extras(dout, q, out, lse):
     _last_dim_contiguous(out, "out")
 
 
+def check_bwd_extras(dout, q, out, lse):
+    """csrc/attention_api.cpp check_bwd_extras."""
+    _bwd_tensors(dout, q, out, lse, (q.shape[0], q.shape[2], q.shape[1]), "(batch, heads_q, seqlen_q)")
+
+
+def _fwd_outputs(q, lse_shape):
+    """What the forward fake kernels return: out like q, lse of lse_shape in the accumulation dtype."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return out, torch.empty(lse_shape, dtype=_lse_dtype(q.dtype), device=q.device)
+
+
+def _empty_like_each(*tensors):
+    """What the backward fake kernels return: a new tensor of each one's shape, dtype and device."""
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors)
+
+
 # ----------------------------------------------------------------------------- fake kernels
 
 
 def _fwd_fake_impl(q, k, v, softmax_scale, window_left, window_right, unit_stride=True):
     check_qkv(q, k, v, unit_stride)
     check_scalars(softmax_scale, window_left, window_right)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q.dtype), device=q.device)
-    return out, lse
+    return _fwd_outputs(q, (q.shape[0], q.shape[2], q.shape[1]))
 
 
 @torch.library.register_fake("flashattn_ext::fwd")
@@ -274,11 +306,7 @@ def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, window_left, window_right,
     check_qkv(q, k, v)
     check_bwd_extras(dout, q, out, lse)
     check_scalars(softmax_scale, window_left, window_right)
-    return (
-        torch.empty(q.shape, dtype=q.dtype, device=q.device),
-        torch.empty(k.shape, dtype=k.dtype, device=k.device),
-        torch.empty(v.shape, dtype=v.dtype, device=v.device),
-    )
+    return _empty_like_each(q, k, v)
 
 
 _CACHE_LAYOUT = (
@@ -305,19 +333,7 @@ def check_kvcache(q, k_cache, v_cache, seqlens_k, batch_idx, leftpad, block_tabl
     for t, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
         if t.dim() != 4:
             raise ValueError(f"flashattn_ext: {name} must have 4 dimensions {_CACHE_LAYOUT}, got shape {_sizes(t)}")
-    _same_device(k_cache, "k_cache", q)
-    _same_device(v_cache, "v_cache", q)
-    _same_dtype(k_cache, "k_cache", q)
-    _same_dtype(v_cache, "v_cache", q)
-    backend = q.device.type
-    dtypes = _KERNEL_DTYPES.get(backend, _KERNEL_DTYPES["cpu"])
-    if q.dtype not in dtypes:
-        name = {"cpu": "CPU", "cuda": "CUDA"}.get(backend, backend)
-        hint = _CUDA_DTYPE_HINT if backend == "cuda" else ""
-        raise TypeError(
-            f"flashattn_ext: q has dtype {_c10(q.dtype)}, which the {name} kernels do not support; use one of "
-            f"{', '.join(_c10(d) for d in dtypes)}{hint}"
-        )
+    backend = _devices_and_dtypes(q, k_cache, "k_cache", v_cache, "v_cache")
     if v_cache.shape != k_cache.shape:
         raise ValueError(
             f"flashattn_ext: v_cache has shape {_sizes(v_cache)} but k_cache has {_sizes(k_cache)}; they must match"
@@ -381,23 +397,13 @@ def check_kvcache(q, k_cache, v_cache, seqlens_k, batch_idx, leftpad, block_tabl
     check_scalars(softmax_scale, wl, wr)
     if num_splits < 0:
         raise ValueError(f"flashattn_ext: num_splits must be >= 0 (0: automatic), got {num_splits}")
-    if backend == "cuda":
-        from .interface import _BUILD  # the compiled CUDA head dims
-
-        if head_dim > max(_BUILD["head_dims"], default=0):
-            raise ValueError(
-                f"flashattn_ext: no CUDA kernel for head_dim {head_dim} in this build (compiled head dims: "
-                f"{','.join(str(d) for d in _BUILD['head_dims'])}); rebuild with FLASHATTN_HEAD_DIMS including a head "
-                f"dim >= {head_dim}"
-            )
+    _compiled_head_dim(backend, head_dim)
 
 
 @torch.library.register_fake("flashattn_ext::fwd_kvcache")
 def _fwd_kvcache_fake(q, k_cache, v_cache, seqlens_k, batch_idx, leftpad, block_table, softmax_scale, wl, wr, splits):
     check_kvcache(q, k_cache, v_cache, seqlens_k, batch_idx, leftpad, block_table, softmax_scale, wl, wr, splits)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q.dtype), device=q.device)
-    return out, lse
+    return _fwd_outputs(q, (q.shape[0], q.shape[2], q.shape[1]))
 
 
 # ----------------------------------------------------------------------------- vmap rules
@@ -405,8 +411,13 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, seqlens_k, batch_idx, leftpad, block_
 # is folded into the batch dimension: one call of the op at the level below.
 
 
+def _to_front(x, bdim, size):
+    """x with its vmapped dimension first (an unbatched x expanded to size)."""
+    return x.unsqueeze(0).expand(size, *x.shape) if bdim is None else x.movedim(bdim, 0)
+
+
 def _fold(x, bdim, size):
-    x = x.unsqueeze(0).expand(size, *x.shape) if bdim is None else x.movedim(bdim, 0)
+    x = _to_front(x, bdim, size)
     return unit_last_stride(x.reshape(size * x.shape[1], *x.shape[2:]))
 
 
@@ -488,19 +499,7 @@ def check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     _rank3(q, "q", "(total_q, heads_q, head_dim)")
     _rank3(k, "k", "(total_k, heads_kv, head_dim)")
     _rank3(v, "v", "(total_k, heads_kv, head_dim)")
-    _same_device(k, "k", q)
-    _same_device(v, "v", q)
-    _same_dtype(k, "k", q)
-    _same_dtype(v, "v", q)
-    backend = q.device.type
-    dtypes = _KERNEL_DTYPES.get(backend, _KERNEL_DTYPES["cpu"])
-    if q.dtype not in dtypes:
-        name = {"cpu": "CPU", "cuda": "CUDA"}.get(backend, backend)
-        hint = _CUDA_DTYPE_HINT if backend == "cuda" else ""
-        raise TypeError(
-            f"flashattn_ext: q has dtype {_c10(q.dtype)}, which the {name} kernels do not support; use one of "
-            f"{', '.join(_c10(d) for d in dtypes)}{hint}"
-        )
+    backend = _devices_and_dtypes(q, k, "k", v, "v")
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         if t.shape[1] <= 0 or t.shape[2] <= 0:
             raise ValueError(f"flashattn_ext: {name} has shape {_sizes(t)}; heads and head_dim must be at least 1")
@@ -512,11 +511,7 @@ def check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             f"flashattn_ext: head_dim differs: q {head_dim}, k {k.shape[2]}, v {v.shape[2]}; q, k and v must share "
             "dimension 2"
         )
-    if head_dim > _MAX_HEAD_DIM:
-        raise ValueError(
-            f"flashattn_ext: head_dim {head_dim} is larger than {_MAX_HEAD_DIM}, the largest the kernels support; "
-            "split the heads or use torch's attention"
-        )
+    _head_dim_supported(head_dim)
     if v.shape[0] != k.shape[0]:
         raise ValueError(
             f"flashattn_ext: v has {v.shape[0]} tokens but k has {k.shape[0]}; k and v must share dimension 0 (total_k)"
@@ -525,15 +520,10 @@ def check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         raise ValueError(
             f"flashattn_ext: v has {v.shape[1]} heads but k has {k.shape[1]}; k and v must share dimension 1 (heads_kv)"
         )
-    if q.shape[1] % k.shape[1] != 0:
-        raise ValueError(
-            f"flashattn_ext: q has {q.shape[1]} heads, not a multiple of the {k.shape[1]} heads of k and v; for "
-            "GQA/MQA the key/value heads must divide the query heads"
-        )
+    _heads_divide(q.shape[1], k.shape[1])
     if unit_stride:
-        _last_dim_contiguous(q, "q")
-        _last_dim_contiguous(k, "k")
-        _last_dim_contiguous(v, "v")
+        for t, name in ((q, "q"), (k, "k"), (v, "v")):
+            _last_dim_contiguous(t, name)
     _cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q)
     _cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q)
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
@@ -543,53 +533,18 @@ def check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         )
     _max_seqlen(max_seqlen_q, "max_seqlen_q")
     _max_seqlen(max_seqlen_k, "max_seqlen_k")
-    if backend == "cuda":
-        from .interface import _BUILD
-
-        if head_dim > max(_BUILD["head_dims"], default=0):
-            raise ValueError(
-                f"flashattn_ext: no CUDA kernel for head_dim {head_dim} in this build (compiled head dims: "
-                f"{','.join(str(d) for d in _BUILD['head_dims'])}); rebuild with FLASHATTN_HEAD_DIMS including a head "
-                f"dim >= {head_dim}"
-            )
+    _compiled_head_dim(backend, head_dim)
 
 
 def check_varlen_bwd_extras(dout, q, out, lse):
     """csrc/attention_api.cpp check_varlen_bwd_extras."""
-    _same_device(dout, "dout", q)
-    _same_device(out, "out", q)
-    _same_device(lse, "lse", q)
-    _same_dtype(dout, "dout", q)
-    _same_dtype(out, "out", q)
-    if dout.shape != q.shape:
-        raise ValueError(
-            f"flashattn_ext: dout has shape {_sizes(dout)} but q has {_sizes(q)}; dout must have the shape of the forward output"
-        )
-    if out.shape != q.shape:
-        raise ValueError(
-            f"flashattn_ext: out has shape {_sizes(out)} but q has {_sizes(q)}; pass the output of the forward"
-        )
-    if lse.dtype != _lse_dtype(q.dtype):
-        raise TypeError(
-            f"flashattn_ext: lse has dtype {_c10(lse.dtype)}, expected {_c10(_lse_dtype(q.dtype))}; pass the lse of the forward"
-        )
-    if lse.dim() != 2 or lse.shape[0] != q.shape[1] or lse.shape[1] != q.shape[0]:
-        raise ValueError(
-            f"flashattn_ext: lse has shape {_sizes(lse)}, expected (heads_q, total_q) = ({q.shape[1]}, {q.shape[0]}); "
-            "pass the lse of the forward"
-        )
-    if not lse.is_contiguous():
-        raise ValueError("flashattn_ext: lse must be contiguous; pass the lse of the forward")
-    _last_dim_contiguous(dout, "dout")
-    _last_dim_contiguous(out, "out")
+    _bwd_tensors(dout, q, out, lse, (q.shape[1], q.shape[0]), "(heads_q, total_q)")
 
 
 def _varlen_fwd_fake_impl(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, unit_stride):
     check_varlen_qkv(q, k, v, cu_q, cu_k, max_q, max_k, unit_stride)
     check_scalars(softmax_scale, window_left, window_right)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q.dtype), device=q.device)
-    return out, lse
+    return _fwd_outputs(q, (q.shape[1], q.shape[0]))
 
 
 @torch.library.register_fake("flashattn_ext::varlen_fwd")
@@ -611,11 +566,7 @@ def _varlen_bwd_fake(
     check_varlen_qkv(q, k, v, cu_q, cu_k, max_q, max_k)
     check_varlen_bwd_extras(dout, q, out, lse)
     check_scalars(softmax_scale, window_left, window_right)
-    return (
-        torch.empty(q.shape, dtype=q.dtype, device=q.device),
-        torch.empty(k.shape, dtype=k.dtype, device=k.device),
-        torch.empty(v.shape, dtype=v.dtype, device=v.device),
-    )
+    return _empty_like_each(q, k, v)
 
 
 # vmap: the sequences of every vmapped instance are the same (cu_seqlens is not
@@ -625,7 +576,7 @@ def _varlen_bwd_fake(
 
 
 def _fold_heads(x, bdim, size):
-    x = x.unsqueeze(0).expand(size, *x.shape) if bdim is None else x.movedim(bdim, 0)
+    x = _to_front(x, bdim, size)
     return unit_last_stride(x.movedim(0, 1).reshape(x.shape[1], size * x.shape[2], *x.shape[3:]))
 
 
@@ -665,7 +616,7 @@ def _varlen_bwd_vmap(info, in_dims, dout, q, k, v, out, lse, cu_q, cu_k, *scalar
     n = info.batch_size
     dout, q, k, v, out = (_fold_heads(x, d, n) for x, d in zip((dout, q, k, v, out), in_dims[:5]))
     # lse (n, heads_q, total_q) -> (n * heads_q, total_q), contiguous.
-    lse = lse.unsqueeze(0).expand(n, *lse.shape) if in_dims[5] is None else lse.movedim(in_dims[5], 0)
+    lse = _to_front(lse, in_dims[5], n)
     lse = lse.reshape(n * lse.shape[1], lse.shape[2]).contiguous()
     dq, dk, dv = varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, *scalars)
     return (_unfold_heads(dq, n), _unfold_heads(dk, n), _unfold_heads(dv, n)), (0, 0, 0)
