@@ -203,6 +203,33 @@ def _sdpa_call(impl, q, k, v, mask, heads_q):
         return (lambda: F.scaled_dot_product_attention(q, ke, ve, attn_mask=mask)), info
 
 
+def _kvcache_impl(impl):
+    """flash_attn_with_kvcache of the flash-attn package (fa2_package) or ours (ours, ours_paged)."""
+    if impl == "fa2_package":
+        fa2, why = _load_fa2()
+        if fa2 is None:
+            raise Skip(why)
+        return fa2.flash_attn_with_kvcache
+    if OURS is None:
+        raise RuntimeError(OURS_IMPORT_ERROR)
+    return OURS.flash_attn_with_kvcache
+
+
+def _kvcache_call(kvcache, impl, cfg, batch, n_q, n_cache, device, gen):
+    """The call to time: n_q new queries per row against a full cache of n_cache random keys
+    (paged for ours_paged), causal."""
+    hq, hk, d, dtype = cfg["heads_q"], cfg["heads_kv"], cfg["d"], cfg["dtype"]
+    q = _rand((batch, n_q, hq, d), dtype, device, gen)
+    k, v = _rand((batch, n_cache, hk, d), dtype, device, gen), _rand((batch, n_cache, hk, d), dtype, device, gen)
+    seqlens = torch.full((batch,), n_cache, dtype=torch.int32, device=device)
+    extra = {}
+    if impl == "ours_paged":
+        k, table = _paged(k, cfg["page"], gen)
+        v, _ = _paged(v, cfg["page"], gen)  # the same seed: the same page order as k
+        extra["block_table"] = table
+    return lambda: kvcache(q, k, v, cache_seqlens=seqlens, causal=True, **extra)
+
+
 def _record(row, e):
     if isinstance(e, Skip):
         row["skipped"] = str(e)
@@ -237,26 +264,11 @@ def decode_case(impl, batch, n, cfg, device, bench, gen):
             row.update(ms=ms, copy_tbs=2 * kv_bytes / (ms * 1e-3) / 1e12, note="read + written bytes / time")
             return row
         if impl in ("ours", "ours_paged", "fa2_package"):
-            if impl == "fa2_package":
-                fa2, why = _load_fa2()
-                if fa2 is None:
-                    raise Skip(why)
-                kvcache = fa2.flash_attn_with_kvcache
-            else:
-                if OURS is None:
-                    raise RuntimeError(OURS_IMPORT_ERROR)
-                kvcache = OURS.flash_attn_with_kvcache
+            kvcache = _kvcache_impl(impl)
             _fits(device, kv_bytes * (2 if impl == "ours_paged" else 1), "the cache")
-            q = _rand((batch, 1, hq, d), dtype, device, gen)
-            k, v = _rand((batch, n, hk, d), dtype, device, gen), _rand((batch, n, hk, d), dtype, device, gen)
-            seqlens = torch.full((batch,), n, dtype=torch.int32, device=device)
-            extra = {}
+            fn = _kvcache_call(kvcache, impl, cfg, batch, 1, n, device, gen)
             if impl == "ours_paged":
-                k, table = _paged(k, cfg["page"], gen)
-                v, _ = _paged(v, cfg["page"], gen)  # the same seed: the same page order as k
-                extra["block_table"] = table
                 row["page"] = cfg["page"]
-            fn = lambda: kvcache(q, k, v, cache_seqlens=seqlens, causal=True, **extra)  # noqa: E731
             fn()
         elif impl == "ours_sdpa":
             # Our drop-in as a model calls it at a decode step ((B, H, 1, D) against the
@@ -305,24 +317,7 @@ def prefill_case(impl, cfg, device, bench, gen):
         if impl in ("sdpa_cudnn", "fa2_package") and device.type != "cuda":
             raise Skip("needs CUDA")
         if impl in ("ours", "ours_paged", "fa2_package"):
-            if impl == "fa2_package":
-                fa2, why = _load_fa2()
-                if fa2 is None:
-                    raise Skip(why)
-                kvcache = fa2.flash_attn_with_kvcache
-            else:
-                if OURS is None:
-                    raise RuntimeError(OURS_IMPORT_ERROR)
-                kvcache = OURS.flash_attn_with_kvcache
-            q = _rand((b, nq, hq, d), dtype, device, gen)
-            k, v = _rand((b, nk, hk, d), dtype, device, gen), _rand((b, nk, hk, d), dtype, device, gen)
-            seqlens = torch.full((b,), nk, dtype=torch.int32, device=device)
-            extra = {}
-            if impl == "ours_paged":
-                k, table = _paged(k, cfg["page"], gen)
-                v, _ = _paged(v, cfg["page"], gen)
-                extra["block_table"] = table
-            fn = lambda: kvcache(q, k, v, cache_seqlens=seqlens, causal=True, **extra)  # noqa: E731
+            fn = _kvcache_call(_kvcache_impl(impl), impl, cfg, b, nq, nk, device, gen)
             fn()
         else:
             from torch.nn.attention.bias import causal_lower_right

@@ -71,6 +71,15 @@ def _impls_in(rows):
     return [i for i in IMPL_ORDER if i in present] + sorted(present - set(IMPL_ORDER))
 
 
+def _save(plt, fig, outdir, name, rect=None):
+    """Lays the figure out (inside rect, when given), writes it as outdir/name and returns the path."""
+    fig.tight_layout(rect=rect)  # None: the whole figure
+    path = os.path.join(outdir, name)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_tflops(plt, data, outdir, mode, dtype, head_dims=None, impls_shown=MAIN_IMPLS):
     rows = [
         r
@@ -137,12 +146,8 @@ def plot_tflops(plt, data, outdir, mode, dtype, head_dims=None, impls_shown=MAIN
                 labels.append(lab)
     fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), fontsize=9, frameon=False)
     fig.suptitle(f"Attention {'forward' if mode == 'fwd' else 'backward'} ({dtype}) — {subtitle(data)}", fontsize=11)
-    fig.tight_layout(rect=(0, 0.06, 1, 0.96))
     multi = len({r["dtype"] for r in data.get("rows", [])}) > 1
-    path = os.path.join(outdir, f"tflops_{mode}{'_' + dtype if multi else ''}.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, outdir, f"tflops_{mode}{'_' + dtype if multi else ''}.png", rect=(0, 0.06, 1, 0.96))
 
 
 def plot_memory(plt, data, outdir):
@@ -182,11 +187,7 @@ def plot_memory(plt, data, outdir):
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=9)
     ax.set_title(f"The memory wall: b{m0['b']} h{m0['h']} d{m0['d']} {m0['dtype']}\n{subtitle(data)}", fontsize=10)
-    fig.tight_layout()
-    path = os.path.join(outdir, "memory.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, outdir, "memory.png")
 
 
 def plot_peak_fraction(plt, data, outdir, impls_shown=MAIN_IMPLS):
@@ -228,11 +229,7 @@ def plot_peak_fraction(plt, data, outdir, impls_shown=MAIN_IMPLS):
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8, ncol=min(5, len(impls)))
     ax.set_title(f"Fraction of the measured matmul peak\n{subtitle(data)}", fontsize=10)
-    fig.tight_layout()
-    path = os.path.join(outdir, "peak_fraction.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, outdir, "peak_fraction.png")
 
 
 def plot_gpt2(plt, data, outdir):
@@ -262,11 +259,7 @@ def plot_gpt2(plt, data, outdir):
         f"{' causal' if g.get('causal') else ''}\n{subtitle(data)}",
         fontsize=10,
     )
-    fig.tight_layout()
-    path = os.path.join(outdir, "gpt2.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, outdir, "gpt2.png")
 
 
 def plot_ratio_cudnn(plt, data, outdir, dtype=None):
@@ -330,11 +323,7 @@ def plot_ratio_cudnn(plt, data, outdir, dtype=None):
                 labels.append(lab)
     fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), fontsize=9, frameon=False)
     fig.suptitle(f"ours / cuDNN ({dtype}; > 1: ours faster) — {subtitle(data)}", fontsize=11)
-    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
-    path = os.path.join(outdir, "ratio_cudnn.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, outdir, "ratio_cudnn.png", rect=(0, 0.08, 1, 0.95))
 
 
 def plot_host_overhead(plt, data, outdir):
@@ -372,11 +361,7 @@ def plot_host_overhead(plt, data, outdir):
         f"{' causal' if h.get('causal') else ''}\n{subtitle(data)}",
         fontsize=10,
     )
-    fig.tight_layout()
-    path = os.path.join(outdir, "host_overhead.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, outdir, "host_overhead.png")
 
 
 DECODE_STYLE = {  # bench_decode.py's implementations: (label, color, marker)
@@ -429,11 +414,7 @@ def plot_decode(plt, data, outdir):
         f"(hollow: K/V expanded, reads 4x)\n{subtitle(data)}",
         fontsize=9,
     )
-    fig.tight_layout()
-    path = os.path.join(outdir, "decode.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, outdir, "decode.png")
 
 
 def plot_all(data, outdir, head_dims=None, all_impls=False):
