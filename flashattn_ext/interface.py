@@ -1275,7 +1275,9 @@ def flash_attn_with_kvcache(
         )
 
     with torch.no_grad():
-        base = seqlens.long().unsqueeze(1)  # (batch, 1): the first new position of each row
+        # (batch, 1): the first new position of each row; only rotary and the append
+        # need it (on CUDA the cast is a kernel launch, kept off the plain decode call).
+        base = seqlens.long().unsqueeze(1) if rotary_cos is not None or seqlen_new else None
         if rotary_cos is not None:
             steps = torch.arange(max(seqlen_new, seqlen_q), device=q.device)
             pos_q = base + steps[:seqlen_q] if local else base.expand(batch, seqlen_q)
