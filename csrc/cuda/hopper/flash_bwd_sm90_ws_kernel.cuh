@@ -68,14 +68,6 @@ struct BwdTmaMaps {
   CUtensorMap q, k, v, dout;
 };
 
-// 1-D bulk reduce-add of `bytes` (a multiple of 16) fp32 values from shared
-// to global memory, tracked by the issuing thread's bulk groups.
-__device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, const float* smem, uint32_t bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gmem),
-               "r"(smem_u32(smem)), "r"(bytes)
-               : "memory");
-}
-
 // The order of a dQ tile's fp32 values in shared memory and in the
 // accumulator: [64 x 64 block][n-tile di][row half h][thread of the
 // warpgroup][2], the order the wgmma accumulators come out in. A warp's
@@ -87,18 +79,6 @@ struct DqFragLayout {
     return block * 4096 + ((di * 2 + h) * 128 + wg_tid) * 2;
   }
 };
-
-// The deterministic mode's counters: an acquire load, and a release add.
-__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-}
-// Orders generic-proxy and async-proxy (bulk copy) accesses of this thread.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async;\n" ::: "memory"); }
 
 template <typename Kt>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)

@@ -1,6 +1,7 @@
 // Hopper (sm90) building blocks of the warp-specialized kernels: mbarriers,
-// TMA (cp.async.bulk.tensor) loads and stores, named barriers between
-// warpgroups, and register reallocation (setmaxnreg).
+// TMA (cp.async.bulk.tensor) loads and stores, bulk reduce-adds, counters that
+// order CTAs, named barriers between warpgroups, and register reallocation
+// (setmaxnreg).
 //
 // A pipeline stage is a shared-memory buffer with two mbarriers:
 //   full  : the producer arms it with the byte count it expects
@@ -74,6 +75,27 @@ __device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void*
 }
 
 __device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+
+// 1-D bulk reduce-add of `bytes` (a multiple of 16) fp32 values from shared
+// to global memory, tracked by the issuing thread's bulk groups.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, const float* smem, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gmem),
+               "r"(smem_u32(smem)), "r"(bytes)
+               : "memory");
+}
+
+// Counters in global memory that order work between CTAs: an acquire load, a
+// release add.
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+// Orders generic-proxy and async-proxy (bulk copy) accesses of this thread.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async;\n" ::: "memory"); }
 
 // Waits until the committed stores have finished reading shared memory.
 __device__ __forceinline__ void tma_store_wait_read() {
