@@ -9,6 +9,7 @@
 #include "flash_fwd_kernel.cuh"
 #include "hopper/flash_bwd_sm90_kernel.cuh"
 #include "hopper/flash_bwd_sm90_ws_kernel.cuh"
+#include "hopper/flash_bwd_sm90_ws_split_kernel.cuh"
 #include "hopper/flash_fwd_sm90_kernel.cuh"
 #include "hopper/flash_fwd_sm90_ws_kernel.cuh"
 #include "hopper/tma_host.h"
@@ -181,7 +182,12 @@ cudaError_t launch_bwd_sm90_ws(const AttnBwdParams& p, cudaStream_t stream, bool
                          make_tensor_map_bshd(&maps.v, p.v_ptr, kBf16, p.batch, p.seqlen_k, p.heads_kv, p.head_dim,
                                               p.v_batch_stride, p.v_row_stride, p.v_head_stride, Kt::kBlockN);
   if (!described) return cudaSuccess;
-  auto kernel = &flash_bwd_sm90_ws_kernel<Kt>;
+  auto kernel = [] {
+    if constexpr (Kt::kSplitHeadDim)
+      return &flash_bwd_sm90_ws_split_kernel<Kt>;
+    else
+      return &flash_bwd_sm90_ws_kernel<Kt>;
+  }();
   if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
   // The kernel adds whole tiles (padding rows and columns included) in its own
   // order (DqFragLayout): the accumulator is zeroed whole here, not row by row

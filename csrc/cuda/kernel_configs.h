@@ -19,7 +19,8 @@ struct KernelConfig;
 // BwdDqTraits<D, M, N, warps>
 // FwdSm90WsTraits<D, N, consumer warpgroups, stages> (Hopper warp-specialized TMA forward: 64/128/192/256)
 // FwdSm90Traits<D, N, minBlocksPerSm>, BwdSm90Traits<D, M, warpgroups> (Hopper wgmma kernels: forward 64/128/192/256,
-// backward 64/128), BwdSm90WsTraits<D, M, stages> (Hopper warp-specialized TMA backward: 64/128)
+// backward 64/128), BwdSm90WsTraits<D, M, stages> (Hopper warp-specialized TMA backward: 64/128),
+// BwdSm90WsSplitTraits<D> (the same with the head dim split between the consumers: 256)
 template <typename T>
 struct KernelConfig<32, T> {
   using Fwd = FwdTraits<32, 128, 128, 4, 2, 1, T>;
@@ -69,6 +70,7 @@ struct KernelConfig<256, T> {
   using FwdSm90Ws = FwdSm90WsTraits<256, 64, 2, 2, T>;
   using Bwd = BwdTraits<256, 64, 64, 8, 1, 1, 4, T>;  // 2-D: dK/dV tiles of 32 keys x 64 columns a warp
   using BwdDq = BwdDqTraits<256, 64, 64, 4, T>;
+  using BwdSm90Ws = BwdSm90WsSplitTraits<256, T>;  // 64 keys a CTA, the head dim split between the consumers
 };
 
 // Whether a head dim has a Hopper (wgmma) kernel: KernelConfig names one.

@@ -246,6 +246,7 @@ struct BwdSm90WsTraits {
   static constexpr bool kDqAlternate = kDqBlocks == 1;
   static constexpr int kDqBlocksPerWg = kDqAlternate ? 1 : kDqBlocks / 2;
   static constexpr int kDqTiles = kDqAlternate ? 2 : 1;  // fp32 dQ tiles in shared memory
+  static constexpr bool kSplitHeadDim = false;           // the consumers split the keys
 
   using TileQ = SmemTile<kBlockM, kHeadDim>;          // Q and dO blocks
   using TileKV = SmemTile<kBlockN, kHeadDim>;         // K and V
@@ -262,6 +263,48 @@ struct BwdSm90WsTraits {
 
   static_assert((kHeadDim == 64 || kHeadDim == 128) && (kBlockM == 64 || kBlockM == 128), "shapes");
   static_assert(kDqAlternate || kDqBlocks % 2 == 0, "the dQ blocks deal evenly to the two consumers");
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 65536, "register file");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory");
+};
+
+// The warp-specialized TMA backward for head dim 256
+// (hopper/flash_bwd_sm90_ws_split_kernel.cuh): dK and dV of 64 keys are 256
+// registers a thread in one warpgroup, so a CTA owns 64 keys and the two
+// consumer warpgroups split the head dim (kHalf columns of dK, dV, dQ each);
+// consumer 0 computes S^T and P^T, consumer 1 dP^T and dS^T. Q has kStages
+// stages, dO one (the shared-memory budget; see the kernel).
+template <int kHeadDim_, typename Element_>
+struct BwdSm90WsSplitTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHalf = kHeadDim / 2;
+  static constexpr int kBlockM = 64;  // queries per step
+  static constexpr int kBlockN = 64;  // keys per CTA
+  static constexpr int kStages = 2;   // Q ring
+  static constexpr int kNThreads = 384;
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static constexpr int kPanels = kHeadDim / 64;
+  static constexpr bool kSplitHeadDim = true;
+  // The dQ tile of a step is kDqBlocks 64 x 64 blocks (DqFragLayout), kDqBlocks / 2 a consumer.
+  static constexpr int kDqColBlocks = kHeadDim / 64;
+  static constexpr int kDqBlocks = kDqColBlocks;
+  static constexpr int kDqHalfFloats = kBlockM * kHalf;
+
+  using TileQ = SmemTile<kBlockM, kHeadDim>;          // Q and dO blocks
+  using TileKV = SmemTile<kBlockN, kHeadDim>;         // K and V
+  using TileDS = SmemTile<kBlockN, kBlockM>;          // P^T and dS^T, [key][query]
+  static constexpr int kPanelQ = TileQ::kRows * 128;  // bytes of one 64-column panel
+  static constexpr int kPanelKV = TileKV::kRows * 128;
+  static constexpr int kPanelDS = TileDS::kRows * 128;
+  static constexpr int kBytesQ = TileQ::kElems * 2;
+  static constexpr int kBytesKV = TileKV::kElems * 2;
+  // K, V; Q stages and one dO; P^T (16-bit), dS^T; P^T (fp32); a dQ half; lse / D; 3 + 2 kStages mbarriers.
+  static constexpr int kSmemBytes = 1024 + 2 * kBytesKV + (kStages + 1) * kBytesQ + 2 * TileDS::kElems * 2 +
+                                    TileDS::kElems * 4 + kDqHalfFloats * 4 + 2 * kStages * kBlockM * 4 +
+                                    (3 + 2 * kStages) * 8;
+
+  static_assert(kHeadDim == 256, "the head-dim split (halves of whole 64-column panels) is built for 256");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 65536, "register file");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 };

@@ -10,22 +10,30 @@
 
 namespace flashattn {
 
+// acc = A B^T over the head dim with both operands K-major in 64-column
+// panels (TileA's rows are M, TileB's N): S^T = K Q^T and dP^T = V dO^T. The
+// caller fences before and commits after.
+template <typename TileA, typename TileB, typename T, int kNT>
+__device__ __forceinline__ void issue_kmajor_product(float (&acc)[kNT][4], uint64_t desc_a, uint64_t desc_b) {
+  static_assert(TileA::kCols == TileB::kCols, "one contraction length");
+#pragma unroll
+  for (int ks = 0; ks < TileA::kCols / 16; ++ks)
+    Wgmma<kNT * 8, T>::template ss<0, 0>(acc, desc_add(desc_a, kmajor_step(ks, TileA::kRows * 128)),
+                                         desc_add(desc_b, kmajor_step(ks, TileB::kRows * 128)), ks > 0);
+}
+
 // S^T = K_w Q^T and dP^T = V_w dO^T, both operands K-major, issued back to back
 // as two commit groups (the exponentials of S^T then overlap dP^T).
 template <typename Kt, typename T = typename Kt::Element>
 __device__ __forceinline__ void issue_scores_and_dp_t(float (&acc_s)[Kt::kBlockM / 8][4],
                                                       float (&acc_dp)[Kt::kBlockM / 8][4], uint64_t desc_k,
                                                       uint64_t desc_v, uint64_t desc_q, uint64_t desc_do) {
+  using TileKV = typename Kt::TileKV;
+  using TileQ = typename Kt::TileQ;
   wgmma_fence();
-#pragma unroll
-  for (int ks = 0; ks < Kt::kHeadDim / 16; ++ks)
-    Wgmma<Kt::kBlockM, T>::template ss<0, 0>(acc_s, desc_add(desc_k, kmajor_step(ks, Kt::kPanelKV)),
-                                             desc_add(desc_q, kmajor_step(ks, Kt::kPanelQ)), ks > 0);
+  issue_kmajor_product<TileKV, TileQ, T>(acc_s, desc_k, desc_q);
   wgmma_commit();
-#pragma unroll
-  for (int ks = 0; ks < Kt::kHeadDim / 16; ++ks)
-    Wgmma<Kt::kBlockM, T>::template ss<0, 0>(acc_dp, desc_add(desc_v, kmajor_step(ks, Kt::kPanelKV)),
-                                             desc_add(desc_do, kmajor_step(ks, Kt::kPanelQ)), ks > 0);
+  issue_kmajor_product<TileKV, TileQ, T>(acc_dp, desc_v, desc_do);
   wgmma_commit();
 }
 

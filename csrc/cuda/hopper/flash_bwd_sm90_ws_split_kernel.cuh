@@ -1,0 +1,428 @@
+// The warp-specialized Hopper backward for head dim 256, where the dK and dV
+// of 64 keys (2 x 64 x 256 fp32) do not fit the registers of one warpgroup:
+// the two consumer warpgroups split the head dim instead of the keys.
+//
+// A CTA owns kBlockN = 64 keys of one (batch, kv head) and sweeps the query
+// blocks (64 queries a step) of every query head of its GQA group, like
+// flash_bwd_sm90_ws_kernel.cuh, whose producer and dQ writer roles it shares:
+//
+//   producer warp   TMA loads of K and V once; Q (a ring of kStages) and dO
+//                   (one stage: it is free once both dV products have read
+//                   it, mid-step) for each step; lse (log2 units) and D in
+//                   the Q stage, loaded a step ahead by its lanes.
+//   dQ writer warp  adds each consumer's half of the step's dQ tile to the
+//                   fp32 accumulator with one bulk reduce-add (32 KiB), the
+//                   halves one after the other through one shared tile.
+//   consumer 0      S^T = K Q^T (wgmma SS, all 256 columns), P^T = exp2(...),
+//                   P^T to shared memory twice: fp32 (for consumer 1's dS)
+//                   and 16-bit (consumer 1's dV operand);
+//                   dV[:, 0:128] += P^T dO[:, 0:128] (RS, P^T from registers);
+//                   then, once consumer 1 has written dS^T:
+//                   dK[:, 0:128] += dS^T Q[:, 0:128], dQ[:, 0:128] = dS K[:, 0:128] (SS).
+//   consumer 1      dP^T = V dO^T (SS), dS^T = P^T (dP^T - D) with P^T read
+//                   in its fragment order, dS^T to shared memory;
+//                   dV[:, 128:256] += P^T dO[:, 128:256] (SS),
+//                   dK[:, 128:256] += dS^T Q[:, 128:256] (RS, dS^T from registers),
+//                   dQ[:, 128:256] = dS K[:, 128:256] (SS).
+//
+// Each consumer does the same tensor work a step (one 64 x 64 x 256 product
+// and three 64 x 128 x 64), keeps 128 accumulator registers of dK / dV and 64
+// of its dQ half, and the elementwise work is split: exponentials on
+// consumer 0, dS on consumer 1 (both in fp32, as in the other kernels).
+//
+// Shared memory at head dim 256: K, V 64 KiB, Q 2 x 32 KiB, dO 32 KiB, P^T
+// (16-bit and fp32) and dS^T 32 KiB, the dQ half tile 32 KiB: 224 KiB.
+//
+// Named barriers between the consumers (each passes its buffer on, the other
+// hands it back; every arrive is matched by one sync, so they alternate):
+//   kPReady  (0 -> 1) P^T written         kPFree  (1 -> 0) P^T read (dS, dV done)
+//   kDsReady (1 -> 0) dS^T written        kDsFree (0 -> 1) dS^T read (dK, dQ done)
+//   kDqFull0/1 (consumer -> writer), kDqEmpty0/1 (writer -> consumer): the
+//   shared dQ tile goes consumer 0, writer, consumer 1, writer, ...
+//   kEpilogueBar (both consumers, before dK / dV reuse sK / sV).
+//
+// Deterministic mode: as in flash_bwd_sm90_ws_kernel.cuh (key blocks add in
+// descending order behind per-(batch, head, 64-query block) counters; the
+// counter is released after both halves have landed).
+#pragma once
+
+#include "../../flash_params.h"
+#include "../flash_bwd_kernel.cuh"
+#include "bwd_sm90_common.cuh"
+#include "flash_bwd_sm90_ws_kernel.cuh"
+#include "tma.cuh"
+#include "wgmma.cuh"
+
+namespace flashattn {
+
+// P^T of a warpgroup's accumulator (kQT n-tiles x 4 floats a thread) in
+// shared memory in the accumulators' own order, so that the thread of the
+// other consumer holding the same (key, query) elements of dP^T reads them
+// back: [float4 index][thread of the warpgroup], conflict-free both ways.
+struct PFragLayout {
+  __device__ __forceinline__ static int offset(int i, int wg_tid) { return (i * 128 + wg_tid) * 4; }
+};
+
+template <typename Kt>
+__global__ void __launch_bounds__(Kt::kNThreads, 1)
+    flash_bwd_sm90_ws_split_kernel(const __grid_constant__ AttnBwdParams p, const __grid_constant__ BwdTmaMaps maps) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = typename Kt::Element;
+  using TileQ = typename Kt::TileQ;
+  using TileKV = typename Kt::TileKV;
+  using TileDS = typename Kt::TileDS;
+  constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHalf = Kt::kHalf;
+  constexpr int kStages = Kt::kStages;
+  constexpr int kConsumerThreads = 256;
+  constexpr int kQSteps = kBlockM / 16;  // k-steps of dV and dK (over queries)
+  constexpr int kKSteps = kBlockN / 16;  // k-steps of dQ (over keys)
+  constexpr int kQT = kBlockM / 8;       // n-tiles of an S^T row
+  constexpr int kHT = kHalf / 8;         // n-tiles of a half row of dK / dV / dQ
+  constexpr int kDqHalfFloats = Kt::kDqHalfFloats;
+  constexpr int kPReady = 1, kPFree = 2, kDsReady = 3, kDsFree = 4, kEpilogueBar = 5;
+  constexpr int kDqFull0 = 6, kDqEmpty0 = 7, kDqFull1 = 8, kDqEmpty1 = 9;
+  constexpr int kDqBarThreads = 128 + 32;
+  static_assert(kBlockN == 64 && kBlockM == 64, "one warpgroup's M is the CTA's 64 keys");
+
+  extern __shared__ char smem_raw[];
+  char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  T* sK = reinterpret_cast<T*>(smem);
+  T* sV = sK + TileKV::kElems;
+  T* sQ = sV + TileKV::kElems;                                  // [kStages]
+  T* sdO = sQ + kStages * TileQ::kElems;                        // one stage
+  T* sP = sdO + TileQ::kElems;                                  // P^T, [key][query]
+  T* sdS = sP + TileDS::kElems;                                 // dS^T, [key][query]
+  float* sPf = reinterpret_cast<float*>(sdS + TileDS::kElems);  // P^T fp32, PFragLayout
+  float* sdQ = sPf + TileDS::kElems;                            // a dQ half, DqFragLayout
+  float* sLse = sdQ + kDqHalfFloats;                            // [kStages][kBlockM], log2 units
+  float* sDsum = sLse + kStages * kBlockM;                      // [kStages][kBlockM]
+  uint64_t* full_kv = reinterpret_cast<uint64_t*>(sDsum + kStages * kBlockM);
+  uint64_t* full_do = full_kv + 1;
+  uint64_t* empty_do = full_do + 1;
+  uint64_t* full_q = empty_do + 1;       // [kStages]
+  uint64_t* empty_q = full_q + kStages;  // [kStages]
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
+  const int wg = warp / 4;
+  const int num_n_blocks = ceil_div(p.seqlen_k, kBlockN);
+  // Grid order as in flash_bwd_sm90_ws_kernel (deterministic: last key block first).
+  const bool deterministic = p.deterministic;
+  const int n_block =
+      static_cast<int>(deterministic ? num_n_blocks - 1 - blockIdx.x % num_n_blocks : blockIdx.x % num_n_blocks);
+  const int bh = static_cast<int>(blockIdx.x / num_n_blocks);
+  const int h_kv = bh % p.heads_kv;
+  const int b = bh / p.heads_kv;
+  const int ratio = p.heads_ratio();
+  const int n0 = n_block * kBlockN;
+  const int keys = min(kBlockN, p.seqlen_k - n0);
+
+  const BlockMask mask(p);
+  const QuerySweep<kBlockM> sweep(mask, n0, keys, h_kv, ratio, deterministic ? 0 : n_block);
+  const int iters = sweep.iters;
+  auto query_block = [&](int it, int& hq, int& m0) { sweep.step(it, hq, m0); };
+  auto stage = [](int it) { return it % kStages; };
+  auto parity = [](int it) { return uint32_t(it / kStages) & 1; };
+
+  if (tid == 0) {
+    mbar_init(full_kv, 1);
+    mbar_init(full_do, 1);
+    mbar_init(empty_do, kConsumerThreads);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full_q[s], 1 + 32);  // the TMA bytes (with lane 0's arrive) + each lane's lse / D rows
+      mbar_init(&empty_q[s], kConsumerThreads);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();  // the last CTA-wide barrier: from here on the roles run apart
+
+  if (wg == 0) {
+    // ---- producer warpgroup ---------------------------------------------
+    warpgroup_reg_dealloc<Kt::kProducerRegs>();
+    if (warp == 0 && iters > 0) {
+      if (lane == 0) {
+        prefetch_tensor_map(&maps.q);
+        prefetch_tensor_map(&maps.dout);
+        mbar_arrive_expect_tx(full_kv, 2 * Kt::kBytesKV);
+#pragma unroll
+        for (int pn = 0; pn < Kt::kPanels; ++pn) {
+          tma_load_4d(sK + pn * TileKV::kRows * 64, &maps.k, full_kv, pn * 64, h_kv, n0, b);
+          tma_load_4d(sV + pn * TileKV::kRows * 64, &maps.v, full_kv, pn * 64, h_kv, n0, b);
+        }
+      }
+      // lse (log2 units) and D of the next step, a step ahead in registers;
+      // rows past seqlen_q: lse +inf makes P (and so dS) zero there.
+      constexpr int kRowsPerLane = kBlockM / 32;
+      float lse_next[kRowsPerLane], dsum_next[kRowsPerLane];
+      auto load_rowvecs = [&](int it) {
+        int hq, m0;
+        query_block(it, hq, m0);
+        const int64_t vec = (int64_t(b) * p.heads_q + hq) * p.seqlen_q + m0;
+#pragma unroll
+        for (int i = 0; i < kRowsPerLane; ++i) {
+          const int r = lane + 32 * i;
+          const bool in = m0 + r < p.seqlen_q;
+          lse_next[i] = in ? lse_to_log2(static_cast<const float*>(p.lse_ptr)[vec + r]) : INFINITY;
+          dsum_next[i] = in ? static_cast<const float*>(p.dsum_ptr)[vec + r] : 0.f;
+        }
+      };
+      load_rowvecs(0);
+      for (int it = 0; it < iters; ++it) {
+        const int s = stage(it);
+        int hq, m0;
+        query_block(it, hq, m0);
+        mbar_wait(&empty_q[s], parity(it) ^ 1);
+        if (lane == 0) {
+          mbar_arrive_expect_tx(&full_q[s], Kt::kBytesQ);
+#pragma unroll
+          for (int pn = 0; pn < Kt::kPanels; ++pn)
+            tma_load_4d(sQ + s * TileQ::kElems + pn * TileQ::kRows * 64, &maps.q, &full_q[s], pn * 64, hq, m0, b);
+        }
+#pragma unroll
+        for (int i = 0; i < kRowsPerLane; ++i) {
+          sLse[s * kBlockM + lane + 32 * i] = lse_next[i];
+          sDsum[s * kBlockM + lane + 32 * i] = dsum_next[i];
+        }
+        mbar_arrive(&full_q[s]);  // every lane: releases its own writes to the consumers
+        // dO has one stage: free once both consumers' dV of the previous step is done.
+        mbar_wait(empty_do, (uint32_t(it) & 1) ^ 1);
+        if (lane == 0) {
+          mbar_arrive_expect_tx(full_do, Kt::kBytesQ);
+#pragma unroll
+          for (int pn = 0; pn < Kt::kPanels; ++pn)
+            tma_load_4d(sdO + pn * TileQ::kRows * 64, &maps.dout, full_do, pn * 64, hq, m0, b);
+        }
+        if (it + 1 < iters) load_rowvecs(it + 1);
+      }
+    } else if (warp == 1 && iters > 0) {
+      // dQ writer: the two halves of each step's dQ tile, consumer 0's then consumer 1's.
+      named_barrier_arrive(kDqEmpty0, kDqBarThreads);  // the tile starts free
+      for (int it = 0; it < iters; ++it) {
+        int hq, m0;
+        query_block(it, hq, m0);
+        float* gdq = static_cast<float*>(p.dq_accum_ptr) + b * p.dq_accum_batch_stride + hq * p.dq_accum_head_stride +
+                     int64_t(m0) * p.dq_accum_row_stride;
+        int* sem = nullptr;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          named_barrier_sync(half == 0 ? kDqFull0 : kDqFull1, kDqBarThreads);
+          if (lane == 0) {
+            if (deterministic && half == 0) {
+              // After the key blocks above this one that see the query block: they add first.
+              int n_lo, n_hi;
+              mask.key_block_range<kBlockN>(m0, min(kBlockM, p.seqlen_q - m0), n_lo, n_hi);
+              sem = p.dq_semaphore_ptr + (int64_t(b) * p.heads_q + hq) * ceil_div(p.seqlen_q, 64) + m0 / 64;
+              const int before = n_hi - 1 - n_block;
+              while (ld_acquire_gpu(sem) != before) {
+              }
+              fence_proxy_async();  // the adds below (async proxy) come after the acquire
+            }
+            bulk_reduce_add_f32(gdq + half * kDqHalfFloats, sdQ, kDqHalfFloats * 4);
+            tma_store_commit();
+            if (deterministic && half == 1) {
+              tma_store_wait_all();  // both halves have landed in global memory
+              fence_proxy_async();
+              red_release_gpu_add(sem, 1);
+            } else {
+              tma_store_wait_read();
+            }
+          }
+          __syncwarp();
+          if (half == 0) {
+            named_barrier_arrive(kDqEmpty1, kDqBarThreads);
+          } else if (it + 1 < iters) {
+            named_barrier_arrive(kDqEmpty0, kDqBarThreads);
+          }
+        }
+      }
+      tma_store_wait_all();
+    }
+    return;
+  }
+
+  // ---- consumers ----------------------------------------------------------
+  warpgroup_reg_alloc<Kt::kConsumerRegs>();
+  const int cwg = wg - 1;  // 0: S^T, P^T; 1: dP^T, dS^T. Columns [cwg * kHalf, +kHalf) of dK, dV, dQ.
+  const int ctid = tid - 128;
+  const int wg_tid = ctid % 128;
+  const int warp_in_wg = warp % 4;
+  const int g = lane >> 2, t = lane & 3;
+  const int warp_key0 = warp_in_wg * 16;  // this warp's rows of S^T, dP^T, dK, dV
+
+  constexpr uint32_t kSbo = 1024;
+  const uint32_t half_panels = uint32_t(cwg) * (kHalf / 64);  // the first 64-column panel of this half
+  // K-major A of S^T / dP^T over the head dim; K-major A of dV / dK over the
+  // queries (one 64-column panel: P^T and dS^T); M-major A of dQ (dS from dS^T).
+  const uint64_t desc_k = smem_desc(smem_u32(sK), 16, kSbo);
+  const uint64_t desc_v = smem_desc(smem_u32(sV), 16, kSbo);
+  const uint64_t desc_p = smem_desc(smem_u32(sP), 16, kSbo);
+  const uint64_t desc_ds = smem_desc(smem_u32(sdS), 16, kSbo);
+  const uint64_t desc_ds_m = smem_desc(smem_u32(sdS), Kt::kPanelDS, kSbo);
+  // N-major B of dQ: this half's columns of K, 16 keys (2048 bytes) a k-step.
+  const uint64_t desc_k_n = smem_desc(smem_u32(sK) + half_panels * Kt::kPanelKV, Kt::kPanelKV, kSbo);
+  const uint32_t do_half = smem_u32(sdO) + half_panels * Kt::kPanelQ;
+
+  float acc_dk[1][kHT][4], acc_dv[1][kHT][4], acc_dq[kHT][4];
+  clear(acc_dk);
+  clear(acc_dv);
+
+  auto hand_over_dq = [&]() {
+    named_barrier_sync(cwg == 0 ? kDqEmpty0 : kDqEmpty1, kDqBarThreads);
+#pragma unroll
+    for (int ni = 0; ni < kHT; ++ni)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        *reinterpret_cast<float2*>(sdQ + DqFragLayout::offset(ni / 8, ni % 8, h, wg_tid)) =
+            make_float2(acc_dq[ni][2 * h], acc_dq[ni][2 * h + 1]);
+    fence_proxy_async_smem();  // the bulk reduce (async proxy) reads what st.shared wrote
+    named_barrier_arrive(cwg == 0 ? kDqFull0 : kDqFull1, kDqBarThreads);
+  };
+  // dQ half = dS K[:, half] (SS: dS M-major from dS^T, K N-major).
+  auto issue_dq = [&]() {
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks)
+      Wgmma<kHalf, T>::template ss<1, 1>(acc_dq, desc_add(desc_ds_m, ks * 2048), desc_add(desc_k_n, ks * 2048),
+                                         ks > 0);
+  };
+
+  if (iters > 0) {
+    // The buffers each consumer hands back start free.
+    named_barrier_arrive(cwg == 0 ? kDsFree : kPFree, kConsumerThreads);
+    mbar_wait(full_kv, 0);
+  }
+
+  for (int it = 0; it < iters; ++it) {
+    const int s = stage(it);
+    int hq, m0;
+    query_block(it, hq, m0);
+    const uint32_t q_addr = smem_u32(sQ + s * TileQ::kElems);
+    const uint64_t desc_q_n = smem_desc(q_addr + half_panels * Kt::kPanelQ, Kt::kPanelQ, kSbo);  // B of dK, N-major
+    const uint64_t desc_do_n = smem_desc(do_half, Kt::kPanelQ, kSbo);                           // B of dV, N-major
+    const bool needs_mask = mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0);
+    const bool more = it + 1 < iters;
+    mbar_wait(&full_q[s], parity(it));
+
+    float acc_x[1][kQT][4];  // consumer 0: S^T then P^T; consumer 1: dP^T then dS^T
+    if (cwg == 0) {
+      // ---- consumer 0: S^T, P^T, dV (RS), then dK, dQ (SS) ----
+      wgmma_fence();
+      issue_kmajor_product<TileKV, TileQ, T>(acc_x[0], desc_k, smem_desc(q_addr, 16, kSbo));
+      wgmma_commit();
+      wgmma_wait<0>();
+      pin_registers(acc_x[0]);
+      const float* sLses = sLse + s * kBlockM;
+      probs_t(acc_x[0], p.softmax_scale_log2, t, [&](int q) { return sLses[q]; });
+      if (needs_mask) apply_mask_cols(acc_x, mask, n0 + warp_key0, m0, lane, 0.f);
+      uint32_t a_p[kQSteps][4];
+#pragma unroll
+      for (int kk = 0; kk < kQSteps; ++kk) acc_to_a<T>(a_p[kk], acc_x[0], kk);
+
+      // P^T to consumer 1: fp32 for its dS, 16-bit for its dV.
+      named_barrier_sync(kPFree, kConsumerThreads);
+#pragma unroll
+      for (int i = 0; i < kQT; ++i)
+        *reinterpret_cast<float4*>(sPf + PFragLayout::offset(i, wg_tid)) =
+            make_float4(acc_x[0][i][0], acc_x[0][i][1], acc_x[0][i][2], acc_x[0][i][3]);
+#pragma unroll
+      for (int kk = 0; kk < kQSteps; ++kk)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            *reinterpret_cast<uint32_t*>(sP + TileDS::offset(warp_key0 + g + 8 * h, (2 * kk + hh) * 8) + 2 * t) =
+                a_p[kk][2 * hh + h];
+      fence_proxy_async_smem();  // consumer 1's wgmma (async proxy) reads sP
+      named_barrier_arrive(kPReady, kConsumerThreads);
+
+      mbar_wait(full_do, uint32_t(it) & 1);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kQSteps; ++kk)
+        Wgmma<kHalf, T>::template rs<1>(acc_dv[0], a_p[kk], desc_add(desc_do_n, kk * 2048), 1);
+      wgmma_commit();
+
+      named_barrier_sync(kDsReady, kConsumerThreads);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kQSteps; ++kk)
+        Wgmma<kHalf, T>::template ss<0, 1>(acc_dk[0], desc_add(desc_ds, kk * 32), desc_add(desc_q_n, kk * 2048), 1);
+      issue_dq();
+      wgmma_commit();
+      wgmma_wait<1>();  // dV done: dO (and a_p) free
+      pin_registers(acc_dv[0]);
+      mbar_arrive(empty_do);
+      wgmma_wait<0>();  // dK, dQ done: Q and dS^T free
+      pin_registers(acc_dk[0]);
+      pin_registers(acc_dq);
+      mbar_arrive(&empty_q[s]);
+      if (more) named_barrier_arrive(kDsFree, kConsumerThreads);
+    } else {
+      // ---- consumer 1: dP^T, dS^T, then dV (SS), dK (RS), dQ (SS) ----
+      mbar_wait(full_do, uint32_t(it) & 1);
+      wgmma_fence();
+      issue_kmajor_product<TileKV, TileQ, T>(acc_x[0], desc_v, smem_desc(smem_u32(sdO), 16, kSbo));
+      wgmma_commit();
+      wgmma_wait<0>();
+      pin_registers(acc_x[0]);
+
+      named_barrier_sync(kPReady, kConsumerThreads);
+      float p_t[kQT][4];
+#pragma unroll
+      for (int i = 0; i < kQT; ++i) {
+        const float4 v = *reinterpret_cast<const float4*>(sPf + PFragLayout::offset(i, wg_tid));
+        p_t[i][0] = v.x, p_t[i][1] = v.y, p_t[i][2] = v.z, p_t[i][3] = v.w;
+      }
+      ds_t(acc_x[0], p_t, sDsum + s * kBlockM, t);
+      // A masked dS is 0 even where dP - D is not finite (0 * NaN).
+      if (needs_mask) apply_mask_cols(acc_x, mask, n0 + warp_key0, m0, lane, 0.f);
+      uint32_t a_ds[kQSteps][4];
+#pragma unroll
+      for (int kk = 0; kk < kQSteps; ++kk) acc_to_a<T>(a_ds[kk], acc_x[0], kk);
+
+      named_barrier_sync(kDsFree, kConsumerThreads);
+#pragma unroll
+      for (int kk = 0; kk < kQSteps; ++kk)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            *reinterpret_cast<uint32_t*>(sdS + TileDS::offset(warp_key0 + g + 8 * h, (2 * kk + hh) * 8) + 2 * t) =
+                a_ds[kk][2 * hh + h];
+      fence_proxy_async_smem();
+      named_barrier_arrive(kDsReady, kConsumerThreads);
+
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kQSteps; ++kk)
+        Wgmma<kHalf, T>::template ss<0, 1>(acc_dv[0], desc_add(desc_p, kk * 32), desc_add(desc_do_n, kk * 2048), 1);
+#pragma unroll
+      for (int kk = 0; kk < kQSteps; ++kk)
+        Wgmma<kHalf, T>::template rs<1>(acc_dk[0], a_ds[kk], desc_add(desc_q_n, kk * 2048), 1);
+      wgmma_commit();
+      wgmma_fence();
+      issue_dq();
+      wgmma_commit();
+      wgmma_wait<1>();  // dV, dK done: P^T, dO, Q (and a_ds) free
+      pin_registers(acc_dv[0]);
+      pin_registers(acc_dk[0]);
+      mbar_arrive(empty_do);
+      mbar_arrive(&empty_q[s]);
+      if (more) named_barrier_arrive(kPFree, kConsumerThreads);
+      wgmma_wait<0>();  // dQ done
+      pin_registers(acc_dq);
+    }
+    hand_over_dq();
+  }
+
+  // Epilogue: this half of dK (scaled) and dV through sK / sV once both consumers are done reading them.
+  named_barrier_sync(kEpilogueBar, kConsumerThreads);
+  store_acc<TileKV>(sK, acc_dk, warp_key0, cwg * kHalf, lane, p.softmax_scale);
+  store_acc<TileKV>(sV, acc_dv, warp_key0, cwg * kHalf, lane);
+  named_barrier_sync(kEpilogueBar, kConsumerThreads);
+  T* gdK = static_cast<T*>(p.dk_ptr) + b * p.dk_batch_stride + h_kv * p.dk_head_stride + n0 * p.dk_row_stride;
+  T* gdV = static_cast<T*>(p.dv_ptr) + b * p.dv_batch_stride + h_kv * p.dv_head_stride + n0 * p.dv_row_stride;
+  store_tile<TileKV, kConsumerThreads>(gdK, p.dk_row_stride, sK, keys, p.head_dim, ctid);
+  store_tile<TileKV, kConsumerThreads>(gdV, p.dv_row_stride, sV, keys, p.head_dim, ctid);
+#endif
+}
+
+}  // namespace flashattn
