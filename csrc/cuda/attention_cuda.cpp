@@ -183,13 +183,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_i
   // dQ accumulates in fp32 across key blocks: rows padded to the kernel's
   // query block, columns to the kernel head dim (atomics touch all of them).
   const int64_t seqlen_q_padded = (seqlen_q + kBwdBlockM - 1) / kBwdBlockM * kBwdBlockM;
+  // Whole 64-column blocks: the Hopper kernels add dQ in 64 x 64 blocks (at
+  // head dim 96 the 128-wide kernel runs, its padding columns zero).
+  const int64_t dq_accum_cols = (kdim + 63) / 64 * 64;
   // bwd_preprocess_kernel zeroes the part of it that is read back. The
   // deterministic backward needs it only on sm90 (the warp-specialized kernel
   // adds dQ in a fixed order, counted by the semaphores); elsewhere it runs a
   // separate dQ pass.
   const bool hopper = device_arch(q) == 90;
   at::Tensor dq_accum =
-      deterministic && !hopper ? at::Tensor() : at::empty({batch, heads_q, seqlen_q_padded, kdim}, f32);
+      deterministic && !hopper ? at::Tensor() : at::empty({batch, heads_q, seqlen_q_padded, dq_accum_cols}, f32);
   at::Tensor dq_semaphore = deterministic && hopper
                                 ? at::zeros({batch, heads_q, (seqlen_q + 63) / 64}, q.options().dtype(at::kInt))
                                 : at::Tensor();

@@ -280,8 +280,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   auto issue_dq = [&]() {
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks)
-      Wgmma<kHalf, T>::template ss<1, 1>(acc_dq, desc_add(desc_ds_m, ks * 2048), desc_add(desc_k_n, ks * 2048),
-                                         ks > 0);
+      Wgmma<kHalf, T>::template ss<1, 1>(acc_dq, desc_add(desc_ds_m, ks * 2048), desc_add(desc_k_n, ks * 2048), ks > 0);
   };
 
   if (iters > 0) {
@@ -296,7 +295,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     query_block(it, hq, m0);
     const uint32_t q_addr = smem_u32(sQ + s * TileQ::kElems);
     const uint64_t desc_q_n = smem_desc(q_addr + half_panels * Kt::kPanelQ, Kt::kPanelQ, kSbo);  // B of dK, N-major
-    const uint64_t desc_do_n = smem_desc(do_half, Kt::kPanelQ, kSbo);                           // B of dV, N-major
+    const uint64_t desc_do_n = smem_desc(do_half, Kt::kPanelQ, kSbo);                            // B of dV, N-major
     const bool needs_mask = mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0);
     const bool more = it + 1 < iters;
     mbar_wait(&full_q[s], parity(it));
