@@ -239,12 +239,14 @@ struct BwdSm90WsTraits {
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
   static constexpr int kPanels = kHeadDim / 64;
-  // Each consumer computes its 64 keys' part of the step's dQ (kBlockM x
-  // kHeadDim, in 64 x 64 blocks) into its own fp32 tile.
+  // The 64 x 64 blocks of the dQ tile, dealt evenly to the two consumers; a
+  // single block goes to them in turn, step by step.
   static constexpr int kDqColBlocks = kHeadDim / 64;
   static constexpr int kDqBlocks = (kBlockM / 64) * kDqColBlocks;
-  static constexpr int kDqTileFloats = kBlockM * kHeadDim;
-  static constexpr bool kSplitHeadDim = false;  // the consumers split the keys
+  static constexpr bool kDqAlternate = kDqBlocks == 1;
+  static constexpr int kDqBlocksPerWg = kDqAlternate ? 1 : kDqBlocks / 2;
+  static constexpr int kDqTiles = kDqAlternate ? 2 : 1;  // fp32 dQ tiles in shared memory
+  static constexpr bool kSplitHeadDim = false;           // the consumers split the keys
 
   using TileQ = SmemTile<kBlockM, kHeadDim>;          // Q and dO blocks
   using TileKV = SmemTile<kBlockN, kHeadDim>;         // K and V
@@ -255,11 +257,12 @@ struct BwdSm90WsTraits {
   static constexpr int kBytesQ = TileQ::kElems * 2;
   static constexpr int kBytesKV = TileKV::kElems * 2;
   // +1024: dynamic shared memory is aligned up to 1024 bytes (the swizzle atom).
-  // K, V; the Q / dO ring; dS^T; a dQ tile per consumer; lse / D; mbarriers.
-  static constexpr int kSmemBytes = 1024 + 2 * kBytesKV + 2 * kStages * kBytesQ + TileDS::kElems * 2 +
-                                    2 * kDqTileFloats * 4 + 2 * kStages * kBlockM * 4 + (1 + 2 * kStages) * 8;
+  static constexpr int kSmemBytes = 1024 + 2 * kBytesKV + 2 * kStages * kBytesQ + 2 * TileDS::kElems * 2 +
+                                    kDqTiles * kBlockM * kHeadDim * 4 + 2 * kStages * kBlockM * 4 +
+                                    (1 + 2 * kStages) * 8;
 
-  static_assert((kHeadDim == 64 || kHeadDim == 128) && kBlockM == 64, "shapes");
+  static_assert((kHeadDim == 64 || kHeadDim == 128) && (kBlockM == 64 || kBlockM == 128), "shapes");
+  static_assert(kDqAlternate || kDqBlocks % 2 == 0, "the dQ blocks deal evenly to the two consumers");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 65536, "register file");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 };

@@ -11,46 +11,43 @@
 //                   stages (full / empty mbarriers, tma.cuh); its lanes also
 //                   copy the step's lse (in log2 units) and D = rowsum(dO * O)
 //                   into the stage, so the consumers read no global memory.
-//   dQ writer warp  (warpgroup 0, warp 1): adds each step's two dQ parts, which
-//                   the consumers leave in shared memory, into the fp32 dQ
+//   dQ writer warp  (warpgroup 0, warp 1): adds each step's dQ tile, which the
+//                   consumers leave in shared memory, into the fp32 dQ
 //                   accumulator with one bulk reduce-add (cp.reduce.async.bulk
-//                   .add.f32) per part, kept in the accumulators' fragment
-//                   order (DqFragLayout). The adds are done by the TMA unit in
-//                   L2, off the consumers' path; the old kernel issued 64 x
-//                   head_dim atomics a step from the consumers, which bound it.
-//                   (One bulk add per row measured no faster than the atomics
-//                   at d64: 64 small operations a step.)
+//                   .add.f32) of the whole tile, kept in the accumulators'
+//                   fragment order (DqFragLayout). The adds are done by the TMA
+//                   unit in L2, off the consumers' path; the old kernel issued
+//                   64 x head_dim atomics a step from the consumers, which
+//                   bound it. (One bulk add per row measured no faster than
+//                   the atomics at d64: 64 small operations a step.)
 //   consumers       (warpgroups 1, 2): 64 keys each. Per step (query block m):
 //                     S^T  = K_w Q^T, dP^T = V_w dO^T       (wgmma SS, async)
 //                     P^T  = exp2(S^T scale_log2 - lse)      (under dP^T)
 //                     dV_w += P^T dO                         (wgmma RS, async)
 //                     dS^T = P^T (dP^T - D)                  (under dV)
 //                     dK_w += dS^T Q                         (wgmma RS, async)
-//                     dS^T -> shared memory (this warpgroup's rows)
-//                     dQ_w  = dS_w K_w, this warpgroup's keys' part of dQ
-//                     dQ_w -> shared memory (fp32) for the writer warp
-//                   The consumers never wait for each other inside the loop:
-//                   each adds its own part of dQ (twice the reduce-add bytes
-//                   of one shared tile, no dS barrier between them), so one's
-//                   exponentials can run under the other's products. (Writing
-//                   a step's dQ under the next step's first products keeps a
-//                   wgmma group in flight across the loop's back edge: ptxas
-//                   then serializes every wgmma.)
+//                     dS^T -> shared memory (both warpgroups), named barrier
+//                     dQ_i  = dS K for this warpgroup's 64 x 64 block(s) of dQ
+//                     dQ -> shared memory (fp32) for the writer warp
+//                   With a single 64 x 64 dQ block (64-query steps at head dim
+//                   64) the consumers compute it in turns, step by step, each
+//                   into its own dQ tile. (Writing a step's dQ under the next
+//                   step's first products keeps a wgmma group in flight across
+//                   the loop's back edge: ptxas then serializes every wgmma.)
 //
-// dS^T is single-buffered: a warpgroup rewrites its rows only after its own dQ
-// product of the previous step has completed. A dQ tile is single-buffered:
-// the writer warp frees it as soon as the TMA unit has read it.
+// dS^T is double-buffered: writing buffer it % 2 at step it only needs both
+// warpgroups to be past their dQ product of step it - 2 (waited for before the
+// dS barrier of step it - 1). A dQ tile is single-buffered: the writer warp
+// frees it as soon as the TMA unit has read it (well within a step).
 //
 // Deterministic mode (p.deterministic): the key blocks of a head add their dQ
-// parts in descending key-block order (consumer 0's part, then 1's, the first
-// landed before the second is issued), each key block waiting for a
-// per-(batch, head, 64-query block) counter; see the grid order and the writer
-// warp below.
+// tiles in descending key-block order, each waiting for a per-(batch, head,
+// 64-query block) counter; see the grid order and the writer warp below.
 //
-// Named barriers: kDsBar0 + c (consumer c's four warps, its dS^T rows
-// written), kDqFull0 + 2c (consumer c arrives, the writer syncs) and
-// kDqEmpty0 + 2c (the writer arrives, consumer c syncs), kEpilogueBar (the
-// consumers, before dK/dV reuse sK/sV).
+// Named barriers: kDsBar (the two consumers, dS complete), kDqFull (the
+// consumers computing dQ arrive, the writer syncs) and kDqEmpty (the writer
+// arrives, the consumers sync), kEpilogueBar (the consumers, before dK/dV
+// reuse sK/sV).
 //
 // The masks (causal, window, the ragged key end) are those of the other
 // kernels (../mask.cuh), applied to S^T and dS^T in registers; bias, dropout
@@ -97,24 +94,23 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   constexpr int kQSteps = kBlockM / 16;  // k-steps of dV and dK (over queries)
   constexpr int kQT = kBlockM / 8;       // n-tiles of an S^T row
   constexpr int kDT = kHeadDim / 8;      // n-tiles of a dK / dV row
-  constexpr int kKSteps = 64 / 16;       // k-steps of a consumer's dQ part (over its keys)
-  constexpr int kDqTileFloats = Kt::kDqTileFloats;
-  // Named barriers: per consumer c, its dS^T rows written (kDsBar0 + c, its
-  // own 128 threads), its dQ tile full (kDqFull0 + 2c) and empty (kDqEmpty0 + 2c,
-  // with the writer warp); both consumers before the epilogue.
-  constexpr int kDsBar0 = 1, kDqFull0 = 3, kDqEmpty0 = 4, kEpilogueBar = 7;
-  constexpr int kDqBarThreads = 128 + 32;
+  constexpr int kDqTileFloats = kBlockM * kHeadDim;
+  constexpr int kDsBar = 1, kDqFull = 2, kDqEmpty = 3, kEpilogueBar = 4;
+  // With a single 64 x 64 dQ block (kBlockM = 64, head dim 64) the consumers
+  // take turns: consumer it % 2 computes and hands over the dQ of step it.
+  constexpr bool kDqAlternate = Kt::kDqAlternate;
+  constexpr int kDqBarThreads = (kDqAlternate ? 128 : kConsumerThreads) + 32;
 
   extern __shared__ char smem_raw[];
   char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   T* sK = reinterpret_cast<T*>(smem);
   T* sV = sK + TileKV::kElems;
-  T* sQ = sV + TileKV::kElems;                                  // [kStages]
-  T* sdO = sQ + kStages * TileQ::kElems;                        // [kStages]
-  T* sdS = sdO + kStages * TileQ::kElems;                       // dS^T, [key][query]
-  float* sdQ = reinterpret_cast<float*>(sdS + TileDS::kElems);  // [consumer][kDqTileFloats], DqFragLayout
-  float* sLse = sdQ + 2 * kDqTileFloats;                        // [kStages][kBlockM], log2 units
-  float* sDsum = sLse + kStages * kBlockM;                      // [kStages][kBlockM]
+  T* sQ = sV + TileKV::kElems;                                      // [kStages]
+  T* sdO = sQ + kStages * TileQ::kElems;                            // [kStages]
+  T* sdS = sdO + kStages * TileQ::kElems;                           // [2] dS^T, [key][query]
+  float* sdQ = reinterpret_cast<float*>(sdS + 2 * TileDS::kElems);  // [kDqTiles][kDqTileFloats], DqFragLayout
+  float* sLse = sdQ + Kt::kDqTiles * kDqTileFloats;                 // [kStages][kBlockM], log2 units
+  float* sDsum = sLse + kStages * kBlockM;                          // [kStages][kBlockM]
   uint64_t* full_kv = reinterpret_cast<uint64_t*>(sDsum + kStages * kBlockM);
   uint64_t* full_q = full_kv + 1;        // [kStages]
   uint64_t* empty_q = full_q + kStages;  // [kStages]
@@ -215,49 +211,41 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         if (it + 1 < iters) load_rowvecs(it + 1);
       }
     } else if (warp == 1 && iters > 0) {
-      // dQ writer: each step's two dQ parts (consumer 0's, then 1's) into dq_accum.
-      named_barrier_arrive(kDqEmpty0, kDqBarThreads);  // both tiles start free
-      named_barrier_arrive(kDqEmpty0 + 2, kDqBarThreads);
+      // dQ writer: the consumers' dQ tile of step it into dq_accum, one row a bulk add.
+      named_barrier_arrive(kDqEmpty, kDqBarThreads);  // the tile starts free
       for (int it = 0; it < iters; ++it) {
         int hq, m0;
         query_block(it, hq, m0);
+        named_barrier_sync(kDqFull, kDqBarThreads);
         float* gdq = static_cast<float*>(p.dq_accum_ptr) + b * p.dq_accum_batch_stride + hq * p.dq_accum_head_stride +
                      int64_t(m0) * p.dq_accum_row_stride;
-        int* sem = nullptr;
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          named_barrier_sync(kDqFull0 + 2 * c, kDqBarThreads);
-          // One bulk add of the whole tile: the accumulator keeps each (b, h,
-          // query block) in the tile's fragment order (DqFragLayout), and its
-          // rows are padded to kBwdBlockM, so the tile is one contiguous range.
-          if (lane == 0) {
-            if (deterministic && c == 0) {
-              // After the key blocks above this one that see the query block: they add first.
-              int n_lo, n_hi;
-              mask.key_block_range<kBlockN>(m0, min(kBlockM, p.seqlen_q - m0), n_lo, n_hi);
-              sem = p.dq_semaphore_ptr + (int64_t(b) * p.heads_q + hq) * ceil_div(p.seqlen_q, 64) + m0 / 64;
-              const int before = n_hi - 1 - n_block;
-              while (ld_acquire_gpu(sem) != before) {
-              }
-              fence_proxy_async();  // the add below (async proxy) comes after the acquire
+        // One bulk add of the whole tile: the accumulator keeps each (b, h, query
+        // block) in the tile's fragment order (DqFragLayout), and its rows are
+        // padded to kBwdBlockM, so the tile is one contiguous range.
+        if (lane == 0) {
+          int* sem = nullptr;
+          if (deterministic) {
+            // After the key blocks above this one that see the query block: they add first.
+            int n_lo, n_hi;
+            mask.key_block_range<kBlockN>(m0, min(kBlockM, p.seqlen_q - m0), n_lo, n_hi);
+            sem = p.dq_semaphore_ptr + (int64_t(b) * p.heads_q + hq) * ceil_div(p.seqlen_q, 64) + m0 / 64;
+            const int before = n_hi - 1 - n_block;
+            while (ld_acquire_gpu(sem) != before) {
             }
-            bulk_reduce_add_f32(gdq, sdQ + c * kDqTileFloats, kDqTileFloats * 4);
-            tma_store_commit();
-            if (deterministic) {
-              // Landed before the next add (two adds to one range in flight
-              // may sum in either order), and before the release.
-              tma_store_wait_all();
-              if (c == 1) {
-                fence_proxy_async();
-                red_release_gpu_add(sem, 1);
-              }
-            } else {
-              tma_store_wait_read();
-            }
+            fence_proxy_async();  // the add below (async proxy) comes after the acquire
           }
-          __syncwarp();
-          if (it + 1 < iters) named_barrier_arrive(kDqEmpty0 + 2 * c, kDqBarThreads);
+          bulk_reduce_add_f32(gdq, sdQ + (it % Kt::kDqTiles) * kDqTileFloats, kDqTileFloats * 4);
+          tma_store_commit();
+          if (deterministic) {
+            tma_store_wait_all();  // the add has landed in global memory
+            fence_proxy_async();
+            red_release_gpu_add(sem, 1);
+          } else {
+            tma_store_wait_read();
+          }
         }
+        __syncwarp();
+        if (it + 1 < iters) named_barrier_arrive(kDqEmpty, kDqBarThreads);
       }
       tma_store_wait_all();
     }
@@ -278,26 +266,35 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   constexpr uint32_t kSbo = 1024;
   const uint64_t desc_k = smem_desc(smem_u32(sK) + wg_key0 * 128, 16, kSbo);  // A of S^T (K-major)
   const uint64_t desc_v = smem_desc(smem_u32(sV) + wg_key0 * 128, 16, kSbo);  // A of dP^T
-  // dQ part = dS_w K_w over this warpgroup's 64 keys: dS M-major from its rows
-  // of dS^T, K N-major (all kHeadDim columns), 16 keys (2048 bytes) a k-step.
-  const uint64_t desc_ds_own = smem_desc(smem_u32(sdS) + wg_key0 * 128, Kt::kPanelDS, kSbo);
-  const uint64_t desc_k_own = smem_desc(smem_u32(sK) + wg_key0 * 128, Kt::kPanelKV, kSbo);
+  // dQ: block i of this warpgroup is rows [dq_row0(i), +64) x columns [dq_col0(i), +64), over all keys.
+  constexpr int kDqPerWg = Kt::kDqBlocksPerWg;
+  auto dq_block = [&](int i) { return kDqAlternate ? 0 : cwg * kDqPerWg + i; };
+  auto dq_row0 = [&](int i) { return dq_block(i) / Kt::kDqColBlocks * 64; };
+  auto dq_col0 = [&](int i) { return dq_block(i) % Kt::kDqColBlocks * 64; };
 
-  float acc_dk[1][kDT][4], acc_dv[1][kDT][4], acc_dq[kDT][4];
+  float acc_dk[1][kDT][4], acc_dv[1][kDT][4];
   clear(acc_dk);
   clear(acc_dv);
-  float* sdQ_own = sdQ + cwg * kDqTileFloats;
+  // dQ of step it is written to shared memory under the S^T / dP^T products
+  // of step it + 1 (so the tensor cores do not wait for the copy).
+  float acc_dq[kDqPerWg][8][4];
+  // The dQ tile this consumer writes (in turns: each its own, which keeps the
+  // writes of consecutive steps apart).
+  float* sdQ_own = sdQ + (kDqAlternate ? cwg : 0) * kDqTileFloats;
   const int wg_tid = ctid % 128;
   auto write_dq = [&]() {
-    named_barrier_sync(kDqEmpty0 + 2 * cwg, kDqBarThreads);  // the writer has read the previous tile
+    named_barrier_sync(kDqEmpty, kDqBarThreads);  // the writer has read the previous tile
 #pragma unroll
-    for (int ni = 0; ni < kDT; ++ni)
+    for (int i = 0; i < kDqPerWg; ++i)
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
-        *reinterpret_cast<float2*>(sdQ_own + DqFragLayout::offset(ni / 8, ni % 8, h, wg_tid)) =
-            make_float2(acc_dq[ni][2 * h], acc_dq[ni][2 * h + 1]);
+      for (int di = 0; di < 8; ++di)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          *reinterpret_cast<float2*>(sdQ_own + DqFragLayout::offset(dq_block(i), di, h, wg_tid)) =
+              make_float2(acc_dq[i][di][2 * h], acc_dq[i][di][2 * h + 1]);
+        }
     fence_proxy_async_smem();  // the bulk reduce (async proxy) reads what st.shared wrote
-    named_barrier_arrive(kDqFull0 + 2 * cwg, kDqBarThreads);
+    named_barrier_arrive(kDqFull, kDqBarThreads);
   };
   if (iters > 0) mbar_wait(full_kv, 0);
 
@@ -311,6 +308,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const uint64_t desc_do_n = smem_desc(do_addr, Kt::kPanelQ, kSbo);
     const float* sLses = sLse + s * kBlockM;
     const float* sDsums = sDsum + s * kBlockM;
+    T* sdS_it = sdS + (it & 1) * TileDS::kElems;
     mbar_wait(&full_q[s], parity(it));
 
     float acc_s[1][kQT][4], acc_dp[1][kQT][4];
@@ -346,32 +344,47 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       Wgmma<kHeadDim, T>::template rs<1>(acc_dk[0], a_ds[kk], desc_add(desc_q_n, kk * 2048), 1);
     wgmma_commit();
 
-    // dQ part = dS_w K_w: dS^T through shared memory (the product needs dS with
-    // queries as rows), this warpgroup's rows only, written from the packed
-    // fragments. a_ds[kk] = rows g / g + 8 of n-tiles 2kk, 2kk + 1. A single
-    // buffer: this warpgroup's dQ product of the previous step has completed.
+    // dQ = dS K needs every key's dS: dS^T of both warpgroups through shared
+    // memory, written from the packed fragments (fewer live registers than
+    // acc_dp). a_ds[kk] = rows g / g + 8 of n-tiles 2kk, 2kk + 1.
 #pragma unroll
     for (int kk = 0; kk < kQSteps; ++kk)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
-          *reinterpret_cast<uint32_t*>(sdS + TileDS::offset(warp_key0 + g + 8 * h, (2 * kk + hh) * 8) + 2 * t) =
+          *reinterpret_cast<uint32_t*>(sdS_it + TileDS::offset(warp_key0 + g + 8 * h, (2 * kk + hh) * 8) + 2 * t) =
               a_ds[kk][2 * hh + h];
-    fence_proxy_async_smem();                // wgmma (async proxy) reads what st.shared wrote
-    named_barrier_sync(kDsBar0 + cwg, 128);  // the four warps' rows
+    fence_proxy_async_smem();  // wgmma (async proxy) reads what st.shared wrote
+    const bool dq_owner = !kDqAlternate || (it & 1) == cwg;
+    if (!dq_owner) {
+      named_barrier_arrive(kDsBar, kConsumerThreads);
+      wgmma_wait<0>();  // dV, dK done: the Q / dO stage is free
+      pin_registers(acc_dv[0]);
+      pin_registers(acc_dk[0]);
+      mbar_arrive(&empty_q[s]);
+      continue;
+    }
+    named_barrier_sync(kDsBar, kConsumerThreads);
     wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks)
-      Wgmma<kHeadDim, T>::template ss<1, 1>(acc_dq, desc_add(desc_ds_own, ks * 2048), desc_add(desc_k_own, ks * 2048),
-                                            ks > 0);
+    for (int i = 0; i < kDqPerWg; ++i) {
+      const uint64_t desc_ds =
+          smem_desc(smem_u32(sdS_it) + (dq_row0(i) / 64) * Kt::kPanelDS, Kt::kPanelDS, kSbo);  // A, M-major
+      const uint64_t desc_kn =
+          smem_desc(smem_u32(sK) + (dq_col0(i) / 64) * Kt::kPanelKV, Kt::kPanelKV, kSbo);  // B, N-major
+#pragma unroll
+      for (int ks = 0; ks < kBlockN / 16; ++ks)
+        Wgmma<64, T>::template ss<1, 1>(acc_dq[i], desc_add(desc_ds, ks * 2048), desc_add(desc_kn, ks * 2048), ks > 0);
+    }
     wgmma_commit();
     wgmma_wait<1>();  // dV, dK done: the Q / dO stage is free (and a_p, a_ds)
     pin_registers(acc_dv[0]);
     pin_registers(acc_dk[0]);
     mbar_arrive(&empty_q[s]);
     wgmma_wait<0>();
-    pin_registers(acc_dq);
+#pragma unroll
+    for (int i = 0; i < kDqPerWg; ++i) pin_registers(acc_dq[i]);
     write_dq();
   }
 
