@@ -797,3 +797,70 @@ def test_decode_kernel_long_cache_splits_agree(poison):
         outs.append(run_decode_case(torch.bfloat16, 128, (32, 8, 1), "paged256", "none", s, capacity=8192, batch=2)[0])
     for o in outs[1:]:
         assert (o.float() - outs[0].float()).abs().max() <= 0.02 * outs[0].float().abs().max()
+
+
+# ----------------------------------------------------------------------------- garbage in the cache's unused slots
+# Cache slots past cache_seqlens (and before cache_leftpad) are not keys: a cache
+# from torch.empty may hold NaN there. Neither path may let them reach the output
+# (the CPU op slices the visible keys; the CUDA decode kernel zero-fills the keys
+# outside its CTA's rows' range and never reads them). A NaN at a real key reaches
+# only the queries that see it (the non-finite rule, csrc/cuda/nonfinite_fixup.cuh).
+
+
+def _nan_slots_case(device, dtype, num_splits, layout):
+    batch, seqlen_q, hq, hkv, d, cap = 3, 4, 4, 2, 32, 160
+    seqlens, leftpad = [70, 0, cap], [5, 0, 9]
+    q = randn((batch, seqlen_q, hq, d), dtype, device)
+    kc, vc = randn((batch, cap, hkv, d), dtype, device), randn((batch, cap, hkv, d), dtype, device)
+    kw = dict(
+        cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device=device),
+        cache_leftpad=torch.tensor(leftpad, dtype=torch.int32, device=device),
+        causal=True,
+        num_splits=num_splits,
+        return_softmax_lse=True,
+    )
+    nk, nv = kc.clone(), vc.clone()
+    for b, (s, lp) in enumerate(zip(seqlens, leftpad)):
+        for x in (nk, nv):
+            x[b, s:] = float("nan")
+            x[b, :lp] = float("nan")
+    if layout == "paged":
+        page = 16
+        table = torch.arange(batch * cap // page, dtype=torch.int32, device=device).flip(0).reshape(batch, -1)
+
+        def paged(x):
+            out = torch.empty((batch * cap // page, page, hkv, d), dtype=dtype, device=device)
+            out[table.long().flatten()] = x.reshape(-1, page, hkv, d)
+            return out
+
+        kc, vc, nk, nv = paged(kc), paged(vc), paged(nk), paged(nv)
+        kw["block_table"] = table
+    return q, (kc, vc), (nk, nv), kw
+
+
+@pytest.mark.dtypes(torch.float32, torch.float16)
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+@pytest.mark.parametrize("num_splits", [0, 1, 3])
+def test_nan_in_unused_cache_slots_never_reaches_output(device, dtype, num_splits, layout):
+    q, clean, dirty, kw = _nan_slots_case(device, dtype, num_splits, layout)
+    out, lse = flash_attn_with_kvcache(q, *clean, **kw)
+    out_n, lse_n = flash_attn_with_kvcache(q, *dirty, **kw)
+    assert torch.isfinite(out_n).all() and not lse_n.isnan().any()
+    assert torch.equal(out_n, out) and torch.equal(lse_n, lse)
+
+
+@pytest.mark.dtypes(torch.float32, torch.float16)
+@pytest.mark.parametrize("num_splits", [0, 1, 3])
+def test_nan_at_a_real_key_reaches_only_queries_that_see_it(device, dtype, num_splits):
+    """Causal decode of 4 queries: the last key of row 0 is seen by query 3 only."""
+    q, (kc, vc), _, kw = _nan_slots_case(device, dtype, num_splits, "contiguous")
+    out, lse = flash_attn_with_kvcache(q, kc, vc, **kw)
+    nv = vc.clone()
+    nv[0, 69, 1, 7] = float("nan")  # key seqlens[0] - 1 of kv head 1 (query heads 2, 3)
+    out_n, lse_n = flash_attn_with_kvcache(q, kc, nv, **kw)
+    expect_nan = torch.zeros_like(out, dtype=torch.bool)
+    expect_nan[0, 3, 2:, 7] = True
+    assert torch.equal(out_n.isnan(), expect_nan)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out_n[~expect_nan], out[~expect_nan], atol=tol, rtol=tol)
+    torch.testing.assert_close(lse_n, lse, atol=tol, rtol=tol)

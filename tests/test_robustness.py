@@ -115,18 +115,16 @@ def _poison(x, index, value):
 @pytest.mark.dtypes(torch.float32, torch.float64, torch.bfloat16, torch.float16)
 @pytest.mark.parametrize("shape", list(NONFINITE_SHAPES))
 @pytest.mark.parametrize("where", ["q", "k", "v", "k_inf", "v_inf", "dout", "all"])
-def test_nonfinite_reaches_only_rows_that_see_it(device, dtype, shape, where, request):
-    if device == "cuda":
-        # Known gap (issue #9, finding 5): on tiles the mask cuts through, the CUDA
-        # kernels still multiply a masked zero probability by a non-finite operand
-        # row (P V, and dV/dK/dQ in the backward), so a NaN at a key a row cannot see
-        # can reach that row. 30 of these 49 CUDA cases failed on the H200
-        # (2026-11-30); the CPU kernels apply the rule. README: "Non-finite inputs".
-        request.applymarker(pytest.mark.xfail(reason="CUDA kernels do not apply the non-finite rule yet", strict=False))
+def test_nonfinite_reaches_only_rows_that_see_it(device, dtype, shape, where):
     """Finding 5 (and 1 for q/k on the few-query shapes): a NaN or infinity
-    reaches exactly the output rows, and the gradient rows, that depend on it."""
-    sq, sk, causal, window, br = NONFINITE_SHAPES[shape]
-    b, hq, hk, d = 2, 2, 1, 16
+    reaches exactly the output rows, and the gradient rows, that depend on it.
+    (On CUDA head dim 16 runs the mma.sync kernels of head dim 32; the other
+    CUDA kernels: test_nonfinite_rule_cuda_kernels below.)"""
+    _nonfinite_case(device, dtype, shape, where, d=16)
+
+
+def _poisoned_inputs(device, dtype, shape, where, d, b=2, hq=2, hk=1):  # b >= 2
+    sq, sk = NONFINITE_SHAPES[shape][:2]
     q, k, v = (
         randn((b, sq, hq, d), dtype, device),
         randn((b, sk, hk, d), dtype, device),
@@ -148,7 +146,13 @@ def test_nonfinite_reaches_only_rows_that_see_it(device, dtype, shape, where, re
         v = _poison(v, (1, kk, 0, 1), -inf)
     if where in ("dout", "all"):
         dout = _poison(dout, (1, kq, 1, 4), nan)
-    kw = dict(causal=causal, window_size=window)
+    return q, k, v, dout
+
+
+def _nonfinite_case(device, dtype, shape, where, d, deterministic=False):
+    sq, sk, causal, window, br = NONFINITE_SHAPES[shape]
+    q, k, v, dout = _poisoned_inputs(device, dtype, shape, where, d)
+    kw = dict(causal=causal, window_size=window, deterministic=deterministic)
     if not br:  # top-left causal: the SDPA drop-in's convention, through the op
         ours = _run_ours_top_left(q, k, v, dout, causal)
     else:
@@ -158,6 +162,77 @@ def test_nonfinite_reaches_only_rows_that_see_it(device, dtype, shape, where, re
         if where in ("k_inf",) and name != "out":
             continue  # an infinite logit: the gradient's NaN pattern depends on rounding, only out is pinned
         _check_rule(a, o, name, dtype)
+
+
+# Which CUDA kernel a case reaches on an H200 (csrc/cuda/flash_launch.cuh):
+#   default: d64/d128 the warp-specialized TMA forward and backward (dQ through
+#            convert_dq_frag_kernel; deterministic: the ordered dQ adds); d96 the
+#            mma.sync forward and backward, d256 the TMA forward and the mma.sync
+#            backward (head-dim split dK/dV CTAs);
+#   no_tma:  d64/d128/d256 the cp.async wgmma forward, d64/d128 the cp.async wgmma
+#            backward (convert_dq_kernel; deterministic: the mma.sync backward);
+#   sm80:    the mma.sync forward and backward everywhere (deterministic:
+#            flash_bwd_dq_kernel).
+NONFINITE_ROUTES = {"default": {}, "no_tma": {"FLASHATTN_DISABLE_TMA": "1"}, "sm80": {"FLASHATTN_DISABLE_SM90": "1"}}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("route", list(NONFINITE_ROUTES))
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize(
+    "d, dtype",
+    [(64, torch.float16), (96, torch.bfloat16), (128, torch.bfloat16), (256, torch.float16)],
+    ids=["d64-fp16", "d96-bf16", "d128-bf16", "d256-fp16"],
+)
+@pytest.mark.parametrize("shape", ["few_causal", "tiled_causal", "tiled_window", "tiled_rows_without_keys"])
+@pytest.mark.parametrize("where", ["k", "v", "dout", "all"])
+def test_nonfinite_rule_cuda_kernels(monkeypatch, route, deterministic, d, dtype, shape, where):
+    """Finding 5 on every CUDA kernel: each detects a non-finite output in its
+    epilogue and recomputes those rows over their visible pairs
+    (csrc/cuda/nonfinite_fixup.cuh)."""
+    from conftest import CUDA_SKIP
+
+    import flashattn_ext
+
+    if CUDA_SKIP is not None:
+        pytest.skip(CUDA_SKIP)
+    if d not in flashattn_ext.build_info()["head_dims"]:
+        pytest.skip(f"head dim {d} not in this build")
+    for name, value in NONFINITE_ROUTES[route].items():
+        monkeypatch.setenv(name, value)
+    _nonfinite_case("cuda", dtype, shape, where, d, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("where", ["k", "v", "dout", "all"])
+def test_nonfinite_rule_varlen(device, where):
+    """The rule on a variable-length batch (the kernels that locate rows
+    through SeqInfo; on CUDA the slow path's offsets of lse and the rows)."""
+    from flashattn_ext import flash_attn_varlen_func
+
+    dt = _lowp(device)
+    d = 16 if device == "cpu" else 64
+    # Sequence 0: batch entry 1 of one shape (k and dO poisoned there), sequence 1: entry 0 of another (q, v).
+    parts = [
+        tuple(x[bi : bi + 1] for x in _poisoned_inputs(device, dt, shape, where, d))
+        for shape, bi in (("tiled_causal", 1), ("tiled_window", 0))
+    ]
+    cat = [torch.cat([p[i][0] for p in parts]) for i in range(4)]  # (total, heads, d)
+    lq = [p[0].shape[1] for p in parts]
+    lk = [p[1].shape[1] for p in parts]
+    cu_q = torch.tensor([0, lq[0], lq[0] + lq[1]], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, lk[0], lk[0] + lk[1]], dtype=torch.int32, device=device)
+    leaves = [x.detach().clone().requires_grad_() for x in cat[:3]]
+    out = flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lq), max(lk), causal=True)
+    out.backward(cat[3])
+    ours = (out.detach(), *(x.grad for x in leaves))
+    oq, ok_ = 0, 0
+    for p in parts:
+        sq, sk = p[0].shape[1], p[1].shape[1]
+        oracle = rule_oracle(*p, causal=True, bottom_right=True)
+        for name, a, o in zip(("out", "dq", "dk", "dv"), ours, oracle):
+            rows = slice(oq, oq + sq) if name in ("out", "dq") else slice(ok_, ok_ + sk)
+            _check_rule(a[rows].unsqueeze(0), o, name, dt)
+        oq, ok_ = oq + sq, ok_ + sk
 
 
 def _run_ours_top_left(q, k, v, dout, causal):

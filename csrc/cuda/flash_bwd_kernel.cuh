@@ -20,6 +20,7 @@
 #include "dispatch.h"
 #include "kernel_traits.h"
 #include "mask.cuh"
+#include "nonfinite_fixup.cuh"
 #include "tile.cuh"
 
 namespace flashattn {
@@ -84,21 +85,10 @@ __global__ void bwd_preprocess_kernel(const AttnBwdParams p) {
   if (valid && sub == 0) static_cast<float*>(p.dsum_ptr)[dsum_index] = sum;
 }
 
-// dq[b, i, h, :] = scale * dq_accum[b, h, i, :], in the input dtype (i < seqlen_q:
-// max_seqlen_q in a varlen batch, where threads past a sequence's end return).
+// One 8-column chunk of convert_dq_kernel; true when it holds a non-finite value.
 template <typename T>
-__global__ void convert_dq_kernel(const AttnBwdParams p) {
-  const int chunks_per_row = p.head_dim / 8;
-  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;  // over (b, h, i, chunk)
-  const int64_t total = int64_t(p.batch) * p.heads_q * p.seqlen_q * chunks_per_row;
-  if (idx >= total) return;
-  const int c = static_cast<int>(idx % chunks_per_row) * 8;
-  const int64_t row = idx / chunks_per_row;
-  const int i = static_cast<int>(row % p.seqlen_q);
-  const int h = static_cast<int>((row / p.seqlen_q) % p.heads_q);
-  const int b = static_cast<int>(row / (int64_t(p.seqlen_q) * p.heads_q));
-  const SeqInfo seq(p, b);
-  if (i >= seq.seqlen_q) return;
+__device__ __forceinline__ bool convert_dq_chunk(const AttnBwdParams& p, const SeqInfo& seq, int b, int h, int i,
+                                                 int c) {
   const float* acc = static_cast<const float*>(p.dq_accum_ptr) + dq_accum_offset(p, seq, b, h) +
                      int64_t(i) * p.dq_accum_row_stride + c;
   const float4 a = reinterpret_cast<const float4*>(acc)[0];
@@ -112,6 +102,56 @@ __global__ void convert_dq_kernel(const AttnBwdParams p) {
   T* dq = static_cast<T*>(p.dq_ptr) + seq.q_offset(p.dq_batch_stride, p.dq_row_stride, b) +
           int64_t(i) * p.dq_row_stride + h * p.dq_head_stride + c;
   *reinterpret_cast<uint4*>(dq) = out;
+  using nonfinite::is_bad;
+  return is_bad(a.x) || is_bad(a.y) || is_bad(a.z) || is_bad(a.w) || is_bad(bb.x) || is_bad(bb.y) || is_bad(bb.z) ||
+         is_bad(bb.w);
+}
+
+// The slow path of convert_dq_kernel (nonfinite_fixup.cuh), whole warp: each
+// row with a non-finite chunk in this warp is recomputed once and this warp's
+// chunks of it rewritten (after their normal stores, same warp).
+template <typename T>
+__device__ __forceinline__ void fix_dq_chunks(const AttnBwdParams& p, bool valid, bool bad, int64_t row, int chunk,
+                                              int lane) {
+  unsigned pending = __ballot_sync(0xffffffffu, bad);
+  while (pending != 0) {
+    const int leader = __ffs(pending) - 1;
+    const int64_t r = __shfl_sync(0xffffffffu, row, leader);
+    const unsigned same = __ballot_sync(0xffffffffu, valid && row == r);  // consecutive lanes, consecutive chunks
+    pending &= ~same;
+    const int first = __ffs(same) - 1, last = 31 - __clz(same);
+    const int c_lo = __shfl_sync(0xffffffffu, chunk, first) * 8, c_hi = c_lo + (last - first + 1) * 8;
+    const int i = static_cast<int>(r % p.seqlen_q);
+    const int h = static_cast<int>((r / p.seqlen_q) % p.heads_q);
+    const int b = static_cast<int>(r / (int64_t(p.seqlen_q) * p.heads_q));
+    const SeqInfo seq(p, b);
+    T* dq = static_cast<T*>(p.dq_ptr) + seq.q_offset(p.dq_batch_stride, p.dq_row_stride, b) +
+            int64_t(i) * p.dq_row_stride + h * p.dq_head_stride;
+    nonfinite::fix_dq_row_global<8, T>(nonfinite::fixup_args(p, seq, b), h, i, dq, c_lo, c_hi, lane);
+  }
+}
+
+// dq[b, i, h, :] = scale * dq_accum[b, h, i, :], in the input dtype (i < seqlen_q:
+// max_seqlen_q in a varlen batch, where threads past a sequence's end idle).
+// (At most 64 registers: the slow path's call would otherwise set the register
+// count, and the occupancy, of this memory-bound kernel; it may spill instead.)
+template <typename T>
+__global__ void __launch_bounds__(256, 4) convert_dq_kernel(const AttnBwdParams p) {
+  const int chunks_per_row = p.head_dim / 8;
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;  // over (b, h, i, chunk)
+  const int64_t total = int64_t(p.batch) * p.heads_q * p.seqlen_q * chunks_per_row;
+  const int chunk = static_cast<int>(idx % chunks_per_row);
+  const int64_t row = idx / chunks_per_row;
+  const int i = static_cast<int>(row % p.seqlen_q);
+  const int h = static_cast<int>((row / p.seqlen_q) % p.heads_q);
+  const int b = static_cast<int>(row / (int64_t(p.seqlen_q) * p.heads_q));
+  const SeqInfo seq(p, idx < total ? b : 0);  // (cu_seqlens has batch + 1 entries)
+  // No early return: the whole warp takes part in the non-finite vote below.
+  const bool valid = idx < total && i < seq.seqlen_q;
+  bool bad = false;
+  if (valid) bad = convert_dq_chunk<T>(p, seq, b, h, i, chunk * 8);
+  // The non-finite rule (nonfinite_fixup.cuh): the rows of the chunks with a NaN / inf, exactly.
+  if (__any_sync(0xffffffffu, bad)) fix_dq_chunks<T>(p, valid, bad, valid ? row : -1, chunk, threadIdx.x & 31);
 }
 
 // Reads a[0, n) of a per-row float vector into shared memory, 4 bytes per
@@ -328,10 +368,17 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
   }
 
   // Epilogue: stage dK (scaled) and dV through sK / sV, then 16-byte stores.
+  const bool bad = nonfinite::any_bad(acc_dk) || nonfinite::any_bad(acc_dv);
   __syncthreads();
   store_acc<TileKV>(sK, acc_dk, v_key0, v_col0, lane, p.softmax_scale);
   store_acc<TileKV>(sV, acc_dv, v_key0, v_col0, lane);
-  __syncthreads();
+  // The non-finite rule (nonfinite_fixup.cuh): a warp's tile is not whole rows
+  // here, so the vote is the CTA's; the warps then share the rows.
+  if (__syncthreads_or(bad)) {
+    nonfinite::fix_key_rows<TileKV, (kHeadDim + 31) / 32>(nonfinite::fixup_args(p, seq, b), h_kv, n0, warp, kBlockN,
+                                                          kNThreads / 32, keys, sK, sV, d0, d0 + Kt::kDOut, lane);
+    __syncthreads();
+  }
   store_tile<TileKV, kNThreads, Kt::kDOut>(gdK, p.dk_row_stride, sK, keys, p.head_dim, tid, d0);
   store_tile<TileKV, kNThreads, Kt::kDOut>(gdV, p.dv_row_stride, sV, keys, p.head_dim, tid, d0);
 }
@@ -441,7 +488,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dq_kernel(const At
   // (once the Q load has surely landed: the loop may not have run).
   cp_async_wait<0>();
   __syncthreads();
+  const bool bad = nonfinite::any_bad(acc_dq);
   store_acc<TileQ>(sQ, acc_dq, warp_row0, 0, lane, p.softmax_scale);
+  // The non-finite rule (nonfinite_fixup.cuh): this warp's rows, exactly, if one holds a NaN / inf.
+  if (__any_sync(0xffffffffu, bad))
+    nonfinite::fix_dq_rows<TileQ, (kHeadDim + 31) / 32>(nonfinite::fixup_args(p, seq, b), h, m0, warp_row0,
+                                                        Kt::kRowsPerWarp, rows, sQ, lane);
   __syncthreads();
   store_tile<TileQ, kNThreads>(gdQ, p.dq_row_stride, sQ, rows, p.head_dim, tid);
 }

@@ -32,6 +32,7 @@
 
 #include "../kvcache_params.h"
 #include "decode_dispatch.h"
+#include "nonfinite_fixup.cuh"
 #include "softmax.cuh"
 #include "tile.cuh"
 
@@ -331,6 +332,7 @@ __global__ void __launch_bounds__(Kt::kNThreads) flash_decode_kernel(const Kvcac
   // (num_splits == 1) or this split's fp32 partial.
   const int64_t rows_total = int64_t(p.batch) * p.heads_q * p.seqlen_q;
   constexpr int kChunksPerRow = kHeadDim / 8;
+  bool bad = false;  // a non-finite value in a final output row (see the end)
   for (int idx = tid; idx < kBlockM * kChunksPerRow; idx += kNThreads) {
     const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
     if (r >= rows || c >= p.head_dim) continue;
@@ -349,6 +351,8 @@ __global__ void __launch_bounds__(Kt::kNThreads) flash_decode_kernel(const Kvcac
       T* dst = static_cast<T*>(p.o_ptr) + b * p.o_batch_stride + qi * p.o_row_stride + head * p.o_head_stride + c;
       *reinterpret_cast<uint4*>(dst) =
           make_uint4(pack2<T>(o[0], o[1]), pack2<T>(o[2], o[3]), pack2<T>(o[4], o[5]), pack2<T>(o[6], o[7]));
+#pragma unroll
+      for (int e = 0; e < 8; ++e) bad |= nonfinite::is_bad(o[e]);
     } else {
       const int64_t row = split * rows_total + (int64_t(b) * p.heads_q + head) * p.seqlen_q + qi;
       float4* dst = reinterpret_cast<float4*>(p.o_accum + row * p.head_dim + c);
@@ -367,18 +371,31 @@ __global__ void __launch_bounds__(Kt::kNThreads) flash_decode_kernel(const Kvcac
       p.lse_accum[split * rows_total + row] = lse;
     }
   }
+  // The non-finite rule (nonfinite_fixup.cuh): a row of the CTA's rows
+  // [lo_cta, hi_cta) does not see may still reach it as 0 * NaN in P V. With
+  // one split the rows holding a NaN / inf are recomputed here, once every
+  // thread's stores are done (the barrier); with several, in the combine kernel.
+  if (p.num_splits == 1 && __syncthreads_or(bad)) {
+    const nonfinite::DecodeFixupArgs args = nonfinite::decode_fixup_args(p);
+    for (int r = warp; r < rows; r += kNWarps) {
+      const int packed = m0 + r;
+      nonfinite::fix_decode_row<(kHeadDim + 31) / 32, T>(args, b, h_kv * ratio + packed % ratio, packed / ratio, lane);
+    }
+  }
 }
 
 // Merges the splits of every output row (batch, head, query): one warp per
 // row. With lse_s the splits' log2-sum-exps and L = log2(sum_s 2^lse_s), the
 // output is sum_s 2^(lse_s - L) O_s and lse = L ln 2; a row no split saw a key
 // of gets zeros and -inf.
+// (At most 64 registers: the slow path's call would otherwise set the register count.)
 template <typename T>
-__global__ void __launch_bounds__(128) flash_decode_combine_kernel(const KvcacheParams p) {
+__global__ void __launch_bounds__(128, 8) flash_decode_combine_kernel(const KvcacheParams p) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t rows_total = int64_t(p.batch) * p.heads_q * p.seqlen_q;
   const int64_t row = int64_t(blockIdx.x) * 4 + warp;
-  if (row >= rows_total) return;
+  if (row >= rows_total) return;  // (whole warps: the vote at the end sees all 32 lanes)
+  bool bad = false;
   const int splits = p.num_splits;
   const float* lse_s = p.lse_accum + row;  // split s at lse_s[s * rows_total]
 
@@ -413,8 +430,12 @@ __global__ void __launch_bounds__(128) flash_decode_combine_kernel(const Kvcache
       acc.x += w * o.x, acc.y += w * o.y, acc.z += w * o.z, acc.w += w * o.w;
     }
     *reinterpret_cast<uint2*>(out + c) = make_uint2(pack2<T>(acc.x, acc.y), pack2<T>(acc.z, acc.w));
+    bad |= nonfinite::is_bad(acc.x) || nonfinite::is_bad(acc.y) || nonfinite::is_bad(acc.z) || nonfinite::is_bad(acc.w);
   }
   if (lane == 0) static_cast<float*>(p.lse_ptr)[row] = lse * 0.6931471805599453f;
+  // The non-finite rule (nonfinite_fixup.cuh): a row with a NaN / inf is
+  // recomputed exactly over its visible keys (after its stores above, same warp).
+  if (__any_sync(0xffffffffu, bad)) nonfinite::fix_decode_row<8, T>(nonfinite::decode_fixup_args(p), b, head, qi, lane);
 }
 
 template <typename Kernel>

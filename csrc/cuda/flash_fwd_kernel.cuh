@@ -16,6 +16,7 @@
 #include "../flash_params.h"
 #include "kernel_traits.h"
 #include "mask.cuh"
+#include "nonfinite_fixup.cuh"
 #include "softmax.cuh"
 #include "tile.cuh"
 
@@ -166,6 +167,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
   float row_lse[kMT][2];
   cp_async_wait<0>();  // only empty groups can remain
   softmax.finalize(acc_o, p.softmax_scale_log2, positive_scale, row_lse);
+  const bool bad = nonfinite::any_bad(acc_o);
   store_acc<TileQ>(sQ, acc_o, warp_row0, 0, lane);
   if (t == 0) {
 #pragma unroll
@@ -176,6 +178,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
         if (r < rows) gLse[r] = row_lse[mi][hh];
       }
   }
+  // The non-finite rule (nonfinite_fixup.cuh): this warp's rows, exactly, if one holds a NaN / inf.
+  if (__any_sync(0xffffffffu, bad))
+    nonfinite::fix_fwd_rows<TileQ, (kHeadDim + 31) / 32>(nonfinite::fixup_args(p, seq, b), h, m0, warp_row0,
+                                                         Kt::kRowsPerWarp, rows, sQ, lane);
   __syncthreads();
   store_tile<TileQ, kNThreads>(gO, p.o_row_stride, sQ, rows, p.head_dim, tid);
 }

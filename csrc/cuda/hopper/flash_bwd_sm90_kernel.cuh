@@ -29,6 +29,7 @@
 #pragma once
 
 #include "../flash_bwd_kernel.cuh"
+#include "../nonfinite_fixup.cuh"
 #include "bwd_sm90_common.cuh"
 #include "wgmma.cuh"
 
@@ -220,9 +221,14 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_bwd_
   }
 
   // Epilogue: stage dK (scaled) and dV through sK / sV, then 16-byte stores.
+  const bool bad = nonfinite::any_bad(acc_dk) || nonfinite::any_bad(acc_dv);
   __syncthreads();
   store_acc<TileKV>(sK, acc_dk, warp_key0, 0, lane, p.softmax_scale);
   store_acc<TileKV>(sV, acc_dv, warp_key0, 0, lane);
+  // The non-finite rule (../nonfinite_fixup.cuh): this warp's 16 keys, exactly, if one holds a NaN / inf.
+  if (__any_sync(0xffffffffu, bad))
+    nonfinite::fix_key_rows<TileKV, (kHeadDim + 31) / 32>(nonfinite::fixup_args(p, seq, b), h_kv, n0, warp_key0,
+                                                          warp_key0 + 16, 1, keys, sK, sV, 0, kHeadDim, lane);
   __syncthreads();
   store_tile<TileKV, kNThreads>(gdK, p.dk_row_stride, sK, keys, p.head_dim, tid);
   store_tile<TileKV, kNThreads>(gdV, p.dv_row_stride, sV, keys, p.head_dim, tid);

@@ -56,6 +56,7 @@
 
 #include "../../flash_params.h"
 #include "../flash_bwd_kernel.cuh"
+#include "../nonfinite_fixup.cuh"
 #include "bwd_sm90_common.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
@@ -389,9 +390,15 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   }
 
   // Epilogue: dK (scaled) and dV through sK / sV once both warpgroups are done reading them.
+  const bool bad = nonfinite::any_bad(acc_dk) || nonfinite::any_bad(acc_dv);
   named_barrier_sync(kEpilogueBar, kConsumerThreads);
   store_acc<TileKV>(sK, acc_dk, warp_key0, 0, lane, p.softmax_scale);
   store_acc<TileKV>(sV, acc_dv, warp_key0, 0, lane);
+  // The non-finite rule (../nonfinite_fixup.cuh): this warp's 16 keys, exactly, if one holds a NaN / inf.
+  if (__any_sync(0xffffffffu, bad))
+    nonfinite::fix_key_rows<TileKV, (kHeadDim + 31) / 32>(nonfinite::fixup_args(p, SeqInfo(p, b, false), b), h_kv, n0,
+                                                          warp_key0, warp_key0 + 16, 1, keys, sK, sV, 0, kHeadDim,
+                                                          lane);
   named_barrier_sync(kEpilogueBar, kConsumerThreads);
   T* gdK = static_cast<T*>(p.dk_ptr) + b * p.dk_batch_stride + h_kv * p.dk_head_stride + n0 * p.dk_row_stride;
   T* gdV = static_cast<T*>(p.dv_ptr) + b * p.dv_batch_stride + h_kv * p.dv_head_stride + n0 * p.dv_row_stride;
@@ -402,8 +409,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 
 // dq[b, i, h, :] = scale * the accumulator, read in DqFragLayout order: one
 // CTA of 128 threads per 64 x 64 block of a (query block, head, batch).
+// (At most 64 registers: see convert_dq_kernel.)
 template <typename Kt>
-__global__ void __launch_bounds__(128) convert_dq_frag_kernel(const AttnBwdParams p) {
+__global__ void __launch_bounds__(128, 8) convert_dq_frag_kernel(const AttnBwdParams p) {
   using T = typename Kt::Element;
   const int m_blocks = ceil_div(p.seqlen_q, Kt::kBlockM);
   int64_t idx = blockIdx.x;
@@ -419,6 +427,7 @@ __global__ void __launch_bounds__(128) convert_dq_frag_kernel(const AttnBwdParam
   const int col0 = (block % Kt::kDqColBlocks) * 64 + 2 * t;
   const int row0 = mb * Kt::kBlockM + (block / Kt::kDqColBlocks) * 64 + (thr / 32) * 16 + g;
   const float s = p.softmax_scale;
+  bool bad[2] = {false, false};
 #pragma unroll
   for (int di = 0; di < 8; ++di)
 #pragma unroll
@@ -429,7 +438,20 @@ __global__ void __launch_bounds__(128) convert_dq_frag_kernel(const AttnBwdParam
       T* dq = static_cast<T*>(p.dq_ptr) + b * p.dq_batch_stride + int64_t(row) * p.dq_row_stride +
               h * p.dq_head_stride + col;
       *reinterpret_cast<uint32_t*>(dq) = pack2<T>(v.x * s, v.y * s);
+      bad[hh] |= nonfinite::is_bad(v.x) || nonfinite::is_bad(v.y);
     }
+  // The non-finite rule (../nonfinite_fixup.cuh): this warp's rows (16, this
+  // block's 64 columns) with a NaN / inf, exactly, after their normal stores.
+  if (__any_sync(0xffffffffu, bad[0] || bad[1])) {
+    const int c_lo = (block % Kt::kDqColBlocks) * 64, r_first = row0 - g;
+    for (int rr = 0; rr < 16; ++rr) {
+      const int row = r_first + rr;
+      if (!__any_sync(0xffffffffu, g == (rr & 7) && (rr < 8 ? bad[0] : bad[1])) || row >= p.seqlen_q) continue;
+      T* dq = static_cast<T*>(p.dq_ptr) + b * p.dq_batch_stride + int64_t(row) * p.dq_row_stride + h * p.dq_head_stride;
+      nonfinite::fix_dq_row_global<(Kt::kHeadDim + 31) / 32, T>(nonfinite::fixup_args(p, SeqInfo(p, b, false), b), h,
+                                                                row, dq, c_lo, c_lo + 64, lane);
+    }
+  }
 }
 
 }  // namespace flashattn

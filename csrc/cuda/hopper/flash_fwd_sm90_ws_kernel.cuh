@@ -37,6 +37,7 @@
 
 #include "../../flash_params.h"
 #include "../mask.cuh"
+#include "../nonfinite_fixup.cuh"
 #include "../softmax.cuh"
 #include "../tile.cuh"
 #include "tile_scheduler.cuh"
@@ -269,6 +270,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     // ---- epilogue -----------------------------------------------------------
     float row_lse[1][2];
     softmax.finalize(acc_o, p.softmax_scale_log2, positive_scale, row_lse);
+    const bool bad = nonfinite::any_bad(acc_o);
     if (Kt::kSeparateO) {
       // This consumer's previous O store must have finished reading its rows of sO.
       if (elected) tma_store_wait_read();
@@ -285,6 +287,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         if (r < tl.rows) gLse[r] = row_lse[0][hh];
       }
     }
+    // The non-finite rule (../nonfinite_fixup.cuh): this warp's 16 rows of the
+    // staged O, exactly, if one holds a NaN / inf (before the TMA store reads them).
+    if (__any_sync(0xffffffffu, bad))
+      nonfinite::fix_fwd_rows<TileQ, (kHeadDim + 31) / 32>(nonfinite::fixup_args(p, SeqInfo(p, tl.b, false), tl.b),
+                                                           tl.h, m0, warp_row0, 16, tl.rows, sO, lane);
     fence_proxy_async_smem();  // the TMA store (async proxy) reads what st.shared wrote
     named_barrier_sync(kEpilogueBar + cwg, 128);
     if (elected) {
