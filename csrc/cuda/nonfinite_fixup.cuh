@@ -217,8 +217,8 @@ __device__ __forceinline__ float prob(float s, float lse) { return lse == -INFIN
 // dK_j (scaled) and dV_j of key j of kv head h_kv: sums over the query heads of
 // its GQA group and the queries that see j.
 template <int kPer, typename T>
-__device__ __forceinline__ void grad_key_row(float (&dk)[kPer], float (&dv)[kPer], const FixupArgs& a, int h_kv,
-                                             int j, int lane) {
+__device__ __forceinline__ void grad_key_row(float (&dk)[kPer], float (&dv)[kPer], const FixupArgs& a, int h_kv, int j,
+                                             int lane) {
   const int d = a.head_dim;
   float k[kPer], v[kPer];
   load_row(k, k_row<T>(a, h_kv, j), d, lane);
@@ -273,8 +273,8 @@ __device__ __forceinline__ void grad_query_row(float (&dq)[kPer], const FixupArg
 // is recomputed there, and its lse in global memory (after the kernel's own
 // write of it by this warp). Whole warp; the caller has written the rows.
 template <typename Tile, int kPer, typename T>
-__device__ FLASHATTN_NONFINITE_SLOW void fix_fwd_rows(FixupArgs a, int h, int m0, int r0, int nrows, int rows_valid, T* tile,
-                                          int lane) {
+__device__ FLASHATTN_NONFINITE_SLOW void fix_fwd_rows(FixupArgs a, int h, int m0, int r0, int nrows, int rows_valid,
+                                                      T* tile, int lane) {
   __syncwarp();
   const int d = a.head_dim, h_kv = h / a.ratio;
   for (int r = r0; r < r0 + nrows && r < rows_valid; ++r) {
@@ -297,8 +297,9 @@ __device__ FLASHATTN_NONFINITE_SLOW void fix_fwd_rows(FixupArgs a, int h, int m0
 // tile_dv over the columns [c_lo, c_hi) (the CTA's head-dim slice): a row
 // with a non-finite value in either is recomputed in both.
 template <typename Tile, int kPer, typename T>
-__device__ FLASHATTN_NONFINITE_SLOW void fix_key_rows(FixupArgs a, int h_kv, int n0, int r0, int r_end, int step, int keys_valid,
-                                          T* tile_dk, T* tile_dv, int c_lo, int c_hi, int lane) {
+__device__ FLASHATTN_NONFINITE_SLOW void fix_key_rows(FixupArgs a, int h_kv, int n0, int r0, int r_end, int step,
+                                                      int keys_valid, T* tile_dk, T* tile_dv, int c_lo, int c_hi,
+                                                      int lane) {
   __syncwarp();
   c_hi = min(c_hi, a.head_dim);
   for (int r = r0; r < r_end && r < keys_valid; r += step) {
@@ -321,8 +322,8 @@ __device__ FLASHATTN_NONFINITE_SLOW void fix_key_rows(FixupArgs a, int h_kv, int
 // Backward dQ staged in a tile (the deterministic mma.sync dQ kernel): rows
 // [r0, r0 + nrows) (< rows_valid) of the query block at m0 of head h.
 template <typename Tile, int kPer, typename T>
-__device__ FLASHATTN_NONFINITE_SLOW void fix_dq_rows(FixupArgs a, int h, int m0, int r0, int nrows, int rows_valid, T* tile,
-                                         int lane) {
+__device__ FLASHATTN_NONFINITE_SLOW void fix_dq_rows(FixupArgs a, int h, int m0, int r0, int nrows, int rows_valid,
+                                                     T* tile, int lane) {
   __syncwarp();
   const int d = a.head_dim;
   for (int r = r0; r < r0 + nrows && r < rows_valid; ++r) {
@@ -340,7 +341,8 @@ __device__ FLASHATTN_NONFINITE_SLOW void fix_dq_rows(FixupArgs a, int h, int m0,
 // conversion kernels): query i of head h, columns [c_lo, c_hi), at dq_row
 // (column 0). Called by the whole warp after its own normal writes of them.
 template <int kPer, typename T>
-__device__ FLASHATTN_NONFINITE_SLOW void fix_dq_row_global(FixupArgs a, int h, int i, T* dq_row, int c_lo, int c_hi, int lane) {
+__device__ FLASHATTN_NONFINITE_SLOW void fix_dq_row_global(FixupArgs a, int h, int i, T* dq_row, int c_lo, int c_hi,
+                                                           int lane) {
   __syncwarp();
   float dq[kPer];
   grad_query_row<kPer, T>(dq, a, h, i, lane);

@@ -48,6 +48,7 @@
 
 #include "../../flash_params.h"
 #include "../flash_bwd_kernel.cuh"
+#include "../nonfinite_fixup.cuh"
 #include "bwd_sm90_common.cuh"
 #include "flash_bwd_sm90_ws_kernel.cuh"
 #include "tma.cuh"
@@ -413,9 +414,16 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   }
 
   // Epilogue: this half of dK (scaled) and dV through sK / sV once both consumers are done reading them.
+  const bool bad = nonfinite::any_bad(acc_dk) || nonfinite::any_bad(acc_dv);
   named_barrier_sync(kEpilogueBar, kConsumerThreads);
   store_acc<TileKV>(sK, acc_dk, warp_key0, cwg * kHalf, lane, p.softmax_scale);
   store_acc<TileKV>(sV, acc_dv, warp_key0, cwg * kHalf, lane);
+  // The non-finite rule (../nonfinite_fixup.cuh): this warp's 16 keys over this
+  // consumer's columns, exactly, if one holds a NaN / inf.
+  if (__any_sync(0xffffffffu, bad))
+    nonfinite::fix_key_rows<TileKV, (Kt::kHeadDim + 31) / 32>(nonfinite::fixup_args(p, SeqInfo(p, b, false), b), h_kv,
+                                                              n0, warp_key0, warp_key0 + 16, 1, keys, sK, sV,
+                                                              cwg * kHalf, cwg * kHalf + kHalf, lane);
   named_barrier_sync(kEpilogueBar, kConsumerThreads);
   T* gdK = static_cast<T*>(p.dk_ptr) + b * p.dk_batch_stride + h_kv * p.dk_head_stride + n0 * p.dk_row_stride;
   T* gdV = static_cast<T*>(p.dv_ptr) + b * p.dv_batch_stride + h_kv * p.dv_head_stride + n0 * p.dv_row_stride;
