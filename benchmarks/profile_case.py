@@ -5,7 +5,9 @@ shapes: bf16, 16k tokens, heads = 2048 / head_dim). Under Nsight Compute:
     ncu --clock-control none -k regex:flash_bwd_sm90 -c 1 --section WarpStateStats \\
         --section SourceCounters python3 benchmarks/profile_case.py --d 128 --n 4096 --bwd
 
-Without a profiler it prints the case's time per call (CUDA events)."""
+Without a profiler it prints the case's time per call (CUDA events); with
+--kernels, torch.profiler's per-kernel GPU times of the same calls (ours, then
+cuDNN's through torch's SDPA), to see what besides the main kernel a call runs."""
 
 import argparse
 
@@ -19,6 +21,7 @@ ap.add_argument("--n", type=int, default=4096)
 ap.add_argument("--causal", action="store_true")
 ap.add_argument("--bwd", action="store_true", help="run forward and backward")
 ap.add_argument("--iters", type=int, default=3)
+ap.add_argument("--kernels", action="store_true", help="per-kernel GPU times (torch.profiler), ours and cuDNN's")
 args = ap.parse_args()
 
 heads = 2048 // args.d
@@ -45,3 +48,27 @@ for _ in range(args.iters):
 end.record()
 torch.cuda.synchronize()
 print(f"d{args.d} n{args.n} causal={args.causal} bwd={args.bwd}: {start.elapsed_time(end) / args.iters:.3f} ms a call")
+
+if args.kernels:
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.profiler import ProfilerActivity, profile
+
+    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(args.bwd) for x in (q, k, v))
+    dout_t = dout.transpose(1, 2)
+
+    def cudnn_step():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=args.causal)
+            if args.bwd:
+                torch.autograd.grad(out, (qt, kt, vt), dout_t)
+
+    for name, fn in (("ours", step), ("cudnn", cudnn_step)):
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.iters):
+                fn()
+            torch.cuda.synchronize()
+        print(f"--- {name}: GPU time per kernel, summed over {args.iters} calls")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
