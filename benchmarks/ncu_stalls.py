@@ -7,8 +7,8 @@ Prints the samples per SASS opcode and the instructions with the most samples
     python3 benchmarks/ncu_stalls.py source.csv [--top 30]"""
 
 import argparse
-import csv
 import collections
+import csv
 import sys
 
 ap = argparse.ArgumentParser(description=__doc__)
