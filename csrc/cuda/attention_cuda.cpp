@@ -7,6 +7,7 @@
 
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "../attention_api.h"
 #include "binding_util.h"
@@ -46,24 +47,24 @@ int device_arch(const at::Tensor& q) {
   return (arch == 90 && env_flag("FLASHATTN_DISABLE_SM90")) ? 80 : arch;
 }
 
-// Runs the forward (backward) kernel of q's dtype and kernel head dim kdim on
-// the current stream, and checks that it launched.
-void launch_fwd(const AttnFwdParams& params, int kdim, const at::Tensor& q) {
+// Runs the forward kernel (AttnFwdParams) or the backward kernel
+// (AttnBwdParams) of q's dtype and kernel head dim kdim on the current stream,
+// and checks that it launched.
+template <typename Params>
+void launch(const Params& params, int kdim, const at::Tensor& q) {
+  constexpr bool kBackward = std::is_same_v<Params, AttnBwdParams>;
   const auto stream = at::cuda::getCurrentCUDAStream().stream();
   const cudaError_t err = with_element_type(q.scalar_type(), [&](auto elem) {
-    return with_kernel_head_dim(
-        kdim, [&](auto dim) { return run_fwd<decltype(elem), decltype(dim)::value>(params, stream); });
+    return with_kernel_head_dim(kdim, [&](auto dim) {
+      using T = decltype(elem);
+      if constexpr (kBackward) {
+        return run_bwd<T, decltype(dim)::value>(params, stream);
+      } else {
+        return run_fwd<T, decltype(dim)::value>(params, stream);
+      }
+    });
   });
-  check_launch(err, "forward", kdim, q);
-}
-
-void launch_bwd(const AttnBwdParams& params, int kdim, const at::Tensor& q) {
-  const auto stream = at::cuda::getCurrentCUDAStream().stream();
-  const cudaError_t err = with_element_type(q.scalar_type(), [&](auto elem) {
-    return with_kernel_head_dim(
-        kdim, [&](auto dim) { return run_bwd<decltype(elem), decltype(dim)::value>(params, stream); });
-  });
-  check_launch(err, "backward", kdim, q);
+  check_launch(err, kBackward ? "backward" : "forward", kdim, q);
 }
 
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
@@ -82,7 +83,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   params.device_arch = device_arch(q);
   params.allow_tma = !env_flag("FLASHATTN_DISABLE_TMA");
   params.fwd_boustrophedon = env_flag("FLASHATTN_FWD_BOUSTROPHEDON");
-  launch_fwd(params, kdim, q);
+  launch(params, kdim, q);
   return {unpad(out, head_dim), lse};
 }
 
@@ -137,7 +138,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_i
     params.dq_accum_head_stride = dq_accum.stride(1);
     params.dq_accum_row_stride = dq_accum.stride(2);
   }
-  launch_bwd(params, kdim, q);
+  launch(params, kdim, q);
   return {unpad(dq, head_dim), unpad(dk, head_dim), unpad(dv, head_dim)};
 }
 
@@ -170,7 +171,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(const at::Tensor& q_in, const
   auto params = make_varlen_fwd_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                        softmax_scale, mask);
   params.device_arch = device_arch(q);
-  launch_fwd(params, kdim, q);
+  launch(params, kdim, q);
   return {unpad(out, head_dim)[0], lse};
 }
 
@@ -212,7 +213,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
     params.dq_accum_head_stride = dq_accum.stride(0);
     params.dq_accum_row_stride = dq_accum.stride(1);
   }
-  launch_bwd(params, kdim, q);
+  launch(params, kdim, q);
   return {unpad(dq, head_dim)[0], unpad(dk, head_dim)[0], unpad(dv, head_dim)[0]};
 }
 
