@@ -67,6 +67,19 @@ void launch(const Params& params, int kdim, const at::Tensor& q) {
   check_launch(err, kBackward ? "backward" : "forward", kdim, q);
 }
 
+// Whether run_bwd tries the warp-specialized backward for params at q's dtype
+// and kernel head dim kdim (bwd_tries_sm90_ws, dispatch.h).
+bool tries_sm90_ws(const AttnBwdParams& params, int kdim, const at::Tensor& q) {
+  bool tries = false;
+  with_element_type(q.scalar_type(), [&](auto elem) {
+    return with_kernel_head_dim(kdim, [&](auto dim) {
+      tries = bwd_tries_sm90_ws<decltype(elem), decltype(dim)::value>(params);
+      return cudaSuccess;
+    });
+  });
+  return tries;
+}
+
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                             double softmax_scale, int64_t window_left, int64_t window_right,
                                             bool bottom_right) {
@@ -108,22 +121,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_i
   const int64_t batch = q.size(0), seqlen_q = q.size(1), heads_q = q.size(2);
   auto f32 = q.options().dtype(at::kFloat);
   auto dsum = at::empty({batch, heads_q, seqlen_q}, f32);
-  // dQ accumulates in fp32 across key blocks: rows padded to the kernel's
-  // query block, columns to the kernel head dim (atomics touch all of them).
-  const int64_t seqlen_q_padded = (seqlen_q + kBwdBlockM - 1) / kBwdBlockM * kBwdBlockM;
-  // Whole 64-column blocks: the Hopper kernels add dQ in 64 x 64 blocks (at
-  // head dim 96 the 128-wide kernel runs, its padding columns zero).
-  const int64_t dq_accum_cols = (kdim + 63) / 64 * 64;
-  // bwd_preprocess_kernel zeroes the part of it that is read back. The
-  // deterministic backward needs it only on sm90 (the warp-specialized kernel
-  // adds dQ in a fixed order, counted by the semaphores); elsewhere it runs a
-  // separate dQ pass.
-  const bool hopper = device_arch(q) == 90;
-  at::Tensor dq_accum =
-      deterministic && !hopper ? at::Tensor() : at::empty({batch, heads_q, seqlen_q_padded, dq_accum_cols}, f32);
-  at::Tensor dq_semaphore = deterministic && hopper
-                                ? at::zeros({batch, heads_q, (seqlen_q + 63) / 64}, q.options().dtype(at::kInt))
-                                : at::Tensor();
   check_grid((k.size(1) + 63) / 64 * 2 * batch * k.size(2), "backward");
   check_grid((seqlen_q + 63) / 64 * batch * heads_q, "backward");
 
@@ -131,6 +128,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_i
   params.dsum_ptr = dsum.data_ptr();
   params.device_arch = device_arch(q);
   params.allow_tma = !env_flag("FLASHATTN_DISABLE_TMA");
+  // dQ accumulates in fp32 across key blocks: rows padded to the kernel's
+  // query block, columns to the kernel head dim (atomics touch all of them);
+  // bwd_preprocess_kernel (before the warp-specialized kernel, a memset)
+  // zeroes what is read back. Every non-deterministic path adds into it. The
+  // deterministic backward needs it, and the zeroed int32 counters of its
+  // fixed add order, only where run_bwd tries the warp-specialized kernel
+  // (bwd_tries_sm90_ws, the dispatch's own rule). Elsewhere (a head dim
+  // without that kernel, FLASHATTN_DISABLE_TMA, FLASHATTN_DISABLE_SM90, a
+  // build without sm90a, a device other than sm90) it runs the mma.sync dK/dV
+  // kernel and a separate dQ pass that writes dQ itself, as it also does when
+  // the warp-specialized kernel declines a layout TMA cannot describe.
+  const bool sm90_ws = tries_sm90_ws(params, kdim, q);
+  const int64_t seqlen_q_padded = (seqlen_q + kBwdBlockM - 1) / kBwdBlockM * kBwdBlockM;
+  // Whole 64-column blocks: the Hopper kernels add dQ in 64 x 64 blocks (at
+  // head dim 96 the 128-wide kernel runs, its padding columns zero).
+  const int64_t dq_accum_cols = (kdim + 63) / 64 * 64;
+  at::Tensor dq_accum =
+      deterministic && !sm90_ws ? at::Tensor() : at::empty({batch, heads_q, seqlen_q_padded, dq_accum_cols}, f32);
+  at::Tensor dq_semaphore = deterministic && sm90_ws
+                                ? at::zeros({batch, heads_q, (seqlen_q + 63) / 64}, q.options().dtype(at::kInt))
+                                : at::Tensor();
   if (dq_semaphore.defined()) params.dq_semaphore_ptr = dq_semaphore.data_ptr<int>();
   if (dq_accum.defined()) {
     params.dq_accum_ptr = dq_accum.data_ptr();
@@ -199,6 +217,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   auto dsum = at::empty({heads_q, total_q}, f32);
   // Each sequence's dQ accumulator rows are followed by kBwdBlockM padding
   // rows of its own (flash_params.h); bwd_preprocess_kernel zeroes the rows read back.
+  // The warp-specialized kernel takes no varlen batch (bwd_tries_sm90_ws is
+  // false for them): no dQ semaphores, and the deterministic backward runs the
+  // mma.sync dQ pass, which needs no accumulator.
   at::Tensor dq_accum = deterministic ? at::Tensor() : at::empty({heads_q, total_q + batch * kBwdBlockM, kdim}, f32);
   check_grid((max_seqlen_k + 63) / 64 * 2 * batch * k.size(2), "backward");
   check_grid((max_seqlen_q + 63) / 64 * batch * heads_q, "backward");
