@@ -3,109 +3,22 @@
 // allocation, and the dispatch to one (dtype, head dim) instantiation.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <torch/library.h>
 
 #include <cstdlib>
 #include <string>
 #include <type_traits>
-#include <utility>
 
 #include "../attention_api.h"
+#include "binding_util.h"
 #include "dispatch.h"
 
 namespace flashattn {
 namespace {
 
-const BackendSpec kCudaSpec{
-    "CUDA",
-    {at::kHalf, at::kBFloat16},
-    "; cast float32 inputs to bfloat16 or float16 (flashattn_ext.scaled_dot_product_attention falls back to "
-    "torch for float32 on CUDA)"};
-
-// The head dims of the kernels compiled into this build, ascending
-// (setup.py: FLASHATTN_HEAD_DIMS, from csrc/cuda/generate_instantiations.py).
-#ifndef FLASHATTN_HDIMS
-#define FLASHATTN_HDIMS
-#endif
-template <int... kDims>
-struct HeadDimList {};
-using CompiledHeadDims = HeadDimList<FLASHATTN_HDIMS>;
-
-template <int... kDims>
-int smallest_at_least(HeadDimList<kDims...>, int64_t head_dim) {
-  int found = 0;
-  ((found == 0 && kDims >= head_dim ? (found = kDims) : 0), ...);
-  return found;
-}
-
-// The smallest compiled kernel head dim that holds head_dim (the kernels
-// zero-fill the columns past head_dim).
-int kernel_head_dim(int64_t head_dim) {
-  const int found = smallest_at_least(CompiledHeadDims{}, head_dim);
-  TORCH_CHECK_VALUE(found != 0, "flashattn_ext: no CUDA kernel for head_dim ", head_dim,
-                    " in this build (compiled head dims: " FLASHATTN_HEAD_DIMS
-                    "); rebuild with FLASHATTN_HEAD_DIMS including a head dim >= ",
-                    head_dim);
-  return found;
-}
-
-void check_device(const at::Tensor& q) {
-  const auto* prop = at::cuda::getDeviceProperties(q.device().index());
-  TORCH_CHECK(prop->major >= 8,
-              "flashattn_ext: the CUDA kernels need compute capability 8.0 or newer (mma.sync bf16); ", "device ",
-              q.device(), " is ", prop->major, ".", prop->minor);
-}
-
-// The kernels move 16-byte chunks: every row of every operand must start
-// 16-byte aligned and the head dim must be a multiple of 8. Inputs that are
-// not so (odd head dims, views with odd strides) are copied into a padded
-// contiguous buffer; the fast path (any layout with head_dim % 8 == 0 and
-// strides that are multiples of 8) uses the tensors as they are.
-bool kernel_ready(const at::Tensor& t) {
-  if (t.size(3) % 8 != 0) return false;
-  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
-  for (int i = 0; i < 3; ++i)
-    if (t.size(i) > 1 && t.stride(i) % 8 != 0) return false;
-  return true;
-}
-
-at::Tensor make_kernel_ready(const at::Tensor& t) {
-  if (kernel_ready(t)) return t;
-  const int64_t pad = (8 - t.size(3) % 8) % 8;
-  if (pad == 0) return t.clone(at::MemoryFormat::Contiguous);
-  return at::constant_pad_nd(t, {0, pad}, 0).contiguous();
-}
-
-// Undoes the head-dim padding of an output.
-at::Tensor unpad(const at::Tensor& t, int64_t head_dim) {
-  return t.size(3) == head_dim ? t : t.narrow(3, 0, head_dim).contiguous();
-}
-
 void check_grid(int64_t blocks, const char* what) {
   TORCH_CHECK_VALUE(blocks <= INT32_MAX, "flashattn_ext: the ", what, " needs ", blocks,
                     " thread blocks, more than a CUDA grid holds (2^31 - 1); split the batch");
-}
-
-// Calls f(std::integral_constant<int, D>{}) for the compiled kernel head dim D
-// (FA2's static_switch idea: a run-time value becomes a template argument).
-template <int... kDims, typename F>
-cudaError_t with_head_dim_of(HeadDimList<kDims...>, int kernel_dim, F&& f) {
-  cudaError_t err = cudaErrorInvalidValue;
-  ((kernel_dim == kDims ? (err = f(std::integral_constant<int, kDims>{}), 0) : 0), ...);
-  return err;
-}
-
-template <typename F>
-cudaError_t with_kernel_head_dim(int kernel_dim, F&& f) {
-  return with_head_dim_of(CompiledHeadDims{}, kernel_dim, std::forward<F>(f));
-}
-
-// The same for the element type: bfloat16 or float16.
-template <typename F>
-cudaError_t with_element_type(at::ScalarType dtype, F&& f) {
-  return dtype == at::kBFloat16 ? f(__nv_bfloat16{}) : f(__half{});
 }
 
 // cudaFuncSetAttribute answers "invalid argument" when a kernel asks for more
@@ -134,6 +47,39 @@ int device_arch(const at::Tensor& q) {
   return (arch == 90 && env_flag("FLASHATTN_DISABLE_SM90")) ? 80 : arch;
 }
 
+// Runs the forward kernel (AttnFwdParams) or the backward kernel
+// (AttnBwdParams) of q's dtype and kernel head dim kdim on the current stream,
+// and checks that it launched.
+template <typename Params>
+void launch(const Params& params, int kdim, const at::Tensor& q) {
+  constexpr bool kBackward = std::is_same_v<Params, AttnBwdParams>;
+  const auto stream = at::cuda::getCurrentCUDAStream().stream();
+  const cudaError_t err = with_element_type(q.scalar_type(), [&](auto elem) {
+    return with_kernel_head_dim(kdim, [&](auto dim) {
+      using T = decltype(elem);
+      if constexpr (kBackward) {
+        return run_bwd<T, decltype(dim)::value>(params, stream);
+      } else {
+        return run_fwd<T, decltype(dim)::value>(params, stream);
+      }
+    });
+  });
+  check_launch(err, kBackward ? "backward" : "forward", kdim, q);
+}
+
+// Whether run_bwd tries the warp-specialized backward for params at q's dtype
+// and kernel head dim kdim (bwd_tries_sm90_ws, dispatch.h).
+bool tries_sm90_ws(const AttnBwdParams& params, int kdim, const at::Tensor& q) {
+  bool tries = false;
+  with_element_type(q.scalar_type(), [&](auto elem) {
+    return with_kernel_head_dim(kdim, [&](auto dim) {
+      tries = bwd_tries_sm90_ws<decltype(elem), decltype(dim)::value>(params);
+      return cudaSuccess;
+    });
+  });
+  return tries;
+}
+
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                             double softmax_scale, int64_t window_left, int64_t window_right,
                                             bool bottom_right) {
@@ -150,12 +96,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   params.device_arch = device_arch(q);
   params.allow_tma = !env_flag("FLASHATTN_DISABLE_TMA");
   params.fwd_boustrophedon = env_flag("FLASHATTN_FWD_BOUSTROPHEDON");
-  const auto stream = at::cuda::getCurrentCUDAStream().stream();
-  const cudaError_t err = with_element_type(q.scalar_type(), [&](auto elem) {
-    return with_kernel_head_dim(
-        kdim, [&](auto dim) { return run_fwd<decltype(elem), decltype(dim)::value>(params, stream); });
-  });
-  check_launch(err, "forward", kdim, q);
+  launch(params, kdim, q);
   return {unpad(out, head_dim), lse};
 }
 
@@ -180,22 +121,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_i
   const int64_t batch = q.size(0), seqlen_q = q.size(1), heads_q = q.size(2);
   auto f32 = q.options().dtype(at::kFloat);
   auto dsum = at::empty({batch, heads_q, seqlen_q}, f32);
-  // dQ accumulates in fp32 across key blocks: rows padded to the kernel's
-  // query block, columns to the kernel head dim (atomics touch all of them).
-  const int64_t seqlen_q_padded = (seqlen_q + kBwdBlockM - 1) / kBwdBlockM * kBwdBlockM;
-  // Whole 64-column blocks: the Hopper kernels add dQ in 64 x 64 blocks (at
-  // head dim 96 the 128-wide kernel runs, its padding columns zero).
-  const int64_t dq_accum_cols = (kdim + 63) / 64 * 64;
-  // bwd_preprocess_kernel zeroes the part of it that is read back. The
-  // deterministic backward needs it only on sm90 (the warp-specialized kernel
-  // adds dQ in a fixed order, counted by the semaphores); elsewhere it runs a
-  // separate dQ pass.
-  const bool hopper = device_arch(q) == 90;
-  at::Tensor dq_accum =
-      deterministic && !hopper ? at::Tensor() : at::empty({batch, heads_q, seqlen_q_padded, dq_accum_cols}, f32);
-  at::Tensor dq_semaphore = deterministic && hopper
-                                ? at::zeros({batch, heads_q, (seqlen_q + 63) / 64}, q.options().dtype(at::kInt))
-                                : at::Tensor();
   check_grid((k.size(1) + 63) / 64 * 2 * batch * k.size(2), "backward");
   check_grid((seqlen_q + 63) / 64 * batch * heads_q, "backward");
 
@@ -203,6 +128,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_i
   params.dsum_ptr = dsum.data_ptr();
   params.device_arch = device_arch(q);
   params.allow_tma = !env_flag("FLASHATTN_DISABLE_TMA");
+  // dQ accumulates in fp32 across key blocks: rows padded to the kernel's
+  // query block, columns to the kernel head dim (atomics touch all of them);
+  // bwd_preprocess_kernel (before the warp-specialized kernel, a memset)
+  // zeroes what is read back. Every non-deterministic path adds into it. The
+  // deterministic backward needs it, and the zeroed int32 counters of its
+  // fixed add order, only where run_bwd tries the warp-specialized kernel
+  // (bwd_tries_sm90_ws, the dispatch's own rule). Elsewhere (a head dim
+  // without that kernel, FLASHATTN_DISABLE_TMA, FLASHATTN_DISABLE_SM90, a
+  // build without sm90a, a device other than sm90) it runs the mma.sync dK/dV
+  // kernel and a separate dQ pass that writes dQ itself, as it also does when
+  // the warp-specialized kernel declines a layout TMA cannot describe.
+  const bool sm90_ws = tries_sm90_ws(params, kdim, q);
+  const int64_t seqlen_q_padded = (seqlen_q + kBwdBlockM - 1) / kBwdBlockM * kBwdBlockM;
+  // Whole 64-column blocks: the Hopper kernels add dQ in 64 x 64 blocks (at
+  // head dim 96 the 128-wide kernel runs, its padding columns zero).
+  const int64_t dq_accum_cols = (kdim + 63) / 64 * 64;
+  at::Tensor dq_accum =
+      deterministic && !sm90_ws ? at::Tensor() : at::empty({batch, heads_q, seqlen_q_padded, dq_accum_cols}, f32);
+  at::Tensor dq_semaphore = deterministic && sm90_ws
+                                ? at::zeros({batch, heads_q, (seqlen_q + 63) / 64}, q.options().dtype(at::kInt))
+                                : at::Tensor();
   if (dq_semaphore.defined()) params.dq_semaphore_ptr = dq_semaphore.data_ptr<int>();
   if (dq_accum.defined()) {
     params.dq_accum_ptr = dq_accum.data_ptr();
@@ -210,12 +156,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_i
     params.dq_accum_head_stride = dq_accum.stride(1);
     params.dq_accum_row_stride = dq_accum.stride(2);
   }
-  const auto stream = at::cuda::getCurrentCUDAStream().stream();
-  const cudaError_t err = with_element_type(q.scalar_type(), [&](auto elem) {
-    return with_kernel_head_dim(
-        kdim, [&](auto dim) { return run_bwd<decltype(elem), decltype(dim)::value>(params, stream); });
-  });
-  check_launch(err, "backward", kdim, q);
+  launch(params, kdim, q);
   return {unpad(dq, head_dim), unpad(dk, head_dim), unpad(dv, head_dim)};
 }
 
@@ -248,12 +189,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(const at::Tensor& q_in, const
   auto params = make_varlen_fwd_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                        softmax_scale, mask);
   params.device_arch = device_arch(q);
-  const auto stream = at::cuda::getCurrentCUDAStream().stream();
-  const cudaError_t err = with_element_type(q.scalar_type(), [&](auto elem) {
-    return with_kernel_head_dim(
-        kdim, [&](auto dim) { return run_fwd<decltype(elem), decltype(dim)::value>(params, stream); });
-  });
-  check_launch(err, "forward", kdim, q);
+  launch(params, kdim, q);
   return {unpad(out, head_dim)[0], lse};
 }
 
@@ -281,6 +217,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   auto dsum = at::empty({heads_q, total_q}, f32);
   // Each sequence's dQ accumulator rows are followed by kBwdBlockM padding
   // rows of its own (flash_params.h); bwd_preprocess_kernel zeroes the rows read back.
+  // The warp-specialized kernel takes no varlen batch (bwd_tries_sm90_ws is
+  // false for them): no dQ semaphores, and the deterministic backward runs the
+  // mma.sync dQ pass, which needs no accumulator.
   at::Tensor dq_accum = deterministic ? at::Tensor() : at::empty({heads_q, total_q + batch * kBwdBlockM, kdim}, f32);
   check_grid((max_seqlen_k + 63) / 64 * 2 * batch * k.size(2), "backward");
   check_grid((max_seqlen_q + 63) / 64 * batch * heads_q, "backward");
@@ -295,12 +234,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
     params.dq_accum_head_stride = dq_accum.stride(0);
     params.dq_accum_row_stride = dq_accum.stride(1);
   }
-  const auto stream = at::cuda::getCurrentCUDAStream().stream();
-  const cudaError_t err = with_element_type(q.scalar_type(), [&](auto elem) {
-    return with_kernel_head_dim(
-        kdim, [&](auto dim) { return run_bwd<decltype(elem), decltype(dim)::value>(params, stream); });
-  });
-  check_launch(err, "backward", kdim, q);
+  launch(params, kdim, q);
   return {unpad(dq, head_dim)[0], unpad(dk, head_dim)[0], unpad(dv, head_dim)[0]};
 }
 

@@ -19,4 +19,12 @@ cudaError_t run_fwd(const AttnFwdParams& params, cudaStream_t stream);
 template <typename T, int kHeadDim>
 cudaError_t run_bwd(const AttnBwdParams& params, cudaStream_t stream);
 
+// Whether run_bwd<T, kHeadDim> tries the warp-specialized TMA backward first
+// for these params (flash_launch.cuh: the dispatch's own rule). Only that
+// kernel reads the zeroed dQ semaphores of the deterministic mode, and only it
+// needs the fp32 dQ accumulator there: the binding layer asks before
+// allocating them. Reads device_arch, allow_tma and the varlen fields.
+template <typename T, int kHeadDim>
+bool bwd_tries_sm90_ws(const AttnBwdParams& params);
+
 }  // namespace flashattn

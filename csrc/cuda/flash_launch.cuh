@@ -282,6 +282,21 @@ cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
 #endif
 }
 
+// The one rule for when run_bwd tries the warp-specialized TMA backward:
+// built for sm90a, an sm90 device, TMA allowed, a dense batch, and a head dim
+// KernelConfig gives a BwdSm90Ws. The binding layer allocates that kernel's
+// deterministic workspace by it (dispatch.h). The kernel can still decline
+// (launch_bwd_sm90_ws: a tensor TMA cannot describe); the ones below run then.
+template <typename T, int kHeadDim>
+bool bwd_tries_sm90_ws(const AttnBwdParams& p) {
+#ifdef FLASHATTN_SM90
+  if constexpr (HasBwdSm90Ws<KernelConfig<kHeadDim, T>>::value) {
+    return p.device_arch == 90 && p.allow_tma && !p.is_varlen();
+  }
+#endif
+  return false;
+}
+
 template <typename T, int kHeadDim>
 cudaError_t run_bwd(const AttnBwdParams& p, cudaStream_t stream) {
   using Cfg = KernelConfig<kHeadDim, T>;
@@ -291,7 +306,7 @@ cudaError_t run_bwd(const AttnBwdParams& p, cudaStream_t stream) {
   // wgmma kernel (non-deterministic dQ atomics only), for the head dims
   // KernelConfig gives them.
   if constexpr (HasBwdSm90Ws<Cfg>::value) {
-    if (p.device_arch == 90 && p.allow_tma && !p.is_varlen() && (!p.deterministic || p.dq_semaphore_ptr != nullptr)) {
+    if (bwd_tries_sm90_ws<T, kHeadDim>(p) && (!p.deterministic || p.dq_semaphore_ptr != nullptr)) {
       bool launched = false;
       const cudaError_t err = launch_bwd_sm90_ws<typename Cfg::BwdSm90Ws>(p, stream, &launched);
       if (launched || err != cudaSuccess) return err;

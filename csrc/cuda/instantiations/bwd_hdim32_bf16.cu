@@ -3,4 +3,5 @@
 
 namespace flashattn {
 template cudaError_t run_bwd<__nv_bfloat16, 32>(const AttnBwdParams&, cudaStream_t);
+template bool bwd_tries_sm90_ws<__nv_bfloat16, 32>(const AttnBwdParams&);
 }  // namespace flashattn
