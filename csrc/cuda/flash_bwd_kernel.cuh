@@ -42,20 +42,31 @@ __device__ __forceinline__ int64_t dq_accum_offset(const AttnBwdParams& p, const
 
 // D[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d], kLanesPerRow lanes a row
 // (8 elements each), several rows a warp. The rows run over (b, h, i < seqlen_q);
-// in a varlen batch seqlen_q is max_seqlen_q and rows past a sequence's end idle. In the atomic-dQ mode it also zeroes
-// dq_accum[b, h, i, 0:head_dim], the only part convert_dq_kernel reads (the
-// atomics also land on padding rows and columns, which nothing reads): this
-// saves a separate memset of the accumulator.
-template <typename T, int kLanesPerRow>
+// in a varlen batch seqlen_q is max_seqlen_q and rows past a sequence's end idle.
+// It also zeroes the dQ accumulator (when p.dq_accum_ptr is set), which saves a
+// separate memset:
+//   kWholeBlocks = false (the atomic-dQ kernels): dq_accum[b, h, i, 0:head_dim],
+//     the only part convert_dq_kernel reads (the atomics also land on padding
+//     rows and columns, which nothing reads);
+//   kWholeBlocks = true (the warp-specialized Hopper backward, dense batches):
+//     its tiles are added whole in DqFragLayout order, 64 rows x row_stride
+//     floats each, so rows run up to the next multiple of 64 and every column
+//     of them is zeroed (rows past seqlen_q compute no D).
+template <typename T, int kLanesPerRow, bool kWholeBlocks = false>
 __global__ void bwd_preprocess_kernel(const AttnBwdParams p) {
+  const int rows_per_head = kWholeBlocks ? ceil_div(p.seqlen_q, 64) * 64 : p.seqlen_q;
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kLanesPerRow;  // over (b, h, i)
   const int sub = threadIdx.x % kLanesPerRow;
-  const int64_t total = int64_t(p.batch) * p.heads_q * p.seqlen_q;
-  const int i = static_cast<int>(row % p.seqlen_q);
-  const int h = static_cast<int>((row / p.seqlen_q) % p.heads_q);
-  const int b = static_cast<int>(row / (int64_t(p.seqlen_q) * p.heads_q));
+  const int64_t total = int64_t(p.batch) * p.heads_q * rows_per_head;
+  const int i = static_cast<int>(row % rows_per_head);
+  const int h = static_cast<int>((row / rows_per_head) % p.heads_q);
+  const int b = static_cast<int>(row / (int64_t(rows_per_head) * p.heads_q));
   const SeqInfo seq(p, row < total ? b : 0);           // (cu_seqlens has batch + 1 entries)
   const bool valid = row < total && i < seq.seqlen_q;  // no early return: the whole warp takes part in the shuffles
+  float* acc =
+      p.dq_accum_ptr == nullptr || row >= total
+          ? nullptr
+          : static_cast<float*>(p.dq_accum_ptr) + dq_accum_offset(p, seq, b, h) + int64_t(i) * p.dq_accum_row_stride;
   float sum = 0.f;
   int64_t dsum_index = 0;
   if (valid) {
@@ -63,9 +74,6 @@ __global__ void bwd_preprocess_kernel(const AttnBwdParams p) {
                  int64_t(i) * p.o_row_stride + h * p.o_head_stride;
     const T* dout = static_cast<const T*>(p.do_ptr) + seq.q_offset(p.do_batch_stride, p.do_row_stride, b) +
                     int64_t(i) * p.do_row_stride + h * p.do_head_stride;
-    float* acc = p.dq_accum_ptr == nullptr ? nullptr
-                                           : static_cast<float*>(p.dq_accum_ptr) + dq_accum_offset(p, seq, b, h) +
-                                                 int64_t(i) * p.dq_accum_row_stride;
     dsum_index = seq.rowvec_offset(p, b, h) + i;
     for (int c = sub * 8; c < p.head_dim; c += kLanesPerRow * 8) {
       const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
@@ -74,10 +82,13 @@ __global__ void bwd_preprocess_kernel(const AttnBwdParams p) {
       const T* de = reinterpret_cast<const T*>(&dv);
 #pragma unroll
       for (int e = 0; e < 8; ++e) sum += to_float(oe[e]) * to_float(de[e]);
-      if (acc != nullptr) {
-        reinterpret_cast<float4*>(acc + c)[0] = make_float4(0.f, 0.f, 0.f, 0.f);
-        reinterpret_cast<float4*>(acc + c)[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-      }
+    }
+  }
+  if (acc != nullptr && (kWholeBlocks || valid)) {
+    const int64_t cols = kWholeBlocks ? p.dq_accum_row_stride : p.head_dim;
+    for (int64_t c = sub * 8; c < cols; c += kLanesPerRow * 8) {
+      reinterpret_cast<float4*>(acc + c)[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+      reinterpret_cast<float4*>(acc + c)[1] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
   }
 #pragma unroll

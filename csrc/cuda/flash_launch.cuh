@@ -95,10 +95,11 @@ cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool
   return cudaGetLastError();
 }
 
-// D = rowsum(dO * O) (and dq_accum zeroed): head_dim / 8 lanes a row, rounded up to a power of two.
-template <typename T>
+// D = rowsum(dO * O) (and dq_accum zeroed, see bwd_preprocess_kernel): head_dim / 8
+// lanes a row, rounded up to a power of two.
+template <typename T, bool kWholeBlocks = false>
 cudaError_t launch_bwd_preprocess(const AttnBwdParams& p, cudaStream_t stream) {
-  const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
+  const int64_t rows = int64_t(p.batch) * p.heads_q * (kWholeBlocks ? ceil_div(p.seqlen_q, 64) * 64 : p.seqlen_q);
   if (rows == 0) return cudaSuccess;
   constexpr int kThreads = 256;
   auto launch = [&](auto kernel, int lanes_per_row) {
@@ -106,10 +107,10 @@ cudaError_t launch_bwd_preprocess(const AttnBwdParams& p, cudaStream_t stream) {
     return cudaGetLastError();
   };
   const int chunks = p.head_dim / 8;
-  if (chunks <= 4) return launch(&bwd_preprocess_kernel<T, 4>, 4);
-  if (chunks <= 8) return launch(&bwd_preprocess_kernel<T, 8>, 8);
-  if (chunks <= 16) return launch(&bwd_preprocess_kernel<T, 16>, 16);
-  return launch(&bwd_preprocess_kernel<T, 32>, 32);
+  if (chunks <= 4) return launch(&bwd_preprocess_kernel<T, 4, kWholeBlocks>, 4);
+  if (chunks <= 8) return launch(&bwd_preprocess_kernel<T, 8, kWholeBlocks>, 8);
+  if (chunks <= 16) return launch(&bwd_preprocess_kernel<T, 16, kWholeBlocks>, 16);
+  return launch(&bwd_preprocess_kernel<T, 32, kWholeBlocks>, 32);
 }
 
 // dq = scale * dq_accum in the input dtype.
@@ -190,15 +191,9 @@ cudaError_t launch_bwd_sm90_ws(const AttnBwdParams& p, cudaStream_t stream, bool
   }();
   if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
   // The kernel adds whole tiles (padding rows and columns included) in its own
-  // order (DqFragLayout): the accumulator is zeroed whole here, not row by row
-  // by the preprocessing kernel.
-  if (cudaError_t err =
-          cudaMemsetAsync(p.dq_accum_ptr, 0, size_t(p.batch) * p.dq_accum_batch_stride * sizeof(float), stream);
-      err != cudaSuccess)
-    return err;
-  AttnBwdParams pre = p;
-  pre.dq_accum_ptr = nullptr;
-  if (cudaError_t err = launch_bwd_preprocess<T>(pre, stream); err != cudaSuccess) return err;
+  // order (DqFragLayout): the preprocessing zeroes the accumulator in whole
+  // 64-row blocks (no separate memset).
+  if (cudaError_t err = launch_bwd_preprocess<T, true>(p, stream); err != cudaSuccess) return err;
   const int64_t blocks = int64_t(ceil_div(p.seqlen_k, Kt::kBlockN)) * p.heads_kv * p.batch;
   kernel<<<static_cast<unsigned>(blocks), Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, maps);
   *launched = true;

@@ -407,51 +407,86 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 #endif
 }
 
+// The fp32 accumulator's 8 floats that hold columns [8 di, 8 di + 8) of row r of
+// 64 x 64 block `block`: pairs of the accumulator threads (w, g, t = 0..3).
+__device__ __forceinline__ const float4* dq_frag_chunk(const float* acc, int block, int r, int di) {
+  const int w = r / 16, hh = (r / 8) % 2, g = r % 8;
+  return reinterpret_cast<const float4*>(acc + DqFragLayout::offset(block, di, hh, w * 32 + g * 4));
+}
+
+__device__ __forceinline__ bool any_bad8(float4 x, float4 y) {
+  using nonfinite::is_bad;
+  return is_bad(x.x) || is_bad(x.y) || is_bad(x.z) || is_bad(x.w) || is_bad(y.x) || is_bad(y.y) || is_bad(y.z) ||
+         is_bad(y.w);
+}
+
+// The slow path of convert_dq_frag_kernel (../nonfinite_fixup.cuh), whole
+// warp, after its normal stores: the rows of this warp's chunks that hold a
+// NaN / inf, recomputed exactly over the block's 64 columns.
+template <typename Kt>
+__device__ FLASHATTN_NONFINITE_SLOW void fix_dq_frag_rows(AttnBwdParams p, const float* acc, int block, int row_base,
+                                                          int c_lo, int b, int h, int thr) {
+  using T = typename Kt::Element;
+  const int lane = thr % 32;
+  for (int u = 0; u < 64 * 8 / 128; ++u) {
+    const int r = (thr + 128 * u) / 8, di = (thr + 128 * u) % 8;
+    bool bad = false;
+    if (row_base + r < p.seqlen_q && c_lo + di * 8 < p.head_dim) {
+      const float4* src = dq_frag_chunk(acc, block, r, di);
+      bad = any_bad8(src[0], src[1]);
+    }
+    for (int q = 0; q < 4; ++q) {  // the warp's 4 rows of this unit: lanes 8q .. 8q + 7
+      const int row = row_base + ((thr - lane) + 128 * u) / 8 + q;
+      if (!__any_sync(0xffffffffu, bad && lane / 8 == q) || row >= p.seqlen_q) continue;
+      T* dq = static_cast<T*>(p.dq_ptr) + b * p.dq_batch_stride + h * p.dq_head_stride + int64_t(row) * p.dq_row_stride;
+      nonfinite::fix_dq_row_global<(Kt::kHeadDim + 31) / 32, T>(nonfinite::fixup_args(p, SeqInfo(p, b, false), b), h,
+                                                                row, dq, c_lo, c_lo + 64, lane);
+    }
+  }
+}
+
 // dq[b, i, h, :] = scale * the accumulator, read in DqFragLayout order: one
-// CTA of 128 threads per 64 x 64 block of a (query block, head, batch).
+// CTA of 128 threads per 64 x 64 block of a (query block, head, batch). A
+// thread converts 8 consecutive columns of a row at a time: in DqFragLayout
+// they are 8 consecutive floats (4 threads' pairs), so it reads 32 bytes and
+// writes 16, and 8 neighbouring threads write a row's 128 contiguous bytes.
 // (At most 64 registers: see convert_dq_kernel.)
 template <typename Kt>
 __global__ void __launch_bounds__(128, 8) convert_dq_frag_kernel(const AttnBwdParams p) {
   using T = typename Kt::Element;
   const int m_blocks = ceil_div(p.seqlen_q, Kt::kBlockM);
-  int64_t idx = blockIdx.x;
+  unsigned idx = blockIdx.x;  // (32-bit divisions: the grid is below 2^31 blocks)
   const int block = static_cast<int>(idx % Kt::kDqBlocks);
   idx /= Kt::kDqBlocks;
-  const int mb = static_cast<int>(idx % m_blocks);
-  idx /= m_blocks;
-  const int h = static_cast<int>(idx % p.heads_q);
-  const int b = static_cast<int>(idx / p.heads_q);
-  const int thr = threadIdx.x, lane = thr % 32, g = lane >> 2, t = lane & 3;
+  const int mb = static_cast<int>(idx % unsigned(m_blocks));
+  idx /= unsigned(m_blocks);
+  const int h = static_cast<int>(idx % unsigned(p.heads_q));
+  const int b = static_cast<int>(idx / unsigned(p.heads_q));
+  const int thr = threadIdx.x;
   const float* acc = static_cast<const float*>(p.dq_accum_ptr) + b * p.dq_accum_batch_stride +
                      h * p.dq_accum_head_stride + int64_t(mb) * Kt::kBlockM * p.dq_accum_row_stride;
-  const int col0 = (block % Kt::kDqColBlocks) * 64 + 2 * t;
-  const int row0 = mb * Kt::kBlockM + (block / Kt::kDqColBlocks) * 64 + (thr / 32) * 16 + g;
+  const int c_lo = (block % Kt::kDqColBlocks) * 64;
+  const int row_base = mb * Kt::kBlockM + (block / Kt::kDqColBlocks) * 64;
+  T* dq_base = static_cast<T*>(p.dq_ptr) + b * p.dq_batch_stride + h * p.dq_head_stride;
   const float s = p.softmax_scale;
-  bool bad[2] = {false, false};
+  bool bad = false;
 #pragma unroll
-  for (int di = 0; di < 8; ++di)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int row = row0 + 8 * hh, col = col0 + di * 8;
-      if (row >= p.seqlen_q || col >= p.head_dim) continue;
-      const float2 v = *reinterpret_cast<const float2*>(acc + DqFragLayout::offset(block, di, hh, thr));
-      T* dq = static_cast<T*>(p.dq_ptr) + b * p.dq_batch_stride + int64_t(row) * p.dq_row_stride +
-              h * p.dq_head_stride + col;
-      *reinterpret_cast<uint32_t*>(dq) = pack2<T>(v.x * s, v.y * s);
-      bad[hh] |= nonfinite::is_bad(v.x) || nonfinite::is_bad(v.y);
-    }
-  // The non-finite rule (../nonfinite_fixup.cuh): this warp's rows (16, this
-  // block's 64 columns) with a NaN / inf, exactly, after their normal stores.
-  if (__any_sync(0xffffffffu, bad[0] || bad[1])) {
-    const int c_lo = (block % Kt::kDqColBlocks) * 64, r_first = row0 - g;
-    for (int rr = 0; rr < 16; ++rr) {
-      const int row = r_first + rr;
-      if (!__any_sync(0xffffffffu, g == (rr & 7) && (rr < 8 ? bad[0] : bad[1])) || row >= p.seqlen_q) continue;
-      T* dq = static_cast<T*>(p.dq_ptr) + b * p.dq_batch_stride + int64_t(row) * p.dq_row_stride + h * p.dq_head_stride;
-      nonfinite::fix_dq_row_global<(Kt::kHeadDim + 31) / 32, T>(nonfinite::fixup_args(p, SeqInfo(p, b, false), b), h,
-                                                                row, dq, c_lo, c_lo + 64, lane);
-    }
+  for (int u = 0; u < 64 * 8 / 128; ++u) {
+    const int r = (thr + 128 * u) / 8, di = (thr + 128 * u) % 8;  // row of the block, 8-column chunk
+    const int row = row_base + r, col = c_lo + di * 8;
+    if (row >= p.seqlen_q || col >= p.head_dim) continue;
+    const float4* src = dq_frag_chunk(acc, block, r, di);
+    const float4 x = src[0], y = src[1];
+    uint4 out;
+    out.x = pack2<T>(x.x * s, x.y * s);
+    out.y = pack2<T>(x.z * s, x.w * s);
+    out.z = pack2<T>(y.x * s, y.y * s);
+    out.w = pack2<T>(y.z * s, y.w * s);
+    *reinterpret_cast<uint4*>(dq_base + int64_t(row) * p.dq_row_stride + col) = out;
+    bad |= any_bad8(x, y);
   }
+  // The non-finite rule: rows with a NaN / inf, exactly (each row's chunks are this warp's).
+  if (__any_sync(0xffffffffu, bad)) fix_dq_frag_rows<Kt>(p, acc, block, row_base, c_lo, b, h, thr);
 }
 
 }  // namespace flashattn
