@@ -1110,6 +1110,187 @@ def flash_attn_with_kvcache(
     autograd; inputs may require grad). Not supported: softcap != 0 and
     alibi_slopes (NotImplementedError).
     """
+    # The common call (no append, no rotary, plain scalars) is handed straight to
+    # the op, whose checks (csrc/kvcache_api.cpp; on the CPU also the values)
+    # cover everything it needs; only when the op refuses the call, or it is not
+    # of that form, does the checked path below run, which validates the call in
+    # full and raises the error in its words (nothing was written: no append).
+    if (
+        k is None
+        and v is None
+        and rotary_cos is None
+        and rotary_sin is None
+        and alibi_slopes is None
+        and type(causal) is bool
+        and type(return_softmax_lse) is bool
+        and type(rotary_interleaved) is bool
+        and type(num_splits) is int
+        and (softmax_scale is None or type(softmax_scale) is float)
+        and (softcap is None or (type(softcap) is float and softcap == 0.0))
+        and isinstance(q, Tensor)
+        and isinstance(k_cache, Tensor)
+    ):
+        try:
+            result = _kvcache_decode(
+                q,
+                k_cache,
+                v_cache,
+                cache_seqlens,
+                cache_batch_idx,
+                cache_leftpad,
+                block_table,
+                softmax_scale,
+                causal,
+                window_size,
+                num_splits,
+            )
+        except Exception:  # noqa: BLE001  (the checked path raises it, in its words)
+            result = None
+        if result is not None:
+            return result if return_softmax_lse else result[0]
+    return _flash_attn_with_kvcache_checked(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        rotary_cos,
+        rotary_sin,
+        cache_seqlens,
+        cache_batch_idx,
+        cache_leftpad,
+        block_table,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        rotary_interleaved,
+        alibi_slopes,
+        num_splits,
+        return_softmax_lse,
+    )
+
+
+# Constant int32 (batch,) length tensors (cache_seqlens given as None or an int),
+# kept per (device, stream, batch, value): the
+# kernels read the lengths from memory, and a decode step asks for the same
+# ones in every layer. Filled once on the stream that uses them (so the fill is
+# ordered before every read); never during a CUDA graph capture (the fill would
+# only be recorded) nor under torch.compile (traced as a plain torch.full).
+_LENGTHS: dict = {}
+_LENGTHS_MAX = 64
+
+
+def _lengths(batch: int, value: int, like: Tensor) -> Tensor:
+    """An int32 (batch,) tensor of ``value`` on ``like``'s device; do not write to it."""
+    if torch.compiler.is_compiling():
+        return torch.full((batch,), value, dtype=torch.int32, device=like.device)
+    if like.is_cuda:
+        index = like.get_device()
+        if torch.cuda.is_current_stream_capturing():
+            return torch.full((batch,), value, dtype=torch.int32, device=like.device)
+        key = (index, torch._C._cuda_getCurrentRawStream(index), batch, value)
+    elif like.is_cpu:
+        key = (-1, 0, batch, value)
+    else:
+        return torch.full((batch,), value, dtype=torch.int32, device=like.device)
+    t = _LENGTHS.get(key)
+    if t is None:
+        if len(_LENGTHS) >= _LENGTHS_MAX:
+            _LENGTHS.clear()
+        t = _LENGTHS[key] = torch.full((batch,), value, dtype=torch.int32, device=like.device)
+    return t
+
+
+def _kvcache_decode(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    cache_batch_idx,
+    cache_leftpad,
+    block_table,
+    softmax_scale,
+    causal,
+    window_size,
+    num_splits,
+):
+    """flash_attn_with_kvcache without append or rotary: (out, lse) from one call
+    of the op, or None when the call needs the checked path (a Python-side check
+    the op does not make, or the value checks FLASHATTN_KVCACHE_CHECK asks for on
+    CUDA). Raises whatever the op raises."""
+    if (
+        type(window_size) is tuple
+        and len(window_size) == 2
+        and type(window_size[0]) is int
+        and type(window_size[1]) is int
+        and -1 <= window_size[0] <= _INT_MAX
+        and -1 <= window_size[1] <= _INT_MAX
+    ):
+        wl, wr = window_size
+    else:
+        return None
+    if causal:
+        wr = 0
+    if num_splits < 0:
+        return None
+    if q.is_cuda and _kvcache_host_checks(q.device):
+        return None
+    if block_table is not None and k_cache.shape[1] % 16 != 0:  # page_block_size: checked in Python only
+        return None
+    if not isinstance(cache_seqlens, Tensor):
+        capacity = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
+        if cache_seqlens is None:
+            cache_seqlens = capacity
+        elif type(cache_seqlens) is not int or not 0 <= cache_seqlens <= capacity:
+            return None
+        cache_seqlens = _lengths(q.shape[0], cache_seqlens, q)
+    scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else softmax_scale
+    if q.stride(-1) != 1:
+        q = _ops.unit_last_stride(q)
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
+        with torch.no_grad():
+            return _ops.fwd_kvcache(
+                q,
+                k_cache,
+                v_cache,
+                cache_seqlens,
+                cache_batch_idx,
+                cache_leftpad,
+                block_table,
+                scale,
+                wl,
+                wr,
+                num_splits,
+            )
+    return _ops.fwd_kvcache(
+        q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, scale, wl, wr, num_splits
+    )
+
+
+def _flash_attn_with_kvcache_checked(
+    q,
+    k_cache,
+    v_cache,
+    k,
+    v,
+    rotary_cos,
+    rotary_sin,
+    cache_seqlens,
+    cache_batch_idx,
+    cache_leftpad,
+    block_table,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    rotary_interleaved,
+    alibi_slopes,
+    num_splits,
+    return_softmax_lse,
+):
+    """flash_attn_with_kvcache with every check in Python, before anything is
+    written into the cache (the append, rotary, and the calls the op refused)."""
     fn = "flash_attn_with_kvcache"
     _require_tensors(fn, ("q", "k_cache", "v_cache"), (q, k_cache, v_cache))
     if (k is None) != (v is None):
@@ -1219,7 +1400,7 @@ def flash_attn_with_kvcache(
     if cache_seqlens is None:
         if k is not None:
             raise ValueError(f"{fn}: cache_seqlens is required when k and v are given (where to append them)")
-        seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
+        seqlens = _lengths(batch, capacity, q)
     elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         s = int(cache_seqlens)  # a Python int: checked here on every device
         if s < 0 or s + seqlen_new > capacity:
@@ -1228,7 +1409,7 @@ def flash_attn_with_kvcache(
                 f"positions per row{' (max_blocks_per_seq * page_block_size)' if paged else ''} and {seqlen_new} new "
                 "tokens are appended"
             )
-        seqlens = torch.full((batch,), s, dtype=torch.int32, device=q.device)
+        seqlens = _lengths(batch, s, q)
     else:
         seqlens = _int_vector(fn, "cache_seqlens", cache_seqlens, batch, q.device)
     if cache_leftpad is not None:
