@@ -455,9 +455,10 @@ def decode_route(
 def _sdpa_decode(query, key, value, is_causal, scale):
     """The drop-in on fwd_kvcache (see decode_route), or None when the route does
     not apply. query (B, H, L, E), key/value (B, H_kv, S, E), validated by the
-    caller (_fast_eligible); they go to the op as (B, L, H, E) views, no copy,
-    with the whole key length visible; the output comes back as a (B, H, L, E)
-    view of a (B, L, H, E) buffer, as from the main path."""
+    caller (_fast_eligible); they go to the op as they are (bhsd=True: it reads
+    them through (B, L, H, E) views, no copy), with the whole key length
+    visible; the output comes back as a (B, H, L, E) view of a (B, L, H, E)
+    buffer, as from the main path."""
     device_type = "cuda" if query.is_cuda else query.device.type
     if device_type not in DECODE_ROUTE_DEVICES:  # decode_route's first test, before the arguments are gathered
         return None
@@ -486,20 +487,9 @@ def _sdpa_decode(query, key, value, is_causal, scale):
         else (query.storage_offset() * itemsize, key.storage_offset() * itemsize, value.storage_offset() * itemsize),
     ):
         return None
-    out, _ = _ops.fwd_kvcache(
-        query.transpose(1, 2),
-        key.transpose(1, 2),
-        value.transpose(1, 2),
-        _lengths(b, sk, query),
-        None,
-        None,
-        None,
-        scale,
-        -1,
-        -1,
-        0,
-    )
-    return out.transpose(1, 2)
+    # bhsd=True: the op reads the (B, H, L, E) tensors through (B, L, H, E) views
+    # made in C++ (cheaper than Python's) and returns a (B, H, L, E) view.
+    return _ops.fwd_kvcache(query, key, value, _lengths(b, sk, query), None, None, None, scale, -1, -1, 0, True)[0]
 
 
 def _dims(t):

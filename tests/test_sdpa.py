@@ -432,8 +432,11 @@ def _check_routed(q, k, v, gqa):
         out, _ = check_sdpa(q, k, v, enable_gqa=gqa)
     assert [name for name, _ in spy.calls] == ["fwd_kvcache"], spy.calls
     ((_, args),) = spy.calls
+    assert args[-1] is True, "bhsd: the op makes the (B, L, H, E) views"
     for a, t in zip(args[:3], (q, k, v)):
-        assert a.data_ptr() == t.data_ptr() and a.shape == t.transpose(1, 2).shape, "inputs reach the op as views"
+        assert (a.data_ptr(), a.shape, a.stride()) == (t.data_ptr(), t.shape, t.stride()), (
+            "inputs reach the op as given"
+        )
     assert out.transpose(1, 2).is_contiguous(), "a (B, H, L, E) view of a (B, L, H, E) buffer, as the main path"
     return out
 
@@ -501,3 +504,21 @@ def test_decode_route_compiles(monkeypatch):
     got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dev", ["cpu", "meta"])
+def test_fwd_kvcache_bhsd(dev):
+    """fwd_kvcache(bhsd=True) on (B, H, L, E) tensors is fwd_kvcache on their
+    (B, L, H, E) transposes, the output a (B, H, L, E) view; not with a block table."""
+    q, k, v = (randn(s, torch.float32, "cpu").to(dev) for s in ((2, 6, 3, 16), (2, 2, 40, 16), (2, 2, 40, 16)))
+    lens = torch.tensor([40, 17], dtype=torch.int32, device=dev)
+    out, lse = _ops.fwd_kvcache(q, k, v, lens, None, None, None, 0.25, -1, -1, 0, True)
+    ref, ref_lse = _ops.fwd_kvcache(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), lens, None, None, None, 0.25, -1, -1, 0
+    )
+    assert out.shape == q.shape and lse.shape == ref_lse.shape and out.transpose(1, 2).is_contiguous()
+    if dev == "cpu":
+        assert torch.equal(out, ref.transpose(1, 2)) and torch.equal(lse, ref_lse)
+    table = torch.zeros((2, 3), dtype=torch.int32, device=dev)
+    with pytest.raises(ValueError, match="bhsd=True takes a contiguous"):
+        _ops.fwd_kvcache(q, k, v, lens, None, None, table, 0.25, -1, -1, 0, True)
