@@ -17,8 +17,10 @@ decode   q length 1, 32 query heads / 8 key-value heads, head dim 128, bf16, bat
                          cache, cache_seqlens = cache_len (no append)
            ours_paged    the same with a paged cache: pages of 256 tokens in a random
                          order, an int32 block_table
-           ours_sdpa     our SDPA drop-in as a model calls it at a decode step,
-                         (b, h, 1, d) against the (b, h_kv, n, d) cache, enable_gqa=True
+           ours_sdpa     our SDPA drop-in exactly as transformers calls it at a decode
+                         step: (b, h, 1, d) (a transposed view of the projection) against
+                         the (b, h_kv, n, d) cache, no mask, scale given, enable_gqa=True;
+                         it runs the split-KV decode kernel (the row's `route` says so)
            sdpa_cudnn / sdpa_flash / sdpa_default
                          torch SDPA (a backend forced, or none), (b, h, n, d) tensors with
                          enable_gqa=True; a backend that refuses GQA gets K/V expanded to
@@ -230,6 +232,26 @@ def _kvcache_call(kvcache, impl, cfg, batch, n_q, n_cache, device, gen):
     return lambda: kvcache(q, k, v, cache_seqlens=seqlens, causal=True, **extra)
 
 
+def _sdpa_route(fn):
+    """Runs fn once and names the flashattn_ext op it reached: "decode" (fwd_kvcache,
+    the split-KV kernel) or "main" (the forward kernels)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "flashattn_ext":
+                self.names.append(func._opname)
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as ops:
+        fn()
+    return "decode" if "fwd_kvcache" in ops.names else ("main" if ops.names else "torch fallback")
+
+
 def _record(row, e):
     if isinstance(e, Skip):
         row["skipped"] = str(e)
@@ -271,16 +293,25 @@ def decode_case(impl, batch, n, cfg, device, bench, gen):
                 row["page"] = cfg["page"]
             fn()
         elif impl == "ours_sdpa":
-            # Our drop-in as a model calls it at a decode step ((B, H, 1, D) against the
-            # whole cache, no mask): today it runs the main forward kernels, not the
-            # split-KV decode kernel.
+            # Our drop-in exactly as transformers' sdpa_attention_forward calls it at a
+            # decode step with a dynamic cache and no padding: query (B, H, 1, D) a
+            # transposed view of the (B, 1, H, D) projection, key/value the contiguous
+            # (B, H_kv, n, D) cache, attn_mask=None, dropout_p=0.0, scale=module.scaling,
+            # is_causal=False (q_len 1), enable_gqa=True. It takes the decode route
+            # (split-KV kernel, fwd_kvcache); `route` records that it did.
             if OURS is None:
                 raise RuntimeError(OURS_IMPORT_ERROR)
             _fits(device, kv_bytes, "the cache")
-            q = _rand((batch, hq, 1, d), dtype, device, gen)
+            q = _rand((batch, 1, hq, d), dtype, device, gen).transpose(1, 2)
             k, v = _rand((batch, hk, n, d), dtype, device, gen), _rand((batch, hk, n, d), dtype, device, gen)
-            fn = lambda: OURS.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
-            fn()
+            scaling = d**-0.5
+
+            def fn():
+                return OURS.scaled_dot_product_attention(
+                    q, k, v, attn_mask=None, dropout_p=0.0, scale=scaling, is_causal=False, enable_gqa=True
+                )
+
+            row["route"] = _sdpa_route(fn)
         else:
             _fits(device, kv_bytes, "the cache")
             q = _rand((batch, hq, 1, d), dtype, device, gen)
@@ -486,12 +517,13 @@ def markdown_report(data):
 
 def text_summary(data):
     lines = [
-        "batch cache  " + "  ".join(f"{i:>12}" for i in ("ours", "ours_paged", "sdpa_cudnn", "sdpa_flash", "copy"))
+        "batch cache  "
+        + "  ".join(f"{i:>12}" for i in ("ours", "ours_paged", "ours_sdpa", "sdpa_cudnn", "sdpa_flash", "copy"))
     ]
     by = {(r["impl"], r["batch"], r["cache_len"]): r for r in data["decode"]}
     for b, n in sorted({(r["batch"], r["cache_len"]) for r in data["decode"]}):
         cells = []
-        for i in ("ours", "ours_paged", "sdpa_cudnn", "sdpa_flash", "copy"):
+        for i in ("ours", "ours_paged", "ours_sdpa", "sdpa_cudnn", "sdpa_flash", "copy"):
             cells.append(f"{_cell(by.get((i, b, n)), 'copy_tbs' if i == 'copy' else 'useful_tbs'):>12}")
         lines.append(f"{b:>5} {_len_label(n):>5}  " + "  ".join(cells))
     lines.append("(decode: useful K/V TB/s; copy: read + written TB/s)")

@@ -22,6 +22,7 @@ and runnable alone:
 
     python benchmarks/host_overhead.py [--json PATH]              # both, on the GPU
     python benchmarks/host_overhead.py --device cpu --tiny-only   # the host-time code path on a CPU
+    python benchmarks/host_overhead.py --decode [--json PATH]    # a decode step's calls (b1, cache 1k)
 """
 
 import argparse
@@ -176,11 +177,63 @@ def gpt2_three_ways(impls=("ours_native", "ours_sdpa", "sdpa_flash", "sdpa_cudnn
     return {"case": [b, h, n, d, "fp16", "causal"], "rows": rows}
 
 
+# ----------------------------------------------------------------------------- decode step
+
+
+def decode_host_times(device, batch=1, cache=1024, heads_q=32, heads_kv=8, d=128, dtype=None):
+    """Host microseconds per call of a decode step (q len 1 against a full cache, no
+    append, no rotary), as host_us_per_call measures them:
+      kvcache      flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=<int32 tensor>)
+      kvcache_none the same with cache_seqlens=None (the whole cache)
+      ours_sdpa    our drop-in as transformers calls it at a decode step
+      torch_sdpa   torch.nn.functional.scaled_dot_product_attention, same (B, H, L, D) tensors
+    On a CPU the kernels run inside the call: there it is the whole call's time."""
+    import torch.nn.functional as F
+
+    import flashattn_ext
+
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator(device=device)
+    gen.manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(shape, dtype=dtype, device=device, generator=gen)
+
+    q = rand(batch, 1, heads_q, d)
+    k_cache, v_cache = rand(batch, cache, heads_kv, d), rand(batch, cache, heads_kv, d)
+    seqlens = torch.full((batch,), cache, dtype=torch.int32, device=device)
+    qt, kt, vt = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    scaling = d**-0.5
+    calls = {
+        "kvcache": lambda: flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens),
+        "kvcache_none": lambda: flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache),
+        "ours_sdpa": lambda: flashattn_ext.scaled_dot_product_attention(
+            qt, kt, vt, attn_mask=None, dropout_p=0.0, scale=scaling, is_causal=False, enable_gqa=True
+        ),
+        "torch_sdpa": lambda: F.scaled_dot_product_attention(
+            qt, kt, vt, attn_mask=None, dropout_p=0.0, scale=scaling, is_causal=False, enable_gqa=True
+        ),
+    }
+    res = dict(batch=batch, cache=cache, heads_q=heads_q, heads_kv=heads_kv, d=d, dtype=str(dtype), impls={})
+    for name, fn in calls.items():
+        try:
+            res["impls"][name] = host_us_per_call(fn, device)
+        except Exception as exc:  # noqa: BLE001
+            res["impls"][name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        r = res["impls"][name]
+        print(f"decode b{batch} cache {cache}: {name:13s} " + (f"{r['us']:8.2f} us/call" if "us" in r else r["error"]))
+    return res
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json")
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     ap.add_argument("--tiny-only", action="store_true", help="only the host time per call of the tiny case")
+    ap.add_argument(
+        "--decode", action="store_true", help="only the host time per call of a decode step (b1, cache 1k, 32/8 heads)"
+    )
     args = ap.parse_args(argv)
     sys.path.insert(0, HERE)
     import bench_gpu
@@ -191,6 +244,12 @@ def main(argv=None):
         else ("cpu" if args.device == "auto" else args.device)
     )
     out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__}
+    if args.decode:
+        out["decode_host"] = decode_host_times(device)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+        return 0
     out["host_overhead"] = bench_gpu.measure_host_overhead(device)
     print(bench_gpu.bench_table.host_overhead_text(out["host_overhead"]), flush=True)
     if device.type == "cuda" and not args.tiny_only:

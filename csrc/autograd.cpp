@@ -123,7 +123,7 @@ using KvcacheSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const a
                                                       const at::Tensor&, const std::optional<at::Tensor>&,
                                                       const std::optional<at::Tensor>&,
                                                       const std::optional<at::Tensor>&, double, int64_t, int64_t,
-                                                      int64_t);
+                                                      int64_t, bool);
 
 std::tuple<at::Tensor, at::Tensor> call_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                   double scale, int64_t window_left, int64_t window_right,
@@ -429,14 +429,15 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_autograd(const at::Tensor& q, con
                                                         const std::optional<at::Tensor>& batch_idx,
                                                         const std::optional<at::Tensor>& leftpad,
                                                         const std::optional<at::Tensor>& block_table, double scale,
-                                                        int64_t window_left, int64_t window_right, int64_t num_splits) {
+                                                        int64_t window_left, int64_t window_right, int64_t num_splits,
+                                                        bool bhsd) {
   check_no_forward_ad("fwd_kvcache", q, k_cache, v_cache);
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::fwd_kvcache", "").typed<KvcacheSig>();
   at::Tensor out, lse;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     std::tie(out, lse) = op.call(q, k_cache, v_cache, seqlens_k, batch_idx, leftpad, block_table, scale, window_left,
-                                 window_right, num_splits);
+                                 window_right, num_splits, bhsd);
   }
   attach_error({out}, kKvcacheNotDifferentiable, q, k_cache, v_cache);
   return {out, lse};
@@ -555,7 +556,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_unsupported(const at::Tensor& q, 
                                                            const std::optional<at::Tensor>& batch_idx,
                                                            const std::optional<at::Tensor>& leftpad,
                                                            const std::optional<at::Tensor>& block_table, double,
-                                                           int64_t, int64_t, int64_t) {
+                                                           int64_t, int64_t, int64_t, bool) {
   const at::Tensor none;
   flashattn::reject_backend({{&q, "q"},
                              {&k_cache, "k_cache"},

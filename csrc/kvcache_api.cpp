@@ -90,6 +90,14 @@ void check_kvcache(const KvcacheInputs& in, double softmax_scale, int64_t window
   TORCH_CHECK_VALUE(num_splits >= 0, "flashattn_ext: num_splits must be >= 0 (0: automatic), got ", num_splits);
 }
 
+at::Tensor kernel_layout(const at::Tensor& t, bool bhsd) { return bhsd && t.dim() == 4 ? t.transpose(1, 2) : t; }
+
+void check_bhsd(bool bhsd, const std::optional<at::Tensor>& block_table) {
+  TORCH_CHECK_VALUE(!bhsd || !block_table,
+                    "flashattn_ext: fwd_kvcache with bhsd=True takes a contiguous (batch, heads_kv, seqlen, head_dim) "
+                    "cache, not a paged one; pass block_table=None or bhsd=False");
+}
+
 int64_t kvcache_capacity(const KvcacheInputs& in) {
   return in.block_table ? in.block_table->size(1) * in.k_cache.size(1) : in.k_cache.size(1);
 }

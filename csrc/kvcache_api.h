@@ -36,6 +36,13 @@ int64_t kvcache_capacity(const KvcacheInputs& in);
 // out (batch, seqlen_q, heads_q, head_dim) in q's dtype, lse (batch, heads_q, seqlen_q).
 std::tuple<at::Tensor, at::Tensor> alloc_kvcache_outputs(const at::Tensor& q);
 
+// bhsd=True (the schema's flag): q, k_cache, v_cache given in torch's (batch,
+// heads, seqlen, head_dim) layout; the kernel layout is their transpose(1, 2).
+// Returns the tensor as the kernels take it (a view, no copy), and checks that
+// bhsd comes without block_table (a paged cache has no such layout).
+at::Tensor kernel_layout(const at::Tensor& t, bool bhsd);
+void check_bhsd(bool bhsd, const std::optional<at::Tensor>& block_table);
+
 // Fills the params (sizes, strides, pointers, scalars); num_splits and the
 // workspace are the CUDA binding's business.
 KvcacheParams make_kvcache_params(const KvcacheInputs& in, const at::Tensor& out, const at::Tensor& lse,

@@ -108,11 +108,14 @@ TORCH_LIBRARY(flashattn_ext, m) {
   // the CUDA kernels read them there (no host synchronisation; values out of
   // range are clamped, not checked), the CPU kernel checks them. num_splits:
   // split-KV parts per row on CUDA (0: chosen from the SM count and the shapes).
-  // Not differentiable. Returns out and lse as fwd does.
+  // Not differentiable. Returns out and lse as fwd does. bhsd=True: q, the
+  // caches and out in torch's (batch, heads, seqlen, head_dim) layout (the
+  // SDPA drop-in's decode route; not with block_table), read through
+  // transposed views made here, below autograd, where they are cheap.
   m.def(
       "fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens_k, Tensor? cache_batch_idx, "
       "Tensor? cache_leftpad, Tensor? block_table, float softmax_scale, int window_left, int window_right, "
-      "int num_splits) -> (Tensor out, Tensor lse)");
+      "int num_splits, bool bhsd=False) -> (Tensor out, Tensor lse)");
   // What this build holds, as "key=value;..." (cuda, archs, head dims).
   m.def("build_info() -> str", []() -> std::string { return build_info(); });
 }

@@ -401,9 +401,19 @@ def check_kvcache(q, k_cache, v_cache, seqlens_k, batch_idx, leftpad, block_tabl
 
 
 @torch.library.register_fake("flashattn_ext::fwd_kvcache")
-def _fwd_kvcache_fake(q, k_cache, v_cache, seqlens_k, batch_idx, leftpad, block_table, softmax_scale, wl, wr, splits):
+def _fwd_kvcache_fake(
+    q, k_cache, v_cache, seqlens_k, batch_idx, leftpad, block_table, softmax_scale, wl, wr, splits, bhsd=False
+):
+    if bhsd:  # csrc/kvcache_api.cpp check_bhsd / kernel_layout
+        if block_table is not None:
+            raise ValueError(
+                "flashattn_ext: fwd_kvcache with bhsd=True takes a contiguous (batch, heads_kv, seqlen, head_dim) "
+                "cache, not a paged one; pass block_table=None or bhsd=False"
+            )
+        q, k_cache, v_cache = (x.transpose(1, 2) if x.dim() == 4 else x for x in (q, k_cache, v_cache))
     check_kvcache(q, k_cache, v_cache, seqlens_k, batch_idx, leftpad, block_table, softmax_scale, wl, wr, splits)
-    return _fwd_outputs(q, (q.shape[0], q.shape[2], q.shape[1]))
+    out, lse = _fwd_outputs(q, (q.shape[0], q.shape[2], q.shape[1]))
+    return (out.transpose(1, 2) if bhsd else out), lse
 
 
 # ----------------------------------------------------------------------------- vmap rules

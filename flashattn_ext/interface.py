@@ -366,6 +366,132 @@ def _fast_eligible(query, key, value, enable_gqa) -> bool:
     return False
 
 
+# --------------------------------------------------------------------------
+# The drop-in's decode route (issue #10 item 3). A short query against many
+# keys (a model's decode step: (B, H, 1, E) against the whole cache) leaves most
+# SMs idle in the main forward kernels, which give every (batch, head) its own
+# block of 64 or more query rows and read a GQA group's K/V once per query head.
+# The split-KV decoding kernel of flash_attn_with_kvcache (fwd_kvcache) packs
+# the heads_q / heads_kv * seqlen_q rows of a group into 16-row tiles and splits
+# the keys across CTAs: such calls go there, when its result is the same.
+#
+# The thresholds: at most 16 query rows (one 16-row tile per head of a group
+# with no GQA; speculative decoding's few tokens) and at least 4 keys per query
+# row (below that the main kernels' query blocks are not mostly idle). Both
+# await a GPU measurement (benchmarks/bench_decode.py, row ours_sdpa, and a q
+# length sweep); DECODE_ROUTE_DEVICES the same (the CPU kernels, measured on
+# the dev machine, see benchmarks/NOTES.md).
+
+DECODE_MAX_SEQLEN_Q = 16
+DECODE_MIN_KEYS_PER_QUERY = 4
+DECODE_ROUTE_DEVICES = ("cuda",)
+
+
+def decode_route(
+    device_type: str,
+    dtype: torch.dtype,
+    batch: int,
+    heads_q: int,
+    heads_kv: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    head_dim: int,
+    *,
+    is_causal: bool,
+    has_mask: bool,
+    dropout_p: float,
+    needs_grad: bool,
+    autocast: bool,
+    transformed: bool,
+    strides: tuple = (),
+    offsets: tuple = (),
+) -> bool:
+    """Whether ``scaled_dot_product_attention`` runs this call on the split-KV
+    decoding kernel (fwd_kvcache) instead of the main forward kernels. Pure: it
+    reads only its arguments. Called for rank-4 inputs the kernels take (the
+    drop-in's fast path); sizes as (batch, heads, seqlen, head_dim).
+
+    needs_grad: grad mode on and an input requires grad (fwd_kvcache has no
+    backward). autocast: autocast on for the device (fwd_kvcache has no autocast
+    kernel). transformed: inside a torch.func transform (fwd_kvcache has no vmap
+    rule). strides: the strides of query, key and value (three 4-tuples, (B, H,
+    L, E) order), offsets: their storage offsets in bytes. On CUDA the decoding
+    kernel copies 16-byte chunks and makes a padded copy of an operand that does
+    not allow them (for key and value, the whole cache on every call): such
+    calls stay on the main path."""
+    if device_type not in DECODE_ROUTE_DEVICES:
+        return False
+    if has_mask or dropout_p != 0.0 or needs_grad or autocast or transformed:
+        return False
+    # torch's is_causal is aligned top-left: with seqlen_q < seqlen_k query i sees
+    # keys 0..i only, not the decoding kernel's bottom-right diagonal (it could be
+    # written as bottom-right causal over the first seqlen_q keys, but that is no
+    # longer a short query against many keys).
+    if is_causal and seqlen_q != seqlen_k:
+        return False
+    if not (1 <= seqlen_q <= DECODE_MAX_SEQLEN_Q and seqlen_k >= DECODE_MIN_KEYS_PER_QUERY * seqlen_q):
+        return False
+    if min(batch, heads_q, heads_kv, head_dim) < 1 or heads_q % heads_kv != 0:
+        return False
+    if any(st[3] != 1 for st in strides) and head_dim != 1:  # fwd_kvcache takes unit stride on head_dim only
+        return False
+    if device_type == "cuda":
+        if dtype not in _CUDA_DTYPES or head_dim > _CUDA_MAX_HEAD_DIM:
+            return False
+        # The 16-byte chunks (csrc/cuda/kvcache_cuda.cpp chunk_ready): no padded copy.
+        if head_dim % 8 != 0 or any(o % 16 != 0 for o in offsets):
+            return False
+        sizes = ((batch, heads_q, seqlen_q), (batch, heads_kv, seqlen_k), (batch, heads_kv, seqlen_k))
+        for st, sz in zip(strides, sizes):
+            if any(n > 1 and st[i] % 8 != 0 for i, n in enumerate(sz)):
+                return False
+        # The decoding grid: batch on grid.z, heads_kv x 16-row query tiles on grid.y.
+        if batch > 65535 or heads_kv * -(-(heads_q // heads_kv * seqlen_q) // 16) > 65535:
+            return False
+        return True
+    return dtype in _CPU_DTYPES and head_dim <= _MAX_HEAD_DIM
+
+
+def _sdpa_decode(query, key, value, is_causal, scale):
+    """The drop-in on fwd_kvcache (see decode_route), or None when the route does
+    not apply. query (B, H, L, E), key/value (B, H_kv, S, E), validated by the
+    caller (_fast_eligible); they go to the op as they are (bhsd=True: it reads
+    them through (B, L, H, E) views, no copy), with the whole key length
+    visible; the output comes back as a (B, H, L, E) view of a (B, L, H, E)
+    buffer, as from the main path."""
+    device_type = "cuda" if query.is_cuda else query.device.type
+    if device_type not in DECODE_ROUTE_DEVICES:  # decode_route's first test, before the arguments are gathered
+        return None
+    b, hq, lq, d = query.shape
+    hk, sk = key.shape[1], key.shape[2]
+    itemsize = query.element_size()
+    if not decode_route(
+        device_type,
+        query.dtype,
+        b,
+        hq,
+        hk,
+        lq,
+        sk,
+        d,
+        is_causal=is_causal,
+        has_mask=False,
+        dropout_p=0.0,
+        needs_grad=torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
+        autocast=torch.is_autocast_enabled(device_type),
+        transformed=torch._C._functorch.peek_interpreter_stack() is not None,
+        strides=(query.stride(), key.stride(), value.stride()),
+        # Not traceable (dynamo): under torch.compile a misaligned view would be copied by the op, not refused.
+        offsets=()
+        if torch.compiler.is_compiling()
+        else (query.storage_offset() * itemsize, key.storage_offset() * itemsize, value.storage_offset() * itemsize),
+    ):
+        return None
+    # bhsd=True: the op reads the (B, H, L, E) tensors through (B, L, H, E) views
+    # made in C++ (cheaper than Python's) and returns a (B, H, L, E) view.
+    return _ops.fwd_kvcache(query, key, value, _lengths(b, sk, query), None, None, None, scale, -1, -1, 0, True)[0]
+
+
 def _dims(t):
     """(batch, heads, seqlen, head_dim) of a rank-3 (heads = 1) or rank-4 tensor."""
     if t.dim() == 3:
@@ -538,9 +664,12 @@ def scaled_dot_product_attention(
     autocast dtype under torch.autocast. The flashattn_ext kernels run for
     rank-3/4 inputs without attn_mask and dropout whose dtype/device they
     support; the output is then a (B, H, L, E)-shaped view of a (B, L, H, E)
-    buffer, like torch's flash backend returns. Every other call goes to torch's
-    function, with a one-time FlashAttnFallbackWarning per reason (see
-    ``sdpa_fallback_reason``); invalid inputs raise torch's own errors.
+    buffer, like torch's flash backend returns. A short query against many keys
+    (a decode step) runs on the split-KV decoding kernel of
+    ``flash_attn_with_kvcache`` when the result is the same (``decode_route``:
+    CUDA, no mask, no dropout, not causal, no autograd needed). Every other call
+    goes to torch's function, with a one-time FlashAttnFallbackWarning per reason
+    (see ``sdpa_fallback_reason``); invalid inputs raise torch's own errors.
     """
     if (
         attn_mask is None
@@ -557,6 +686,11 @@ def scaled_dot_product_attention(
     ):
         if scale is None:
             scale = 1.0 / math.sqrt(query.shape[-1])
+        lq = query.shape[2]
+        if lq <= DECODE_MAX_SEQLEN_Q and key.shape[2] >= DECODE_MIN_KEYS_PER_QUERY * lq and not is_causal:
+            out = _sdpa_decode(query, key, value, is_causal, scale)
+            if out is not None:
+                return out
         wr = 0 if is_causal else -1
         return _ops.attention(
             query, key, value, scale, -1, wr, False, torch.are_deterministic_algorithms_enabled(), True
@@ -1110,6 +1244,187 @@ def flash_attn_with_kvcache(
     autograd; inputs may require grad). Not supported: softcap != 0 and
     alibi_slopes (NotImplementedError).
     """
+    # The common call (no append, no rotary, plain scalars) is handed straight to
+    # the op, whose checks (csrc/kvcache_api.cpp; on the CPU also the values)
+    # cover everything it needs; only when the op refuses the call, or it is not
+    # of that form, does the checked path below run, which validates the call in
+    # full and raises the error in its words (nothing was written: no append).
+    if (
+        k is None
+        and v is None
+        and rotary_cos is None
+        and rotary_sin is None
+        and alibi_slopes is None
+        and type(causal) is bool
+        and type(return_softmax_lse) is bool
+        and type(rotary_interleaved) is bool
+        and type(num_splits) is int
+        and (softmax_scale is None or type(softmax_scale) is float)
+        and (softcap is None or (type(softcap) is float and softcap == 0.0))
+        and isinstance(q, Tensor)
+        and isinstance(k_cache, Tensor)
+    ):
+        try:
+            result = _kvcache_decode(
+                q,
+                k_cache,
+                v_cache,
+                cache_seqlens,
+                cache_batch_idx,
+                cache_leftpad,
+                block_table,
+                softmax_scale,
+                causal,
+                window_size,
+                num_splits,
+            )
+        except Exception:  # noqa: BLE001  (the checked path raises it, in its words)
+            result = None
+        if result is not None:
+            return result if return_softmax_lse else result[0]
+    return _flash_attn_with_kvcache_checked(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        rotary_cos,
+        rotary_sin,
+        cache_seqlens,
+        cache_batch_idx,
+        cache_leftpad,
+        block_table,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        rotary_interleaved,
+        alibi_slopes,
+        num_splits,
+        return_softmax_lse,
+    )
+
+
+# Constant int32 (batch,) length tensors (cache_seqlens given as None or an int,
+# the drop-in's decode route), kept per (device, stream, batch, value): the
+# kernels read the lengths from memory, and a decode step asks for the same
+# ones in every layer. Filled once on the stream that uses them (so the fill is
+# ordered before every read); never during a CUDA graph capture (the fill would
+# only be recorded) nor under torch.compile (traced as a plain torch.full).
+_LENGTHS: dict = {}
+_LENGTHS_MAX = 64
+
+
+def _lengths(batch: int, value: int, like: Tensor) -> Tensor:
+    """An int32 (batch,) tensor of ``value`` on ``like``'s device; do not write to it."""
+    if torch.compiler.is_compiling():
+        return torch.full((batch,), value, dtype=torch.int32, device=like.device)
+    if like.is_cuda:
+        index = like.get_device()
+        if torch.cuda.is_current_stream_capturing():
+            return torch.full((batch,), value, dtype=torch.int32, device=like.device)
+        key = (index, torch._C._cuda_getCurrentRawStream(index), batch, value)
+    elif like.is_cpu:
+        key = (-1, 0, batch, value)
+    else:
+        return torch.full((batch,), value, dtype=torch.int32, device=like.device)
+    t = _LENGTHS.get(key)
+    if t is None:
+        if len(_LENGTHS) >= _LENGTHS_MAX:
+            _LENGTHS.clear()
+        t = _LENGTHS[key] = torch.full((batch,), value, dtype=torch.int32, device=like.device)
+    return t
+
+
+def _kvcache_decode(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    cache_batch_idx,
+    cache_leftpad,
+    block_table,
+    softmax_scale,
+    causal,
+    window_size,
+    num_splits,
+):
+    """flash_attn_with_kvcache without append or rotary: (out, lse) from one call
+    of the op, or None when the call needs the checked path (a Python-side check
+    the op does not make, or the value checks FLASHATTN_KVCACHE_CHECK asks for on
+    CUDA). Raises whatever the op raises."""
+    if (
+        type(window_size) is tuple
+        and len(window_size) == 2
+        and type(window_size[0]) is int
+        and type(window_size[1]) is int
+        and -1 <= window_size[0] <= _INT_MAX
+        and -1 <= window_size[1] <= _INT_MAX
+    ):
+        wl, wr = window_size
+    else:
+        return None
+    if causal:
+        wr = 0
+    if num_splits < 0:
+        return None
+    if q.is_cuda and _kvcache_host_checks(q.device):
+        return None
+    if block_table is not None and k_cache.shape[1] % 16 != 0:  # page_block_size: checked in Python only
+        return None
+    if not isinstance(cache_seqlens, Tensor):
+        capacity = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
+        if cache_seqlens is None:
+            cache_seqlens = capacity
+        elif type(cache_seqlens) is not int or not 0 <= cache_seqlens <= capacity:
+            return None
+        cache_seqlens = _lengths(q.shape[0], cache_seqlens, q)
+    scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else softmax_scale
+    if q.stride(-1) != 1:
+        q = _ops.unit_last_stride(q)
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
+        with torch.no_grad():
+            return _ops.fwd_kvcache(
+                q,
+                k_cache,
+                v_cache,
+                cache_seqlens,
+                cache_batch_idx,
+                cache_leftpad,
+                block_table,
+                scale,
+                wl,
+                wr,
+                num_splits,
+            )
+    return _ops.fwd_kvcache(
+        q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, scale, wl, wr, num_splits
+    )
+
+
+def _flash_attn_with_kvcache_checked(
+    q,
+    k_cache,
+    v_cache,
+    k,
+    v,
+    rotary_cos,
+    rotary_sin,
+    cache_seqlens,
+    cache_batch_idx,
+    cache_leftpad,
+    block_table,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    rotary_interleaved,
+    alibi_slopes,
+    num_splits,
+    return_softmax_lse,
+):
+    """flash_attn_with_kvcache with every check in Python, before anything is
+    written into the cache (the append, rotary, and the calls the op refused)."""
     fn = "flash_attn_with_kvcache"
     _require_tensors(fn, ("q", "k_cache", "v_cache"), (q, k_cache, v_cache))
     if (k is None) != (v is None):
@@ -1219,7 +1534,7 @@ def flash_attn_with_kvcache(
     if cache_seqlens is None:
         if k is not None:
             raise ValueError(f"{fn}: cache_seqlens is required when k and v are given (where to append them)")
-        seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
+        seqlens = _lengths(batch, capacity, q)
     elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         s = int(cache_seqlens)  # a Python int: checked here on every device
         if s < 0 or s + seqlen_new > capacity:
@@ -1228,7 +1543,7 @@ def flash_attn_with_kvcache(
                 f"positions per row{' (max_blocks_per_seq * page_block_size)' if paged else ''} and {seqlen_new} new "
                 "tokens are appended"
             )
-        seqlens = torch.full((batch,), s, dtype=torch.int32, device=q.device)
+        seqlens = _lengths(batch, s, q)
     else:
         seqlens = _int_vector(fn, "cache_seqlens", cache_seqlens, batch, q.device)
     if cache_leftpad is not None:

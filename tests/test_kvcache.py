@@ -12,7 +12,7 @@ import re
 
 import pytest
 import torch
-from helpers import randn
+from helpers import KernelCalls, randn
 
 from flashattn_ext import flash_attn_func, flash_attn_with_kvcache
 from flashattn_ext.reference import compute_dtype
@@ -667,6 +667,84 @@ def test_decode_step_cuda_graph_and_no_sync(paged):
         out_e, lse_e = _decode_step(*expected)
         assert torch.equal(out, out_e) and torch.equal(lse, lse_e)
         assert torch.equal(inputs[1], expected[1]) and torch.equal(inputs[2], expected[2])
+
+
+def _plain_step(q, kc, vc, seqlens):
+    """A decode step without append or rotary: flash_attn_with_kvcache's direct path."""
+    return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True, return_softmax_lse=True)
+
+
+def test_plain_step_hands_cache_seqlens_to_the_op_as_given(device):
+    """No append, no rotary: one op call, cache_seqlens as given (no copy, no cast),
+    q/k_cache/v_cache as given; None and an int become constant length tensors."""
+    dtype = torch.bfloat16
+    q, kc, vc, _, _, seqlens, *_ = _decode_inputs(device, dtype, False)
+    for given in (seqlens, None, 30):
+        with KernelCalls() as spy:
+            out, lse = _plain_step(q, kc, vc, given)
+        ((name, args),) = spy.calls
+        assert name == "fwd_kvcache"
+        assert args[0] is q and args[1] is kc and args[2] is vc
+        if given is seqlens:
+            assert args[3] is seqlens
+        else:
+            expected = kc.shape[1] if given is None else given
+            assert args[3].dtype == torch.int32 and args[3].tolist() == [expected] * q.shape[0]
+        out_c, lse_c = _flash_attn_checked(q, kc, vc, given)
+        assert torch.equal(out, out_c) and torch.equal(lse, lse_c)
+
+
+def _flash_attn_checked(q, kc, vc, seqlens):
+    from flashattn_ext import interface
+
+    return interface._flash_attn_with_kvcache_checked(
+        q, kc, vc, None, None, None, None, seqlens, None, None, None, None, True, (-1, -1), 0.0, True, None, 0, True
+    )
+
+
+@pytest.mark.parametrize("seqlens", ["tensor", "none"])
+@pytest.mark.dtypes(torch.float32, torch.bfloat16)
+def test_compile_plain_step(device, dtype, seqlens):
+    """The direct path (no append) traces under torch.compile(fullgraph=True)."""
+    torch._dynamo.reset()
+    q, kc, vc, _, _, lens, *_ = _decode_inputs(device, dtype, False, seqlens=(48, 48, 48))
+    lens = lens if seqlens == "tensor" else None
+    out_e, lse_e = _plain_step(q, kc, vc, lens)
+    out_c, lse_c = torch.compile(_plain_step, fullgraph=True, backend="aot_eager")(q, kc, vc, lens)
+    assert torch.equal(out_c, out_e) and torch.equal(lse_c, lse_e)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("seqlens", ["tensor", "none"])
+def test_plain_step_cuda_graph_and_no_sync(seqlens):
+    """The direct path: no host sync, captures in a CUDA graph (with cache_seqlens
+    None the constant lengths are made inside the capture), replays follow the
+    captured inputs."""
+    device, dtype = "cuda", torch.bfloat16
+    q, kc, vc, _, _, lens, *_ = _decode_inputs(device, dtype, False, seqlens=(7, 0, 30))
+    lens = lens if seqlens == "tensor" else None
+    step = lambda: _plain_step(q, kc, vc, lens)  # noqa: E731
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step()
+    for _ in range(2):
+        for t in (q, kc, vc):
+            t.copy_(torch.randn_like(t))
+        if lens is not None:
+            lens.copy_(torch.randint(0, kc.shape[1] + 1, lens.shape, device=device, dtype=torch.int32))
+        graph.replay()
+        out_e, lse_e = step()
+        assert torch.equal(out, out_e) and torch.equal(lse, lse_e)
 
 
 # ----------------------------------------------------------------------------- the CUDA decoding kernel

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import KernelCalls, assert_rule, compute_dtype, randn, sdpa_ref
+from helpers import DTYPES, KernelCalls, assert_rule, compute_dtype, randn, sdpa_ref
 
 import flashattn_ext
 from flashattn_ext import FlashAttnFallbackWarning, _ops
@@ -315,3 +315,210 @@ def test_tiny_transformer_block(device, dtype):
         assert_rule(res["ours"][i], res["oracle"][i], res["naive"][i], 2.0 if i == 0 else 3.0, n)
         # and torch's own SDPA lands within the same bound (sanity of the oracle block)
         assert_rule(res["torch"][i], res["oracle"][i], res["naive"][i], 2.0 if i == 0 else 3.0, "torch " + n)
+
+
+# ----------------------------------------------------------------------------- decode route (issue #10 item 3)
+# Short queries against many keys go to the split-KV decoding kernel
+# (flashattn_ext::fwd_kvcache) when the result is the same: interface.decode_route
+# decides, from metadata alone.
+
+
+def _contiguous_strides(shape):
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return tuple(reversed(strides))
+
+
+def _route(**over):
+    args = dict(
+        device_type="cuda",
+        dtype=torch.bfloat16,
+        batch=2,
+        heads_q=32,
+        heads_kv=8,
+        seqlen_q=1,
+        seqlen_k=1024,
+        head_dim=128,
+        is_causal=False,
+        has_mask=False,
+        dropout_p=0.0,
+        needs_grad=False,
+        autocast=False,
+        transformed=False,
+    )
+    args.update(over)
+    if "strides" not in over:
+        b, hq, hk, lq, sk, d = (args[x] for x in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim"))
+        kv = _contiguous_strides((b, hk, sk, d))
+        args["strides"] = (_contiguous_strides((b, hq, lq, d)), kv, kv)
+    args.setdefault("offsets", (0, 0, 0))
+    return flashattn_ext.interface.decode_route(**args)
+
+
+# (b, S, H, E) buffers seen as (b, H, S, E): what flash-layout caches and HF's transposed projections give.
+_KV_VIEW = _contiguous_strides((2, 1024, 8, 128))
+_KV_VIEW = (_KV_VIEW[0], _KV_VIEW[2], _KV_VIEW[1], _KV_VIEW[3])
+
+ROUTE_IN = {
+    "decode_gqa": {},
+    "mha": {"heads_kv": 32},
+    "mqa": {"heads_kv": 1},
+    "q16": {"seqlen_q": 16, "seqlen_k": 64},
+    "fp16": {"dtype": torch.float16},
+    "d64": {"head_dim": 64},
+    "kv_transposed_view": {"strides": (_contiguous_strides((2, 32, 1, 128)), _KV_VIEW, _KV_VIEW)},
+    "offset_16_bytes": {"offsets": (0, 16, 32)},
+}
+ROUTE_OUT = {
+    "cpu": {"device_type": "cpu", "dtype": torch.float32},  # same kernel on the CPU, not faster there (NOTES)
+    "meta": {"device_type": "meta"},
+    "q17": {"seqlen_q": 17, "seqlen_k": 4096},
+    "few_keys": {"seqlen_q": 4, "seqlen_k": 15},
+    "causal_top_left": {"is_causal": True},
+    "mask": {"has_mask": True},
+    "dropout": {"dropout_p": 0.1},
+    "needs_grad": {"needs_grad": True},
+    "autocast": {"autocast": True},
+    "functorch": {"transformed": True},
+    "float32_cuda": {"dtype": torch.float32},
+    "head_dim_not_multiple_of_8": {"head_dim": 60},
+    "head_dim_too_large": {"head_dim": 512},
+    "misaligned_offset": {"offsets": (0, 8, 0)},
+    "odd_stride": {"strides": ((32 * 128, 128, 128, 1), (8 * 1028 * 128, 1028 * 128 + 4, 128, 1), _KV_VIEW)},
+    "strided_head_dim": {"strides": ((32 * 256, 256, 256, 2), _KV_VIEW, _KV_VIEW)},
+    "heads_not_divisible": {"heads_q": 30},
+    "batch_beyond_grid": {"batch": 70000},
+}
+
+
+@pytest.mark.parametrize("case", list(ROUTE_IN) + list(ROUTE_OUT))
+def test_decode_route_rule(case, monkeypatch):
+    # The rule itself, independent of this build's CUDA head dims.
+    monkeypatch.setattr(flashattn_ext.interface, "_CUDA_MAX_HEAD_DIM", 256)
+    assert _route(**ROUTE_IN.get(case, ROUTE_OUT.get(case))) is (case in ROUTE_IN)
+
+
+def test_decode_route_cpu_when_enabled(monkeypatch):
+    monkeypatch.setattr(flashattn_ext.interface, "DECODE_ROUTE_DEVICES", ("cpu", "cuda"))
+    assert _route(device_type="cpu", dtype=torch.float32, head_dim=60)
+    assert _route(device_type="cpu", dtype=torch.float64)
+    assert not _route(device_type="cpu", dtype=torch.float32, head_dim=300)
+
+
+def _decode_inputs(device, dtype, b, hq, hk, lq, sk, d, kv_view=False):
+    q = randn((b, 1, hq, d), dtype, device).transpose(1, 2)  # a model's projection: (B, L, H, E) seen as (B, H, L, E)
+    if lq != 1:
+        q = randn((b, hq, lq, d), dtype, device)
+    if kv_view:
+        k, v = (randn((b, sk, hk, d), dtype, device).transpose(1, 2) for _ in range(2))
+    else:
+        k, v = (randn((b, hk, sk, d), dtype, device) for _ in range(2))
+    return q, k, v
+
+
+DECODE_SHAPES = {
+    "b2_gqa4_d64": (2, 8, 2, 1, 300, 64, True, False),
+    "b1_mha_d32_kv_view": (1, 4, 4, 1, 129, 32, False, True),
+    "b3_mqa_broadcast": (3, 6, 1, 1, 77, 16, False, False),
+    "b2_gqa3_q5": (2, 6, 2, 5, 40, 64, True, False),
+    "b1_gqa2_q16": (1, 4, 2, 16, 64, 32, True, True),
+}
+
+
+def _check_routed(q, k, v, gqa):
+    with KernelCalls() as spy:
+        out, _ = check_sdpa(q, k, v, enable_gqa=gqa)
+    assert [name for name, _ in spy.calls] == ["fwd_kvcache"], spy.calls
+    ((_, args),) = spy.calls
+    assert args[-1] is True, "bhsd: the op makes the (B, L, H, E) views"
+    for a, t in zip(args[:3], (q, k, v)):
+        assert (a.data_ptr(), a.shape, a.stride()) == (t.data_ptr(), t.shape, t.stride()), (
+            "inputs reach the op as given"
+        )
+    assert out.transpose(1, 2).is_contiguous(), "a (B, H, L, E) view of a (B, L, H, E) buffer, as the main path"
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES["cpu"], ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("shape", list(DECODE_SHAPES))
+def test_decode_route_matches_oracle_cpu(dtype, shape, monkeypatch):
+    """The routed path on the CPU (where it is off by default) against the oracle."""
+    monkeypatch.setattr(flashattn_ext.interface, "DECODE_ROUTE_DEVICES", ("cpu",))
+    b, hq, hk, lq, sk, d, gqa, kv_view = DECODE_SHAPES[shape]
+    q, k, v = _decode_inputs("cpu", dtype, b, hq, hk, lq, sk, d, kv_view)
+    routed = _check_routed(q, k, v, gqa)
+    monkeypatch.setattr(flashattn_ext.interface, "DECODE_ROUTE_DEVICES", ())
+    with KernelCalls() as spy:
+        main = sdpa(q, k, v, enable_gqa=gqa)
+    assert [name for name, _ in spy.calls] == ["fwd"]
+    torch.testing.assert_close(routed, main, rtol=0, atol=0)  # the same CPU kernel either way
+
+
+def test_decode_route_off_cases_take_main_path(monkeypatch):
+    """Causal (torch's top-left), inputs requiring grad, a mask: the main path."""
+    monkeypatch.setattr(flashattn_ext.interface, "DECODE_ROUTE_DEVICES", ("cpu",))
+    q, k, v = _decode_inputs("cpu", torch.float32, 2, 8, 2, 1, 300, 64)
+    for kw, leaves in (({"is_causal": True}, False), ({}, True)):
+        with KernelCalls() as spy:
+            check_sdpa(q, k, v, dout=randn(q.shape, q.dtype, "cpu") if leaves else None, enable_gqa=True, **kw)
+        assert spy.calls and spy.calls[0][0] == "fwd", kw
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("gqa", [True, False], ids=["enable_gqa", "no_gqa"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (1, 32, 8, 1, 1024, 128),
+        (4, 32, 8, 1, 3000, 128),
+        (2, 16, 4, 4, 777, 64),
+        (3, 8, 8, 1, 8192, 128),
+        (1, 8, 1, 16, 100, 256),
+    ],
+    ids=lambda s: "b{}_h{}-{}_q{}_k{}_d{}".format(*s),
+)
+def test_decode_route_cuda_matches_oracle(dtype, gqa, shape):
+    """The drop-in at decode shapes on CUDA runs fwd_kvcache (split-KV) and matches the oracle."""
+    b, hq, hk, lq, sk, d = shape
+    if not gqa:  # same heads, or torch's broadcast of one key/value head
+        hk = hq if hk != 1 else 1
+    if d > flashattn_ext.interface._CUDA_MAX_HEAD_DIM:
+        pytest.skip(f"head dim {d} not in this build")
+    q, k, v = _decode_inputs("cuda", dtype, b, hq, hk, lq, sk, d, kv_view=sk % 2 == 1)
+    _check_routed(q, k, v, gqa)
+
+
+def test_decode_route_compiles(monkeypatch):
+    """The routed call traces under torch.compile(fullgraph=True) (route on for the CPU here)."""
+    monkeypatch.setattr(flashattn_ext.interface, "DECODE_ROUTE_DEVICES", ("cpu",))
+    torch._dynamo.reset()
+    q, k, v = _decode_inputs("cpu", torch.float32, 2, 8, 2, 1, 300, 64)
+
+    def step(q, k, v):
+        return sdpa(q, k, v, attn_mask=None, dropout_p=0.0, scale=0.125, is_causal=False, enable_gqa=True)
+
+    expected = step(q, k, v)
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dev", ["cpu", "meta"])
+def test_fwd_kvcache_bhsd(dev):
+    """fwd_kvcache(bhsd=True) on (B, H, L, E) tensors is fwd_kvcache on their
+    (B, L, H, E) transposes, the output a (B, H, L, E) view; not with a block table."""
+    q, k, v = (randn(s, torch.float32, "cpu").to(dev) for s in ((2, 6, 3, 16), (2, 2, 40, 16), (2, 2, 40, 16)))
+    lens = torch.tensor([40, 17], dtype=torch.int32, device=dev)
+    out, lse = _ops.fwd_kvcache(q, k, v, lens, None, None, None, 0.25, -1, -1, 0, True)
+    ref, ref_lse = _ops.fwd_kvcache(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), lens, None, None, None, 0.25, -1, -1, 0
+    )
+    assert out.shape == q.shape and lse.shape == ref_lse.shape and out.transpose(1, 2).is_contiguous()
+    if dev == "cpu":
+        assert torch.equal(out, ref.transpose(1, 2)) and torch.equal(lse, ref_lse)
+    table = torch.zeros((2, 3), dtype=torch.int32, device=dev)
+    with pytest.raises(ValueError, match="bhsd=True takes a contiguous"):
+        _ops.fwd_kvcache(q, k, v, lens, None, None, table, 0.25, -1, -1, 0, True)

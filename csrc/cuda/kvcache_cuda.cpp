@@ -104,13 +104,13 @@ int choose_num_splits(int64_t requested, int64_t ctas, int64_t key_blocks, int64
   return 1;
 }
 
-std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(const at::Tensor& q_in, const at::Tensor& k_cache_in,
-                                                    const at::Tensor& v_cache_in, const at::Tensor& seqlens_k_in,
-                                                    const std::optional<at::Tensor>& batch_idx_in,
-                                                    const std::optional<at::Tensor>& leftpad_in,
-                                                    const std::optional<at::Tensor>& block_table_in,
-                                                    double softmax_scale, int64_t window_left, int64_t window_right,
-                                                    int64_t num_splits) {
+std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_impl(const at::Tensor& q_in, const at::Tensor& k_cache_in,
+                                                         const at::Tensor& v_cache_in, const at::Tensor& seqlens_k_in,
+                                                         const std::optional<at::Tensor>& batch_idx_in,
+                                                         const std::optional<at::Tensor>& leftpad_in,
+                                                         const std::optional<at::Tensor>& block_table_in,
+                                                         double softmax_scale, int64_t window_left,
+                                                         int64_t window_right, int64_t num_splits) {
   check_kvcache({q_in, k_cache_in, v_cache_in, seqlens_k_in, batch_idx_in, leftpad_in, block_table_in}, softmax_scale,
                 window_left, window_right, num_splits, kCudaSpec);
   const auto* prop = at::cuda::getDeviceProperties(q_in.device().index());
@@ -185,6 +185,22 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(const at::Tensor& q_in, cons
   TORCH_CHECK(err == cudaSuccess, "flashattn_ext: CUDA decoding kernel (head dim ", kdim,
               ") failed to launch: ", cudaGetErrorString(err));
   return {unpad(out), lse};
+}
+
+// bhsd: the (batch, heads, seqlen, head_dim) tensors as (batch, seqlen, heads,
+// head_dim) views, and the output back as a view (see ops.cpp).
+std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(const at::Tensor& q, const at::Tensor& k_cache,
+                                                    const at::Tensor& v_cache, const at::Tensor& seqlens_k,
+                                                    const std::optional<at::Tensor>& batch_idx,
+                                                    const std::optional<at::Tensor>& leftpad,
+                                                    const std::optional<at::Tensor>& block_table, double softmax_scale,
+                                                    int64_t window_left, int64_t window_right, int64_t num_splits,
+                                                    bool bhsd) {
+  check_bhsd(bhsd, block_table);
+  auto [out, lse] = fwd_kvcache_cuda_impl(kernel_layout(q, bhsd), kernel_layout(k_cache, bhsd),
+                                          kernel_layout(v_cache, bhsd), seqlens_k, batch_idx, leftpad, block_table,
+                                          softmax_scale, window_left, window_right, num_splits);
+  return {kernel_layout(out, bhsd), lse};
 }
 
 }  // namespace
