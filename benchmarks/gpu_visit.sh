@@ -14,7 +14,7 @@
 #           $OUT/pytest_summary.tsv, logs in $OUT/pytest_<file>.log; exit code >= 128
 #           (killed by a signal, e.g. a segfault) is reported as CRASH and fails the stage
 # selftest: python -m flashattn_ext (the README's main job)
-# sanitize: compute-sanitizer memcheck and racecheck on a small case
+# sanitize: compute-sanitizer memcheck and racecheck on a small case per Hopper backward kernel
 # bench:    benchmarks/bench_gpu.py, the standard grid (BENCH_ARGS to narrow it,
 #           e.g. BENCH_ARGS=--quick); JSON, markdown and its summary under $OUT
 # crash:    only when named in STAGES: the pytest run of CRASH_TESTS (default
@@ -100,7 +100,7 @@ if has sanitize; then
 import torch, flashattn_ext
 from flashattn_ext import _ops
 for det in (False, True):
-    for d in (64, 128):
+    for d in (64, 96, 128, 256):  # the Hopper backward kernels: 64/96/128 split keys, 256 splits the head dim
         q = torch.randn(1, 130, 4, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         k = torch.randn(1, 70, 2, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         v = torch.randn(1, 70, 2, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
