@@ -20,7 +20,7 @@ struct KernelConfig;
 // FwdSm90WsTraits<D, N, consumer warpgroups, stages> (Hopper warp-specialized TMA forward: 64/128/192/256)
 // FwdSm90Traits<D, N, minBlocksPerSm>, BwdSm90Traits<D, M, warpgroups> (Hopper wgmma kernels: forward 64/128/192/256,
 // backward 64/128), BwdSm90WsTraits<D, M, stages> (Hopper warp-specialized TMA backward: 64/128),
-// BwdSm90WsSplitTraits<D> (the same with the head dim split between the consumers: 256)
+// BwdSm90WsSplitTraits<D> (the same with the head dim split between the consumers: 192/256)
 template <typename T>
 struct KernelConfig<32, T> {
   using Fwd = FwdTraits<32, 128, 128, 4, 2, 1, T>;
@@ -67,6 +67,7 @@ struct KernelConfig<192, T> {
   using FwdSm90Ws = FwdSm90WsTraits<192, 64, 2, 2, T>;
   using Bwd = BwdTraits<192, 64, 64, 8, 1, 2, 4, T>;  // 2-D: dK/dV tiles of 32 keys x 48 columns a warp
   using BwdDq = BwdDqTraits<192, 64, 64, 4, T>;
+  using BwdSm90Ws = BwdSm90WsSplitTraits<192, T>;  // 64 keys a CTA; the consumers split the head dim 128 / 64
 };
 template <typename T>
 struct KernelConfig<256, T> {

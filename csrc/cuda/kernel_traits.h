@@ -267,17 +267,20 @@ struct BwdSm90WsTraits {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 };
 
-// The warp-specialized TMA backward for head dim 256
+// The warp-specialized TMA backward for head dims 192 and 256
 // (hopper/flash_bwd_sm90_ws_split_kernel.cuh): dK and dV of 64 keys are 256
 // registers a thread in one warpgroup, so a CTA owns 64 keys and the two
-// consumer warpgroups split the head dim (kHalf columns of dK, dV, dQ each);
+// consumer warpgroups split the head dim (kCols0 / kCols1 columns of dK, dV, dQ);
 // consumer 0 computes S^T and P^T, consumer 1 dP^T and dS^T. Q has kStages
 // stages, dO one (the shared-memory budget; see the kernel).
 template <int kHeadDim_, typename Element_>
 struct BwdSm90WsSplitTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kHalf = kHeadDim / 2;
+  // Consumer 0's columns (half the head dim rounded up to whole 64-column
+  // panels) and consumer 1's (the rest).
+  static constexpr int kCols0 = (kHeadDim / 64 + 1) / 2 * 64;
+  static constexpr int kCols1 = kHeadDim - kCols0;
   static constexpr int kBlockM = 64;  // queries per step
   static constexpr int kBlockN = 64;  // keys per CTA
   static constexpr int kStages = 2;   // Q ring
@@ -289,7 +292,7 @@ struct BwdSm90WsSplitTraits {
   // The dQ tile of a step is kDqBlocks 64 x 64 blocks (DqFragLayout), kDqBlocks / 2 a consumer.
   static constexpr int kDqColBlocks = kHeadDim / 64;
   static constexpr int kDqBlocks = kDqColBlocks;
-  static constexpr int kDqHalfFloats = kBlockM * kHalf;
+  static constexpr int kDqPart0Floats = kBlockM * kCols0;  // the shared dQ tile: consumer 0's part, the larger
 
   using TileQ = SmemTile<kBlockM, kHeadDim>;          // Q and dO blocks
   using TileKV = SmemTile<kBlockN, kHeadDim>;         // K and V
@@ -301,10 +304,10 @@ struct BwdSm90WsSplitTraits {
   static constexpr int kBytesKV = TileKV::kElems * 2;
   // K, V; Q stages and one dO; P^T (16-bit), dS^T; P^T (fp32); a dQ half; lse / D; 3 + 2 kStages mbarriers.
   static constexpr int kSmemBytes = 1024 + 2 * kBytesKV + (kStages + 1) * kBytesQ + 2 * TileDS::kElems * 2 +
-                                    TileDS::kElems * 4 + kDqHalfFloats * 4 + 2 * kStages * kBlockM * 4 +
+                                    TileDS::kElems * 4 + kDqPart0Floats * 4 + 2 * kStages * kBlockM * 4 +
                                     (3 + 2 * kStages) * 8;
 
-  static_assert(kHeadDim == 256, "the head-dim split (halves of whole 64-column panels) is built for 256");
+  static_assert(kHeadDim == 192 || kHeadDim == 256, "the head-dim split is built for 192 and 256");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 65536, "register file");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 };

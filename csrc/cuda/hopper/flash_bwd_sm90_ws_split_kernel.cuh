@@ -1,6 +1,9 @@
-// The warp-specialized Hopper backward for head dim 256, where the dK and dV
-// of 64 keys (2 x 64 x 256 fp32) do not fit the registers of one warpgroup:
-// the two consumer warpgroups split the head dim instead of the keys.
+// The warp-specialized Hopper backward for head dims 192 and 256, where the dK
+// and dV of 64 keys (2 x 64 x 256 fp32) do not fit the registers of one
+// warpgroup: the two consumer warpgroups split the head dim instead of the
+// keys, in whole 64-column panels (an N-major wgmma operand cannot start inside
+// a swizzle atom): 128 + 128 columns at 256, 128 + 64 at 192. The column
+// counts below are those of head dim 256.
 //
 // A CTA owns kBlockN = 64 keys of one (batch, kv head) and sweeps the query
 // blocks (64 queries a step) of every query head of its GQA group, like
@@ -46,6 +49,8 @@
 // counter is released after both halves have landed).
 #pragma once
 
+#include <type_traits>
+
 #include "../../flash_params.h"
 #include "../flash_bwd_kernel.cuh"
 #include "../nonfinite_fixup.cuh"
@@ -72,14 +77,17 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   using TileQ = typename Kt::TileQ;
   using TileKV = typename Kt::TileKV;
   using TileDS = typename Kt::TileDS;
-  constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHalf = Kt::kHalf;
+  constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN;
+  // Consumer c owns columns [c * kCols0, c * kCols0 + kCols(c)) of dK, dV, dQ:
+  // whole 64-column panels, 128 / 128 at head dim 256, 128 / 64 at 192.
+  constexpr int kCols0 = Kt::kCols0, kCols1 = Kt::kCols1;
   constexpr int kStages = Kt::kStages;
   constexpr int kConsumerThreads = 256;
-  constexpr int kQSteps = kBlockM / 16;  // k-steps of dV and dK (over queries)
-  constexpr int kKSteps = kBlockN / 16;  // k-steps of dQ (over keys)
-  constexpr int kQT = kBlockM / 8;       // n-tiles of an S^T row
-  constexpr int kHT = kHalf / 8;         // n-tiles of a half row of dK / dV / dQ
-  constexpr int kDqHalfFloats = Kt::kDqHalfFloats;
+  constexpr int kQSteps = kBlockM / 16;              // k-steps of dV and dK (over queries)
+  constexpr int kKSteps = kBlockN / 16;              // k-steps of dQ (over keys)
+  constexpr int kQT = kBlockM / 8;                   // n-tiles of an S^T row
+  constexpr int kT0 = kCols0 / 8, kT1 = kCols1 / 8;  // n-tiles of a consumer's row of dK / dV / dQ
+  constexpr int kDqPart0Floats = kBlockM * kCols0, kDqPart1Floats = kBlockM * kCols1;
   constexpr int kPReady = 1, kPFree = 2, kDsReady = 3, kDsFree = 4, kEpilogueBar = 5;
   constexpr int kDqFull0 = 6, kDqEmpty0 = 7, kDqFull1 = 8, kDqEmpty1 = 9;
   constexpr int kDqBarThreads = 128 + 32;
@@ -95,7 +103,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   T* sdS = sP + TileDS::kElems;                                 // dS^T, [key][query]
   float* sPf = reinterpret_cast<float*>(sdS + TileDS::kElems);  // P^T fp32, PFragLayout
   float* sdQ = sPf + TileDS::kElems;                            // a dQ half, DqFragLayout
-  float* sLse = sdQ + kDqHalfFloats;                            // [kStages][kBlockM], log2 units
+  float* sLse = sdQ + kDqPart0Floats;                           // [kStages][kBlockM], log2 units
   float* sDsum = sLse + kStages * kBlockM;                      // [kStages][kBlockM]
   uint64_t* full_kv = reinterpret_cast<uint64_t*>(sDsum + kStages * kBlockM);
   uint64_t* full_do = full_kv + 1;
@@ -217,7 +225,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
               }
               fence_proxy_async();  // the adds below (async proxy) come after the acquire
             }
-            bulk_reduce_add_f32(gdq + half * kDqHalfFloats, sdQ, kDqHalfFloats * 4);
+            bulk_reduce_add_f32(gdq + half * kDqPart0Floats, sdQ, (half == 0 ? kDqPart0Floats : kDqPart1Floats) * 4);
             tma_store_commit();
             if (deterministic && half == 1) {
               tma_store_wait_all();  // both halves have landed in global memory
@@ -242,7 +250,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 
   // ---- consumers ----------------------------------------------------------
   warpgroup_reg_alloc<Kt::kConsumerRegs>();
-  const int cwg = wg - 1;  // 0: S^T, P^T; 1: dP^T, dS^T. Columns [cwg * kHalf, +kHalf) of dK, dV, dQ.
+  const int cwg = wg - 1;  // 0: S^T, P^T; 1: dP^T, dS^T (and their columns of dK, dV, dQ)
   const int ctid = tid - 128;
   const int wg_tid = ctid % 128;
   const int warp_in_wg = warp % 4;
@@ -250,7 +258,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   const int warp_key0 = warp_in_wg * 16;  // this warp's rows of S^T, dP^T, dK, dV
 
   constexpr uint32_t kSbo = 1024;
-  const uint32_t half_panels = uint32_t(cwg) * (kHalf / 64);  // the first 64-column panel of this half
+  const uint32_t half_panels = uint32_t(cwg) * (kCols0 / 64);  // the first 64-column panel of this consumer's
   // K-major A of S^T / dP^T over the head dim; K-major A of dV / dK over the
   // queries (one 64-column panel: P^T and dS^T); M-major A of dQ (dS from dS^T).
   const uint64_t desc_k = smem_desc(smem_u32(sK), 16, kSbo);
@@ -262,26 +270,32 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   const uint64_t desc_k_n = smem_desc(smem_u32(sK) + half_panels * Kt::kPanelKV, Kt::kPanelKV, kSbo);
   const uint32_t do_half = smem_u32(sdO) + half_panels * Kt::kPanelQ;
 
-  float acc_dk[1][kHT][4], acc_dv[1][kHT][4], acc_dq[kHT][4];
+  // Sized for consumer 0; consumer 1 uses the first kT1 n-tiles (cols1: the
+  // same registers as arrays of kT1, for its wgmma and stores).
+  float acc_dk[1][kT0][4], acc_dv[1][kT0][4], acc_dq[kT0][4];
   clear(acc_dk);
   clear(acc_dv);
+  auto cols1 = [](auto& acc) -> float(&)[kT1][4] { return *reinterpret_cast<float(*)[kT1][4]>(&acc[0][0]); };
 
   auto hand_over_dq = [&]() {
     named_barrier_sync(cwg == 0 ? kDqEmpty0 : kDqEmpty1, kDqBarThreads);
+    const int tiles = cwg == 0 ? kT0 : kT1;
 #pragma unroll
-    for (int ni = 0; ni < kHT; ++ni)
+    for (int ni = 0; ni < kT0; ++ni)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        *reinterpret_cast<float2*>(sdQ + DqFragLayout::offset(ni / 8, ni % 8, h, wg_tid)) =
-            make_float2(acc_dq[ni][2 * h], acc_dq[ni][2 * h + 1]);
+        if (ni < tiles)
+          *reinterpret_cast<float2*>(sdQ + DqFragLayout::offset(ni / 8, ni % 8, h, wg_tid)) =
+              make_float2(acc_dq[ni][2 * h], acc_dq[ni][2 * h + 1]);
     fence_proxy_async_smem();  // the bulk reduce (async proxy) reads what st.shared wrote
     named_barrier_arrive(cwg == 0 ? kDqFull0 : kDqFull1, kDqBarThreads);
   };
-  // dQ half = dS K[:, half] (SS: dS M-major from dS^T, K N-major).
-  auto issue_dq = [&]() {
+  // This consumer's columns of dQ = dS K[:, cols] (SS: dS M-major from dS^T, K N-major).
+  auto issue_dq = [&](auto& acc, auto cols) {
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks)
-      Wgmma<kHalf, T>::template ss<1, 1>(acc_dq, desc_add(desc_ds_m, ks * 2048), desc_add(desc_k_n, ks * 2048), ks > 0);
+      Wgmma<decltype(cols)::value, T>::template ss<1, 1>(acc, desc_add(desc_ds_m, ks * 2048),
+                                                         desc_add(desc_k_n, ks * 2048), ks > 0);
   };
 
   if (iters > 0) {
@@ -337,15 +351,15 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kQSteps; ++kk)
-        Wgmma<kHalf, T>::template rs<1>(acc_dv[0], a_p[kk], desc_add(desc_do_n, kk * 2048), 1);
+        Wgmma<kCols0, T>::template rs<1>(acc_dv[0], a_p[kk], desc_add(desc_do_n, kk * 2048), 1);
       wgmma_commit();
 
       named_barrier_sync(kDsReady, kConsumerThreads);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kQSteps; ++kk)
-        Wgmma<kHalf, T>::template ss<0, 1>(acc_dk[0], desc_add(desc_ds, kk * 32), desc_add(desc_q_n, kk * 2048), 1);
-      issue_dq();
+        Wgmma<kCols0, T>::template ss<0, 1>(acc_dk[0], desc_add(desc_ds, kk * 32), desc_add(desc_q_n, kk * 2048), 1);
+      issue_dq(acc_dq, std::integral_constant<int, kCols0>{});
       wgmma_commit();
       wgmma_wait<1>();  // dV done: dO (and a_p) free
       pin_registers(acc_dv[0]);
@@ -393,13 +407,14 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kQSteps; ++kk)
-        Wgmma<kHalf, T>::template ss<0, 1>(acc_dv[0], desc_add(desc_p, kk * 32), desc_add(desc_do_n, kk * 2048), 1);
+        Wgmma<kCols1, T>::template ss<0, 1>(cols1(acc_dv[0]), desc_add(desc_p, kk * 32), desc_add(desc_do_n, kk * 2048),
+                                            1);
 #pragma unroll
       for (int kk = 0; kk < kQSteps; ++kk)
-        Wgmma<kHalf, T>::template rs<1>(acc_dk[0], a_ds[kk], desc_add(desc_q_n, kk * 2048), 1);
+        Wgmma<kCols1, T>::template rs<1>(cols1(acc_dk[0]), a_ds[kk], desc_add(desc_q_n, kk * 2048), 1);
       wgmma_commit();
       wgmma_fence();
-      issue_dq();
+      issue_dq(cols1(acc_dq), std::integral_constant<int, kCols1>{});
       wgmma_commit();
       wgmma_wait<1>();  // dV, dK done: P^T, dO, Q (and a_ds) free
       pin_registers(acc_dv[0]);
@@ -413,17 +428,24 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     hand_over_dq();
   }
 
-  // Epilogue: this half of dK (scaled) and dV through sK / sV once both consumers are done reading them.
+  // Epilogue: this consumer's columns of dK (scaled) and dV through sK / sV once
+  // both consumers are done reading them (consumer 1's unused n-tiles stay 0).
   const bool bad = nonfinite::any_bad(acc_dk) || nonfinite::any_bad(acc_dv);
+  const int col0 = cwg * kCols0, cols = cwg == 0 ? kCols0 : kCols1;
   named_barrier_sync(kEpilogueBar, kConsumerThreads);
-  store_acc<TileKV>(sK, acc_dk, warp_key0, cwg * kHalf, lane, p.softmax_scale);
-  store_acc<TileKV>(sV, acc_dv, warp_key0, cwg * kHalf, lane);
+  if (cwg == 0) {
+    store_acc<TileKV>(sK, acc_dk, warp_key0, 0, lane, p.softmax_scale);
+    store_acc<TileKV>(sV, acc_dv, warp_key0, 0, lane);
+  } else {
+    store_acc<TileKV>(sK, reinterpret_cast<float(&)[1][kT1][4]>(acc_dk), warp_key0, col0, lane, p.softmax_scale);
+    store_acc<TileKV>(sV, reinterpret_cast<float(&)[1][kT1][4]>(acc_dv), warp_key0, col0, lane);
+  }
   // The non-finite rule (../nonfinite_fixup.cuh): this warp's 16 keys over this
   // consumer's columns, exactly, if one holds a NaN / inf.
   if (__any_sync(0xffffffffu, bad))
     nonfinite::fix_key_rows<TileKV, (Kt::kHeadDim + 31) / 32>(nonfinite::fixup_args(p, SeqInfo(p, b, false), b), h_kv,
-                                                              n0, warp_key0, warp_key0 + 16, 1, keys, sK, sV,
-                                                              cwg * kHalf, cwg * kHalf + kHalf, lane);
+                                                              n0, warp_key0, warp_key0 + 16, 1, keys, sK, sV, col0,
+                                                              col0 + cols, lane);
   named_barrier_sync(kEpilogueBar, kConsumerThreads);
   T* gdK = static_cast<T*>(p.dk_ptr) + b * p.dk_batch_stride + h_kv * p.dk_head_stride + n0 * p.dk_row_stride;
   T* gdV = static_cast<T*>(p.dv_ptr) + b * p.dv_batch_stride + h_kv * p.dv_head_stride + n0 * p.dv_row_stride;
