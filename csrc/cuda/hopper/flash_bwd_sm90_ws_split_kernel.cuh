@@ -29,7 +29,7 @@
 //                   dQ[:, 128:256] = dS K[:, 128:256] (SS).
 //
 // Each consumer does the same tensor work a step (one 64 x 64 x 256 product
-// and three 64 x 128 x 64), keeps 128 accumulator registers of dK / dV and 64
+// and three 64 x 128 x 64; at head dim 192 consumer 1's three are 64 wide), keeps 128 accumulator registers of dK / dV and 64
 // of its dQ half, and the elementwise work is split: exponentials on
 // consumer 0, dS on consumer 1 (both in fp32, as in the other kernels).
 //
@@ -43,6 +43,10 @@
 //   kDqFull0/1 (consumer -> writer), kDqEmpty0/1 (writer -> consumer): the
 //   shared dQ tile goes consumer 0, writer, consumer 1, writer, ...
 //   kEpilogueBar (both consumers, before dK / dV reuse sK / sV).
+// The PTX memory model orders these hand-offs (a bar.arrive synchronizes with
+// a bar.sync of the same barrier); compute-sanitizer's racecheck does not
+// credit arrive-only ordering and reports them (benchmarks/NOTES.md, open
+// question 11).
 //
 // Deterministic mode: as in flash_bwd_sm90_ws_kernel.cuh (key blocks add in
 // descending order behind per-(batch, head, 64-query block) counters; the
