@@ -29,9 +29,9 @@
 //                   dQ[:, 128:256] = dS K[:, 128:256] (SS).
 //
 // Each consumer does the same tensor work a step (one 64 x 64 x 256 product
-// and three 64 x 128 x 64; at head dim 192 consumer 1's three are 64 wide), keeps 128 accumulator registers of dK / dV and 64
-// of its dQ half, and the elementwise work is split: exponentials on
-// consumer 0, dS on consumer 1 (both in fp32, as in the other kernels).
+// and three 64 x 128 x 64; at head dim 192 consumer 1's three are 64 wide), keeps 128 accumulator registers of dK / dV
+// and 64 of its dQ half, and the elementwise work is split: exponentials on consumer 0, dS on consumer 1 (both in fp32,
+// as in the other kernels).
 //
 // Shared memory at head dim 256: K, V 64 KiB, Q 2 x 32 KiB, dO 32 KiB, P^T
 // (16-bit and fp32) and dS^T 32 KiB, the dQ half tile 32 KiB: 224 KiB.
