@@ -92,23 +92,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_impl(const at::Tensor& q, con
   return {out, lse};
 }
 
-// bhsd: the (batch, heads, seqlen, head_dim) tensors as (batch, seqlen, heads,
-// head_dim) views, and the output back as a view (see ops.cpp).
-std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu(const at::Tensor& q, const at::Tensor& k_cache,
-                                                   const at::Tensor& v_cache, const at::Tensor& seqlens_k,
-                                                   const std::optional<at::Tensor>& batch_idx,
-                                                   const std::optional<at::Tensor>& leftpad,
-                                                   const std::optional<at::Tensor>& block_table, double softmax_scale,
-                                                   int64_t window_left, int64_t window_right, int64_t num_splits,
-                                                   bool bhsd) {
-  check_bhsd(bhsd, block_table);
-  auto [out, lse] = fwd_kvcache_cpu_impl(kernel_layout(q, bhsd), kernel_layout(k_cache, bhsd),
-                                         kernel_layout(v_cache, bhsd), seqlens_k, batch_idx, leftpad, block_table,
-                                         softmax_scale, window_left, window_right, num_splits);
-  return {kernel_layout(out, bhsd), lse};
-}
-
 }  // namespace
 }  // namespace flashattn
 
-TORCH_LIBRARY_IMPL(flashattn_ext, CPU, m) { m.impl("fwd_kvcache", &flashattn::fwd_kvcache_cpu); }
+TORCH_LIBRARY_IMPL(flashattn_ext, CPU, m) {
+  m.impl("fwd_kvcache", &flashattn::fwd_kvcache_entry<&flashattn::fwd_kvcache_cpu_impl>);
+}

@@ -1,8 +1,7 @@
 // Host helpers of the CUDA bindings: what the CUDA backend accepts, the
 // device check, the compiled head dims and the (dtype, head dim) dispatch, the
-// kernels' 16-byte layout requirement. attention_cuda.cpp (fwd, bwd and their
-// varlen forms) uses them; kvcache_cuda.cpp (fwd_kvcache) still has its own
-// copies of most of them (benchmarks/NOTES.md, open question 8).
+// kernels' 16-byte layout requirement, used by attention_cuda.cpp (fwd, bwd and
+// their varlen forms) and kvcache_cuda.cpp (fwd_kvcache).
 #pragma once
 
 #include <ATen/ATen.h>
