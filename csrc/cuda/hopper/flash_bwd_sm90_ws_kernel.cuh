@@ -81,6 +81,61 @@ struct DqFragLayout {
   }
 };
 
+// ---- pieces the two warp-specialized backward kernels share ----------------
+// (this one and flash_bwd_sm90_ws_split_kernel.cuh)
+
+// The lse (log2 units) and D of a step's kBlockM query rows, kBlockM / 32 a
+// lane of the producer warp, loaded one step ahead so that their latency is not
+// on the path. Rows past seqlen_q: lse +inf makes P (and so dS, dV, dK, dQ) zero.
+template <int kBlockM>
+struct StepRowVecs {
+  static constexpr int kRowsPerLane = kBlockM / 32;
+  float lse[kRowsPerLane], dsum[kRowsPerLane];
+
+  __device__ __forceinline__ void load(const AttnBwdParams& p, int b, int hq, int m0, int lane) {
+    const int64_t vec = (int64_t(b) * p.heads_q + hq) * p.seqlen_q + m0;
+#pragma unroll
+    for (int i = 0; i < kRowsPerLane; ++i) {
+      const int r = lane + 32 * i;
+      const bool in = m0 + r < p.seqlen_q;
+      lse[i] = in ? lse_to_log2(static_cast<const float*>(p.lse_ptr)[vec + r]) : INFINITY;
+      dsum[i] = in ? static_cast<const float*>(p.dsum_ptr)[vec + r] : 0.f;
+    }
+  }
+  // Into the stage's vectors (kBlockM floats each).
+  __device__ __forceinline__ void store(float* stage_lse, float* stage_dsum, int lane) const {
+#pragma unroll
+    for (int i = 0; i < kRowsPerLane; ++i) {
+      stage_lse[lane + 32 * i] = lse[i];
+      stage_dsum[lane + 32 * i] = dsum[i];
+    }
+  }
+};
+
+// Deterministic mode: the key blocks of a head add their dQ for query block m0
+// in descending order. Waits (acquire) until the key blocks above n_block that
+// see the query block have added theirs; returns the counter to pass on.
+template <int kBlockN, int kBlockM>
+__device__ __forceinline__ int* dq_wait_for_turn(const AttnBwdParams& p, const BlockMask& mask, int b, int hq, int m0,
+                                                 int n_block) {
+  int n_lo, n_hi;
+  mask.key_block_range<kBlockN>(m0, min(kBlockM, p.seqlen_q - m0), n_lo, n_hi);
+  int* sem = p.dq_semaphore_ptr + (int64_t(b) * p.heads_q + hq) * ceil_div(p.seqlen_q, 64) + m0 / 64;
+  const int before = n_hi - 1 - n_block;
+  while (ld_acquire_gpu(sem) != before) {
+  }
+  fence_proxy_async();  // the adds that follow (async proxy) come after the acquire
+  return sem;
+}
+
+// ... and once this key block's adds (committed bulk operations) have landed in
+// global memory, passes the turn on (release).
+__device__ __forceinline__ void dq_pass_turn(int* sem) {
+  tma_store_wait_all();
+  fence_proxy_async();
+  red_release_gpu_add(sem, 1);
+}
+
 template <typename Kt>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
     flash_bwd_sm90_ws_kernel(const __grid_constant__ AttnBwdParams p, const __grid_constant__ BwdTmaMaps maps) {
@@ -172,22 +227,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
           tma_load_4d(sV + pn * TileKV::kRows * 64, &maps.v, full_kv, pn * 64, h_kv, n0, b);
         }
       }
-      // Each lane holds the lse (log2 units) and D of kRowsPerLane rows of the
-      // next step, loaded one step ahead so their latency is not on the path.
-      // Rows past seqlen_q: lse +inf makes P (and so dS, dV, dK, dQ) zero there.
-      constexpr int kRowsPerLane = kBlockM / 32;
-      float lse_next[kRowsPerLane], dsum_next[kRowsPerLane];
+      StepRowVecs<kBlockM> next;  // the lse and D of step it + 1
       auto load_rowvecs = [&](int it) {
         int hq, m0;
         query_block(it, hq, m0);
-        const int64_t vec = (int64_t(b) * p.heads_q + hq) * p.seqlen_q + m0;
-#pragma unroll
-        for (int i = 0; i < kRowsPerLane; ++i) {
-          const int r = lane + 32 * i;
-          const bool in = m0 + r < p.seqlen_q;
-          lse_next[i] = in ? lse_to_log2(static_cast<const float*>(p.lse_ptr)[vec + r]) : INFINITY;
-          dsum_next[i] = in ? static_cast<const float*>(p.dsum_ptr)[vec + r] : 0.f;
-        }
+        next.load(p, b, hq, m0, lane);
       };
       load_rowvecs(0);
       for (int it = 0; it < iters; ++it) {
@@ -203,11 +247,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             tma_load_4d(sdO + s * TileQ::kElems + pn * TileQ::kRows * 64, &maps.dout, &full_q[s], pn * 64, hq, m0, b);
           }
         }
-#pragma unroll
-        for (int i = 0; i < kRowsPerLane; ++i) {
-          sLse[s * kBlockM + lane + 32 * i] = lse_next[i];
-          sDsum[s * kBlockM + lane + 32 * i] = dsum_next[i];
-        }
+        next.store(sLse + s * kBlockM, sDsum + s * kBlockM, lane);
         mbar_arrive(&full_q[s]);  // every lane: releases its own writes to the consumers
         if (it + 1 < iters) load_rowvecs(it + 1);
       }
@@ -224,23 +264,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         // block) in the tile's fragment order (DqFragLayout), and its rows are
         // padded to kBwdBlockM, so the tile is one contiguous range.
         if (lane == 0) {
-          int* sem = nullptr;
-          if (deterministic) {
-            // After the key blocks above this one that see the query block: they add first.
-            int n_lo, n_hi;
-            mask.key_block_range<kBlockN>(m0, min(kBlockM, p.seqlen_q - m0), n_lo, n_hi);
-            sem = p.dq_semaphore_ptr + (int64_t(b) * p.heads_q + hq) * ceil_div(p.seqlen_q, 64) + m0 / 64;
-            const int before = n_hi - 1 - n_block;
-            while (ld_acquire_gpu(sem) != before) {
-            }
-            fence_proxy_async();  // the add below (async proxy) comes after the acquire
-          }
+          int* sem = deterministic ? dq_wait_for_turn<kBlockN, kBlockM>(p, mask, b, hq, m0, n_block) : nullptr;
           bulk_reduce_add_f32(gdq, sdQ + (it % Kt::kDqTiles) * kDqTileFloats, kDqTileFloats * 4);
           tma_store_commit();
           if (deterministic) {
-            tma_store_wait_all();  // the add has landed in global memory
-            fence_proxy_async();
-            red_release_gpu_add(sem, 1);
+            dq_pass_turn(sem);
           } else {
             tma_store_wait_read();
           }

@@ -162,21 +162,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
           tma_load_4d(sV + pn * TileKV::kRows * 64, &maps.v, full_kv, pn * 64, h_kv, n0, b);
         }
       }
-      // lse (log2 units) and D of the next step, a step ahead in registers;
-      // rows past seqlen_q: lse +inf makes P (and so dS) zero there.
-      constexpr int kRowsPerLane = kBlockM / 32;
-      float lse_next[kRowsPerLane], dsum_next[kRowsPerLane];
+      StepRowVecs<kBlockM> next;  // the lse and D of step it + 1
       auto load_rowvecs = [&](int it) {
         int hq, m0;
         query_block(it, hq, m0);
-        const int64_t vec = (int64_t(b) * p.heads_q + hq) * p.seqlen_q + m0;
-#pragma unroll
-        for (int i = 0; i < kRowsPerLane; ++i) {
-          const int r = lane + 32 * i;
-          const bool in = m0 + r < p.seqlen_q;
-          lse_next[i] = in ? lse_to_log2(static_cast<const float*>(p.lse_ptr)[vec + r]) : INFINITY;
-          dsum_next[i] = in ? static_cast<const float*>(p.dsum_ptr)[vec + r] : 0.f;
-        }
+        next.load(p, b, hq, m0, lane);
       };
       load_rowvecs(0);
       for (int it = 0; it < iters; ++it) {
@@ -190,11 +180,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
           for (int pn = 0; pn < Kt::kPanels; ++pn)
             tma_load_4d(sQ + s * TileQ::kElems + pn * TileQ::kRows * 64, &maps.q, &full_q[s], pn * 64, hq, m0, b);
         }
-#pragma unroll
-        for (int i = 0; i < kRowsPerLane; ++i) {
-          sLse[s * kBlockM + lane + 32 * i] = lse_next[i];
-          sDsum[s * kBlockM + lane + 32 * i] = dsum_next[i];
-        }
+        next.store(sLse + s * kBlockM, sDsum + s * kBlockM, lane);
         mbar_arrive(&full_q[s]);  // every lane: releases its own writes to the consumers
         // dO has one stage: free once both consumers' dV of the previous step is done.
         mbar_wait(empty_do, (uint32_t(it) & 1) ^ 1);
@@ -219,22 +205,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         for (int half = 0; half < 2; ++half) {
           named_barrier_sync(half == 0 ? kDqFull0 : kDqFull1, kDqBarThreads);
           if (lane == 0) {
-            if (deterministic && half == 0) {
-              // After the key blocks above this one that see the query block: they add first.
-              int n_lo, n_hi;
-              mask.key_block_range<kBlockN>(m0, min(kBlockM, p.seqlen_q - m0), n_lo, n_hi);
-              sem = p.dq_semaphore_ptr + (int64_t(b) * p.heads_q + hq) * ceil_div(p.seqlen_q, 64) + m0 / 64;
-              const int before = n_hi - 1 - n_block;
-              while (ld_acquire_gpu(sem) != before) {
-              }
-              fence_proxy_async();  // the adds below (async proxy) come after the acquire
-            }
+            if (deterministic && half == 0) sem = dq_wait_for_turn<kBlockN, kBlockM>(p, mask, b, hq, m0, n_block);
             bulk_reduce_add_f32(gdq + half * kDqPart0Floats, sdQ, (half == 0 ? kDqPart0Floats : kDqPart1Floats) * 4);
             tma_store_commit();
             if (deterministic && half == 1) {
-              tma_store_wait_all();  // both halves have landed in global memory
-              fence_proxy_async();
-              red_release_gpu_add(sem, 1);
+              dq_pass_turn(sem);  // both halves have landed
             } else {
               tma_store_wait_read();
             }
