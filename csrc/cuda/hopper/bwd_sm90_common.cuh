@@ -70,4 +70,20 @@ __device__ __forceinline__ void ds_t(float (&acc_dp)[kQT][4], const float (&acc_
     }
 }
 
+// Packed A fragments of a warp's 16 rows (keys) x kQSteps * 16 columns
+// (queries), as acc_to_a made them from a transposed accumulator, into a
+// [key][query] tile: P^T or dS^T for a shared-memory operand. a[kk] holds rows
+// g / g + 8 of n-tiles 2kk and 2kk + 1.
+template <typename Tile, int kQSteps, typename T>
+__device__ __forceinline__ void store_a_frags(T* tile, const uint32_t (&a)[kQSteps][4], int warp_row0, int g, int t) {
+#pragma unroll
+  for (int kk = 0; kk < kQSteps; ++kk)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        *reinterpret_cast<uint32_t*>(tile + Tile::offset(warp_row0 + g + 8 * h, (2 * kk + hh) * 8) + 2 * t) =
+            a[kk][2 * hh + h];
+}
+
 }  // namespace flashattn

@@ -376,14 +376,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     // dQ = dS K needs every key's dS: dS^T of both warpgroups through shared
     // memory, written from the packed fragments (fewer live registers than
     // acc_dp). a_ds[kk] = rows g / g + 8 of n-tiles 2kk, 2kk + 1.
-#pragma unroll
-    for (int kk = 0; kk < kQSteps; ++kk)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          *reinterpret_cast<uint32_t*>(sdS_it + TileDS::offset(warp_key0 + g + 8 * h, (2 * kk + hh) * 8) + 2 * t) =
-              a_ds[kk][2 * hh + h];
+    store_a_frags<TileDS>(sdS_it, a_ds, warp_key0, g, t);
     fence_proxy_async_smem();  // wgmma (async proxy) reads what st.shared wrote
     const bool dq_owner = !kDqAlternate || (it & 1) == cwg;
     if (!dq_owner) {

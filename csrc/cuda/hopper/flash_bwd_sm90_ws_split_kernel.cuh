@@ -315,14 +315,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       for (int i = 0; i < kQT; ++i)
         *reinterpret_cast<float4*>(sPf + PFragLayout::offset(i, wg_tid)) =
             make_float4(acc_x[0][i][0], acc_x[0][i][1], acc_x[0][i][2], acc_x[0][i][3]);
-#pragma unroll
-      for (int kk = 0; kk < kQSteps; ++kk)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            *reinterpret_cast<uint32_t*>(sP + TileDS::offset(warp_key0 + g + 8 * h, (2 * kk + hh) * 8) + 2 * t) =
-                a_p[kk][2 * hh + h];
+      store_a_frags<TileDS>(sP, a_p, warp_key0, g, t);
       fence_proxy_async_smem();  // consumer 1's wgmma (async proxy) reads sP
       named_barrier_arrive(kPReady, kConsumerThreads);
 
@@ -372,14 +365,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       for (int kk = 0; kk < kQSteps; ++kk) acc_to_a<T>(a_ds[kk], acc_x[0], kk);
 
       named_barrier_sync(kDsFree, kConsumerThreads);
-#pragma unroll
-      for (int kk = 0; kk < kQSteps; ++kk)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            *reinterpret_cast<uint32_t*>(sdS + TileDS::offset(warp_key0 + g + 8 * h, (2 * kk + hh) * 8) + 2 * t) =
-                a_ds[kk][2 * hh + h];
+      store_a_frags<TileDS>(sdS, a_ds, warp_key0, g, t);
       fence_proxy_async_smem();
       named_barrier_arrive(kDsReady, kConsumerThreads);
 
