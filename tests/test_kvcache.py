@@ -635,18 +635,13 @@ def test_compile_decode_step(device, dtype, backend, paged):
     assert torch.equal(inputs[2], eager_in[2])  # v_cache, written as given
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_decode_step_cuda_graph_and_no_sync(paged):
-    """A decode step does no host synchronisation (torch's sync debug mode
-    raises on one), captures in a CUDA graph, and the replays follow new
-    values written into the captured inputs (cache lengths included)."""
-    device, dtype = "cuda", torch.bfloat16
-    inputs = _decode_inputs(device, dtype, paged)
-    step = lambda: _decode_step(*inputs)  # noqa: E731
+def _no_sync_then_capture(step):
+    """Runs step once warm (off the default stream, as torch's docs ask), once
+    under torch's sync debug mode "error" (a host synchronisation raises), then
+    captures it in a CUDA graph; returns the graph and the captured outputs."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up off the default stream, as torch's docs ask
+    with torch.cuda.stream(stream):
         step()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.set_sync_debug_mode("error")
@@ -656,7 +651,19 @@ def test_decode_step_cuda_graph_and_no_sync(paged):
         torch.cuda.set_sync_debug_mode("default")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out, lse = step()
+        outputs = step()
+    return graph, outputs
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_decode_step_cuda_graph_and_no_sync(paged):
+    """A decode step does no host synchronisation (torch's sync debug mode
+    raises on one), captures in a CUDA graph, and the replays follow new
+    values written into the captured inputs (cache lengths included)."""
+    device, dtype = "cuda", torch.bfloat16
+    inputs = _decode_inputs(device, dtype, paged)
+    graph, (out, lse) = _no_sync_then_capture(lambda: _decode_step(*inputs))
     for new_lens in ((9, 3, 40), (0, 47, 12)):
         fresh = _decode_inputs(device, dtype, paged, new_lens)
         expected = [x.clone() if isinstance(x, torch.Tensor) else x for x in fresh]
@@ -723,20 +730,7 @@ def test_plain_step_cuda_graph_and_no_sync(seqlens):
     device, dtype = "cuda", torch.bfloat16
     q, kc, vc, _, _, lens, *_ = _decode_inputs(device, dtype, False, seqlens=(7, 0, 30))
     lens = lens if seqlens == "tensor" else None
-    step = lambda: _plain_step(q, kc, vc, lens)  # noqa: E731
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = step()
+    graph, (out, lse) = _no_sync_then_capture(lambda: _plain_step(q, kc, vc, lens))
     for _ in range(2):
         for t in (q, kc, vc):
             t.copy_(torch.randn_like(t))
