@@ -730,7 +730,8 @@ def test_plain_step_cuda_graph_and_no_sync(seqlens):
     device, dtype = "cuda", torch.bfloat16
     q, kc, vc, _, _, lens, *_ = _decode_inputs(device, dtype, False, seqlens=(7, 0, 30))
     lens = lens if seqlens == "tensor" else None
-    graph, (out, lse) = _no_sync_then_capture(lambda: _plain_step(q, kc, vc, lens))
+    step = lambda: _plain_step(q, kc, vc, lens)  # noqa: E731
+    graph, (out, lse) = _no_sync_then_capture(step)
     for _ in range(2):
         for t in (q, kc, vc):
             t.copy_(torch.randn_like(t))
