@@ -438,7 +438,7 @@ def decode_route(
     if device_type == "cuda":
         if dtype not in _CUDA_DTYPES or head_dim > _CUDA_MAX_HEAD_DIM:
             return False
-        # The 16-byte chunks (csrc/cuda/kvcache_cuda.cpp chunk_ready): no padded copy.
+        # The 16-byte chunks (csrc/cuda/binding_util.h kernel_ready): no padded copy.
         if head_dim % 8 != 0 or any(o % 16 != 0 for o in offsets):
             return False
         sizes = ((batch, heads_q, seqlen_q), (batch, heads_kv, seqlen_k), (batch, heads_kv, seqlen_k))
