@@ -61,14 +61,14 @@ def check_case(
     return all(c.ok for c in comps), errs, lse_ok, [c.as_dict() for c in comps]
 
 
-def race_check(dtype, det, reps):
+def race_check(dtype, det, reps, causal=True):
     q = torch.randn(2, 1000, 8, 128, device="cuda", dtype=dtype, requires_grad=True)
     k = torch.randn(2, 1000, 2, 128, device="cuda", dtype=dtype, requires_grad=True)
     v = torch.randn(2, 1000, 2, 128, device="cuda", dtype=dtype, requires_grad=True)
     dout = torch.randn(2, 1000, 8, 128, device="cuda", dtype=dtype)
     first = None
     for _ in range(reps):
-        out, lse = _ops.fwd(q, k, v, 0.1, -1, 0, True, det)
+        out, lse = _ops.fwd(q, k, v, 0.1, -1, 0 if causal else -1, True, det)
         grads = torch.autograd.grad(out, (q, k, v), dout) if det else ()
         cur = (out, lse) + tuple(grads)
         if first is None:
@@ -113,18 +113,22 @@ def quick_perf(dims):
                 res["ours_bwd"] = bench(
                     lambda: _ops.bwd(dout, q, k, v, out, lse, d**-0.5, -1, 0 if causal else -1, True, False)
                 )
-                res["det_bwd"] = bench(
-                    lambda: _ops.bwd(dout, q, k, v, out, lse, d**-0.5, -1, 0 if causal else -1, True, True)
-                )
+                det_bwd = lambda: _ops.bwd(dout, q, k, v, out, lse, d**-0.5, -1, 0 if causal else -1, True, True)  # noqa: E731
+                res["det_bwd"] = bench(det_bwd)
                 if torch.cuda.get_device_capability() == (9, 0):
                     # Side by side on an sm90 device: the Hopper kernels without TMA (the
                     # cp.async wgmma kernels) and the mma.sync kernels.
                     fwd = lambda: _ops.fwd(q, k, v, d**-0.5, -1, 0 if causal else -1, True, False)  # noqa: E731
                     bwd = lambda: _ops.bwd(dout, q, k, v, out, lse, d**-0.5, -1, 0 if causal else -1, True, False)  # noqa: E731
-                    for env, name, fns in (
+                    variants = [
                         ("FLASHATTN_DISABLE_TMA", "notma", {"fwd": fwd, "bwd": bwd}),
                         ("FLASHATTN_DISABLE_SM90", "sm80", {"fwd": fwd, "bwd": bwd}),
-                    ):
+                    ]
+                    if causal:  # the persistent forward's single-tile order beside the paired one
+                        variants.append(("FLASHATTN_FWD_SINGLE_TILES", "single", {"fwd": fwd}))
+                    else:  # the deterministic backward's plain sweeps beside the rotated ones
+                        variants.append(("FLASHATTN_DQ_PLAIN_ORDER", "detplain", {"bwd": det_bwd}))
+                    for env, name, fns in variants:
                         os.environ[env] = "1"
                         try:
                             for mode, fn in fns.items():
@@ -153,11 +157,15 @@ def quick_perf(dims):
                             attention_flops(b, h, n, n, d, causal, "bwd") / res[key] / 1e9
                         )
                 rows.append(res)
+                single = f", single tiles {res['single_fwd_tflops']:.0f}" if "single_fwd_tflops" in res else ""
+                detplain = f" / plain order {res['detplain_bwd_tflops']:.0f}" if "detplain_bwd_tflops" in res else ""
                 print(
                     f"perf d{d} n{n} causal={causal}: fwd ours {res.get('ours_fwd_tflops', 0):.0f} "
-                    f"(no TMA {res.get('notma_fwd_tflops', 0):.0f}, mma.sync {res.get('sm80_fwd_tflops', 0):.0f}) "
+                    f"(no TMA {res.get('notma_fwd_tflops', 0):.0f}, mma.sync {res.get('sm80_fwd_tflops', 0):.0f}"
+                    f"{single}) "
                     f"fa2 {res.get('fa2_fwd_tflops', 0):.0f} cudnn {res.get('cudnn_fwd_tflops', 0):.0f} | "
-                    f"bwd ours {res.get('ours_bwd_tflops', 0):.0f} (deterministic {res.get('det_bwd_tflops', 0):.0f}, "
+                    f"bwd ours {res.get('ours_bwd_tflops', 0):.0f} (deterministic {res.get('det_bwd_tflops', 0):.0f}"
+                    f"{detplain}, "
                     f"no TMA {res.get('notma_bwd_tflops', 0):.0f}, "
                     f"mma.sync {res.get('sm80_bwd_tflops', 0):.0f}) "
                     f"fa2 {res.get('fa2_bwd_tflops', 0):.0f} "
@@ -216,6 +224,10 @@ def main():
         cases.append(
             dict(b=2, nq=512, nk=512, hq=4, hk=2, d=d, dtype=torch.bfloat16, causal=True, bottom_right=True, det=True)
         )
+        # Unmasked deterministic: rotated sweeps (more query steps than key blocks), odd lengths.
+        cases.append(
+            dict(b=2, nq=1000, nk=777, hq=4, hk=2, d=d, dtype=torch.bfloat16, causal=False, bottom_right=True, det=True)
+        )
     for d in (8, 40, 80, 100):
         if any(x >= d for x in dims):
             cases.append(
@@ -243,8 +255,10 @@ def main():
     print(f"correctness: {len(cases) - failures}/{len(cases)} passed in {time.time() - t0:.1f}s", flush=True)
 
     race = {}
-    for det in (False, True):
-        race[f"det={det}"] = race_check(torch.bfloat16, det, 20 if args.quick else 100)
+    # Deterministic with and without the mask: they add dQ in different orders
+    # (plain and rotated sweeps, dq_wait_for_turn).
+    for det, causal in ((False, True), (True, True), (True, False)):
+        race[f"det={det},causal={causal}"] = race_check(torch.bfloat16, det, 20 if args.quick else 100, causal)
     print(f"race check (bitwise equal over repeats): {race}", flush=True)
     failures += not all(race.values())
 

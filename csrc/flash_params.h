@@ -93,10 +93,10 @@ struct AttnFwdParams : QkvoParams {
   // Hopper: the warp-specialized TMA kernels may run (FLASHATTN_DISABLE_TMA=1
   // clears it, to time the cp.async Hopper kernels beside them).
   bool allow_tma = true;
-  // The persistent Hopper forward's tile order: plain striding, or alternating
-  // direction every round (FLASHATTN_FWD_BOUSTROPHEDON=1, for timing; slower
-  // at d64/d128 causal in the A/B of benchmarks/NOTES.md).
-  bool fwd_boustrophedon = false;
+  // The persistent Hopper forward hands out causal / windowed tiles in
+  // balanced pairs (hopper/tile_scheduler.cuh); FLASHATTN_FWD_SINGLE_TILES=1
+  // clears it, to time the single-tile order beside it.
+  bool fwd_pair_masked_tiles = true;
 
   // Variable-length batches (FA2's varlen layout, see the top of this file):
   // int32 arrays of batch + 1 cumulative lengths, on the device of the
@@ -144,6 +144,14 @@ struct AttnBwdParams : AttnFwdParams {
   // 64-query block), zeroed, counting the key blocks whose dQ is added
   // (the adds go in a fixed order). nullptr otherwise.
   int* dq_semaphore_ptr = nullptr;
+  // The deterministic Hopper backward without a mask: key block n of a head
+  // starts its sweep dq_sweep_stride * n steps into the common order (the
+  // launcher sets it; 0: every key block starts at step 0), and the dQ add
+  // order of a query block follows the order the key blocks reach it
+  // (dq_wait_for_turn in hopper/flash_bwd_sm90_ws_kernel.cuh).
+  // FLASHATTN_DQ_PLAIN_ORDER=1 clears dq_allow_rotation, for timing.
+  bool dq_allow_rotation = true;
+  int dq_sweep_stride = 0;
 };
 
 // One sequence b of a batch as the kernels see it (FA2's BlockInfo): where

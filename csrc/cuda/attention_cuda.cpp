@@ -95,7 +95,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   auto params = make_fwd_params(q, k, v, out, lse, softmax_scale, mask);
   params.device_arch = device_arch(q);
   params.allow_tma = !env_flag("FLASHATTN_DISABLE_TMA");
-  params.fwd_boustrophedon = env_flag("FLASHATTN_FWD_BOUSTROPHEDON");
+  params.fwd_pair_masked_tiles = !env_flag("FLASHATTN_FWD_SINGLE_TILES");
   launch(params, kdim, q);
   return {unpad(out, head_dim), lse};
 }
@@ -128,6 +128,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_i
   params.dsum_ptr = dsum.data_ptr();
   params.device_arch = device_arch(q);
   params.allow_tma = !env_flag("FLASHATTN_DISABLE_TMA");
+  params.dq_allow_rotation = !env_flag("FLASHATTN_DQ_PLAIN_ORDER");
   // dQ accumulates in fp32 across key blocks: rows padded to the kernel's
   // query block, columns to the kernel head dim (atomics touch all of them);
   // bwd_preprocess_kernel (before the warp-specialized kernel, a memset)

@@ -88,10 +88,12 @@ cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool
   auto kernel = &flash_fwd_sm90_ws_kernel<Kt>;
   if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
   FwdSchedule sched = FwdSchedule::make(p, Kt::kBlockM);
-  sched.boustrophedon = p.fwd_boustrophedon;
-  const int ctas = sched.num_tiles < sm_count() ? sched.num_tiles : sm_count();  // persistent: one CTA an SM
-  kernel<<<ctas, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, maps, sched);
+  sched.paired = sched.paired && p.fwd_pair_masked_tiles;
+  const int ctas = sched.num_units() < sm_count() ? sched.num_units() : sm_count();  // persistent: one CTA an SM
   *launched = true;
+  if (ctas == 0) return cudaSuccess;  // no query rows: nothing to write
+  sched.set_ctas(ctas);
+  kernel<<<ctas, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, maps, sched);
   return cudaGetLastError();
 }
 
@@ -194,8 +196,20 @@ cudaError_t launch_bwd_sm90_ws(const AttnBwdParams& p, cudaStream_t stream, bool
   // order (DqFragLayout): the preprocessing zeroes the accumulator in whole
   // 64-row blocks (no separate memset).
   if (cudaError_t err = launch_bwd_preprocess<T, true>(p, stream); err != cudaSuccess) return err;
-  const int64_t blocks = int64_t(ceil_div(p.seqlen_k, Kt::kBlockN)) * p.heads_kv * p.batch;
-  kernel<<<static_cast<unsigned>(blocks), Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, maps);
+  const int n_blocks = ceil_div(p.seqlen_k, Kt::kBlockN);
+  const int64_t blocks = int64_t(n_blocks) * p.heads_kv * p.batch;
+  AttnBwdParams pk = p;
+  // Deterministic without a mask: rotated sweeps (dq_wait_for_turn), whose
+  // waits form a cycle among a head's key blocks: only when they fit in half
+  // the SMs (one CTA an SM), so that they are resident together, and when the
+  // sweep has at least a step per key block.
+  const int steps = ceil_div(p.seqlen_q, Kt::kBlockM) * p.heads_ratio();
+  const bool unmasked = p.mask.window_left < 0 && p.mask.window_right < 0;
+  pk.dq_sweep_stride = p.deterministic && p.dq_allow_rotation && unmasked && n_blocks > 1 &&
+                               2 * n_blocks <= sm_count() && steps >= n_blocks
+                           ? steps / n_blocks
+                           : 0;
+  kernel<<<static_cast<unsigned>(blocks), Kt::kNThreads, Kt::kSmemBytes, stream>>>(pk, maps);
   *launched = true;
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   const int64_t convert_blocks = int64_t(ceil_div(p.seqlen_q, Kt::kBlockM)) * Kt::kDqBlocks * p.heads_q * p.batch;

@@ -123,8 +123,11 @@ struct QuerySweep {
     iters = m_blocks * ratio;
   }
 
+  // The step's place in the unrotated order (head-major, then query block).
+  __device__ __forceinline__ int order_index(int it) const { return (it + rotation) % iters; }
+
   __device__ __forceinline__ void step(int it, int& hq, int& m0) const {
-    const int j = (it + rotation) % iters;
+    const int j = order_index(it);
     hq = hq0 + j / m_blocks;
     m0 = (m_min + j % m_blocks) * kBlockM;
   }

@@ -112,16 +112,30 @@ struct StepRowVecs {
   }
 };
 
-// Deterministic mode: the key blocks of a head add their dQ for query block m0
-// in descending order. Waits (acquire) until the key blocks above n_block that
-// see the query block have added theirs; returns the counter to pass on.
+// Deterministic mode: the key blocks of a head add their dQ for a query block
+// in a fixed order, the order in which their sweeps reach it when they run at
+// the same pace. Plain sweeps (every key block starts at the first query
+// block; masked calls, where key block n's first query block grows with n):
+// descending key blocks. Rotated sweeps (p.dq_sweep_stride = S > 0, no mask:
+// key block n starts S * n steps in): the query block of order index j is
+// reached first by key block n_top = min(N - 1, j / S), then n_top - 1, ..., 0,
+// N - 1, ..., n_top + 1, each S steps after the one before. Without the
+// rotation every key block of a head meets the others at every query block
+// from the first step on, and the fixed order builds a wavefront (key block n
+// starts N - 1 - n add latencies late: 10-30% slower, NOTES question 9).
+// Waits (acquire) until the key blocks before n_block in that order have added
+// theirs; returns the counter to pass on.
 template <int kBlockN, int kBlockM>
 __device__ __forceinline__ int* dq_wait_for_turn(const AttnBwdParams& p, const BlockMask& mask, int b, int hq, int m0,
-                                                 int n_block) {
+                                                 int n_block, int order_index) {
   int n_lo, n_hi;
   mask.key_block_range<kBlockN>(m0, min(kBlockM, p.seqlen_q - m0), n_lo, n_hi);
   int* sem = p.dq_semaphore_ptr + (int64_t(b) * p.heads_q + hq) * ceil_div(p.seqlen_q, 64) + m0 / 64;
-  const int before = n_hi - 1 - n_block;
+  int before = n_hi - 1 - n_block;
+  if (p.dq_sweep_stride > 0) {  // no mask: n_lo = 0, n_hi = N
+    const int n_top = min(n_hi - 1, order_index / p.dq_sweep_stride);
+    before = (n_top - n_block + n_hi) % n_hi;
+  }
   while (ld_acquire_gpu(sem) != before) {
   }
   fence_proxy_async();  // the adds that follow (async proxy) come after the acquire
@@ -177,10 +191,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   // The key blocks of a head are neighbours in the grid: their Q / dO reads
   // meet in L2. (Causal CTAs launched heaviest first across all heads, key
   // block slowest, measured 5-11% slower: the L2 reuse is worth more than the
-  // shorter tail.) Deterministic: the key blocks of a head add their dQ in
-  // descending order and wait for each other, so a CTA must never wait for one
-  // launched after it (CTAs start in blockIdx order): the last key block of a
-  // head goes first.
+  // shorter tail.) Deterministic: the key blocks of a head wait for each
+  // other's dQ adds. With plain sweeps (descending order) a CTA then only
+  // waits for ones launched before it (CTAs start in blockIdx order): the last
+  // key block of a head goes first. Rotated sweeps wait in a cycle, so the
+  // launcher rotates only when a head's key blocks are at most half the SMs
+  // (they are then resident together).
   const bool deterministic = p.deterministic;
   const int n_block =
       static_cast<int>(deterministic ? num_n_blocks - 1 - blockIdx.x % num_n_blocks : blockIdx.x % num_n_blocks);
@@ -193,10 +209,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 
   const BlockMask mask(p);
   // The key blocks of a head start their sweeps at different query blocks
-  // (spreads the dQ adds). Deterministic: every key block sweeps in the same
-  // order, so that key block n + 1 reaches a query block no later than key
-  // block n, which adds after it.
-  const QuerySweep<kBlockM> sweep(mask, n0, keys, h_kv, ratio, deterministic ? 0 : n_block);
+  // (spreads the dQ adds). Deterministic: by p.dq_sweep_stride (see
+  // dq_wait_for_turn).
+  const QuerySweep<kBlockM> sweep(mask, n0, keys, h_kv, ratio, deterministic ? n_block * p.dq_sweep_stride : n_block);
   const int iters = sweep.iters;
   auto query_block = [&](int it, int& hq, int& m0) { sweep.step(it, hq, m0); };
   auto stage = [](int it) { return it % kStages; };
@@ -264,7 +279,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         // block) in the tile's fragment order (DqFragLayout), and its rows are
         // padded to kBwdBlockM, so the tile is one contiguous range.
         if (lane == 0) {
-          int* sem = deterministic ? dq_wait_for_turn<kBlockN, kBlockM>(p, mask, b, hq, m0, n_block) : nullptr;
+          int* sem = deterministic
+                         ? dq_wait_for_turn<kBlockN, kBlockM>(p, mask, b, hq, m0, n_block, sweep.order_index(it))
+                         : nullptr;
           bulk_reduce_add_f32(gdq, sdQ + (it % Kt::kDqTiles) * kDqTileFloats, kDqTileFloats * 4);
           tma_store_commit();
           if (deterministic) {

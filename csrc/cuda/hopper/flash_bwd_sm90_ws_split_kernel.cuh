@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   const int keys = min(kBlockN, p.seqlen_k - n0);
 
   const BlockMask mask(p);
-  const QuerySweep<kBlockM> sweep(mask, n0, keys, h_kv, ratio, deterministic ? 0 : n_block);
+  const QuerySweep<kBlockM> sweep(mask, n0, keys, h_kv, ratio, deterministic ? n_block * p.dq_sweep_stride : n_block);
   const int iters = sweep.iters;
   auto query_block = [&](int it, int& hq, int& m0) { sweep.step(it, hq, m0); };
   auto stage = [](int it) { return it % kStages; };
@@ -205,7 +205,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         for (int half = 0; half < 2; ++half) {
           named_barrier_sync(half == 0 ? kDqFull0 : kDqFull1, kDqBarThreads);
           if (lane == 0) {
-            if (deterministic && half == 0) sem = dq_wait_for_turn<kBlockN, kBlockM>(p, mask, b, hq, m0, n_block);
+            if (deterministic && half == 0)
+              sem = dq_wait_for_turn<kBlockN, kBlockM>(p, mask, b, hq, m0, n_block, sweep.order_index(it));
             bulk_reduce_add_f32(gdq + half * kDqPart0Floats, sdQ, (half == 0 ? kDqPart0Floats : kDqPart1Floats) * 4);
             tma_store_commit();
             if (deterministic && half == 1) {

@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       prefetch_tensor_map(&maps.k);
       prefetch_tensor_map(&maps.v);
       int it0 = 0, q_iter = 0;
-      for (int round = 0; round * int(gridDim.x) < sched.num_tiles; ++round) {
+      for (int round = 0; round < sched.rounds; ++round) {
         const int tile = fwd_tile_of_round(sched, round, blockIdx.x, gridDim.x);
         if (tile >= sched.num_tiles) continue;
         const Tile tl(p, sched, tile);
@@ -187,7 +187,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 
   if (cwg == kConsumers - 1) named_barrier_arrive(kPingPongBar, kPingPongThreads);
   int it0 = 0, q_iter = 0;
-  for (int round = 0; round * int(gridDim.x) < sched.num_tiles; ++round) {
+  for (int round = 0; round < sched.rounds; ++round) {
     const int tile = fwd_tile_of_round(sched, round, blockIdx.x, gridDim.x);
     if (tile >= sched.num_tiles) continue;
     const Tile tl(p, sched, tile);

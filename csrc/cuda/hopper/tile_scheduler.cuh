@@ -1,20 +1,28 @@
 // The persistent tile scheduler of the Hopper forward: which (query block,
 // head, batch) tiles a CTA processes, and in which order.
 //
-// The grid has one CTA per SM; in round r the CTAs take tiles
-// [r * G, (r + 1) * G) of one global order (G = gridDim.x), CTA c the tile
-// r * G + c (or, with FwdSchedule::boustrophedon, G - 1 - c of odd rounds: the
-// CTA that took the heaviest tile of a round takes the lightest of the next;
-// measured slower at d64/d128 causal, faster at d256 causal 4k). The producer
-// loads the next tile's Q and K/V while the consumers still finish the
-// current one (no CTA start-up between tiles).
+// The grid has one CTA per SM (G = gridDim.x CTAs), and the assignment is
+// static: CTA c takes every G-th entry of one global order, round by round.
+// The producer loads the next tile's Q and K/V while the consumers still
+// finish the current one (no CTA start-up between tiles).
 //
-// The order: (batch, head) pairs are cut into groups whose K and V fit in L2
-// together; inside a group, tiles go by query block, heaviest first (the last
-// query blocks under a causal mask see the most keys), then by head. So the
-// CTAs running at one time share a few heads' K/V in L2, and every round of
-// the static assignment hands out tiles of about equal weight (longest
-// processing time first).
+// The global order: (batch, head) pairs are cut into groups whose K and V fit
+// in L2 together; inside a group, tiles go by query block, heaviest first
+// (under a causal mask the last query blocks see the most keys), then by head.
+// So the CTAs running at one time share a few heads' K/V in L2.
+//
+// Tile weights: without a mask every tile has the same number of key blocks
+// and plain striding balances the CTAs. Under a causal mask (or a window) the
+// weight of query block m grows with m, and a round of G tiles can span the
+// whole range of weights (one head's query blocks at 16k tokens), so CTA c
+// keeps about the same position in every round: a simulation of the d256
+// causal 16k grid point gives the busiest CTA 1.8x the mean (measured: 0.69 of
+// cuDNN there, and the alternating-direction order did not help). Masked calls
+// therefore hand out *pairs*: query block m with M - 1 - m of the same head,
+// whose key-block counts add up to the same total for every pair, so that
+// plain striding over pairs balances (simulated: 0.97 of ideal at every grid
+// point, against 0.55-0.86 for single tiles at d128/d256). A CTA runs the
+// heavy tile of its pair, then the light one.
 #pragma once
 
 #include "../../flash_params.h"
@@ -23,10 +31,11 @@
 namespace flashattn {
 
 struct FwdSchedule {
-  int num_m_blocks = 0;        // query blocks of a head
-  int num_tiles = 0;           // num_m_blocks * batch * heads_q
-  int group_bh = 1;            // (batch, head) pairs per L2 group
-  bool boustrophedon = false;  // alternate direction every round (FLASHATTN_FWD_BOUSTROPHEDON=1, for timing)
+  int num_m_blocks = 0;  // query blocks of a head (M)
+  int num_tiles = 0;     // num_m_blocks * batch * heads_q
+  int group_bh = 1;      // (batch, head) pairs per L2 group
+  bool paired = false;   // hand out (m, M - 1 - m) pairs (masked calls)
+  int rounds = 0;        // rounds of the CTA loop (set_ctas)
 
   // L2 bytes the K/V of one group may take: about half of an H100/H200's.
   static constexpr int64_t kL2GroupBytes = int64_t(24) << 20;
@@ -40,13 +49,41 @@ struct FwdSchedule {
     const int64_t kv_bytes = int64_t(p.seqlen_k) * p.head_dim * 2 * 2 / p.heads_ratio();
     const int64_t group = kL2GroupBytes / (kv_bytes > 0 ? kv_bytes : 1);
     s.group_bh = static_cast<int>(group < 1 ? 1 : (group > num_bh ? num_bh : group));
+    s.paired = p.mask.window_left >= 0 || p.mask.window_right >= 0;
     return s;
+  }
+  __host__ __device__ int pairs_per_head() const { return (num_m_blocks + 1) / 2; }
+  // What the CTAs share out: tiles, or pairs of tiles.
+  __host__ __device__ int num_units() const {
+    return paired && num_tiles > 0 ? num_tiles / num_m_blocks * pairs_per_head() : num_tiles;
+  }
+  void set_ctas(int ctas) {
+    const int unit_rounds = ceil_div(num_units(), ctas);
+    rounds = paired ? 2 * unit_rounds : unit_rounds;
   }
 };
 
-// The tile CTA `cta` of `ctas` takes in round `round` (>= num_tiles: none).
+// The tile (an index into the global order, decoded by FwdTile) that CTA
+// `cta` of `ctas` takes in round `round`; >= num_tiles: none.
 __device__ __forceinline__ int fwd_tile_of_round(const FwdSchedule& s, int round, int cta, int ctas) {
-  return round * ctas + ((s.boustrophedon && (round & 1)) ? ctas - 1 - cta : cta);
+  if (!s.paired) return round * ctas + cta;
+  const int unit = (round >> 1) * ctas + cta;
+  const int pairs = s.pairs_per_head();
+  const int group_units = s.group_bh * pairs;
+  const int group = unit / group_units;
+  const int in_group = unit - group * group_units;
+  const int bh0 = group * s.group_bh;
+  const int bh_total = s.num_tiles / s.num_m_blocks;
+  if (bh0 >= bh_total) return s.num_tiles;
+  const int group_size = min(s.group_bh, bh_total - bh0);
+  const int pair = in_group / group_size;
+  if (pair >= pairs) return s.num_tiles;  // past the last unit (a smaller last group)
+  const int bh_in_group = in_group - pair * group_size;
+  // m_rank 0 is the heaviest query block (FwdTile); the pair's light half is
+  // its mirror, absent for the middle block of an odd count.
+  const int m_rank = (round & 1) ? s.num_m_blocks - 1 - pair : pair;
+  if ((round & 1) && m_rank == pair) return s.num_tiles;
+  return group * s.group_bh * s.num_m_blocks + m_rank * group_size + bh_in_group;
 }
 
 template <int kBlockM>
