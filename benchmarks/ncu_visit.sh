@@ -25,6 +25,7 @@ for c in ${CASES:-bwd128_4k bwd128_1k_causal}; do
     bwd64_4k) prof $c flash_bwd_sm90_ws_kernel --d 64 --n 4096 --bwd ;;
     fwd128_1k_causal) prof $c flash_fwd_sm90_ws --d 128 --n 1024 --causal ;;
     fwd128_4k) prof $c flash_fwd_sm90_ws --d 128 --n 4096 ;;
+    fwd128_1k) prof $c flash_fwd_sm90_ws --d 128 --n 1024 ;;
     bwd256_4k) prof $c flash_bwd_sm90_ws_split --d 256 --n 4096 --bwd ;;
   esac
 done

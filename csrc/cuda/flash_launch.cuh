@@ -87,7 +87,7 @@ cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool
   if (!described) return cudaSuccess;
   auto kernel = &flash_fwd_sm90_ws_kernel<Kt>;
   if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
-  FwdSchedule sched = FwdSchedule::make(p, Kt::kBlockM);
+  FwdSchedule sched = FwdSchedule::make(p, Kt::kBlockM, sm_count());
   sched.paired = sched.paired && p.fwd_pair_masked_tiles;
   const int ctas = sched.num_units() < sm_count() ? sched.num_units() : sm_count();  // persistent: one CTA an SM
   *launched = true;

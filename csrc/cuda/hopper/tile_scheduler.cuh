@@ -23,6 +23,14 @@
 // plain striding over pairs balances (simulated: 0.97 of ideal at every grid
 // point, against 0.55-0.86 for single tiles at d128/d256). A CTA runs the
 // heavy tile of its pair, then the light one.
+//
+// Pairs only where single tiles are unbalanced: a round of G single tiles
+// spans G / group_bh query-block ranks of the M, and the spread of weights in
+// a round grows with that fraction; with short sequences (small M) the last
+// round of pairs leaves CTAs idle for a whole pair. Measured (session 6, visit
+// 1, causal, paired / single TFLOP/s): d64 1k 256/287, 4k 378/383 (fraction
+// 0.17); d128 1k 387/400, 4k 596/530, 16k 586/524 (0.34); d256 1k 420/413, 4k
+// 644/542, 16k 637/427 (0.69-1.0). Rule: M >= 16 and the fraction >= 1/4.
 #pragma once
 
 #include "../../flash_params.h"
@@ -40,7 +48,7 @@ struct FwdSchedule {
   // L2 bytes the K/V of one group may take: about half of an H100/H200's.
   static constexpr int64_t kL2GroupBytes = int64_t(24) << 20;
 
-  static FwdSchedule make(const AttnFwdParams& p, int block_m) {
+  static FwdSchedule make(const AttnFwdParams& p, int block_m, int sm_count) {
     FwdSchedule s;
     s.num_m_blocks = ceil_div(p.seqlen_q, block_m);
     const int64_t num_bh = int64_t(p.batch) * p.heads_q;
@@ -49,7 +57,8 @@ struct FwdSchedule {
     const int64_t kv_bytes = int64_t(p.seqlen_k) * p.head_dim * 2 * 2 / p.heads_ratio();
     const int64_t group = kL2GroupBytes / (kv_bytes > 0 ? kv_bytes : 1);
     s.group_bh = static_cast<int>(group < 1 ? 1 : (group > num_bh ? num_bh : group));
-    s.paired = p.mask.window_left >= 0 || p.mask.window_right >= 0;
+    const bool masked = p.mask.window_left >= 0 || p.mask.window_right >= 0;
+    s.paired = masked && s.num_m_blocks >= 16 && int64_t(4) * sm_count >= int64_t(s.num_m_blocks) * s.group_bh;
     return s;
   }
   __host__ __device__ int pairs_per_head() const { return (num_m_blocks + 1) / 2; }
