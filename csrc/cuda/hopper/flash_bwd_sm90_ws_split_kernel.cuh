@@ -228,21 +228,21 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                      int64_t(m0) * p.dq_accum_row_stride;
         int* sem = nullptr;
 #pragma unroll
-        for (int part = 0; part < 2; ++part) {
-          mbar_wait(&full_dq[part], uint32_t(it) & 1);
+        for (int half = 0; half < 2; ++half) {
+          mbar_wait(&full_dq[half], uint32_t(it) & 1);
           if (lane == 0) {
-            if (deterministic && part == 0) sem = dq_wait_for_turn<kBlockN, kBlockM>(p, mask, b, hq, m0, n_block);
-            bulk_reduce_add_f32(gdq + part * kDqPart0Floats, sdQ, (part == 0 ? kDqPart0Floats : kDqPart1Floats) * 4);
+            if (deterministic && half == 0) sem = dq_wait_for_turn<kBlockN, kBlockM>(p, mask, b, hq, m0, n_block);
+            bulk_reduce_add_f32(gdq + half * kDqPart0Floats, sdQ, (half == 0 ? kDqPart0Floats : kDqPart1Floats) * 4);
             tma_store_commit();
-            if (deterministic && part == 1) {
-              dq_pass_turn(sem);  // both parts have landed (so the tile has been read)
+            if (deterministic && half == 1) {
+              dq_pass_turn(sem);  // both halves have landed (so the tile has been read)
             } else {
               tma_store_wait_read();
             }
             // The other consumer's part may overwrite the tile: consumer 1's of
             // this step, consumer 0's of the next (the last step's arrive on
             // empty_dq[0] has no waiter).
-            mbar_arrive(&empty_dq[part ^ 1]);
+            mbar_arrive(&empty_dq[half ^ 1]);
           }
           __syncwarp();  // no lane falls a phase of full_dq behind
         }
