@@ -302,10 +302,11 @@ struct BwdSm90WsSplitTraits {
   static constexpr int kPanelDS = TileDS::kRows * 128;
   static constexpr int kBytesQ = TileQ::kElems * 2;
   static constexpr int kBytesKV = TileKV::kElems * 2;
-  // K, V; Q stages and one dO; P^T (16-bit), dS^T; P^T (fp32); a dQ half; lse / D; 3 + 2 kStages mbarriers.
+  // K, V; Q stages and one dO; P^T (16-bit), dS^T; P^T (fp32); a dQ half; lse / D; mbarriers: K / V, dO
+  // full and empty, the Q ring's 2 kStages, and the full / empty pairs of P^T, dS^T and the two dQ parts.
   static constexpr int kSmemBytes = 1024 + 2 * kBytesKV + (kStages + 1) * kBytesQ + 2 * TileDS::kElems * 2 +
                                     TileDS::kElems * 4 + kDqPart0Floats * 4 + 2 * kStages * kBlockM * 4 +
-                                    (3 + 2 * kStages) * 8;
+                                    (3 + 2 * kStages + 8) * 8;
 
   static_assert(kHeadDim == 192 || kHeadDim == 256, "the head-dim split is built for 192 and 256");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 65536, "register file");

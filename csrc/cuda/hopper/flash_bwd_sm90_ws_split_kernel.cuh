@@ -13,9 +13,9 @@
 //                   (one stage: it is free once both dV products have read
 //                   it, mid-step) for each step; lse (log2 units) and D in
 //                   the Q stage, loaded a step ahead by its lanes.
-//   dQ writer warp  adds each consumer's half of the step's dQ tile to the
-//                   fp32 accumulator with one bulk reduce-add (32 KiB), the
-//                   halves one after the other through one shared tile.
+//   dQ writer warp  adds each consumer's part of the step's dQ tile to the
+//                   fp32 accumulator with one bulk reduce-add (32 KiB; lane
+//                   0), the parts one after the other through one shared tile.
 //   consumer 0      S^T = K Q^T (wgmma SS, all 256 columns), P^T = exp2(...),
 //                   P^T to shared memory twice: fp32 (for consumer 1's dS)
 //                   and 16-bit (consumer 1's dV operand);
@@ -30,27 +30,35 @@
 //
 // Each consumer does the same tensor work a step (one 64 x 64 x 256 product
 // and three 64 x 128 x 64; at head dim 192 consumer 1's three are 64 wide), keeps 128 accumulator registers of dK / dV
-// and 64 of its dQ half, and the elementwise work is split: exponentials on consumer 0, dS on consumer 1 (both in fp32,
-// as in the other kernels).
+// and 64 of its dQ part (consumer 1 at head dim 192: 64 and 32; each role's accumulators are sized by its own columns),
+// and the elementwise work is split: exponentials on consumer 0, dS on consumer 1 (both in fp32, as in the other
+// kernels).
 //
 // Shared memory at head dim 256: K, V 64 KiB, Q 2 x 32 KiB, dO 32 KiB, P^T
-// (16-bit and fp32) and dS^T 32 KiB, the dQ half tile 32 KiB: 224 KiB.
+// (16-bit and fp32) and dS^T 32 KiB, the dQ part tile 32 KiB: 224 KiB, and
+// lse / D (1 KiB) and 15 mbarriers.
 //
-// Named barriers between the consumers (each passes its buffer on, the other
-// hands it back; every arrive is matched by one sync, so they alternate):
-//   kPReady  (0 -> 1) P^T written         kPFree  (1 -> 0) P^T read (dS, dV done)
-//   kDsReady (1 -> 0) dS^T written        kDsFree (0 -> 1) dS^T read (dK, dQ done)
-//   kDqFull0/1 (consumer -> writer), kDqEmpty0/1 (writer -> consumer): the
-//   shared dQ tile goes consumer 0, writer, consumer 1, writer, ...
-//   kEpilogueBar (both consumers, before dK / dV reuse sK / sV).
-// The PTX memory model orders these hand-offs (a bar.arrive synchronizes with
-// a bar.sync of the same barrier); compute-sanitizer's racecheck does not
-// credit arrive-only ordering and reports them (benchmarks/NOTES.md, open
-// question 11).
+// Hand-offs between the roles: a full / empty pair of mbarriers a buffer
+// (tma.cuh), one phase a step, besides the Q ring's and dO's. Every thread
+// that wrote the buffer (or read it, for empty) arrives itself, and the other
+// side waits on the phase:
+//   full_p   (0 -> 1, 128) P^T written       empty_p  (1 -> 0, 128) P^T read (dS, dV done)
+//   full_ds  (1 -> 0, 128) dS^T written      empty_ds (0 -> 1, 128) dS^T read (dK, dQ done)
+//   full_dq[c] (consumer c -> writer, 128) its part of the dQ tile written;
+//   empty_dq[c] (writer -> consumer c, 1: lane 0, once the bulk add issued
+//   before it has read the tile): the shared dQ tile goes consumer 0, writer,
+//   consumer 1, writer, ...
+// These were named barriers used as arrive (one side) -> sync (the other):
+// ordered by the PTX memory model, but compute-sanitizer's racecheck does not
+// credit arrive-only ordering and reported them (benchmarks/NOTES.md, open
+// question 11). It follows an mbarrier's arrive -> wait when the thread that
+// wrote is the one that arrives (the producer's lse / D copy is handed over
+// that way), hence the per-thread counts. The one named barrier left is
+// kEpilogueBar (both consumers sync, before dK / dV reuse sK / sV).
 //
 // Deterministic mode: as in flash_bwd_sm90_ws_kernel.cuh (key blocks add in
 // descending order behind per-(batch, head, 64-query block) counters; the
-// counter is released after both halves have landed).
+// counter is released after both parts have landed).
 #pragma once
 
 #include <type_traits>
@@ -87,14 +95,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   constexpr int kCols0 = Kt::kCols0, kCols1 = Kt::kCols1;
   constexpr int kStages = Kt::kStages;
   constexpr int kConsumerThreads = 256;
-  constexpr int kQSteps = kBlockM / 16;              // k-steps of dV and dK (over queries)
-  constexpr int kKSteps = kBlockN / 16;              // k-steps of dQ (over keys)
-  constexpr int kQT = kBlockM / 8;                   // n-tiles of an S^T row
-  constexpr int kT0 = kCols0 / 8, kT1 = kCols1 / 8;  // n-tiles of a consumer's row of dK / dV / dQ
+  constexpr int kQSteps = kBlockM / 16;  // k-steps of dV and dK (over queries)
+  constexpr int kKSteps = kBlockN / 16;  // k-steps of dQ (over keys)
+  constexpr int kQT = kBlockM / 8;       // n-tiles of an S^T row
   constexpr int kDqPart0Floats = kBlockM * kCols0, kDqPart1Floats = kBlockM * kCols1;
-  constexpr int kPReady = 1, kPFree = 2, kDsReady = 3, kDsFree = 4, kEpilogueBar = 5;
-  constexpr int kDqFull0 = 6, kDqEmpty0 = 7, kDqFull1 = 8, kDqEmpty1 = 9;
-  constexpr int kDqBarThreads = 128 + 32;
+  constexpr int kWgThreads = 128;
+  constexpr int kEpilogueBar = 1;  // the only named barrier (both consumers sync on it)
   static_assert(kBlockN == 64 && kBlockM == 64, "one warpgroup's M is the CTA's 64 keys");
 
   extern __shared__ char smem_raw[];
@@ -114,6 +120,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   uint64_t* empty_do = full_do + 1;
   uint64_t* full_q = empty_do + 1;       // [kStages]
   uint64_t* empty_q = full_q + kStages;  // [kStages]
+  // The hand-offs between the roles (see the top of the file), one phase a step each.
+  uint64_t* full_p = empty_q + kStages;  // consumer 0 -> 1: P^T (fp32 and 16-bit) written
+  uint64_t* empty_p = full_p + 1;        // consumer 1 -> 0: P^T read
+  uint64_t* full_ds = empty_p + 1;       // consumer 1 -> 0: dS^T written
+  uint64_t* empty_ds = full_ds + 1;      // consumer 0 -> 1: dS^T read
+  uint64_t* full_dq = empty_ds + 1;      // [2] consumer c -> writer: part c of the dQ tile written
+  uint64_t* empty_dq = full_dq + 2;      // [2] writer -> consumer c: the tile is free for part c
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
   const int wg = warp / 4;
@@ -143,6 +156,17 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full_q[s], 1 + 32);  // the TMA bytes (with lane 0's arrive) + each lane's lse / D rows
       mbar_init(&empty_q[s], kConsumerThreads);
+    }
+    // Every thread that wrote (or read) the buffer arrives itself: one consumer
+    // warpgroup, or the writer thread that issued the bulk add once the TMA unit
+    // has read the tile.
+    mbar_init(full_p, kWgThreads);
+    mbar_init(empty_p, kWgThreads);
+    mbar_init(full_ds, kWgThreads);
+    mbar_init(empty_ds, kWgThreads);
+    for (int c = 0; c < 2; ++c) {
+      mbar_init(&full_dq[c], kWgThreads);
+      mbar_init(&empty_dq[c], 1);
     }
     mbar_fence_init();
   }
@@ -193,8 +217,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         if (it + 1 < iters) load_rowvecs(it + 1);
       }
     } else if (warp == 1 && iters > 0) {
-      // dQ writer: the two halves of each step's dQ tile, consumer 0's then consumer 1's.
-      named_barrier_arrive(kDqEmpty0, kDqBarThreads);  // the tile starts free
+      // dQ writer: the two parts of each step's dQ tile, consumer 0's then
+      // consumer 1's, through the one shared tile. Lane 0 issues the bulk adds
+      // and, once the TMA unit has read the tile, hands it on with its own
+      // arrive (empty_dq counts that one thread); the other lanes only wait.
       for (int it = 0; it < iters; ++it) {
         int hq, m0;
         query_block(it, hq, m0);
@@ -203,24 +229,23 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         int* sem = nullptr;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          named_barrier_sync(half == 0 ? kDqFull0 : kDqFull1, kDqBarThreads);
+          mbar_wait(&full_dq[half], uint32_t(it) & 1);
           if (lane == 0) {
             if (deterministic && half == 0)
               sem = dq_wait_for_turn<kBlockN, kBlockM>(p, mask, b, hq, m0, n_block, sweep.order_index(it));
             bulk_reduce_add_f32(gdq + half * kDqPart0Floats, sdQ, (half == 0 ? kDqPart0Floats : kDqPart1Floats) * 4);
             tma_store_commit();
             if (deterministic && half == 1) {
-              dq_pass_turn(sem);  // both halves have landed
+              dq_pass_turn(sem);  // both halves have landed (so the tile has been read)
             } else {
               tma_store_wait_read();
             }
+            // The other consumer's part may overwrite the tile: consumer 1's of
+            // this step, consumer 0's of the next (the last step's arrive on
+            // empty_dq[0] has no waiter).
+            mbar_arrive(&empty_dq[half ^ 1]);
           }
-          __syncwarp();
-          if (half == 0) {
-            named_barrier_arrive(kDqEmpty1, kDqBarThreads);
-          } else if (it + 1 < iters) {
-            named_barrier_arrive(kDqEmpty0, kDqBarThreads);
-          }
+          __syncwarp();  // no lane falls a phase of full_dq behind
         }
       }
       tma_store_wait_all();
@@ -238,7 +263,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   const int warp_key0 = warp_in_wg * 16;  // this warp's rows of S^T, dP^T, dK, dV
 
   constexpr uint32_t kSbo = 1024;
-  const uint32_t half_panels = uint32_t(cwg) * (kCols0 / 64);  // the first 64-column panel of this consumer's
   // K-major A of S^T / dP^T over the head dim; K-major A of dV / dK over the
   // queries (one 64-column panel: P^T and dS^T); M-major A of dQ (dS from dS^T).
   const uint64_t desc_k = smem_desc(smem_u32(sK), 16, kSbo);
@@ -246,173 +270,183 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   const uint64_t desc_p = smem_desc(smem_u32(sP), 16, kSbo);
   const uint64_t desc_ds = smem_desc(smem_u32(sdS), 16, kSbo);
   const uint64_t desc_ds_m = smem_desc(smem_u32(sdS), Kt::kPanelDS, kSbo);
-  // N-major B of dQ: this half's columns of K, 16 keys (2048 bytes) a k-step.
-  const uint64_t desc_k_n = smem_desc(smem_u32(sK) + half_panels * Kt::kPanelKV, Kt::kPanelKV, kSbo);
-  const uint32_t do_half = smem_u32(sdO) + half_panels * Kt::kPanelQ;
 
-  // Sized for consumer 0; consumer 1 uses the first kT1 n-tiles (cols1: the
-  // same registers as arrays of kT1, for its wgmma and stores).
-  float acc_dk[1][kT0][4], acc_dv[1][kT0][4], acc_dq[kT0][4];
-  clear(acc_dk);
-  clear(acc_dv);
-  auto cols1 = [](auto& acc) -> float(&)[kT1][4] { return *reinterpret_cast<float(*)[kT1][4]>(&acc[0][0]); };
+  if (iters > 0) mbar_wait(full_kv, 0);
 
-  auto hand_over_dq = [&]() {
-    named_barrier_sync(cwg == 0 ? kDqEmpty0 : kDqEmpty1, kDqBarThreads);
-    const int tiles = cwg == 0 ? kT0 : kT1;
+  // One consumer's whole path, instantiated per role (kRole = cwg) so that each
+  // has accumulators of its own column count: with one set sized for consumer
+  // 0 (consumer 1 using its first n-tiles) the unused upper halves stayed live
+  // in consumer 1's path and ptxas serialized the wgmmas at head dim 192 (C7511).
+  auto consumer = [&](auto role) -> bool {
+    constexpr int kRole = decltype(role)::value;
+    constexpr int kCols = kRole == 0 ? kCols0 : kCols1;  // this consumer's columns of dK, dV, dQ
+    constexpr int kCol0 = kRole * kCols0;                // ... starting here (whole 64-column panels)
+    constexpr int kT = kCols / 8;                        // their n-tiles
+    constexpr uint32_t kPanel0 = kCol0 / 64;
+    // N-major B of dQ: this consumer's columns of K, 16 keys (2048 bytes) a k-step.
+    const uint64_t desc_k_n = smem_desc(smem_u32(sK) + kPanel0 * Kt::kPanelKV, Kt::kPanelKV, kSbo);
+    const uint32_t do_cols = smem_u32(sdO) + kPanel0 * Kt::kPanelQ;
+
+    float acc_dk[1][kT][4], acc_dv[1][kT][4], acc_dq[kT][4];
+    clear(acc_dk);
+    clear(acc_dv);
+
+    // P^T and dS^T are single buffers, one phase of their full / empty barriers
+    // a step: the consumer writing at step it waits for parity (it & 1) ^ 1 of
+    // empty (the reader's release of step it - 1; a fresh barrier passes), the
+    // reading one for parity it & 1 of full.
+    // The dQ tile: the writer frees it for consumer 1 after reading consumer
+    // 0's part of step it (phase it of empty_dq[1]) and for consumer 0 after
+    // reading consumer 1's part of step it - 1 (phase it - 1 of empty_dq[0]; the
+    // first wait, on parity 1 of a fresh barrier, passes: the tile starts free).
+    auto hand_over_dq = [&](int it) {
+      mbar_wait(&empty_dq[kRole], (uint32_t(it) & 1) ^ uint32_t(kRole == 0));
 #pragma unroll
-    for (int ni = 0; ni < kT0; ++ni)
+      for (int ni = 0; ni < kT; ++ni)
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
-        if (ni < tiles)
+        for (int h = 0; h < 2; ++h)
           *reinterpret_cast<float2*>(sdQ + DqFragLayout::offset(ni / 8, ni % 8, h, wg_tid)) =
               make_float2(acc_dq[ni][2 * h], acc_dq[ni][2 * h + 1]);
-    fence_proxy_async_smem();  // the bulk reduce (async proxy) reads what st.shared wrote
-    named_barrier_arrive(cwg == 0 ? kDqFull0 : kDqFull1, kDqBarThreads);
-  };
-  // This consumer's columns of dQ = dS K[:, cols] (SS: dS M-major from dS^T, K N-major).
-  auto issue_dq = [&](auto& acc, auto cols) {
+      fence_proxy_async_smem();      // the bulk reduce (async proxy) reads what st.shared wrote
+      mbar_arrive(&full_dq[kRole]);  // every thread: releases its own writes to the writer
+    };
+    // This consumer's columns of dQ = dS K[:, cols] (SS: dS M-major from dS^T, K N-major).
+    auto issue_dq = [&]() {
 #pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks)
-      Wgmma<decltype(cols)::value, T>::template ss<1, 1>(acc, desc_add(desc_ds_m, ks * 2048),
-                                                         desc_add(desc_k_n, ks * 2048), ks > 0);
-  };
+      for (int ks = 0; ks < kKSteps; ++ks)
+        Wgmma<kCols, T>::template ss<1, 1>(acc_dq, desc_add(desc_ds_m, ks * 2048), desc_add(desc_k_n, ks * 2048),
+                                           ks > 0);
+    };
 
-  if (iters > 0) {
-    // The buffers each consumer hands back start free.
-    named_barrier_arrive(cwg == 0 ? kDsFree : kPFree, kConsumerThreads);
-    mbar_wait(full_kv, 0);
-  }
+    for (int it = 0; it < iters; ++it) {
+      const int s = stage(it);
+      int hq, m0;
+      query_block(it, hq, m0);
+      const uint32_t q_addr = smem_u32(sQ + s * TileQ::kElems);
+      const uint64_t desc_q_n = smem_desc(q_addr + kPanel0 * Kt::kPanelQ, Kt::kPanelQ, kSbo);  // B of dK, N-major
+      const uint64_t desc_do_n = smem_desc(do_cols, Kt::kPanelQ, kSbo);                        // B of dV, N-major
+      const bool needs_mask = mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0);
+      mbar_wait(&full_q[s], parity(it));
 
-  for (int it = 0; it < iters; ++it) {
-    const int s = stage(it);
-    int hq, m0;
-    query_block(it, hq, m0);
-    const uint32_t q_addr = smem_u32(sQ + s * TileQ::kElems);
-    const uint64_t desc_q_n = smem_desc(q_addr + half_panels * Kt::kPanelQ, Kt::kPanelQ, kSbo);  // B of dK, N-major
-    const uint64_t desc_do_n = smem_desc(do_half, Kt::kPanelQ, kSbo);                            // B of dV, N-major
-    const bool needs_mask = mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0);
-    const bool more = it + 1 < iters;
-    mbar_wait(&full_q[s], parity(it));
-
-    float acc_x[1][kQT][4];  // consumer 0: S^T then P^T; consumer 1: dP^T then dS^T
-    if (cwg == 0) {
-      // ---- consumer 0: S^T, P^T, dV (RS), then dK, dQ (SS) ----
-      wgmma_fence();
-      issue_kmajor_product<TileKV, TileQ, T>(acc_x[0], desc_k, smem_desc(q_addr, 16, kSbo));
-      wgmma_commit();
-      wgmma_wait<0>();
-      pin_registers(acc_x[0]);
-      const float* sLses = sLse + s * kBlockM;
-      probs_t(acc_x[0], p.softmax_scale_log2, t, [&](int q) { return sLses[q]; });
-      if (needs_mask) apply_mask_cols(acc_x, mask, n0 + warp_key0, m0, lane, 0.f);
-      uint32_t a_p[kQSteps][4];
+      float acc_x[1][kQT][4];  // consumer 0: S^T then P^T; consumer 1: dP^T then dS^T
+      if constexpr (kRole == 0) {
+        // ---- consumer 0: S^T, P^T, dV (RS), then dK, dQ (SS) ----
+        wgmma_fence();
+        issue_kmajor_product<TileKV, TileQ, T>(acc_x[0], desc_k, smem_desc(q_addr, 16, kSbo));
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin_registers(acc_x[0]);
+        const float* sLses = sLse + s * kBlockM;
+        probs_t(acc_x[0], p.softmax_scale_log2, t, [&](int q) { return sLses[q]; });
+        if (needs_mask) apply_mask_cols(acc_x, mask, n0 + warp_key0, m0, lane, 0.f);
+        uint32_t a_p[kQSteps][4];
 #pragma unroll
-      for (int kk = 0; kk < kQSteps; ++kk) acc_to_a<T>(a_p[kk], acc_x[0], kk);
+        for (int kk = 0; kk < kQSteps; ++kk) acc_to_a<T>(a_p[kk], acc_x[0], kk);
 
-      // P^T to consumer 1: fp32 for its dS, 16-bit for its dV.
-      named_barrier_sync(kPFree, kConsumerThreads);
+        // P^T to consumer 1: fp32 for its dS, 16-bit for its dV.
+        mbar_wait(empty_p, (uint32_t(it) & 1) ^ 1);
 #pragma unroll
-      for (int i = 0; i < kQT; ++i)
-        *reinterpret_cast<float4*>(sPf + PFragLayout::offset(i, wg_tid)) =
-            make_float4(acc_x[0][i][0], acc_x[0][i][1], acc_x[0][i][2], acc_x[0][i][3]);
-      store_a_frags<TileDS>(sP, a_p, warp_key0, g, t);
-      fence_proxy_async_smem();  // consumer 1's wgmma (async proxy) reads sP
-      named_barrier_arrive(kPReady, kConsumerThreads);
+        for (int i = 0; i < kQT; ++i)
+          *reinterpret_cast<float4*>(sPf + PFragLayout::offset(i, wg_tid)) =
+              make_float4(acc_x[0][i][0], acc_x[0][i][1], acc_x[0][i][2], acc_x[0][i][3]);
+        store_a_frags<TileDS>(sP, a_p, warp_key0, g, t);
+        fence_proxy_async_smem();  // consumer 1's wgmma (async proxy) reads sP
+        mbar_arrive(full_p);       // every thread: releases its own writes to consumer 1
 
-      mbar_wait(full_do, uint32_t(it) & 1);
-      wgmma_fence();
+        mbar_wait(full_do, uint32_t(it) & 1);
+        wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kQSteps; ++kk)
-        Wgmma<kCols0, T>::template rs<1>(acc_dv[0], a_p[kk], desc_add(desc_do_n, kk * 2048), 1);
-      wgmma_commit();
+        for (int kk = 0; kk < kQSteps; ++kk)
+          Wgmma<kCols, T>::template rs<1>(acc_dv[0], a_p[kk], desc_add(desc_do_n, kk * 2048), 1);
+        wgmma_commit();
 
-      named_barrier_sync(kDsReady, kConsumerThreads);
-      wgmma_fence();
+        mbar_wait(full_ds, uint32_t(it) & 1);
+        wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kQSteps; ++kk)
-        Wgmma<kCols0, T>::template ss<0, 1>(acc_dk[0], desc_add(desc_ds, kk * 32), desc_add(desc_q_n, kk * 2048), 1);
-      issue_dq(acc_dq, std::integral_constant<int, kCols0>{});
-      wgmma_commit();
-      wgmma_wait<1>();  // dV done: dO (and a_p) free
-      pin_registers(acc_dv[0]);
-      mbar_arrive(empty_do);
-      wgmma_wait<0>();  // dK, dQ done: Q and dS^T free
-      pin_registers(acc_dk[0]);
-      pin_registers(acc_dq);
-      mbar_arrive(&empty_q[s]);
-      if (more) named_barrier_arrive(kDsFree, kConsumerThreads);
-    } else {
-      // ---- consumer 1: dP^T, dS^T, then dV (SS), dK (RS), dQ (SS) ----
-      mbar_wait(full_do, uint32_t(it) & 1);
-      wgmma_fence();
-      issue_kmajor_product<TileKV, TileQ, T>(acc_x[0], desc_v, smem_desc(smem_u32(sdO), 16, kSbo));
-      wgmma_commit();
-      wgmma_wait<0>();
-      pin_registers(acc_x[0]);
+        for (int kk = 0; kk < kQSteps; ++kk)
+          Wgmma<kCols, T>::template ss<0, 1>(acc_dk[0], desc_add(desc_ds, kk * 32), desc_add(desc_q_n, kk * 2048), 1);
+        issue_dq();
+        wgmma_commit();
+        wgmma_wait<1>();  // dV done: dO (and a_p) free
+        pin_registers(acc_dv[0]);
+        mbar_arrive(empty_do);
+        wgmma_wait<0>();  // dK, dQ done: Q and dS^T free
+        pin_registers(acc_dk[0]);
+        pin_registers(acc_dq);
+        mbar_arrive(&empty_q[s]);
+        mbar_arrive(empty_ds);
+      } else {
+        // ---- consumer 1: dP^T, dS^T, then dV (SS), dK (RS), dQ (SS) ----
+        mbar_wait(full_do, uint32_t(it) & 1);
+        wgmma_fence();
+        issue_kmajor_product<TileKV, TileQ, T>(acc_x[0], desc_v, smem_desc(smem_u32(sdO), 16, kSbo));
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin_registers(acc_x[0]);
 
-      named_barrier_sync(kPReady, kConsumerThreads);
-      float p_t[kQT][4];
+        mbar_wait(full_p, uint32_t(it) & 1);
+        float p_t[kQT][4];
 #pragma unroll
-      for (int i = 0; i < kQT; ++i) {
-        const float4 v = *reinterpret_cast<const float4*>(sPf + PFragLayout::offset(i, wg_tid));
-        p_t[i][0] = v.x, p_t[i][1] = v.y, p_t[i][2] = v.z, p_t[i][3] = v.w;
+        for (int i = 0; i < kQT; ++i) {
+          const float4 v = *reinterpret_cast<const float4*>(sPf + PFragLayout::offset(i, wg_tid));
+          p_t[i][0] = v.x, p_t[i][1] = v.y, p_t[i][2] = v.z, p_t[i][3] = v.w;
+        }
+        ds_t(acc_x[0], p_t, sDsum + s * kBlockM, t);
+        // A masked dS is 0 even where dP - D is not finite (0 * NaN).
+        if (needs_mask) apply_mask_cols(acc_x, mask, n0 + warp_key0, m0, lane, 0.f);
+        uint32_t a_ds[kQSteps][4];
+#pragma unroll
+        for (int kk = 0; kk < kQSteps; ++kk) acc_to_a<T>(a_ds[kk], acc_x[0], kk);
+
+        // dS^T to consumer 0 (its dK and dQ operand; this consumer's dQ reads it too).
+        mbar_wait(empty_ds, (uint32_t(it) & 1) ^ 1);
+        store_a_frags<TileDS>(sdS, a_ds, warp_key0, g, t);
+        fence_proxy_async_smem();
+        mbar_arrive(full_ds);  // every thread: releases its own writes to consumer 0
+
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kQSteps; ++kk)
+          Wgmma<kCols, T>::template ss<0, 1>(acc_dv[0], desc_add(desc_p, kk * 32), desc_add(desc_do_n, kk * 2048), 1);
+#pragma unroll
+        for (int kk = 0; kk < kQSteps; ++kk)
+          Wgmma<kCols, T>::template rs<1>(acc_dk[0], a_ds[kk], desc_add(desc_q_n, kk * 2048), 1);
+        wgmma_commit();
+        wgmma_fence();
+        issue_dq();
+        wgmma_commit();
+        wgmma_wait<1>();  // dV, dK done: P^T, dO, Q (and a_ds) free
+        pin_registers(acc_dv[0]);
+        pin_registers(acc_dk[0]);
+        mbar_arrive(empty_do);
+        mbar_arrive(&empty_q[s]);
+        mbar_arrive(empty_p);  // the fp32 P^T was read long before, sP by the dV wgmma
+        wgmma_wait<0>();       // dQ done
+        pin_registers(acc_dq);
       }
-      ds_t(acc_x[0], p_t, sDsum + s * kBlockM, t);
-      // A masked dS is 0 even where dP - D is not finite (0 * NaN).
-      if (needs_mask) apply_mask_cols(acc_x, mask, n0 + warp_key0, m0, lane, 0.f);
-      uint32_t a_ds[kQSteps][4];
-#pragma unroll
-      for (int kk = 0; kk < kQSteps; ++kk) acc_to_a<T>(a_ds[kk], acc_x[0], kk);
-
-      named_barrier_sync(kDsFree, kConsumerThreads);
-      store_a_frags<TileDS>(sdS, a_ds, warp_key0, g, t);
-      fence_proxy_async_smem();
-      named_barrier_arrive(kDsReady, kConsumerThreads);
-
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kQSteps; ++kk)
-        Wgmma<kCols1, T>::template ss<0, 1>(cols1(acc_dv[0]), desc_add(desc_p, kk * 32), desc_add(desc_do_n, kk * 2048),
-                                            1);
-#pragma unroll
-      for (int kk = 0; kk < kQSteps; ++kk)
-        Wgmma<kCols1, T>::template rs<1>(cols1(acc_dk[0]), a_ds[kk], desc_add(desc_q_n, kk * 2048), 1);
-      wgmma_commit();
-      wgmma_fence();
-      issue_dq(cols1(acc_dq), std::integral_constant<int, kCols1>{});
-      wgmma_commit();
-      wgmma_wait<1>();  // dV, dK done: P^T, dO, Q (and a_ds) free
-      pin_registers(acc_dv[0]);
-      pin_registers(acc_dk[0]);
-      mbar_arrive(empty_do);
-      mbar_arrive(&empty_q[s]);
-      if (more) named_barrier_arrive(kPFree, kConsumerThreads);
-      wgmma_wait<0>();  // dQ done
-      pin_registers(acc_dq);
+      hand_over_dq(it);
     }
-    hand_over_dq();
-  }
 
-  // Epilogue: this consumer's columns of dK (scaled) and dV through sK / sV once
-  // both consumers are done reading them (consumer 1's unused n-tiles stay 0).
-  const bool bad = nonfinite::any_bad(acc_dk) || nonfinite::any_bad(acc_dv);
-  const int col0 = cwg * kCols0, cols = cwg == 0 ? kCols0 : kCols1;
-  named_barrier_sync(kEpilogueBar, kConsumerThreads);
-  if (cwg == 0) {
-    store_acc<TileKV>(sK, acc_dk, warp_key0, 0, lane, p.softmax_scale);
-    store_acc<TileKV>(sV, acc_dv, warp_key0, 0, lane);
-  } else {
-    store_acc<TileKV>(sK, reinterpret_cast<float(&)[1][kT1][4]>(acc_dk), warp_key0, col0, lane, p.softmax_scale);
-    store_acc<TileKV>(sV, reinterpret_cast<float(&)[1][kT1][4]>(acc_dv), warp_key0, col0, lane);
-  }
+    // Epilogue: this consumer's columns of dK (scaled) and dV through sK / sV
+    // once both consumers are done reading them; returns whether one is not finite.
+    const bool bad = nonfinite::any_bad(acc_dk) || nonfinite::any_bad(acc_dv);
+    named_barrier_sync(kEpilogueBar, kConsumerThreads);
+    store_acc<TileKV>(sK, acc_dk, warp_key0, kCol0, lane, p.softmax_scale);
+    store_acc<TileKV>(sV, acc_dv, warp_key0, kCol0, lane);
+    return bad;
+  };
+  const bool bad = cwg == 0 ? consumer(std::integral_constant<int, 0>{}) : consumer(std::integral_constant<int, 1>{});
   // The non-finite rule (../nonfinite_fixup.cuh): this warp's 16 keys over this
-  // consumer's columns, exactly, if one holds a NaN / inf.
+  // consumer's columns, exactly, if one holds a NaN / inf. (One call for both
+  // roles: a second call site of the out-of-line fix-up cost a spilled stack
+  // address at head dim 256.)
+  const int col0 = cwg * kCols0, cols = cwg == 0 ? kCols0 : kCols1;
   if (__any_sync(0xffffffffu, bad))
     nonfinite::fix_key_rows<TileKV, (Kt::kHeadDim + 31) / 32>(nonfinite::fixup_args(p, SeqInfo(p, b, false), b), h_kv,
                                                               n0, warp_key0, warp_key0 + 16, 1, keys, sK, sV, col0,
                                                               col0 + cols, lane);
   named_barrier_sync(kEpilogueBar, kConsumerThreads);
+
   T* gdK = static_cast<T*>(p.dk_ptr) + b * p.dk_batch_stride + h_kv * p.dk_head_stride + n0 * p.dk_row_stride;
   T* gdV = static_cast<T*>(p.dv_ptr) + b * p.dv_batch_stride + h_kv * p.dv_head_stride + n0 * p.dv_row_stride;
   store_tile<TileKV, kConsumerThreads>(gdK, p.dk_row_stride, sK, keys, p.head_dim, ctid);
