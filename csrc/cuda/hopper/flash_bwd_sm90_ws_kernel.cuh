@@ -272,26 +272,26 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       for (int it = 0; it < iters; ++it) {
         int hq, m0;
         query_block(it, hq, m0);
+        // Deterministic: the writer's two global round trips a step (waiting
+        // for its turn, and for its add to land before passing the turn on)
+        // stay off the path of the tile: the turn is awaited before the tile
+        // is full, and passed on after the tile has gone back to the consumers.
+        int* sem = nullptr;
+        if (deterministic && lane == 0)
+          sem = dq_wait_for_turn<kBlockN, kBlockM>(p, mask, b, hq, m0, n_block, sweep.order_index(it));
         named_barrier_sync(kDqFull, kDqBarThreads);
         float* gdq = static_cast<float*>(p.dq_accum_ptr) + b * p.dq_accum_batch_stride + hq * p.dq_accum_head_stride +
                      int64_t(m0) * p.dq_accum_row_stride;
         // One bulk add of the whole tile: the accumulator keeps each (b, h, query
         // block) in the tile's fragment order (DqFragLayout), and its rows are
         // padded to kBwdBlockM, so the tile is one contiguous range.
-        int* sem = nullptr;
         if (lane == 0) {
-          if (deterministic)
-            sem = dq_wait_for_turn<kBlockN, kBlockM>(p, mask, b, hq, m0, n_block, sweep.order_index(it));
           bulk_reduce_add_f32(gdq, sdQ + (it % Kt::kDqTiles) * kDqTileFloats, kDqTileFloats * 4);
           tma_store_commit();
           tma_store_wait_read();
         }
         __syncwarp();
         if (it + 1 < iters) named_barrier_arrive(kDqEmpty, kDqBarThreads);
-        // Deterministic: the turn passes once the add has landed in global
-        // memory; the consumers already have the tile back (waiting for the
-        // landing before freeing it put the add's whole latency on every step:
-        // 20-30% slower at head dims 64 / 128, visit 1 of session 6).
         if (deterministic && lane == 0) dq_pass_turn(sem);
       }
       tma_store_wait_all();
