@@ -99,18 +99,26 @@ if has sanitize; then
   cat > /tmp/san.py <<'EOF'
 import torch, flashattn_ext
 from flashattn_ext import _ops
+# The Hopper backward kernels (64/96/128 split keys, 192/256 split the head
+# dim), causal and not (the deterministic mode's plain and rotated sweeps: two
+# key blocks or more), and a varlen batch through the TMA forward.
 for det in (False, True):
-    for d in (64, 96, 128, 256):  # the Hopper backward kernels: 64/96/128 split keys, 256 splits the head dim
-        q = torch.randn(1, 130, 4, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k = torch.randn(1, 70, 2, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        v = torch.randn(1, 70, 2, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        o, lse = _ops.fwd(q, k, v, 0.125, -1, 0, True, det)
-        o.sum().backward()
+    for d in (64, 96, 128, 192, 256):
+        for wr in (0, -1):
+            q = torch.randn(1, 130, 4, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            k = torch.randn(1, 200, 2, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            v = torch.randn(1, 200, 2, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            o, lse = _ops.fwd(q, k, v, 0.125, -1, wr, True, det)
+            o.sum().backward()
+cu = torch.tensor([0, 1, 130, 130, 333], dtype=torch.int32, device="cuda")
+for d in (64, 128, 256):
+    q = torch.randn(333, 4, d, device="cuda", dtype=torch.bfloat16)
+    flashattn_ext.flash_attn_varlen_func(q, q[:, :2], q[:, :2], cu, cu, 203, 203, causal=True)
 torch.cuda.synchronize()
 print("sanitizer case ran")
 EOF
   for tool in memcheck racecheck; do
-    timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 python3 /tmp/san.py > "$OUT/sanitizer_$tool.log" 2>&1
+    timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 python3 /tmp/san.py > "$OUT/sanitizer_$tool.log" 2>&1
     rc=$?
     echo "compute-sanitizer $tool: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)"
     [ $rc -eq 0 ] || status=1

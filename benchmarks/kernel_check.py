@@ -2,9 +2,11 @@
 backward against the float32 oracle over a matrix of shapes (the project's one
 tolerance rule, flashattn_ext.tolerance: at most 2x the error of the same naive
 computation in the low precision for the output, 3x for the gradients, plus a
-small floor), a bitwise race check, and a quick timing against torch's SDPA
-backends. Prints one line per case and a summary; exits non-zero on any
-failure. Usage: python benchmarks/kernel_check.py [--json PATH] [--quick]
+small floor), varlen batches sequence by sequence (on an sm90 device the forward
+must run the warp-specialized TMA kernel), a bitwise race check (dense and
+varlen), and a quick timing against torch's SDPA backends and of the varlen
+forward against the dense one. Prints one line per case and a summary; exits
+non-zero on any failure. Usage: python benchmarks/kernel_check.py [--json PATH] [--quick]
 """
 
 import argparse
@@ -61,6 +63,88 @@ def check_case(
     return all(c.ok for c in comps), errs, lse_ok, [c.as_dict() for c in comps]
 
 
+def _cu(lens):
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+
+
+def _fwd_kernel_names(fn):
+    """The forward kernels fn() launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sorted({e.name.split("<")[0].split("::")[-1] for e in prof.events() if "flash_fwd" in e.name})
+
+
+def check_varlen_case(lens_q, lens_k, hq, hk, d, dtype, causal, window=(-1, -1)):
+    """A varlen batch, forward and backward through the op, each sequence
+    against the oracle (check_attention; sequences without queries or keys:
+    zeros / -inf). Returns (ok, {name: (worst err, its bound)}, lse_ok,
+    [comparison dicts], forward kernel names): on sm90 the forward must be the
+    warp-specialized TMA kernel."""
+    scale = 1.0 / math.sqrt(d)
+    wl, wr = window
+    if causal:
+        wr = 0
+    q = torch.randn(sum(lens_q), hq, d, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(sum(lens_k), hk, d, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(sum(lens_k), hk, d, device="cuda", dtype=dtype, requires_grad=True)
+    cq, ck = _cu(lens_q), _cu(lens_k)
+    args = (cq, ck, max(lens_q), max(lens_k), scale, wl, wr, True)
+    out, lse = _ops.varlen_attention(q, k, v, *args, False)
+    dout = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    names = _fwd_kernel_names(lambda: _ops.varlen_fwd(q.detach(), k.detach(), v.detach(), *args))
+    ok, lse_ok, errs, comps = True, True, {}, []
+    bq, bk = _cu(lens_q).tolist(), _cu(lens_k).tolist()
+    for i in range(len(lens_q)):
+        sq, eq, sk, ek = bq[i], bq[i + 1], bk[i], bk[i + 1]
+        if eq == sq:
+            continue
+        if ek == sk:  # queries that see no key
+            good = bool((out[sq:eq] == 0).all()) and bool(torch.isneginf(lse[:, sq:eq]).all())
+            ok &= good
+            lse_ok &= good
+            if not good:
+                comps.append(
+                    dict(
+                        name="out",
+                        ok=False,
+                        err=0.0,
+                        bound=0.0,
+                        sequence=i,
+                        problem="rows that see no key: not 0 / -inf",
+                    )
+                )
+            continue
+        res = check_attention(
+            q.detach()[None, sq:eq],
+            k.detach()[None, sk:ek],
+            v.detach()[None, sk:ek],
+            out.detach()[None, sq:eq],
+            lse.detach()[None, :, sq:eq],
+            dout[None, sq:eq],
+            (dq[None, sq:eq], dk[None, sk:ek], dv[None, sk:ek]),
+            softmax_scale=scale,
+            window_size=(wl, wr),
+            bottom_right=True,
+        )
+        for c in res:
+            ok &= c.ok
+            lse_ok &= c.ok or c.name != "lse"
+            if c.name not in errs or c.err / max(c.bound, 1e-30) > errs[c.name][0] / max(errs[c.name][1], 1e-30):
+                errs[c.name] = (c.err, c.bound)
+            comps.append(dict(c.as_dict(), sequence=i))
+    if torch.cuda.get_device_capability() == (9, 0) and "flash_fwd_sm90_ws_kernel" not in names:
+        ok = False
+        comps.append(
+            dict(name="dispatch", ok=False, err=0.0, bound=0.0, problem=f"forward ran {names}, not the TMA kernel")
+        )
+    return ok, errs, lse_ok, comps, names
+
+
 def race_check(dtype, det, reps, causal=True):
     q = torch.randn(2, 1000, 8, 128, device="cuda", dtype=dtype, requires_grad=True)
     k = torch.randn(2, 1000, 2, 128, device="cuda", dtype=dtype, requires_grad=True)
@@ -71,6 +155,23 @@ def race_check(dtype, det, reps, causal=True):
         out, lse = _ops.fwd(q, k, v, 0.1, -1, 0 if causal else -1, True, det)
         grads = torch.autograd.grad(out, (q, k, v), dout) if det else ()
         cur = (out, lse) + tuple(grads)
+        if first is None:
+            first = cur
+        elif not all(torch.equal(a, b) for a, b in zip(first, cur)):
+            return False
+    return True
+
+
+def varlen_race_check(dtype, reps):
+    """The varlen forward (the persistent TMA kernel on sm90) is bitwise equal over repeats."""
+    lens = [1000, 1, 0, 777, 129, 2048, 64]
+    q = torch.randn(sum(lens), 8, 128, device="cuda", dtype=dtype)
+    k = torch.randn(sum(lens), 2, 128, device="cuda", dtype=dtype)
+    v = torch.randn(sum(lens), 2, 128, device="cuda", dtype=dtype)
+    c = _cu(lens)
+    first = None
+    for _ in range(reps):
+        cur = _ops.varlen_fwd(q, k, v, c, c, max(lens), max(lens), 0.1, -1, 0, True)
         if first is None:
             first = cur
         elif not all(torch.equal(a, b) for a, b in zip(first, cur)):
@@ -175,6 +276,53 @@ def quick_perf(dims):
     return rows
 
 
+def varlen_perf(dims):
+    """The varlen forward against the dense forward on the same tokens (16k,
+    bf16, heads 2048 / d): 8 sequences of 2k as one dense batch and as a varlen
+    batch (the cost of the varlen path itself; issue #10's target is 1.0), the
+    varlen batch with FLASHATTN_DISABLE_TMA=1 (the cp.async kernel it ran on
+    before), and mixed lengths (useful FLOPs of the real sequences)."""
+    rows = []
+    mixed = [4096, 512, 3000, 1, 2048, 777, 4000, 1950]  # 16384 tokens
+    for d in dims:
+        h = 2048 // d
+        for causal in (False, True):
+            wr = 0 if causal else -1
+            q = torch.randn(8, 2048, h, d, device="cuda", dtype=torch.bfloat16)
+            k, v = torch.randn_like(q), torch.randn_like(q)
+            res = {"d": d, "causal": causal}
+            flops = attention_flops(8, h, 2048, 2048, d, causal)
+            res["dense_fwd"] = bench(lambda: _ops.fwd_op(q, k, v, d**-0.5, -1, wr, True))
+            qv, kv, vv = (x.reshape(8 * 2048, h, d) for x in (q, k, v))
+            c = _cu([2048] * 8)
+            vfwd = lambda: _ops.varlen_fwd(qv, kv, vv, c, c, 2048, 2048, d**-0.5, -1, wr, True)  # noqa: E731
+            res["varlen_fwd"] = bench(vfwd)
+            res["varlen_kernels"] = _fwd_kernel_names(vfwd)
+            os.environ["FLASHATTN_DISABLE_TMA"] = "1"
+            try:
+                res["varlen_notma_fwd"] = bench(vfwd)
+            finally:
+                del os.environ["FLASHATTN_DISABLE_TMA"]
+            cm = _cu(mixed)
+            res["mixed_fwd"] = bench(
+                lambda: _ops.varlen_fwd(qv, kv, vv, cm, cm, max(mixed), max(mixed), d**-0.5, -1, wr, True)
+            )
+            mixed_flops = sum(attention_flops(1, h, n, n, d, causal) for n in mixed)
+            for key in ("dense_fwd", "varlen_fwd", "varlen_notma_fwd"):
+                res[key + "_tflops"] = flops / res[key] / 1e9
+            res["mixed_fwd_tflops"] = mixed_flops / res["mixed_fwd"] / 1e9
+            res["varlen_over_dense"] = res["dense_fwd"] / res["varlen_fwd"]
+            rows.append(res)
+            print(
+                f"varlen perf d{d} causal={causal}: fwd dense {res['dense_fwd_tflops']:.0f}, varlen "
+                f"{res['varlen_fwd_tflops']:.0f} ({res['varlen_over_dense']:.2f} of dense; "
+                f"{res['varlen_kernels']}), varlen no TMA {res['varlen_notma_fwd_tflops']:.0f}, "
+                f"mixed lengths {res['mixed_fwd_tflops']:.0f} useful TFLOP/s",
+                flush=True,
+            )
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json")
@@ -235,6 +383,46 @@ def main():
             )
     if args.quick:
         cases = cases[::3]
+    # Varlen batches: lengths 0 and 1, on both sides of the tiles, several tiles a sequence, GQA / MQA.
+    varlen_cases = []
+    for d in dims:
+        for dtype in (torch.bfloat16, torch.float16):
+            varlen_cases.append(
+                dict(
+                    lens_q=[130, 0, 1, 257, 64, 17, 1100],
+                    lens_k=[200, 5, 0, 129, 64, 300, 1023],
+                    hq=4,
+                    hk=2,
+                    d=d,
+                    dtype=dtype,
+                    causal=True,
+                )
+            )
+        varlen_cases.append(
+            dict(
+                lens_q=[1, 700, 0, 129, 63, 385],
+                lens_k=[700, 1, 9, 64, 129, 383],
+                hq=6,
+                hk=1,
+                d=d,
+                dtype=torch.bfloat16,
+                causal=False,
+            )
+        )
+        varlen_cases.append(
+            dict(
+                lens_q=[300, 5, 257],
+                lens_k=[300, 260, 129],
+                hq=4,
+                hk=2,
+                d=d,
+                dtype=torch.bfloat16,
+                causal=False,
+                window=(37, 5),
+            )
+        )
+    if args.quick:
+        varlen_cases = varlen_cases[::2]
 
     results, failures = [], 0
     t0 = time.time()
@@ -252,17 +440,51 @@ def main():
             c["problem"] or f"{c['name']} error {c['err']:.2e} > bound {c['bound']:.2e}" for c in comps if not c["ok"]
         )
         print(f"{'PASS' if ok else 'FAIL'} {desc} lse_ok={lse_ok} {err_s}" + (f" [{why}]" if why else ""), flush=True)
-    print(f"correctness: {len(cases) - failures}/{len(cases)} passed in {time.time() - t0:.1f}s", flush=True)
+    varlen_failures = 0
+    for c in varlen_cases:
+        try:
+            ok, errs, lse_ok, comps, names = check_varlen_case(**c)
+        except Exception as exc:  # report, keep going
+            ok, errs, lse_ok, comps, names = False, {"exception": str(exc)[:300]}, False, [], []
+        varlen_failures += not ok
+        desc = {k: (str(v) if not isinstance(v, (int, bool, tuple, list)) else v) for k, v in c.items()}
+        results.append(
+            {
+                "case": dict(desc, varlen=True),
+                "ok": ok,
+                "errs": errs,
+                "lse_ok": lse_ok,
+                "comparisons": comps,
+                "fwd_kernels": names,
+            }
+        )
+        err_s = " ".join(f"{k}={v[0]:.2e}/{v[1]:.2e}" if isinstance(v, tuple) else f"{k}={v}" for k, v in errs.items())
+        why = "; ".join(
+            c.get("problem")
+            or f"sequence {c.get('sequence')} {c['name']} error {c['err']:.2e} > bound {c['bound']:.2e}"
+            for c in comps
+            if not c["ok"]
+        )
+        print(
+            f"{'PASS' if ok else 'FAIL'} varlen {desc} fwd={names} lse_ok={lse_ok} {err_s}"
+            + (f" [{why}]" if why else ""),
+            flush=True,
+        )
+    failures += varlen_failures
+    n_cases = len(cases) + len(varlen_cases)
+    print(f"correctness: {n_cases - failures}/{n_cases} passed in {time.time() - t0:.1f}s", flush=True)
 
     race = {}
     # Deterministic with and without the mask: they add dQ in different orders
     # (plain and rotated sweeps, dq_wait_for_turn).
     for det, causal in ((False, True), (True, True), (True, False)):
         race[f"det={det},causal={causal}"] = race_check(torch.bfloat16, det, 20 if args.quick else 100, causal)
+    race["varlen_fwd"] = varlen_race_check(torch.bfloat16, 20 if args.quick else 100)
     print(f"race check (bitwise equal over repeats): {race}", flush=True)
     failures += not all(race.values())
 
     perf = [] if args.no_perf else quick_perf([d for d in (64, 128, 256) if d in dims])
+    vperf = [] if args.no_perf else varlen_perf([d for d in (64, 128, 256) if d in dims])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -270,6 +492,7 @@ def main():
                     "results": results,
                     "race": race,
                     "perf": perf,
+                    "varlen_perf": vperf,
                     "device": torch.cuda.get_device_name(),
                     "torch": torch.__version__,
                 },

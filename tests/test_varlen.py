@@ -237,16 +237,20 @@ def test_varlen_deterministic_is_bitwise(device):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("sm90", [True, False], ids=["sm90-kernels", "mma-sync-kernels"])
+@pytest.mark.parametrize("kernels", ["sm90-tma", "sm90-cp-async", "mma-sync"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic-dq"])
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256, 40])
-def test_cuda_varlen_kernel_paths(head_dim, deterministic, sm90, monkeypatch, poison):
+def test_cuda_varlen_kernel_paths(head_dim, deterministic, kernels, monkeypatch, poison):
     """Every CUDA kernel that runs varlen batches, against the oracle: on an
-    H200 the Hopper cp.async forward (64/128/192/256) and backward (64/128,
-    atomic dQ), with FLASHATTN_DISABLE_SM90=1 the mma.sync forward and
-    backward; the deterministic dQ kernel; preprocessing and dQ conversion;
-    head dim 40 through the padded copy. Poisoned outputs: nothing unwritten."""
-    if not sm90:
+    H200 the warp-specialized TMA forward (64/96/128/192/256), with
+    FLASHATTN_DISABLE_TMA=1 the Hopper cp.async forward (64/128/192/256) and,
+    either way, the cp.async backward (64/128, atomic dQ); with
+    FLASHATTN_DISABLE_SM90=1 the mma.sync forward and backward; the
+    deterministic dQ kernel; preprocessing and dQ conversion; head dim 40
+    through the padded copy. Poisoned outputs: nothing unwritten."""
+    if kernels == "sm90-cp-async":
+        monkeypatch.setenv("FLASHATTN_DISABLE_TMA", "1")
+    if kernels == "mma-sync":
         monkeypatch.setenv("FLASHATTN_DISABLE_SM90", "1")
     device, dtype = "cuda", torch.bfloat16
     lens_q, lens_k = [130, 0, 1, 257, 64, 17], [200, 5, 0, 129, 64, 300]
@@ -254,6 +258,118 @@ def test_cuda_varlen_kernel_paths(head_dim, deterministic, sm90, monkeypatch, po
         q, k, v = make_varlen(lens_q, lens_k, hq, hkv, head_dim, dtype, device)
         bad = check_varlen(q, k, v, lens_q, lens_k, op_deterministic=deterministic, causal=causal)
         assert not bad, f"causal={causal}: " + "; ".join(bad)
+
+
+def _cuda_kernel_names(fn):
+    """Names of the CUDA kernels fn() launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def _is_sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+# The warp-specialized TMA forward on varlen batches (flash_fwd_sm90_ws_kernel.cuh):
+# (lens_q, lens_k, heads_q, heads_kv, kwargs). Lengths 0 and 1, lengths on both
+# sides of the query tiles (128 / 192 rows) and key blocks (64 / 128 rows), several
+# tiles per sequence, keys empty where queries are not, GQA / MQA.
+TMA_VARLEN_CASES = {
+    "mixed-causal-gqa": (
+        [0, 1, 127, 128, 129, 300, 191, 193, 64, 5],
+        [3, 1, 0, 128, 130, 257, 200, 64, 65, 1],
+        4,
+        2,
+        {"causal": True},
+    ),
+    "mixed-noncausal-mqa": ([1, 700, 0, 129, 63, 385], [700, 1, 9, 64, 129, 383], 6, 1, {}),
+    "q-longer-causal": ([450, 17, 200], [100, 3, 199], 4, 4, {"causal": True}),
+    "window": ([300, 5, 257], [300, 260, 129], 4, 2, {"window_size": (37, 5)}),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", list(TMA_VARLEN_CASES))
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cuda_varlen_tma_forward(head_dim, dtype, case, poison):
+    """The forward of a varlen batch on the TMA kernel: against the oracle, and
+    equal (bitwise, out and lse) to the same kernel's dense call on each
+    sequence alone, whose tiles see zeros where the varlen tiles read the next
+    sequence's rows (masked keys, query rows not stored). On an H200 the
+    profiler must show the warp-specialized kernel."""
+    device = "cuda"
+    lens_q, lens_k, hq, hkv, kw = TMA_VARLEN_CASES[case]
+    q, k, v = make_varlen(lens_q, lens_k, hq, hkv, head_dim, dtype, device)
+    bad = check_varlen(q, k, v, lens_q, lens_k, with_grads=False, **kw)
+    assert not bad, "; ".join(bad)
+    cq, ck = cu(lens_q, device), cu(lens_k, device)
+    run = lambda: flash_attn_varlen_func(q, k, v, cq, ck, max(lens_q), max(lens_k), return_lse=True, **kw)  # noqa: E731
+    out, lse = run()
+    if _is_sm90():
+        assert any("flash_fwd_sm90_ws_kernel" in n for n in _cuda_kernel_names(run))
+    for i, ((sq, eq), (sk, ek)) in enumerate(zip(bounds(lens_q), bounds(lens_k))):
+        if eq == sq or ek == sk:  # checked by check_varlen (a dense call takes no empty sequence)
+            continue
+        ref, ref_lse = flash_attn_func(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], return_lse=True, **kw)
+        assert torch.equal(out[sq:eq], ref[0]), f"sequence {i}: out differs from the dense call"
+        assert torch.equal(lse[:, sq:eq], ref_lse[0]), f"sequence {i}: lse differs from the dense call"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_cuda_varlen_tma_nonfinite_neighbour(head_dim):
+    """The TMA forward reads past a sequence's end into the next one (the last
+    key block of sequence 0 holds rows of sequence 1). Non-finite keys and
+    values there are masked or recomputed (the non-finite rule's exact path):
+    sequence 0 still matches the oracle, and so does sequence 2, whose rows
+    follow the ones with the non-finite values."""
+    device, dtype = "cuda", torch.bfloat16
+    lens = [100, 50, 30]
+    q, k, v = make_varlen(lens, lens, 4, 2, head_dim, dtype, device)
+    k[100], v[100] = float("inf"), float("nan")  # the first row of sequence 1
+    k[101], v[101] = float("nan"), float("inf")
+    for causal in (False, True):
+        out, lse = flash_attn_varlen_func(
+            q, k, v, cu(lens, device), cu(lens, device), 100, 100, causal=causal, return_lse=True
+        )
+        res = check_attention(
+            q[None, :100], k[None, :100], v[None, :100], out[None, :100], lse[None, :, :100], causal=causal
+        )
+        assert all(c.ok for c in res), f"causal={causal}: " + "; ".join(c.message() for c in res if not c.ok)
+        res = check_attention(
+            q[None, 150:], k[None, 150:], v[None, 150:], out[None, 150:], lse[None, :, 150:], causal=causal
+        )
+        assert all(c.ok for c in res), f"causal={causal}, sequence 2: " + "; ".join(
+            c.message() for c in res if not c.ok
+        )
+
+
+@pytest.mark.cuda
+def test_cuda_varlen_forward_dispatch(monkeypatch):
+    """run_fwd sends varlen batches to the warp-specialized TMA kernel on sm90
+    and FLASHATTN_DISABLE_TMA=1 to the cp.async wgmma kernel (the fallback),
+    with the same results up to rounding."""
+    if not _is_sm90():
+        pytest.skip("the TMA kernels run on sm90 only")
+    device, dtype = "cuda", torch.bfloat16
+    lens_q, lens_k = [130, 0, 1, 257], [200, 5, 0, 129]
+    q, k, v = make_varlen(lens_q, lens_k, 4, 2, 128, dtype, device)
+    cq, ck = cu(lens_q, device), cu(lens_k, device)
+    run = lambda: flash_attn_varlen_func(q, k, v, cq, ck, 257, 200, causal=True)  # noqa: E731
+    names = _cuda_kernel_names(run)
+    assert any("flash_fwd_sm90_ws_kernel" in n for n in names), names
+    tma = run()
+    monkeypatch.setenv("FLASHATTN_DISABLE_TMA", "1")
+    names = _cuda_kernel_names(run)
+    assert any("flash_fwd_sm90_kernel" in n for n in names), names
+    assert not any("flash_fwd_sm90_ws_kernel" in n for n in names), names
+    torch.testing.assert_close(run(), tma, atol=2e-2, rtol=0)
 
 
 @pytest.mark.cuda

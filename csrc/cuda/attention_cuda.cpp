@@ -190,6 +190,9 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(const at::Tensor& q_in, const
   auto params = make_varlen_fwd_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                        softmax_scale, mask);
   params.device_arch = device_arch(q);
+  // The warp-specialized TMA forward runs varlen batches too: the same switches as fwd_cuda's.
+  params.allow_tma = !env_flag("FLASHATTN_DISABLE_TMA");
+  params.fwd_pair_masked_tiles = !env_flag("FLASHATTN_FWD_SINGLE_TILES");
   launch(params, kdim, q);
   return {unpad(out, head_dim)[0], lse};
 }

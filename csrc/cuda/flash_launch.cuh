@@ -69,29 +69,40 @@ cudaError_t launch_fwd_sm90(const AttnFwdParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// Hopper, warp-specialized with TMA; same grid. Sets *launched = false (and
-// launches nothing) when TMA cannot describe one of the tensors.
+// Hopper, warp-specialized with TMA: a persistent grid (one CTA an SM, at
+// most one a tile). Sets *launched = false (and launches nothing) when TMA
+// cannot describe one of the tensors.
+//
+// A varlen batch runs the kernel's kVarlen instance over tensor maps of the
+// packed tensors as one batch entry of total_q / total_k rows (the kernel
+// locates each sequence's rows through SeqInfo). A packed tensor without rows
+// (total_q or total_k 0: every query, or every key, sequence empty) has no
+// tensor map (TMA needs a non-zero extent): the kernels below run it.
 template <typename Kt>
 cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool* launched) {
   *launched = false;
   constexpr bool kBf16 = std::is_same_v<typename Kt::Element, __nv_bfloat16>;
+  const bool varlen = p.is_varlen();
+  if (varlen && (p.total_q == 0 || p.total_k == 0)) return cudaSuccess;
+  const int batch = varlen ? 1 : p.batch;
+  const int rows_q = varlen ? p.total_q : p.seqlen_q, rows_k = varlen ? p.total_k : p.seqlen_k;
   FwdTmaMaps maps;
-  const bool described = make_tensor_map_bshd(&maps.q, p.q_ptr, kBf16, p.batch, p.seqlen_q, p.heads_q, p.head_dim,
+  const bool described = make_tensor_map_bshd(&maps.q, p.q_ptr, kBf16, batch, rows_q, p.heads_q, p.head_dim,
                                               p.q_batch_stride, p.q_row_stride, p.q_head_stride, Kt::kBlockM) &&
-                         make_tensor_map_bshd(&maps.k, p.k_ptr, kBf16, p.batch, p.seqlen_k, p.heads_kv, p.head_dim,
+                         make_tensor_map_bshd(&maps.k, p.k_ptr, kBf16, batch, rows_k, p.heads_kv, p.head_dim,
                                               p.k_batch_stride, p.k_row_stride, p.k_head_stride, Kt::kBlockN) &&
-                         make_tensor_map_bshd(&maps.v, p.v_ptr, kBf16, p.batch, p.seqlen_k, p.heads_kv, p.head_dim,
+                         make_tensor_map_bshd(&maps.v, p.v_ptr, kBf16, batch, rows_k, p.heads_kv, p.head_dim,
                                               p.v_batch_stride, p.v_row_stride, p.v_head_stride, Kt::kBlockN) &&
-                         make_tensor_map_bshd(&maps.o, p.o_ptr, kBf16, p.batch, p.seqlen_q, p.heads_q, p.head_dim,
+                         make_tensor_map_bshd(&maps.o, p.o_ptr, kBf16, batch, rows_q, p.heads_q, p.head_dim,
                                               p.o_batch_stride, p.o_row_stride, p.o_head_stride, Kt::kOStoreRows);
   if (!described) return cudaSuccess;
-  auto kernel = &flash_fwd_sm90_ws_kernel<Kt>;
+  auto kernel = varlen ? &flash_fwd_sm90_ws_kernel<Kt, true> : &flash_fwd_sm90_ws_kernel<Kt, false>;
   if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
   FwdSchedule sched = FwdSchedule::make(p, Kt::kBlockM, sm_count());
   sched.paired = sched.paired && p.fwd_pair_masked_tiles;
   const int ctas = sched.num_units() < sm_count() ? sched.num_units() : sm_count();  // persistent: one CTA an SM
   *launched = true;
-  if (ctas == 0) return cudaSuccess;  // no query rows: nothing to write
+  if (ctas == 0) return cudaSuccess;  // no query rows (varlen: max_seqlen_q = 0): nothing to write
   sched.set_ctas(ctas);
   kernel<<<ctas, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, maps, sched);
   return cudaGetLastError();
@@ -236,19 +247,20 @@ cudaError_t run_variant(Variants<Kts...>, const char* env, Launch&& launch) {
 #endif
 
 // Varlen batches (p.is_varlen()) run on the kernels that locate their rows
-// through SeqInfo: the mma.sync forward and backward (deterministic dQ and
-// the preprocessing / convert kernels included) and the cp.async wgmma
-// forward and backward. The warp-specialized TMA forward and backward are not
-// among them: their 4-D tensor maps (batch, seqlen, heads, head_dim) cannot
-// describe sequences packed along the rows. A kernel added to the dispatch below runs
-// varlen batches only once it reads SeqInfo; until then, test is_varlen().
+// through SeqInfo: the warp-specialized TMA forward (tensor maps over the
+// packed rows, launch_fwd_sm90_ws), the mma.sync forward and backward
+// (deterministic dQ and the preprocessing / convert kernels included) and the
+// cp.async wgmma forward and backward. The warp-specialized TMA backward is
+// not among them (bwd_tries_sm90_ws tests is_varlen()). A kernel added to the
+// dispatch below runs varlen batches only once it reads SeqInfo; until then,
+// test is_varlen().
 template <typename T, int kHeadDim>
 cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
 #ifdef FLASHATTN_SM90
   // Built for sm90a and running on an sm90 device: the wgmma kernel, for the
   // head dims KernelConfig gives one.
   if constexpr (HasFwdSm90Ws<KernelConfig<kHeadDim, T>>::value) {
-    if (p.device_arch == 90 && p.allow_tma && !p.is_varlen()) {
+    if (p.device_arch == 90 && p.allow_tma) {  // dense and varlen batches (launch_fwd_sm90_ws)
       bool launched = false;
 #ifdef FLASHATTN_TUNING
       cudaError_t err = cudaSuccess;
@@ -262,7 +274,7 @@ cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
       using Cfg = KernelConfig<kHeadDim, T>;
       cudaError_t err = cudaSuccess;
       if constexpr (HasFwdSm90WsMasked<Cfg>::value) {
-        if (p.mask.window_right >= 0 && p.seqlen_q <= 8192) {
+        if (p.mask.window_right >= 0 && p.seqlen_q <= 8192) {  // (varlen: max_seqlen_q)
           err = launch_fwd_sm90_ws<typename Cfg::FwdSm90WsMasked>(p, stream, &launched);
           if (launched || err != cudaSuccess) return err;
         }

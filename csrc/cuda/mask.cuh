@@ -150,13 +150,6 @@ __device__ __forceinline__ void store_unseeing_query_block(const AttnFwdParams& 
   for (int r = tid; r < rows; r += nthreads) gLse[r] = -INFINITY;
 }
 
-// The same for a dense batch (the warp-specialized forward, which never runs varlen ones).
-template <typename T>
-__device__ __forceinline__ void store_unseeing_query_block(const AttnFwdParams& p, int b, int h, int m0, int rows,
-                                                           int tid, int nthreads) {
-  store_unseeing_query_block<T>(p, SeqInfo(p, b, false), b, h, m0, rows, tid, nthreads);
-}
-
 // Sets to `fill` the entries of invisible keys in a warp's accumulator tile
 // (-inf for scores, 0 for probabilities). Rows are queries r0 + mi*16 + g (+8);
 // columns are keys c0 + ni*8 + 2t (+1).

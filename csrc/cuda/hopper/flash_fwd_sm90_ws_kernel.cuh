@@ -33,6 +33,31 @@
 // mask, the skipped blocks and the CTA order are those of the other kernels
 // (../mask.cuh); masks, bias or dropout slot in at softmax_step, where S is in
 // registers with known (row, key) coordinates.
+//
+// Varlen batches (kVarlen, a separate instance so that the dense one keeps its
+// registers; see SeqInfo in ../../flash_params.h) run the same pipeline:
+//   - The tensor maps describe the packed (total, heads, head_dim) tensors as
+//     one batch entry of total rows, so a sequence's tile is the box at row
+//     q_start + m0 (k_start + n0) of batch 0. A box that runs past the end of
+//     its sequence reads the next sequence's rows (zeros past the last one):
+//     keys past seqlen_k are cut by the mask of the last key block, which
+//     BlockMask(p, seq) flags (tile_needs_mask: n0 + kBlockN > seqlen_k) and
+//     fills with -inf whatever S holds there, so P is exactly 0 on them; query
+//     rows past seqlen_q are computed and never stored. A non-finite V row of
+//     the next sequence still makes 0 * inf = NaN in P V: the epilogue's
+//     non-finite check then recomputes the row exactly over the keys it sees
+//     (nonfinite_fixup.cuh, with the sequence's SeqInfo), as it does for a
+//     masked non-finite V of a dense batch.
+//   - The scheduler hands out ceil(max_seqlen_q / kBlockM) query-block ranks
+//     per (batch, head); a rank past the sequence's query blocks has rows = 0
+//     and every role skips it (tile_scheduler.cuh). Nothing else differs
+//     between the roles: the same tiles, the same key blocks, so the ring and
+//     ping-pong phases stay matched.
+//   - The O store: the TMA store box of a consumer (64 rows) that runs past
+//     its sequence would write the next sequence's rows, so a consumer whose
+//     rows end inside its 64 stores them from the staged tile itself (16-byte
+//     stores, guarded by the row count); full boxes keep the TMA store. lse
+//     goes to (heads_q, total_q) through SeqInfo::rowvec_offset.
 #pragma once
 
 #include "../../flash_params.h"
@@ -48,12 +73,13 @@ namespace flashattn {
 
 // The tensor maps of one forward call (built on the host, tma_host.h): q, k,
 // v are read and o written as 4-D (head_dim, heads, seqlen, batch) tensors
-// through boxes of 64 columns (one 128-byte swizzled panel) x rows.
+// through boxes of 64 columns (one 128-byte swizzled panel) x rows; a varlen
+// batch as (head_dim, heads, total rows, 1).
 struct FwdTmaMaps {
   CUtensorMap q, k, v, o;
 };
 
-template <typename Kt>
+template <typename Kt, bool kVarlen>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
     flash_fwd_sm90_ws_kernel(const __grid_constant__ AttnFwdParams p, const __grid_constant__ FwdTmaMaps maps,
                              const FwdSchedule sched) {
@@ -61,7 +87,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   using T = typename Kt::Element;
   using TileQ = typename Kt::TileQ;
   using TileKV = typename Kt::TileKV;
-  using Tile = FwdTile<Kt::kBlockM>;
+  using Tile = FwdTile<Kt::kBlockM, kVarlen>;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
   constexpr int kStages = Kt::kStages, kConsumers = Kt::kConsumers;
   constexpr int kNT = kBlockN / 8;             // n-tiles of a row of S
@@ -89,6 +115,19 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
   const int wg = warp / 4;
   const BlockMask mask(p);
+  // A tile's mask: the batch's, or its sequence's (lengths, diagonal) when varlen.
+  auto mask_of = [&](const Tile& tl) {
+    if constexpr (kVarlen) {
+      return BlockMask(p, tl.seq);
+    } else {
+      return mask;
+    }
+  };
+  // TMA coordinates of a tile's rows: (row in the sequence, batch b), or
+  // (row in the packed tensor, batch 0) when varlen.
+  auto q_row_of = [](const Tile& tl) { return kVarlen ? tl.seq.q_start + tl.m0 : tl.m0; };
+  auto k_row_of = [](const Tile& tl, int n0) { return kVarlen ? tl.seq.k_start + n0 : n0; };
+  auto batch_of = [](const Tile& tl) { return kVarlen ? 0 : tl.b; };
   // Use n of ring slot s (n counts the K or V blocks loaded so far) waits for parity n & 1.
   auto stage = [](int it) { return it % kStages; };
   auto parity = [](int it) { return uint32_t(it / kStages) & 1; };
@@ -118,25 +157,26 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         const int tile = fwd_tile_of_round(sched, round, blockIdx.x, gridDim.x);
         if (tile >= sched.num_tiles) continue;
         const Tile tl(p, sched, tile);
+        if (kVarlen && tl.rows <= 0) continue;  // past its sequence's query blocks: the consumers skip it too
         int n_min, n_max;
-        mask.key_block_range<kBlockN>(tl.m0, tl.rows, n_min, n_max);
+        mask_of(tl).template key_block_range<kBlockN>(tl.m0, tl.rows, n_min, n_max);
         if (n_max <= n_min) continue;
         const int blocks = n_max - n_min;
         auto load = [&](const CUtensorMap* map, T* ring, uint64_t* full, uint64_t* empty, int j) {
-          const int s = stage(it0 + j), row0 = (n_max - 1 - j) * kBlockN;
+          const int s = stage(it0 + j), row0 = k_row_of(tl, (n_max - 1 - j) * kBlockN);
           mbar_wait(&empty[s], parity(it0 + j) ^ 1);
           mbar_arrive_expect_tx(&full[s], Kt::kBytesKV);
 #pragma unroll
           for (int pn = 0; pn < Kt::kPanels; ++pn)
             tma_load_4d(ring + s * TileKV::kElems + pn * TileKV::kRows * 64, map, &full[s], pn * 64, tl.h_kv, row0,
-                        tl.b);
+                        batch_of(tl));
         };
         load(&maps.k, sK, full_k, empty_k, 0);
         mbar_wait(empty_q, (q_iter & 1) ^ 1);  // the previous tile's last S GEMM (or O store) is done with sQ
         mbar_arrive_expect_tx(full_q, Kt::kBytesQ);
 #pragma unroll
         for (int pn = 0; pn < Kt::kPanels; ++pn)
-          tma_load_4d(sQ + pn * TileQ::kRows * 64, &maps.q, full_q, pn * 64, tl.h, tl.m0, tl.b);
+          tma_load_4d(sQ + pn * TileQ::kRows * 64, &maps.q, full_q, pn * 64, tl.h, q_row_of(tl), batch_of(tl));
         // K one block ahead of V: S_{j+1} is issued together with P_j V_j.
         for (int j = 0; j < blocks; ++j) {
           if (j + 1 < blocks) load(&maps.k, sK, full_k, empty_k, j + 1);
@@ -191,11 +231,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const int tile = fwd_tile_of_round(sched, round, blockIdx.x, gridDim.x);
     if (tile >= sched.num_tiles) continue;
     const Tile tl(p, sched, tile);
+    if (kVarlen && tl.rows <= 0) continue;  // past its sequence's query blocks (the producer skips it too)
     const int m0 = tl.m0;
+    const BlockMask tmask = mask_of(tl);
     int n_min, n_max;
-    mask.key_block_range<kBlockN>(m0, tl.rows, n_min, n_max);
+    tmask.key_block_range<kBlockN>(m0, tl.rows, n_min, n_max);
     if (n_max <= n_min) {
-      store_unseeing_query_block<T>(p, tl.b, tl.h, m0, tl.rows, ctid, kConsumers * 128);
+      store_unseeing_query_block<T>(p, tl.seq, tl.b, tl.h, m0, tl.rows, ctid, kConsumers * 128);
       continue;
     }
     const int blocks = n_max - n_min;  // step j visits key block n_max - 1 - j
@@ -203,7 +245,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     OnlineSoftmax<1> softmax;
     auto softmax_step = [&](float(&acc_s)[1][kNT][4], int j, float(&correction)[1][2]) {
       const int n0 = (n_max - 1 - j) * kBlockN;
-      if (mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0)) apply_mask_rows(acc_s, mask, m0 + warp_row0, n0, lane);
+      if (tmask.tile_needs_mask<kBlockM, kBlockN>(m0, n0)) apply_mask_rows(acc_s, tmask, m0 + warp_row0, n0, lane);
       if (positive_scale) {
         softmax.template softmax_rows<true>(acc_s, p.softmax_scale_log2, correction);
       } else {
@@ -268,6 +310,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     }
 
     // ---- epilogue -----------------------------------------------------------
+    // Varlen: the tile is decoded again here (integer operations and two
+    // cached loads of cu_seqlens) instead of kept live through the key-block
+    // loop, where its fields made the d256 instance spill in every step
+    // (ptxas -v: 40 bytes; none in the loop this way). Dense: the same tile.
+    const Tile et = kVarlen ? Tile(p, sched, tile) : tl;
     float row_lse[1][2];
     softmax.finalize(acc_o, p.softmax_scale_log2, positive_scale, row_lse);
     const bool bad = nonfinite::any_bad(acc_o);
@@ -280,29 +327,58 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     // completed and no other warpgroup reads them.)
     store_acc<TileQ>(sO, acc_o, warp_row0, 0, lane);
     if (t == 0) {
-      float* gLse = static_cast<float*>(p.lse_ptr) + (int64_t(tl.b) * p.heads_q + tl.h) * p.seqlen_q + m0;
+      float* gLse = static_cast<float*>(p.lse_ptr) + et.seq.rowvec_offset(p, et.b, et.h) + m0;
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int r = warp_row0 + g + 8 * hh;
-        if (r < tl.rows) gLse[r] = row_lse[0][hh];
+        if (r < et.rows) gLse[r] = row_lse[0][hh];
       }
     }
     // The non-finite rule (../nonfinite_fixup.cuh): this warp's 16 rows of the
     // staged O, exactly, if one holds a NaN / inf (before the TMA store reads them).
     if (__any_sync(0xffffffffu, bad))
-      nonfinite::fix_fwd_rows<TileQ, (kHeadDim + 31) / 32>(nonfinite::fixup_args(p, SeqInfo(p, tl.b, false), tl.b),
-                                                           tl.h, m0, warp_row0, 16, tl.rows, sO, lane);
+      nonfinite::fix_fwd_rows<TileQ, (kHeadDim + 31) / 32>(nonfinite::fixup_args(p, et.seq, et.b), et.h, m0, warp_row0,
+                                                           16, et.rows, sO, lane);
     fence_proxy_async_smem();  // the TMA store (async proxy) reads what st.shared wrote
     named_barrier_sync(kEpilogueBar + cwg, 128);
-    if (elected) {
+    // Varlen: this consumer's rows of the sequence (its box is rows 64 cwg .. 64 cwg + 63 of the tile).
+    const int o_rows = kVarlen ? et.rows - cwg * 64 : 64;
+    if (o_rows >= 64) {
+      if (elected) {
 #pragma unroll
-      for (int pn = 0; pn < Kt::kPanels; ++pn)
-        tma_store_4d(&maps.o, sO + pn * TileQ::kRows * 64 + cwg * 64 * 64, pn * 64, tl.h, m0 + cwg * 64, tl.b);
-      tma_store_commit();
-      if (!Kt::kSeparateO) {
-        tma_store_wait_read();
-        mbar_arrive(empty_q);
+        for (int pn = 0; pn < Kt::kPanels; ++pn)
+          tma_store_4d(&maps.o, sO + pn * TileQ::kRows * 64 + cwg * 64 * 64, pn * 64, et.h, q_row_of(et) + cwg * 64,
+                       batch_of(et));
+        tma_store_commit();
+        if (!Kt::kSeparateO) {
+          tma_store_wait_read();
+          mbar_arrive(empty_q);
+        }
       }
+    } else {
+      // Varlen, the sequence ends inside this consumer's rows (or before
+      // them): its 128 threads store the o_rows rows (none when <= 0) with
+      // 16-byte stores, 8 columns a thread, consecutive threads along a row.
+      // Columns past head_dim are left out as the TMA store clips them.
+      T* gO = static_cast<T*>(p.o_ptr) + et.seq.q_offset(p.o_batch_stride, p.o_row_stride, et.b) +
+              et.h * p.o_head_stride + int64_t(m0 + cwg * 64) * p.o_row_stride;
+      constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks of a row
+      for (int i = tid & 127; i < o_rows * kChunks; i += 128) {
+        const int r = i / kChunks, c = (i % kChunks) * 8;
+        if (c < p.head_dim)
+          *reinterpret_cast<uint4*>(gO + int64_t(r) * p.o_row_stride + c) =
+              *reinterpret_cast<const uint4*>(sO + TileQ::offset(cwg * 64 + r, c));
+      }
+      if (!Kt::kSeparateO) {
+        // O is staged in sQ: every thread of this consumer has read its rows
+        // before the producer may load the next Q there (async proxy after
+        // generic reads: the fence orders them, as after the writes above).
+        fence_proxy_async_smem();
+        named_barrier_sync(kEpilogueBar + cwg, 128);
+        if (elected) mbar_arrive(empty_q);
+      }
+      // (With a separate O tile, the next tile's epilogue syncs this
+      // consumer's threads before any of them writes sO again.)
     }
     it0 += blocks;
     ++q_iter;

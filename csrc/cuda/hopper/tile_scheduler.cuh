@@ -31,6 +31,17 @@
 // 1, causal, paired / single TFLOP/s): d64 1k 256/287, 4k 378/383 (fraction
 // 0.17); d128 1k 387/400, 4k 596/530, 16k 586/524 (0.34); d256 1k 420/413, 4k
 // 644/542, 16k 637/427 (0.69-1.0). Rule: M >= 16 and the fraction >= 1/4.
+//
+// Varlen batches (AttnFwdParams::is_varlen()): the host does not know the
+// sequences' lengths (cu_seqlens stays on the device; no synchronisation), so
+// every (batch, head) pair gets ceil(max_seqlen_q / kBlockM) query-block
+// ranks, as a dense batch of max_seqlen_q. Rank r is the r-th query block
+// counted from the end of the pair's own sequence (its heaviest block first,
+// as above), and the ranks a sequence does not have (r >= its query blocks)
+// are tiles with no rows: FwdTile gives them rows = 0 from cu_seqlens alone,
+// so the producer and the consumers, which decode each tile themselves, skip
+// the same tiles without telling each other. Varlen batches are never
+// paired (a short sequence's mirror rank may not exist).
 #pragma once
 
 #include "../../flash_params.h"
@@ -39,7 +50,7 @@
 namespace flashattn {
 
 struct FwdSchedule {
-  int num_m_blocks = 0;  // query blocks of a head (M)
+  int num_m_blocks = 0;  // query blocks of a head (M; varlen: ranks, for max_seqlen_q)
   int num_tiles = 0;     // num_m_blocks * batch * heads_q
   int group_bh = 1;      // (batch, head) pairs per L2 group
   bool paired = false;   // hand out (m, M - 1 - m) pairs (masked calls)
@@ -53,12 +64,14 @@ struct FwdSchedule {
     s.num_m_blocks = ceil_div(p.seqlen_q, block_m);
     const int64_t num_bh = int64_t(p.batch) * p.heads_q;
     s.num_tiles = static_cast<int>(num_bh * s.num_m_blocks);  // the binding layer checks it fits
-    // K and V bytes per query head (a GQA group shares them: count them once per group).
+    // K and V bytes per query head (a GQA group shares them: count them once per group);
+    // varlen: for max_seqlen_k keys, a bound (groups no larger than their K/V allows).
     const int64_t kv_bytes = int64_t(p.seqlen_k) * p.head_dim * 2 * 2 / p.heads_ratio();
     const int64_t group = kL2GroupBytes / (kv_bytes > 0 ? kv_bytes : 1);
     s.group_bh = static_cast<int>(group < 1 ? 1 : (group > num_bh ? num_bh : group));
     const bool masked = p.mask.window_left >= 0 || p.mask.window_right >= 0;
-    s.paired = masked && s.num_m_blocks >= 16 && int64_t(4) * sm_count >= int64_t(s.num_m_blocks) * s.group_bh;
+    s.paired = masked && !p.is_varlen() && s.num_m_blocks >= 16 &&
+               int64_t(4) * sm_count >= int64_t(s.num_m_blocks) * s.group_bh;
     return s;
   }
   __host__ __device__ int pairs_per_head() const { return (num_m_blocks + 1) / 2; }
@@ -95,12 +108,12 @@ __device__ __forceinline__ int fwd_tile_of_round(const FwdSchedule& s, int round
   return group * s.group_bh * s.num_m_blocks + m_rank * group_size + bh_in_group;
 }
 
-template <int kBlockM>
-struct FwdTile {
-  int h, b, h_kv;  // query head, batch, key/value head
-  int m0, rows;    // first query row, valid rows
+// The (batch, head) pair (bh = batch * heads_q + head) and the query-block
+// rank (0: the heaviest block) of a tile.
+struct FwdTileIndex {
+  int bh, m_rank;
 
-  __device__ __forceinline__ FwdTile(const AttnFwdParams& p, const FwdSchedule& s, int tile) {
+  __device__ __forceinline__ FwdTileIndex(const AttnFwdParams& p, const FwdSchedule& s, int tile) {
     const int group_tiles = s.group_bh * s.num_m_blocks;
     const int group = tile / group_tiles;
     const int in_group = tile - group * group_tiles;
@@ -108,13 +121,34 @@ struct FwdTile {
     const int bh0 = group * s.group_bh;
     const int bh_total = p.batch * p.heads_q;
     const int group_size = min(s.group_bh, bh_total - bh0);
-    const int m_rank = in_group / group_size;
-    const int bh = bh0 + (in_group - m_rank * group_size);
-    h = bh % p.heads_q;
-    b = bh / p.heads_q;
-    h_kv = h / p.heads_ratio();
-    m0 = (s.num_m_blocks - 1 - m_rank) * kBlockM;
-    rows = min(kBlockM, p.seqlen_q - m0);
+    m_rank = in_group / group_size;
+    bh = bh0 + (in_group - m_rank * group_size);
+  }
+};
+
+// A tile's coordinates. kVarlen (== p.is_varlen(), a separate kernel instance:
+// see SeqInfo) locates the sequence through cu_seqlens; its rows are then
+// <= 0 for a rank past the sequence's query blocks (a tile to skip).
+template <int kBlockM, bool kVarlen = false>
+struct FwdTile {
+  int h, b, h_kv;  // query head, batch, key/value head
+  int m0, rows;    // first query row (in the sequence), valid rows
+  SeqInfo seq;     // the sequence's rows, lengths and diagonal (a dense batch: the params' constants)
+
+  __device__ __forceinline__ FwdTile(const AttnFwdParams& p, const FwdSchedule& s, int tile)
+      : FwdTile(p, s, FwdTileIndex(p, s, tile)) {}
+
+ private:
+  __device__ __forceinline__ FwdTile(const AttnFwdParams& p, const FwdSchedule& s, FwdTileIndex ix)
+      : h(ix.bh % p.heads_q), b(ix.bh / p.heads_q), h_kv(h / p.heads_ratio()), seq(p, b, kVarlen) {
+    if constexpr (kVarlen) {
+      const int m_blocks = ceil_div(seq.seqlen_q, kBlockM);  // this sequence's query blocks
+      m0 = (m_blocks - 1 - ix.m_rank) * kBlockM;
+      rows = ix.m_rank < m_blocks ? min(kBlockM, seq.seqlen_q - m0) : 0;
+    } else {
+      m0 = (s.num_m_blocks - 1 - ix.m_rank) * kBlockM;
+      rows = min(kBlockM, p.seqlen_q - m0);
+    }
   }
 };
 
