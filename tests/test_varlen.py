@@ -290,6 +290,10 @@ TMA_VARLEN_CASES = {
     "mixed-noncausal-mqa": ([1, 700, 0, 129, 63, 385], [700, 1, 9, 64, 129, 383], 6, 1, {}),
     "q-longer-causal": ([450, 17, 200], [100, 3, 199], 4, 4, {"causal": True}),
     "window": ([300, 5, 257], [300, 260, 129], 4, 2, {"window_size": (37, 5)}),
+    # Long enough (max_seqlen_q >= 16 query tiles, few heads) for the scheduler to
+    # hand out causal pairs (hopper/tile_scheduler.cuh): the shorter sequences pair
+    # ranks inside their own query blocks.
+    "long-causal-paired": ([4100, 1000, 0, 2500, 3, 129], [4100, 1000, 5, 2600, 3, 129], 2, 1, {"causal": True}),
 }
 
 

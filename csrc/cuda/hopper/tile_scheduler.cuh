@@ -40,8 +40,8 @@
 // as above), and the ranks a sequence does not have (r >= its query blocks)
 // are tiles with no rows: FwdTile gives them rows = 0 from cu_seqlens alone,
 // so the producer and the consumers, which decode each tile themselves, skip
-// the same tiles without telling each other. Varlen batches are never
-// paired (a short sequence's mirror rank may not exist).
+// the same tiles without telling each other. Paired, a sequence shorter than
+// max_seqlen_q pairs its ranks inside its own query blocks (FwdTile).
 #pragma once
 
 #include "../../flash_params.h"
@@ -70,8 +70,7 @@ struct FwdSchedule {
     const int64_t group = kL2GroupBytes / (kv_bytes > 0 ? kv_bytes : 1);
     s.group_bh = static_cast<int>(group < 1 ? 1 : (group > num_bh ? num_bh : group));
     const bool masked = p.mask.window_left >= 0 || p.mask.window_right >= 0;
-    s.paired = masked && !p.is_varlen() && s.num_m_blocks >= 16 &&
-               int64_t(4) * sm_count >= int64_t(s.num_m_blocks) * s.group_bh;
+    s.paired = masked && s.num_m_blocks >= 16 && int64_t(4) * sm_count >= int64_t(s.num_m_blocks) * s.group_bh;
     return s;
   }
   __host__ __device__ int pairs_per_head() const { return (num_m_blocks + 1) / 2; }
@@ -143,8 +142,21 @@ struct FwdTile {
       : h(ix.bh % p.heads_q), b(ix.bh / p.heads_q), h_kv(h / p.heads_ratio()), seq(p, b, kVarlen) {
     if constexpr (kVarlen) {
       const int m_blocks = ceil_div(seq.seqlen_q, kBlockM);  // this sequence's query blocks
-      m0 = (m_blocks - 1 - ix.m_rank) * kBlockM;
-      rows = ix.m_rank < m_blocks ? min(kBlockM, seq.seqlen_q - m0) : 0;
+      int rank = ix.m_rank;
+      if (s.paired) {
+        // fwd_tile_of_round pairs ranks for max_seqlen_q's M blocks; inside a
+        // shorter sequence the light half is the mirror in its own m_blocks,
+        // and a heavy half past its middle is some pair's light half already.
+        if (rank >= s.pairs_per_head()) {  // a light half: pair M - 1 - rank
+          const int pair = s.num_m_blocks - 1 - rank;
+          rank = m_blocks - 1 - pair;
+          if (rank <= pair) rank = m_blocks;  // none (the middle block, or a short sequence)
+        } else if (rank > m_blocks - 1 - rank) {
+          rank = m_blocks;
+        }
+      }
+      m0 = (m_blocks - 1 - rank) * kBlockM;
+      rows = rank < m_blocks ? min(kBlockM, seq.seqlen_q - m0) : 0;
     } else {
       m0 = (s.num_m_blocks - 1 - ix.m_rank) * kBlockM;
       rows = min(kBlockM, p.seqlen_q - m0);
