@@ -44,10 +44,11 @@
 //     BlockMask(p, seq) flags (tile_needs_mask: n0 + kBlockN > seqlen_k) and
 //     fills with -inf whatever S holds there, so P is exactly 0 on them; query
 //     rows past seqlen_q are computed and never stored. A non-finite V row of
-//     the next sequence still makes 0 * inf = NaN in P V: the epilogue's
-//     non-finite check then recomputes the row exactly over the keys it sees
-//     (nonfinite_fixup.cuh, with the sequence's SeqInfo), as it does for a
-//     masked non-finite V of a dense batch.
+//     the next sequence would make 0 * inf = NaN in P V: those rows are
+//     zeroed in shared memory (below); the epilogue's non-finite check, which
+//     recomputes a row exactly over the keys it sees (nonfinite_fixup.cuh,
+//     with the sequence's SeqInfo), stays the rule for everything else, as
+//     for a masked non-finite V of a dense batch.
 //   - The scheduler hands out ceil(max_seqlen_q / kBlockM) query-block ranks
 //     per (batch, head); a rank past the sequence's query blocks has rows = 0
 //     and every role skips it (tile_scheduler.cuh). Nothing else differs
@@ -58,6 +59,23 @@
 //     rows end inside its 64 stores them from the staged tile itself (16-byte
 //     stores, guarded by the row count); full boxes keep the TMA store. lse
 //     goes to (heads_q, total_q) through SeqInfo::rowvec_offset.
+//   - V past the sequence's keys: the first key block a tile visits is the
+//     only one that can hold rows past seqlen_k (its last), and before its
+//     P V each consumer zeroes those rows of the V stage in shared memory
+//     (both consumers write the same zeros; each fences them for wgmma and
+//     syncs its warpgroup before its own GEMM). P is 0 there but 0 * NaN is
+//     NaN: without this a non-finite V row of the next sequence, or of a KV
+//     cache's unused slots, sent every row of the tile through the exact
+//     recompute (correct, but a loop over all of the row's keys per row).
+//
+// Dense batches with seqused_k (per-entry key lengths; the KV-cache prefill of
+// flash_attn_with_kvcache) run the kVarlen instance over the dense tensor
+// maps: SeqInfo gives entry b seqused_k[b] keys, its bottom-right diagonal and
+// start rows 0, so the tiles are the dense ones (batch coordinate b, the
+// O box clipped by the map at seqlen_q as in a dense batch: TMA stores only),
+// the keys past seqused_k[b] (the cache's unused slots, which may hold
+// anything) are cut by the mask of the last key block and zeroed in V as
+// above, and lse keeps the dense (batch, heads_q, seqlen_q) layout.
 #pragma once
 
 #include "../../flash_params.h"
@@ -124,10 +142,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     }
   };
   // TMA coordinates of a tile's rows: (row in the sequence, batch b), or
-  // (row in the packed tensor, batch 0) when varlen.
+  // (row in the packed tensor, batch 0) when varlen (seqused_k: start rows 0,
+  // batch b).
   auto q_row_of = [](const Tile& tl) { return kVarlen ? tl.seq.q_start + tl.m0 : tl.m0; };
   auto k_row_of = [](const Tile& tl, int n0) { return kVarlen ? tl.seq.k_start + n0 : n0; };
-  auto batch_of = [](const Tile& tl) { return kVarlen ? 0 : tl.b; };
+  auto batch_of = [&](const Tile& tl) { return kVarlen && p.is_varlen() ? 0 : tl.b; };
   // Use n of ring slot s (n counts the K or V blocks loaded so far) waits for parity n & 1.
   auto stage = [](int it) { return it % kStages; };
   auto parity = [](int it) { return uint32_t(it / kStages) & 1; };
@@ -252,6 +271,22 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         softmax.template softmax_rows<false>(acc_s, p.softmax_scale_log2, correction);
       }
     };
+    // kVarlen: zeroes the V rows past the sequence's keys in the tile's first
+    // (last-key) block, the only one that can hold such rows (n0 < seqlen_k:
+    // the block holds at least one key). After its full_v wait, before the
+    // P V that reads it. The condition is uniform over the warpgroup.
+    auto clear_v_tail = [&]() {
+      const int valid = tmask.seqlen_k - (n_max - 1) * kBlockN;
+      if (valid >= kBlockN) return;
+      T* v = sV + stage(it0) * TileKV::kElems;
+      constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks of a row
+      for (int i = tid & 127; i < (kBlockN - valid) * kChunks; i += 128) {
+        const int r = valid + i / kChunks, c = (i % kChunks) * 8;
+        *reinterpret_cast<uint4*>(v + TileKV::offset(r, c)) = make_uint4(0, 0, 0, 0);
+      }
+      fence_proxy_async_smem();  // wgmma (async proxy) reads what st.shared wrote
+      named_barrier_sync(kEpilogueBar + cwg, 128);
+    };
     // After S_j has completed: the last S of the tile frees Q for the next tile.
     auto scores_done = [&](int j) {
       mbar_arrive(&empty_k[stage(it0 + j)]);
@@ -281,6 +316,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a<T>(a_p[kk], acc_s[0], kk);
       mbar_wait(&full_k[stage(it0 + j + 1)], parity(it0 + j + 1));
       mbar_wait(&full_v[stage(it0 + j)], parity(it0 + j));
+      if (kVarlen && j == 0) clear_v_tail();
       turn_begin();
       wgmma_fence();
       issue_scores(acc_s, it0 + j + 1);
@@ -300,6 +336,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a<T>(a_p[kk], acc_s[0], kk);
       mbar_wait(&full_v[stage(it0 + blocks - 1)], parity(it0 + blocks - 1));
+      if (kVarlen && blocks == 1) clear_v_tail();
       turn_begin();
       wgmma_fence();
       issue_pv(a_p, it0 + blocks - 1);
@@ -342,7 +379,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     fence_proxy_async_smem();  // the TMA store (async proxy) reads what st.shared wrote
     named_barrier_sync(kEpilogueBar + cwg, 128);
     // Varlen: this consumer's rows of the sequence (its box is rows 64 cwg .. 64 cwg + 63 of the tile).
-    const int o_rows = kVarlen ? et.rows - cwg * 64 : 64;
+    // seqused_k: dense tensor maps, which clip the box at seqlen_q as in a dense batch.
+    const int o_rows = kVarlen && p.is_varlen() ? et.rows - cwg * 64 : 64;
     if (o_rows >= 64) {
       if (elected) {
 #pragma unroll
