@@ -36,6 +36,11 @@ prefill  q length 512 appended to a cache of 8k (causal bottom-right: the chunk'
          are the last 512 positions), batch 4, same heads: ms and TFLOP/s
          (flashattn_ext.reference.attention_flops with the keys each query sees). The SDPA
          peers get torch.nn.attention.bias.causal_lower_right (their is_causal is top-left).
+         `ours` is the routed call (q >= 64 on a contiguous cache: the TMA forward on sm90,
+         csrc/cuda/kvcache_cuda.cpp); `ours_decode_kernel` the same call kept on the split-KV
+         decoding kernel (FLASHATTN_KVCACHE_PREFILL_MIN_Q); `kernel` names what ran (profiler).
+         `prefill_sweep`: both kernels at q 16 .. 256 (same cache, batch), to place the
+         route's threshold.
 varlen   flash_attn_varlen_func vs flash_attn_func at the same token count (16k tokens,
          16 heads, d128, bf16, causal), forward + backward: `equal` has every sequence 2k
          long (the same FLOPs both ways: the cost of the varlen path itself); `mixed` has
@@ -65,7 +70,10 @@ import torch.nn.functional as F  # noqa: E402
 from bench_gpu import OURS, OURS_IMPORT_ERROR, Progress, Skip, _free, _short, attention_flops, make_timer  # noqa: E402
 
 DECODE_IMPLS = ("ours", "ours_paged", "ours_sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_default", "fa2_package", "copy")
-PREFILL_IMPLS = ("ours", "ours_paged", "sdpa_cudnn", "sdpa_flash", "sdpa_default", "fa2_package")
+PREFILL_IMPLS = ("ours", "ours_decode_kernel", "ours_paged", "sdpa_cudnn", "sdpa_flash", "sdpa_default", "fa2_package")
+# The query length from which flash_attn_with_kvcache leaves the decoding kernel (read on every call).
+PREFILL_MIN_Q_ENV = "FLASHATTN_KVCACHE_PREFILL_MIN_Q"
+PREFILL_SWEEP_Q = (16, 32, 64, 128, 256)
 TORCH_BACKENDS = {"sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_flash": "FLASH_ATTENTION"}
 PAGE = 256
 # torch's SDPA has no bottom-right is_causal; its CausalBias (causal_lower_right) runs
@@ -91,6 +99,7 @@ def shapes(smoke):
             caches=(64, 128),
             first=((2, 128),),
             prefill=dict(batch=2, q=16, cache=128),
+            prefill_sweep_q=(8, 16),
             varlen=dict(tokens=256, heads=2, d=32, equal_len=64, mixed=(16, 112, 48, 80)),
         )
     return dict(
@@ -103,6 +112,7 @@ def shapes(smoke):
         caches=tuple(1024 * 2**i for i in range(8)),  # 1k .. 128k
         first=tuple((b, n) for n in (8192, 16384, 32768) for b in (8, 32)),
         prefill=dict(batch=4, q=512, cache=8192),
+        prefill_sweep_q=PREFILL_SWEEP_Q,
         # 16 sequences of 256..3840 tokens, 16384 in all (a fixed list: runs compare).
         varlen=dict(
             tokens=16384,
@@ -336,20 +346,64 @@ def decode_case(impl, batch, n, cfg, device, bench, gen):
 # ----------------------------------------------------------------------------- prefill
 
 
-def prefill_case(impl, cfg, device, bench, gen):
+@contextlib.contextmanager
+def _prefill_min_q(value):
+    """FLASHATTN_KVCACHE_PREFILL_MIN_Q = value inside (None: as it is)."""
+    old = os.environ.get(PREFILL_MIN_Q_ENV)
+    if value is not None:
+        os.environ[PREFILL_MIN_Q_ENV] = str(value)
+    try:
+        yield
+    finally:
+        if value is not None:
+            if old is None:
+                os.environ.pop(PREFILL_MIN_Q_ENV, None)
+            else:
+                os.environ[PREFILL_MIN_Q_ENV] = old
+
+
+def _kernel_of(fn, device):
+    """Which of our kernels fn() ran (torch.profiler): "tma_forward", "decode" or the names."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if any("flash_fwd_sm90_ws_kernel" in n for n in names):
+        return "tma_forward"
+    if any("flash_decode_kernel" in n for n in names):
+        return "decode"
+    return ",".join(sorted({n.split("(")[0][:60] for n in names}))[:200]
+
+
+def prefill_case(impl, cfg, device, bench, gen, q_len=None):
     p = cfg["prefill"]
-    b, nq, nk = p["batch"], p["q"], p["cache"]
+    b, nq, nk = p["batch"], (q_len or p["q"]), p["cache"]
     hq, hk, d, dtype = cfg["heads_q"], cfg["heads_kv"], cfg["d"], cfg["dtype"]
     # Query i (of nq, the last positions) sees keys 0 .. nk - nq + i.
     flops = 4.0 * b * hq * d * sum(nk - nq + i + 1 for i in range(nq))
     row = dict(impl=impl, batch=b, q_len=nq, cache_len=nk, causal="bottom-right", ms=None, tflops=None)
     fn = None
+    # ours_decode_kernel: the decoding kernel at any length; ours in the sweep: the route at any length.
+    min_q = 1 << 30 if impl == "ours_decode_kernel" else (1 if q_len is not None and impl == "ours" else None)
     try:
         if impl in ("sdpa_cudnn", "fa2_package") and device.type != "cuda":
             raise Skip("needs CUDA")
-        if impl in ("ours", "ours_paged", "fa2_package"):
-            fn = _kvcache_call(_kvcache_impl(impl), impl, cfg, b, nq, nk, device, gen)
+        if impl in ("ours", "ours_decode_kernel", "ours_paged", "fa2_package"):
+            kv_impl = "ours" if impl == "ours_decode_kernel" else impl
+            call = _kvcache_call(_kvcache_impl(kv_impl), kv_impl, cfg, b, nq, nk, device, gen)
+
+            def fn(call=call, min_q=min_q):
+                with _prefill_min_q(min_q):
+                    return call()
+
             fn()
+            if impl != "fa2_package":
+                row["kernel"] = _kernel_of(fn, device)
         else:
             from torch.nn.attention.bias import causal_lower_right
 
@@ -491,8 +545,20 @@ def markdown_report(data):
         ]
         for r in data["prefill"]:
             note = r.get("skipped") or r.get("error") or ("K/V expanded; " if r.get("kv_expanded") else "")
-            note = (note + (r.get("note") or "")).strip()
+            note = (note + (r.get("note") or "") + (f"kernel: {r['kernel']}" if r.get("kernel") else "")).strip()
             out.append(f"| {r['impl']} | {_fmt(r.get('ms'), 3)} | {_fmt(r.get('tflops'), 1)} | {note} |")
+    if data.get("prefill_sweep"):
+        out += [
+            "",
+            "## Prefill by query length (the route's threshold)",
+            "",
+            "| q | impl | ms | kernel |",
+            "|---|---|---|---|",
+        ]
+        for r in data["prefill_sweep"]:
+            out.append(
+                f"| {r['q_len']} | {r['impl']} | {_fmt(r.get('ms'), 3)} | {r.get('kernel') or r.get('error') or ''} |"
+            )
     if data.get("varlen"):
         out += [
             "",
@@ -528,7 +594,14 @@ def text_summary(data):
         lines.append(f"{b:>5} {_len_label(n):>5}  " + "  ".join(cells))
     lines.append("(decode: useful K/V TB/s; copy: read + written TB/s)")
     for r in data.get("prefill", []):
-        lines.append(f"prefill {r['impl']:>12}: {_fmt(r.get('ms'), 3)} ms {_fmt(r.get('tflops'), 1)} TFLOP/s")
+        lines.append(
+            f"prefill {r['impl']:>18}: {_fmt(r.get('ms'), 3)} ms {_fmt(r.get('tflops'), 1)} TFLOP/s"
+            + (f" ({r['kernel']})" if r.get("kernel") else "")
+        )
+    for r in data.get("prefill_sweep", []):
+        lines.append(
+            f"prefill q {r['q_len']:>4} {r['impl']:>18}: {_fmt(r.get('ms'), 3)} ms ({r.get('kernel') or r.get('error') or '-'})"
+        )
     for r in data.get("varlen", []):
         lines.append(
             f"varlen {r['section']:>5} {r['impl']:>7}: {_fmt(r.get('ms'), 3)} ms {_fmt(r.get('useful_tflops'), 1)} useful TFLOP/s"
@@ -598,6 +671,7 @@ def main(argv=None):
         ),
         decode=[],
         prefill=[],
+        prefill_sweep=[],
         varlen=[],
     )
     fa2, why = _load_fa2()
@@ -623,8 +697,21 @@ def main(argv=None):
         save()
     if not args.no_prefill:
         progress.update("prefill")
-        data["prefill"] = [prefill_case(i, cfg, device, bench, gen) for i in PREFILL_IMPLS if i in impls]
+        # (ours_decode_kernel comes with ours)
+        data["prefill"] = [
+            prefill_case(i, cfg, device, bench, gen)
+            for i in PREFILL_IMPLS
+            if i in impls or (i == "ours_decode_kernel" and "ours" in impls)
+        ]
         save()
+        if "ours" in impls:
+            progress.update("prefill sweep")
+            data["prefill_sweep"] = [
+                prefill_case(i, cfg, device, bench, gen, q_len=n)
+                for n in cfg["prefill_sweep_q"]
+                for i in ("ours", "ours_decode_kernel")
+            ]
+            save()
     if not args.no_varlen:
         progress.update("varlen vs padded")
         data["varlen"] = varlen_cases(cfg, device, bench, gen)

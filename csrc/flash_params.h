@@ -108,11 +108,27 @@ struct AttnFwdParams : QkvoParams {
   const int* cu_seqlens_k = nullptr;
   int total_q = 0, total_k = 0;  // rows of the packed tensors
 
+  // A dense batch whose batch entries hold different numbers of keys
+  // (flash_attn_with_kvcache's prefill route, csrc/cuda/kvcache_cuda.cpp):
+  // int32 (batch,) on the device, entry b sees its keys [0, seqused_k[b])
+  // (clamped to [0, seqlen_k]; seqlen_k is then the capacity of an entry, the
+  // rows its tensors hold), with the diagonal per entry when
+  // mask.bottom_right. The tensors keep the dense layout (batch strides, lse
+  // (batch, heads_q, seqlen_q)); only with cu_seqlens_q == nullptr, forward
+  // only. nullptr otherwise.
+  const int* seqused_k = nullptr;
+
   FLASHATTN_HOST_DEVICE int heads_ratio() const { return heads_q / heads_kv; }
   // The one test the dispatch asks before it picks a kernel: a kernel that
   // does not go through SeqInfo (the warp-specialized TMA backward, whose
   // tensor maps and dQ layout are per batch entry) must not run a varlen batch.
+  // It also says which layout the tensors have (packed rows, see the top).
   FLASHATTN_HOST_DEVICE bool is_varlen() const { return cu_seqlens_q != nullptr; }
+  // Sequences of their own lengths (varlen, or dense with seqused_k): the
+  // warp-specialized TMA forward runs its kVarlen instance then. The other
+  // kernels do not read seqused_k (run_fwd hands such a batch to the TMA
+  // kernel or to nothing).
+  FLASHATTN_HOST_DEVICE bool per_sequence() const { return cu_seqlens_q != nullptr || seqused_k != nullptr; }
 };
 
 struct AttnBwdParams : AttnFwdParams {
@@ -159,41 +175,59 @@ struct AttnBwdParams : AttnFwdParams {
 // is seqlen_q x seqlen_k and starts at row 0 of batch entry b. Varlen: read
 // from cu_seqlens, then clamped to the packed tensors and to the max_seqlen
 // bounds, so that any values (the CUDA path cannot check them without a host
-// synchronisation) keep every access inside the tensors.
+// synchronisation) keep every access inside the tensors. Dense with
+// seqused_k (read only by the kernels that ask for it, `seqused` below):
+// batch entry b, seqlen_q queries, seqused_k[b] keys (clamped to
+// [0, seqlen_k] for the same reason), the tensors' dense layout.
 struct SeqInfo {
   int q_start = 0, k_start = 0;  // first row of the sequence in the packed tensors (int: fewer registers)
   int seqlen_q = 0, seqlen_k = 0;
   int diag_offset = 0;
-  bool varlen = false;
+  bool varlen = false;  // lengths of its own (varlen, or seqused_k where the kernel reads it)
+  bool packed = false;  // rows located by cu_seqlens (the packed layout); else batch entry b
 
   FLASHATTN_HOST_DEVICE SeqInfo(const AttnFwdParams& p, int b) : SeqInfo(p, b, p.is_varlen()) {}
 
-  // `varlen` must equal p.is_varlen(). The hot CUDA kernels compile their body
-  // once for each value and pass it as a constant: the dense body then holds
-  // the params' constants here and no varlen state in registers.
-  FLASHATTN_HOST_DEVICE SeqInfo(const AttnFwdParams& p, int b, bool varlen_) : varlen(varlen_) {
+  // `varlen` must equal p.is_varlen(), or p.per_sequence() when `seqused`
+  // (a kernel that reads seqused_k: the warp-specialized TMA forward). The
+  // hot CUDA kernels compile their body once for each value and pass both as
+  // constants: the dense body then holds the params' constants here and no
+  // varlen state in registers, and a kernel that does not read seqused_k has
+  // packed == varlen, a constant (no code for the seqused_k layout).
+  FLASHATTN_HOST_DEVICE SeqInfo(const AttnFwdParams& p, int b, bool varlen_, bool seqused = false)
+      : varlen(varlen_), packed(varlen_ && (!seqused || p.is_varlen())) {
     if (!varlen) {
       seqlen_q = p.seqlen_q;
       seqlen_k = p.seqlen_k;
       diag_offset = p.mask.diag_offset;
       return;
     }
-    rows_of(p.cu_seqlens_q, b, p.total_q, p.seqlen_q, q_start, seqlen_q);
-    rows_of(p.cu_seqlens_k, b, p.total_k, p.seqlen_k, k_start, seqlen_k);
+    if (packed) {
+      rows_of(p.cu_seqlens_q, b, p.total_q, p.seqlen_q, q_start, seqlen_q);
+      rows_of(p.cu_seqlens_k, b, p.total_k, p.seqlen_k, k_start, seqlen_k);
+    } else {  // dense with seqused_k: start rows 0 of batch entry b
+      const int used = p.seqused_k[b];
+      seqlen_q = p.seqlen_q;
+      seqlen_k = used < 0 ? 0 : (used > p.seqlen_k ? p.seqlen_k : used);
+    }
     diag_offset = p.mask.bottom_right ? seqlen_k - seqlen_q : 0;
   }
 
   // Element offset of row 0 of sequence b in a q-like (k-like) tensor: the
-  // batch stride is 0 in a varlen batch and the start row 0 in a dense one.
+  // batch stride is 0 in a packed batch and the start row 0 in a dense one.
   FLASHATTN_HOST_DEVICE int64_t q_offset(int64_t batch_stride, int64_t row_stride, int b) const {
-    return varlen ? int64_t(q_start) * row_stride : b * batch_stride;
+    return packed ? int64_t(q_start) * row_stride : b * batch_stride;
   }
   FLASHATTN_HOST_DEVICE int64_t k_offset(int64_t batch_stride, int64_t row_stride, int b) const {
-    return varlen ? int64_t(k_start) * row_stride : b * batch_stride;
+    return packed ? int64_t(k_start) * row_stride : b * batch_stride;
   }
-  // Index of (b, h, row 0) in lse or dsum: (batch, heads_q, seqlen_q), or (heads_q, total_q) when varlen.
+  // Index of (b, h, row 0) in lse or dsum: (batch, heads_q, seqlen_q), or (heads_q, total_q) when packed.
   FLASHATTN_HOST_DEVICE int64_t rowvec_offset(const AttnFwdParams& p, int b, int h) const {
-    return varlen ? int64_t(h) * p.total_q + q_start : (int64_t(b) * p.heads_q + h) * p.seqlen_q;
+    return packed ? int64_t(h) * p.total_q + q_start : (int64_t(b) * p.heads_q + h) * p.seqlen_q;
+  }
+  // The distance between two heads' rows in lse or dsum.
+  FLASHATTN_HOST_DEVICE int64_t rowvec_head_stride(const AttnFwdParams& p) const {
+    return packed ? p.total_q : p.seqlen_q;
   }
 
  private:

@@ -1230,7 +1230,11 @@ def flash_attn_with_kvcache(
     and softmax_scale as in ``flash_attn_func``. num_splits: on CUDA the number
     of parts each row's keys are split into (split-KV decoding; 0 picks it from
     the SM count and the shapes; clamped to the 64-key blocks of a row);
-    ignored on the CPU. Returns out (batch, seqlen_q, heads_q, head_dim) and,
+    ignored on the CPU. On an sm90 GPU a prefill (seqlen_q >= 64; the environment
+    variable FLASHATTN_KVCACHE_PREFILL_MIN_Q moves the threshold) on a contiguous
+    cache without cache_batch_idx or cache_leftpad, num_splits 0 or 1, runs the
+    warp-specialized forward kernel with per-row key counts instead (same
+    results within the tolerance rule). Returns out (batch, seqlen_q, heads_q, head_dim) and,
     with return_softmax_lse, lse (batch, heads_q, seqlen_q) in float32 (float64
     for float64). A row with no visible key outputs zeros (lse -inf).
 

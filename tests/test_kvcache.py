@@ -937,3 +937,188 @@ def test_nan_at_a_real_key_reaches_only_queries_that_see_it(device, dtype, num_s
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out_n[~expect_nan], out[~expect_nan], atol=tol, rtol=tol)
     torch.testing.assert_close(lse_n, lse, atol=tol, rtol=tol)
+
+
+# ----------------------------------------------------------------------------- the prefill route (CUDA)
+# Long queries (seqlen_q >= 64, kvcache_cuda.cpp's prefill_route) on a contiguous
+# cache without cache_batch_idx / cache_leftpad go to the warp-specialized TMA
+# forward, which runs the batch as a dense one with per-row key counts
+# (seqused_k = cache_seqlens + seqlen_new; flash_fwd_sm90_ws_kernel.cuh). Query
+# lengths on both sides of its 128-row tiles, cache lengths 0, 1, full and
+# ragged (the last key block cut inside the TMA box, whose rows past a row's
+# keys are the cache's unused slots), a capacity that is not a multiple of the
+# key blocks, GQA / MQA, with and without an append, the masks.
+
+PREFILL_CAP = 1000
+# name: (seqlen_q, seqlen_new, heads_q, heads_kv, d)
+PREFILL_SHAPES = {
+    "q100-append100-gqa4": (100, 100, 8, 2, 128),
+    "q300-noappend-mha": (300, 0, 4, 4, 128),
+    "q513-append513-mqa": (513, 513, 4, 1, 128),
+    "q64-append17-gqa2-d64": (64, 17, 4, 2, 64),
+    "q129-noappend-gqa2-d256": (129, 0, 4, 2, 256),
+}
+
+
+def _prefill_seqlens(n_new, batch=5, cap=PREFILL_CAP):
+    """cache_seqlens (before the append): full after it, empty (no key at all
+    without an append), one key, ragged inside a key block, random."""
+    top = cap - n_new
+    lens = [top, 0, min(1, top), min(333, top)]
+    return lens + [int(x) for x in torch.randint(0, top + 1, (batch - len(lens),))]
+
+
+def run_prefill_case(shape, mask, dtype=torch.bfloat16, nan_slots=False, seqlens=None, device="cuda"):
+    seqlen_q, n_new, hq, hkv, d = PREFILL_SHAPES[shape]
+    seqlens = _prefill_seqlens(n_new) if seqlens is None else seqlens
+    batch = len(seqlens)
+    q = randn((batch, seqlen_q, hq, d), dtype, device)
+    lk0 = randn((batch, PREFILL_CAP, hkv, d), dtype, device)
+    lv0 = randn((batch, PREFILL_CAP, hkv, d), dtype, device)
+    if nan_slots:  # what a cache from torch.empty may hold past the keys
+        for b, s in enumerate(seqlens):
+            lk0[b, s + n_new :] = float("nan")
+            lv0[b, s + n_new :] = float("nan")
+    k = randn((batch, n_new, hkv, d), dtype, device) if n_new else None
+    v = randn((batch, n_new, hkv, d), dtype, device) if n_new else None
+    kc, vc = lk0.clone(), lv0.clone()
+    args = dict(k=k, v=v, cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device=device), **MASKS[mask])
+
+    def call():  # (an append writes the same rows again: cache_seqlens is not advanced)
+        return flash_attn_with_kvcache(q, kc, vc, return_softmax_lse=True, **args)
+
+    out, lse = call()
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (batch, hq, seqlen_q) and lse.dtype == torch.float32 and lse.is_contiguous()
+    ek, ev, rows = oracle(q, lk0, lv0, k, v, seqlens, [0] * batch, **MASKS[mask])
+    bad = check_rows(out, lse, rows, **MASKS[mask])
+    assert not bad, "; ".join(bad)
+    torch.testing.assert_close(kc, ek, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(vc, ev, rtol=0, atol=0, equal_nan=True)
+    return out, lse, call
+
+
+def _cuda_kernel_names(fn):
+    """Names of the CUDA kernels fn() launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def _is_sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _head_dim_built(d):
+    import flashattn_ext
+
+    return d in flashattn_ext.build_info()["head_dims"]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("shape", list(PREFILL_SHAPES))
+def test_prefill_route(poison, shape, mask):
+    """Against the oracle (out, lse, the appended cache); on an H200 the profiler
+    must show the TMA forward and not the decoding kernel."""
+    if not _head_dim_built(PREFILL_SHAPES[shape][4]):
+        pytest.skip("head dim not in this build")
+    _, _, call = run_prefill_case(shape, mask)
+    if _is_sm90():
+        names = _cuda_kernel_names(call)
+        assert any("flash_fwd_sm90_ws_kernel" in n for n in names), names
+        assert not any("flash_decode" in n for n in names), names
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_prefill_route_nan_in_unused_cache_slots(poison, dtype, mask):
+    """NaN in every slot past a row's keys (K and V, the last key block's TMA
+    box included): the output and lse are finite and match the oracle
+    (run_prefill_case). The keys are masked; 0 * NaN in P V sends the rows
+    through the kernel's exact non-finite recompute, so the result is not
+    bitwise the clean cache's (another summation order), only equally close."""
+    seqlens = _prefill_seqlens(100)
+    out_n, lse_n, _ = run_prefill_case("q100-append100-gqa4", mask, dtype=dtype, seqlens=seqlens, nan_slots=True)
+    assert torch.isfinite(out_n).all() and not lse_n.isnan().any()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mask", ["causal", "window"])
+def test_prefill_route_matches_decode_kernel(poison, mask, monkeypatch):
+    """The same call on both kernels (FLASHATTN_KVCACHE_PREFILL_MIN_Q moves the
+    threshold, read on every call): both within the rule, outputs close."""
+    seqlens = _prefill_seqlens(0)
+    seed = int(torch.randint(0, 2**31, (1,)))
+    torch.manual_seed(seed)
+    out, lse, _ = run_prefill_case("q300-noappend-mha", mask, seqlens=seqlens)
+    monkeypatch.setenv("FLASHATTN_KVCACHE_PREFILL_MIN_Q", str(1 << 30))
+    torch.manual_seed(seed)
+    out_d, lse_d, call = run_prefill_case("q300-noappend-mha", mask, seqlens=seqlens)
+    if _is_sm90():
+        names = _cuda_kernel_names(call)
+        assert any("flash_decode_kernel" in n for n in names) and not any("sm90_ws" in n for n in names), names
+    torch.testing.assert_close(out_d.float(), out.float(), atol=2e-2, rtol=2e-2)
+    seen = torch.isfinite(lse)
+    assert torch.equal(seen, torch.isfinite(lse_d))
+    torch.testing.assert_close(lse_d[seen], lse[seen], atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("extra", ["leftpad", "batch_idx", "paged", "short", "num_splits"])
+def test_prefill_route_not_taken(poison, extra):
+    """Calls the TMA forward does not take stay on the decoding kernel: a paged
+    cache, cache_batch_idx, cache_leftpad, an explicit split count > 1, fewer
+    than 64 queries."""
+    device, dtype, d, hq, hkv, cap = "cuda", torch.bfloat16, 64, 4, 2, 256
+    batch, seqlen_q = 3, (16 if extra == "short" else 128)
+    q = randn((batch, seqlen_q, hq, d), dtype, device)
+    kc, vc = randn((batch, cap, hkv, d), dtype, device), randn((batch, cap, hkv, d), dtype, device)
+    seqlens = [200, 0, 130]
+    kw = dict(cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device=device), causal=True)
+    leftpad = [0] * batch
+    if extra == "leftpad":
+        leftpad = [5, 0, 1]
+        kw["cache_leftpad"] = torch.tensor(leftpad, dtype=torch.int32, device=device)
+    elif extra == "batch_idx":
+        kw["cache_batch_idx"] = torch.arange(batch, dtype=torch.int32, device=device)
+    elif extra == "num_splits":
+        kw["num_splits"] = 3
+    lk, lv = kc, vc
+    if extra == "paged":
+        kc, table = to_paged(lk)
+        vc = torch.empty_like(kc).copy_(kc)
+        vc[table.long().flatten()] = lv.reshape(-1, PAGE, hkv, d)
+        kw["block_table"] = table
+
+    def call():
+        return flash_attn_with_kvcache(q, kc, vc, return_softmax_lse=True, **kw)
+
+    out, lse = call()
+    _, _, rows = oracle(q, lk, lv, None, None, seqlens, leftpad, causal=True)
+    bad = check_rows(out, lse, rows, causal=True)
+    assert not bad, "; ".join(bad)
+    if _is_sm90():
+        names = _cuda_kernel_names(call)
+        assert any("flash_decode_kernel" in n for n in names) and not any("sm90_ws" in n for n in names), names
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+def test_prefill_cases_cpu(mask):
+    """The prefill harness on the CPU op (the reference semantics; the route is
+    a CUDA dispatch choice): the oracle, and NaN in the unused slots changes
+    nothing."""
+    seqlens = _prefill_seqlens(17)
+    seed = int(torch.randint(0, 2**31, (1,)))
+    torch.manual_seed(seed)
+    out, lse, _ = run_prefill_case("q64-append17-gqa2-d64", mask, torch.float32, seqlens=seqlens, device="cpu")
+    torch.manual_seed(seed)
+    out_n, lse_n, _ = run_prefill_case(
+        "q64-append17-gqa2-d64", mask, torch.float32, seqlens=seqlens, nan_slots=True, device="cpu"
+    )
+    assert torch.equal(out_n, out) and torch.equal(lse_n, lse)

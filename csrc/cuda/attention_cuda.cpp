@@ -33,20 +33,6 @@ void check_launch(cudaError_t err, const char* what, int kernel_dim, const at::T
   TORCH_CHECK(false, "flashattn_ext: CUDA ", what, " kernel failed: ", cudaGetErrorString(err));
 }
 
-bool env_flag(const char* name) {
-  const char* value = std::getenv(name);
-  return value != nullptr && std::string(value) == "1";
-}
-
-// Compute capability x 10 of q's device, which picks architecture-specific
-// kernels. FLASHATTN_DISABLE_SM90=1 (read on every call) reports an sm90
-// device as 80, so that the mma.sync kernels can be timed against the wgmma ones.
-int device_arch(const at::Tensor& q) {
-  const auto* prop = at::cuda::getDeviceProperties(q.device().index());
-  const int arch = prop->major * 10 + prop->minor;
-  return (arch == 90 && env_flag("FLASHATTN_DISABLE_SM90")) ? 80 : arch;
-}
-
 // Runs the forward kernel (AttnFwdParams) or the backward kernel
 // (AttnBwdParams) of q's dtype and kernel head dim kdim on the current stream,
 // and checks that it launched.

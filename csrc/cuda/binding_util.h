@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 #include <utility>
 
@@ -49,6 +50,22 @@ int smallest_at_least(HeadDimList<kDims...>, int64_t head_dim) {
   int found = 0;
   ((found == 0 && kDims >= head_dim ? (found = kDims) : 0), ...);
   return found;
+}
+
+// A switch of the environment ("1"), read on every call: the timing switches
+// (FLASHATTN_DISABLE_TMA, FLASHATTN_DISABLE_SM90, ...).
+inline bool env_flag(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr && value[0] == '1' && value[1] == '\0';
+}
+
+// Compute capability x 10 of q's device, which picks architecture-specific
+// kernels. FLASHATTN_DISABLE_SM90=1 (read on every call) reports an sm90
+// device as 80, so that the mma.sync kernels can be timed against the wgmma ones.
+inline int device_arch(const at::Tensor& q) {
+  const auto* prop = at::cuda::getDeviceProperties(q.device().index());
+  const int arch = prop->major * 10 + prop->minor;
+  return (arch == 90 && env_flag("FLASHATTN_DISABLE_SM90")) ? 80 : arch;
 }
 
 // The smallest compiled kernel head dim that holds head_dim (the kernels

@@ -39,9 +39,11 @@ inline int sm_count() {
 }
 
 // The kernels that run varlen batches are compiled twice (kVarlen, picked by
-// p.is_varlen() below): the dense instance keeps no varlen state in its
-// registers (SeqInfo's fields are the params' constants there). With one
-// instance for both, ptxas spilled in kernels that had not spilled before.
+// p.is_varlen() below; p.per_sequence() for the warp-specialized TMA forward,
+// which also runs dense batches with seqused_k): the dense instance keeps no
+// varlen state in its registers (SeqInfo's fields are the params' constants
+// there). With one instance for both, ptxas spilled in kernels that had not
+// spilled before.
 
 // All grids are one-dimensional: blockIdx.x goes to 2^31 - 1, where y and z
 // stop at 65535 (batch x heads can exceed that). The binding layer checks the
@@ -78,6 +80,11 @@ cudaError_t launch_fwd_sm90(const AttnFwdParams& p, cudaStream_t stream) {
 // locates each sequence's rows through SeqInfo). A packed tensor without rows
 // (total_q or total_k 0: every query, or every key, sequence empty) has no
 // tensor map (TMA needs a non-zero extent): the kernels below run it.
+//
+// A dense batch with seqused_k (per-entry key lengths: the KV-cache prefill)
+// keeps the dense tensor maps (batch entries of seqlen_q / seqlen_k rows, the
+// cache's capacity) and runs the kVarlen instance, whose SeqInfo gives each
+// entry its own key count and diagonal.
 template <typename Kt>
 cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool* launched) {
   *launched = false;
@@ -96,7 +103,7 @@ cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool
                          make_tensor_map_bshd(&maps.o, p.o_ptr, kBf16, batch, rows_q, p.heads_q, p.head_dim,
                                               p.o_batch_stride, p.o_row_stride, p.o_head_stride, Kt::kOStoreRows);
   if (!described) return cudaSuccess;
-  auto kernel = varlen ? &flash_fwd_sm90_ws_kernel<Kt, true> : &flash_fwd_sm90_ws_kernel<Kt, false>;
+  auto kernel = p.per_sequence() ? &flash_fwd_sm90_ws_kernel<Kt, true> : &flash_fwd_sm90_ws_kernel<Kt, false>;
   if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
   FwdSchedule sched = FwdSchedule::make(p, Kt::kBlockM, sm_count());
   sched.paired = sched.paired && p.fwd_pair_masked_tiles;
@@ -246,6 +253,15 @@ cudaError_t run_variant(Variants<Kts...>, const char* env, Launch&& launch) {
 }
 #endif
 
+// Dense batches with seqused_k (per-entry key lengths, the KV-cache prefill
+// of kvcache_cuda.cpp) run on the warp-specialized TMA forward only: the
+// other forward kernels do not read seqused_k (its code in SeqInfo would cost
+// their varlen instances registers: ptxas, d128, the cp.async wgmma one went
+// from 240 registers to 255 and 72 bytes of spills). When that kernel does not
+// run (not sm90, TMA disabled or declined, a head dim without it), run_fwd
+// launches nothing and returns cudaErrorNotSupported; the caller runs its own
+// kernel (kvcache_cuda.cpp: the split-KV decoding kernel).
+//
 // Varlen batches (p.is_varlen()) run on the kernels that locate their rows
 // through SeqInfo: the warp-specialized TMA forward (tensor maps over the
 // packed rows, launch_fwd_sm90_ws), the mma.sync forward and backward
@@ -284,6 +300,9 @@ cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
       if (launched || err != cudaSuccess) return err;
     }
   }
+#endif
+  if (p.seqused_k != nullptr) return cudaErrorNotSupported;  // the TMA kernel did not run it (above)
+#ifdef FLASHATTN_SM90
   if constexpr (HasFwdSm90<KernelConfig<kHeadDim, T>>::value) {
     if (p.device_arch == 90) {
 #ifdef FLASHATTN_TUNING

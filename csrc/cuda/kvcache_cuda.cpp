@@ -3,6 +3,11 @@
 // split count, the split workspace and the dispatch to one (dtype, head dim)
 // instantiation of the split-KV decoding kernels (flash_decode_kernel.cuh).
 //
+// Long queries (prefill against a cache, prefill_route below) go to the
+// warp-specialized TMA forward instead (run_fwd with seqused_k = the cache
+// lengths; hopper/flash_fwd_sm90_ws_kernel.cuh), whose 128-row query tiles
+// are those of a prefill.
+//
 // Nothing here reads a device value: cache_seqlens, cache_leftpad,
 // cache_batch_idx and block_table stay on the device, the kernels read them,
 // and the call is capturable in a CUDA graph. The split count depends on the
@@ -14,6 +19,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <limits>
 #include <optional>
 #include <type_traits>
@@ -22,6 +28,7 @@
 #include "../kvcache_api.h"
 #include "binding_util.h"
 #include "decode_dispatch.h"
+#include "dispatch.h"
 
 namespace flashattn {
 namespace {
@@ -47,6 +54,72 @@ int choose_num_splits(int64_t requested, int64_t ctas, int64_t key_blocks, int64
     if (efficiency(s) >= 0.85 * best) return static_cast<int>(s);
   }
   return 1;
+}
+
+// The query length from which a call goes to the TMA forward (prefill_route).
+// The decoding kernel packs a GQA group's rows (heads_q / heads_kv * seqlen_q)
+// into query tiles of at most 64 (d <= 64), 32 (d <= 128) or 16 rows, and every
+// tile of a group reads all of the group's keys again (NOTES.md, decoding):
+// from 64 queries that is >= 2 reads of the cache per query head at d128 (8 at
+// GQA 4) where the forward reads it about once per query head (its CTAs of
+// one head share it in L2), and the forward's 128-row tiles are at least half
+// full. Below it the decoding kernel's K/V bandwidth is what counts (measured
+// at 1-16 queries). Unmeasured in between: FLASHATTN_KVCACHE_PREFILL_MIN_Q=n
+// (read on every call, as the other switches) moves the threshold for a sweep
+// (a huge n keeps every call on the decoding kernel).
+constexpr int64_t kPrefillMinSeqlenQ = 64;
+
+int64_t prefill_min_seqlen_q() {
+  const char* value = std::getenv("FLASHATTN_KVCACHE_PREFILL_MIN_Q");
+  if (value == nullptr || *value == '\0') return kPrefillMinSeqlenQ;
+  char* end = nullptr;
+  const long long n = std::strtoll(value, &end, 10);
+  return (end != nullptr && *end == '\0' && n >= 1) ? n : kPrefillMinSeqlenQ;
+}
+
+// Whether a call is a prefill the TMA forward can run as a dense batch with
+// per-entry key lengths: a long query, a contiguous cache (no block_table) of
+// one row per batch row (no cache_batch_idx), keys from position 0 (no
+// cache_leftpad), and num_splits automatic or 1 (an explicit split count is
+// the decoding kernel's). The Python side has applied rotary to q and appended
+// k / v before the op (seqlens_k is then cache_seqlens + seqlen_new), and
+// softcap / alibi never reach the op. An sm90 device (FLASHATTN_DISABLE_SM90
+// keeps it off, as for the forward); run_fwd may still decline (TMA disabled
+// or unable to describe a tensor, a head dim without the kernel): the
+// decoding kernel runs then.
+bool prefill_route(const KvcacheInputs& in, int64_t num_splits) {
+  if (in.q.size(1) < prefill_min_seqlen_q()) return false;
+  if (in.block_table || in.batch_idx || in.leftpad || num_splits > 1) return false;
+  if (device_arch(in.q) != 90) return false;
+  // The forward's persistent scheduler counts tiles in an int (64-row bound, as fwd_cuda checks).
+  return (in.q.size(1) + 63) / 64 * in.q.size(0) * in.q.size(2) <= std::numeric_limits<int32_t>::max();
+}
+
+// The prefill as a forward call: the KvcacheParams' pointers and strides (the
+// same QkvoParams: q, cache, out, lse in the dense layouts), the cache's
+// capacity as seqlen_k, cache_seqlens (after the append) as seqused_k, the
+// windows bottom-right per batch row. cudaErrorNotSupported: nothing ran.
+template <typename T, int kHeadDim>
+cudaError_t run_prefill(const KvcacheParams& kp, cudaStream_t stream) {
+  AttnFwdParams p;
+  static_cast<QkvoParams&>(p) = kp;
+  p.batch = kp.batch;
+  p.heads_q = kp.heads_q;
+  p.heads_kv = kp.heads_kv;
+  p.seqlen_q = kp.seqlen_q;
+  p.seqlen_k = kp.capacity;
+  p.head_dim = kp.head_dim;
+  p.dtype = std::is_same_v<T, __nv_bfloat16> ? ScalarKind::kBFloat16 : ScalarKind::kFloat16;
+  p.softmax_scale = kp.softmax_scale;
+  p.softmax_scale_log2 = kp.softmax_scale_log2;
+  p.mask.window_left = kp.window_left;
+  p.mask.window_right = kp.window_right;
+  p.mask.bottom_right = true;  // per entry: seqused_k[b] - seqlen_q (SeqInfo)
+  p.device_arch = 90;
+  p.allow_tma = !env_flag("FLASHATTN_DISABLE_TMA");
+  p.fwd_pair_masked_tiles = !env_flag("FLASHATTN_FWD_SINGLE_TILES");
+  p.seqused_k = kp.seqlens_k;
+  return run_fwd<T, kHeadDim>(p, stream);
 }
 
 std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_impl(const at::Tensor& q_in, const at::Tensor& k_cache_in,
@@ -87,6 +160,18 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_impl(const at::Tensor& q_in,
   }
 
   KvcacheParams params = make_kvcache_params(in, out, lse, softmax_scale, window_left, window_right);
+  const auto stream = at::cuda::getCurrentCUDAStream().stream();
+  if (prefill_route(in, num_splits)) {
+    const cudaError_t err = with_element_type(q.scalar_type(), [&](auto elem) {
+      return with_kernel_head_dim(
+          kdim, [&](auto dim) { return run_prefill<decltype(elem), decltype(dim)::value>(params, stream); });
+    });
+    if (err != cudaErrorNotSupported) {
+      TORCH_CHECK(err == cudaSuccess, "flashattn_ext: CUDA forward kernel (head dim ", kdim,
+                  ") failed on flash_attn_with_kvcache's prefill: ", cudaGetErrorString(err));
+      return {unpad(out, head_dim), lse};
+    }
+  }
   const int64_t group_rows = heads_q / heads_kv * seqlen_q;
   const int m_tiles = decode_m_tiles(kdim, static_cast<int>(std::min<int64_t>(group_rows, 1 << 20)));
   const int64_t query_tiles = (group_rows + 16 * m_tiles - 1) / (16 * m_tiles);
@@ -97,7 +182,6 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_impl(const at::Tensor& q_in,
                     "ceil(heads_q / heads_kv * seqlen_q / ", 16 * m_tiles, ") = ", heads_kv * query_tiles,
                     " exceeds 65535; split the queries");
 
-  const auto stream = at::cuda::getCurrentCUDAStream().stream();
   int ctas_per_sm = 0;
   with_element_type(q.scalar_type(), [&](auto elem) {
     return with_kernel_head_dim(kdim, [&](auto dim) {

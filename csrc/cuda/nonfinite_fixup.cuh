@@ -180,7 +180,7 @@ __device__ __forceinline__ FixupArgs fixup_args(const AttnFwdParams& p, const Se
   a.do_row = 0, a.do_head = 0;
   a.lse = static_cast<float*>(p.lse_ptr) + seq.rowvec_offset(p, b, 0);
   a.dsum = nullptr;
-  a.vec_head = seq.varlen ? p.total_q : p.seqlen_q;
+  a.vec_head = seq.rowvec_head_stride(p);
   a.head_dim = p.head_dim, a.ratio = p.heads_ratio();
   a.scale = static_cast<float>(p.softmax_scale);
   return a;

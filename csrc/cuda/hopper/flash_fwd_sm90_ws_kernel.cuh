@@ -58,6 +58,21 @@
 //     rows end inside its 64 stores them from the staged tile itself (16-byte
 //     stores, guarded by the row count); full boxes keep the TMA store. lse
 //     goes to (heads_q, total_q) through SeqInfo::rowvec_offset.
+//   - V past the sequence's keys is not zeroed in shared memory: both
+//     consumers read the V stage, so zeroing it needs a hand-off between
+//     them (their writing the same zeros each was tried and dropped: a race
+//     on the stage, session 6). Non-finite values there go through the exact
+//     recompute above (slow only when such values are present).
+//
+// Dense batches with seqused_k (per-entry key lengths; the KV-cache prefill of
+// flash_attn_with_kvcache) run the kVarlen instance over the dense tensor
+// maps: SeqInfo gives entry b seqused_k[b] keys, its bottom-right diagonal and
+// start rows 0, so the tiles are the dense ones (batch coordinate b, the
+// O box clipped by the map at seqlen_q as in a dense batch: TMA stores only),
+// the keys past seqused_k[b] (the cache's unused slots, which may hold
+// anything) are cut by the mask of the last key block (a non-finite V there:
+// the recompute, as above), and lse keeps the dense (batch, heads_q, seqlen_q)
+// layout.
 #pragma once
 
 #include "../../flash_params.h"
@@ -124,10 +139,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     }
   };
   // TMA coordinates of a tile's rows: (row in the sequence, batch b), or
-  // (row in the packed tensor, batch 0) when varlen.
+  // (row in the packed tensor, batch 0) when varlen (seqused_k: start rows 0,
+  // batch b).
   auto q_row_of = [](const Tile& tl) { return kVarlen ? tl.seq.q_start + tl.m0 : tl.m0; };
   auto k_row_of = [](const Tile& tl, int n0) { return kVarlen ? tl.seq.k_start + n0 : n0; };
-  auto batch_of = [](const Tile& tl) { return kVarlen ? 0 : tl.b; };
+  auto batch_of = [&](const Tile& tl) { return kVarlen && p.is_varlen() ? 0 : tl.b; };
   // Use n of ring slot s (n counts the K or V blocks loaded so far) waits for parity n & 1.
   auto stage = [](int it) { return it % kStages; };
   auto parity = [](int it) { return uint32_t(it / kStages) & 1; };
@@ -342,7 +358,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     fence_proxy_async_smem();  // the TMA store (async proxy) reads what st.shared wrote
     named_barrier_sync(kEpilogueBar + cwg, 128);
     // Varlen: this consumer's rows of the sequence (its box is rows 64 cwg .. 64 cwg + 63 of the tile).
-    const int o_rows = kVarlen ? et.rows - cwg * 64 : 64;
+    // seqused_k: dense tensor maps, which clip the box at seqlen_q as in a dense batch.
+    const int o_rows = kVarlen && p.is_varlen() ? et.rows - cwg * 64 : 64;
     if (o_rows >= 64) {
       if (elected) {
 #pragma unroll

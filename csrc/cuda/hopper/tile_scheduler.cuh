@@ -42,6 +42,10 @@
 // so the producer and the consumers, which decode each tile themselves, skip
 // the same tiles without telling each other. Paired, a sequence shorter than
 // max_seqlen_q pairs its ranks inside its own query blocks (FwdTile).
+//
+// Dense batches with per-entry key lengths (seqused_k, the KV-cache prefill)
+// run the kVarlen instance too, but every entry has seqlen_q rows: the ranks
+// are a dense batch's (none empty) and pairs are the dense ones.
 #pragma once
 
 #include "../../flash_params.h"
@@ -125,9 +129,11 @@ struct FwdTileIndex {
   }
 };
 
-// A tile's coordinates. kVarlen (== p.is_varlen(), a separate kernel instance:
-// see SeqInfo) locates the sequence through cu_seqlens; its rows are then
-// <= 0 for a rank past the sequence's query blocks (a tile to skip).
+// A tile's coordinates. kVarlen (== p.per_sequence(), a separate kernel
+// instance: see SeqInfo) locates the sequence through cu_seqlens (or reads its
+// seqused_k); its rows are then <= 0 for a rank past the sequence's query
+// blocks (a tile to skip; never with seqused_k, whose entries all have
+// seqlen_q rows).
 template <int kBlockM, bool kVarlen = false>
 struct FwdTile {
   int h, b, h_kv;  // query head, batch, key/value head
@@ -139,7 +145,7 @@ struct FwdTile {
 
  private:
   __device__ __forceinline__ FwdTile(const AttnFwdParams& p, const FwdSchedule& s, FwdTileIndex ix)
-      : h(ix.bh % p.heads_q), b(ix.bh / p.heads_q), h_kv(h / p.heads_ratio()), seq(p, b, kVarlen) {
+      : h(ix.bh % p.heads_q), b(ix.bh / p.heads_q), h_kv(h / p.heads_ratio()), seq(p, b, kVarlen, kVarlen) {
     if constexpr (kVarlen) {
       const int m_blocks = ceil_div(seq.seqlen_q, kBlockM);  // this sequence's query blocks
       int rank = ix.m_rank;
