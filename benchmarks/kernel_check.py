@@ -67,23 +67,38 @@ def _cu(lens):
     return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
 
 
-def _fwd_kernel_names(fn):
-    """The forward kernels fn() launches (torch.profiler)."""
+def _kernel_names(fn, prefix):
+    """The kernels named prefix* that fn() launches (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sorted({e.name.split("<")[0].split("::")[-1] for e in prof.events() if "flash_fwd" in e.name})
+    names = {e.name.split("<")[0].split("::")[-1] for e in prof.events() if prefix in e.name}
+    return sorted(n for n in names if n.startswith(prefix))
+
+
+def _fwd_kernel_names(fn):
+    """The forward kernels fn() launches."""
+    return _kernel_names(fn, "flash_fwd")
+
+
+def _bwd_kernel_names(fn):
+    """The backward kernels fn() launches (flash_bwd*: the dK / dV / dQ kernels)."""
+    return _kernel_names(fn, "flash_bwd")
+
+
+# The warp-specialized TMA backward kernels (head dims 64/96/128, and 192/256).
+TMA_BWD_KERNELS = ("flash_bwd_sm90_ws_kernel", "flash_bwd_sm90_ws_split_kernel")
 
 
 def check_varlen_case(lens_q, lens_k, hq, hk, d, dtype, causal, window=(-1, -1)):
     """A varlen batch, forward and backward through the op, each sequence
     against the oracle (check_attention; sequences without queries or keys:
     zeros / -inf). Returns (ok, {name: (worst err, its bound)}, lse_ok,
-    [comparison dicts], forward kernel names): on sm90 the forward must be the
-    warp-specialized TMA kernel."""
+    [comparison dicts], forward and backward kernel names): on sm90 the forward
+    and the backward must be the warp-specialized TMA kernels."""
     scale = 1.0 / math.sqrt(d)
     wl, wr = window
     if causal:
@@ -97,6 +112,9 @@ def check_varlen_case(lens_q, lens_k, hq, hk, d, dtype, causal, window=(-1, -1))
     dout = torch.randn_like(out)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     names = _fwd_kernel_names(lambda: _ops.varlen_fwd(q.detach(), k.detach(), v.detach(), *args))
+    bwd_names = _bwd_kernel_names(
+        lambda: _ops.varlen_bwd(dout, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), *args, False)
+    )
     ok, lse_ok, errs, comps = True, True, {}, []
     bq, bk = _cu(lens_q).tolist(), _cu(lens_k).tolist()
     for i in range(len(lens_q)):
@@ -143,7 +161,12 @@ def check_varlen_case(lens_q, lens_k, hq, hk, d, dtype, causal, window=(-1, -1))
         comps.append(
             dict(name="dispatch", ok=False, err=0.0, bound=0.0, problem=f"forward ran {names}, not the TMA kernel")
         )
-    return ok, errs, lse_ok, comps, names
+    if torch.cuda.get_device_capability() == (9, 0) and not any(n in TMA_BWD_KERNELS for n in bwd_names):
+        ok = False
+        comps.append(
+            dict(name="dispatch", ok=False, err=0.0, bound=0.0, problem=f"backward ran {bwd_names}, not the TMA kernel")
+        )
+    return ok, errs, lse_ok, comps, names + bwd_names
 
 
 def race_check(dtype, det, reps, causal=True):
@@ -163,16 +186,23 @@ def race_check(dtype, det, reps, causal=True):
     return True
 
 
-def varlen_race_check(dtype, reps):
-    """The varlen forward (the persistent TMA kernel on sm90) is bitwise equal over repeats."""
+def varlen_race_check(dtype, reps, det_bwd=False, d=128):
+    """The varlen forward (the persistent TMA kernel on sm90) is bitwise equal
+    over repeats; with det_bwd also the deterministic backward (the TMA
+    backward's fixed dQ order on sm90)."""
     lens = [1000, 1, 0, 777, 129, 2048, 64]
-    q = torch.randn(sum(lens), 8, 128, device="cuda", dtype=dtype)
-    k = torch.randn(sum(lens), 2, 128, device="cuda", dtype=dtype)
-    v = torch.randn(sum(lens), 2, 128, device="cuda", dtype=dtype)
+    q = torch.randn(sum(lens), 8, d, device="cuda", dtype=dtype)
+    k = torch.randn(sum(lens), 2, d, device="cuda", dtype=dtype)
+    v = torch.randn(sum(lens), 2, d, device="cuda", dtype=dtype)
+    dout = torch.randn_like(q)
     c = _cu(lens)
     first = None
     for _ in range(reps):
         cur = _ops.varlen_fwd(q, k, v, c, c, max(lens), max(lens), 0.1, -1, 0, True)
+        if det_bwd:
+            cur = tuple(cur) + tuple(
+                _ops.varlen_bwd(dout, q, k, v, cur[0], cur[1], c, c, max(lens), max(lens), 0.1, -1, 0, True, True)
+            )
         if first is None:
             first = cur
         elif not all(torch.equal(a, b) for a, b in zip(first, cur)):
@@ -278,11 +308,12 @@ def quick_perf(dims):
 
 
 def varlen_perf(dims):
-    """The varlen forward against the dense forward on the same tokens (16k,
-    bf16, heads 2048 / d): 8 sequences of 2k as one dense batch and as a varlen
-    batch (the cost of the varlen path itself; issue #10's target is 1.0), the
-    varlen batch with FLASHATTN_DISABLE_TMA=1 (the cp.async kernel it ran on
-    before), and mixed lengths (useful FLOPs of the real sequences)."""
+    """The varlen forward and backward against the dense ones on the same
+    tokens (16k, bf16, heads 2048 / d): 8 sequences of 2k as one dense batch
+    and as a varlen batch (the cost of the varlen path itself; issue #10's
+    target is within 5%), the varlen batch with FLASHATTN_DISABLE_TMA=1 (the
+    cp.async kernels it ran on before), and mixed lengths (useful FLOPs of the
+    real sequences, forward)."""
     rows = []
     mixed = [4096, 512, 3000, 1, 2048, 777, 4000, 1950]  # 16384 tokens
     for d in dims:
@@ -299,9 +330,20 @@ def varlen_perf(dims):
             vfwd = lambda: _ops.varlen_fwd(qv, kv, vv, c, c, 2048, 2048, d**-0.5, -1, wr, True)  # noqa: E731
             res["varlen_fwd"] = bench(vfwd)
             res["varlen_kernels"] = _fwd_kernel_names(vfwd)
+            out, lse = _ops.fwd_op(q, k, v, d**-0.5, -1, wr, True)
+            dout = torch.randn_like(q)
+            res["dense_bwd"] = bench(lambda: _ops.bwd(dout, q, k, v, out, lse, d**-0.5, -1, wr, True, False))
+            vout, vlse = vfwd()
+            dv_out = dout.reshape(8 * 2048, h, d)
+            vbwd = lambda: _ops.varlen_bwd(  # noqa: E731
+                dv_out, qv, kv, vv, vout, vlse, c, c, 2048, 2048, d**-0.5, -1, wr, True, False
+            )
+            res["varlen_bwd"] = bench(vbwd)
+            res["varlen_kernels"] += _bwd_kernel_names(vbwd)
             os.environ["FLASHATTN_DISABLE_TMA"] = "1"
             try:
                 res["varlen_notma_fwd"] = bench(vfwd)
+                res["varlen_notma_bwd"] = bench(vbwd)
             finally:
                 del os.environ["FLASHATTN_DISABLE_TMA"]
             cm = _cu(mixed)
@@ -311,14 +353,24 @@ def varlen_perf(dims):
             mixed_flops = sum(attention_flops(1, h, n, n, d, causal) for n in mixed)
             for key in ("dense_fwd", "varlen_fwd", "varlen_notma_fwd"):
                 res[key + "_tflops"] = flops / res[key] / 1e9
+            bwd_flops = attention_flops(8, h, 2048, 2048, d, causal, "bwd")
+            for key in ("dense_bwd", "varlen_bwd", "varlen_notma_bwd"):
+                res[key + "_tflops"] = bwd_flops / res[key] / 1e9
             res["mixed_fwd_tflops"] = mixed_flops / res["mixed_fwd"] / 1e9
             res["varlen_over_dense"] = res["dense_fwd"] / res["varlen_fwd"]
+            res["varlen_bwd_over_dense"] = res["dense_bwd"] / res["varlen_bwd"]
+            res["varlen_fwd_bwd_over_dense"] = (res["dense_fwd"] + res["dense_bwd"]) / (
+                res["varlen_fwd"] + res["varlen_bwd"]
+            )
             rows.append(res)
             print(
                 f"varlen perf d{d} causal={causal}: fwd dense {res['dense_fwd_tflops']:.0f}, varlen "
                 f"{res['varlen_fwd_tflops']:.0f} ({res['varlen_over_dense']:.2f} of dense; "
                 f"{res['varlen_kernels']}), varlen no TMA {res['varlen_notma_fwd_tflops']:.0f}, "
-                f"mixed lengths {res['mixed_fwd_tflops']:.0f} useful TFLOP/s",
+                f"mixed lengths {res['mixed_fwd_tflops']:.0f} useful TFLOP/s; bwd dense "
+                f"{res['dense_bwd_tflops']:.0f}, varlen {res['varlen_bwd_tflops']:.0f} "
+                f"({res['varlen_bwd_over_dense']:.2f} of dense), varlen no TMA {res['varlen_notma_bwd_tflops']:.0f}; "
+                f"fwd+bwd varlen {res['varlen_fwd_bwd_over_dense']:.2f} of dense",
                 flush=True,
             )
     return rows
@@ -456,7 +508,7 @@ def main():
                 "errs": errs,
                 "lse_ok": lse_ok,
                 "comparisons": comps,
-                "fwd_kernels": names,
+                "kernels": names,  # forward and backward
             }
         )
         err_s = " ".join(f"{k}={v[0]:.2e}/{v[1]:.2e}" if isinstance(v, tuple) else f"{k}={v}" for k, v in errs.items())
@@ -467,7 +519,7 @@ def main():
             if not c["ok"]
         )
         print(
-            f"{'PASS' if ok else 'FAIL'} varlen {desc} fwd={names} lse_ok={lse_ok} {err_s}"
+            f"{'PASS' if ok else 'FAIL'} varlen {desc} kernels={names} lse_ok={lse_ok} {err_s}"
             + (f" [{why}]" if why else ""),
             flush=True,
         )
@@ -481,6 +533,9 @@ def main():
     for det, causal in ((False, True), (True, True), (True, False)):
         race[f"det={det},causal={causal}"] = race_check(torch.bfloat16, det, 20 if args.quick else 100, causal)
     race["varlen_fwd"] = varlen_race_check(torch.bfloat16, 20 if args.quick else 100)
+    for d in (64, 256):
+        if d in dims:
+            race[f"varlen_det_bwd_d{d}"] = varlen_race_check(torch.bfloat16, 10 if args.quick else 30, True, d)
     print(f"race check (bitwise equal over repeats): {race}", flush=True)
     failures += not all(race.values())
 

@@ -120,9 +120,9 @@ struct AttnFwdParams : QkvoParams {
 
   FLASHATTN_HOST_DEVICE int heads_ratio() const { return heads_q / heads_kv; }
   // The one test the dispatch asks before it picks a kernel: a kernel that
-  // does not go through SeqInfo (the warp-specialized TMA backward, whose
-  // tensor maps and dQ layout are per batch entry) must not run a varlen batch.
-  // It also says which layout the tensors have (packed rows, see the top).
+  // does not go through SeqInfo (every kernel does now; a new one might not)
+  // must not run a varlen batch. It also says which layout the tensors have
+  // (packed rows, see the top).
   FLASHATTN_HOST_DEVICE bool is_varlen() const { return cu_seqlens_q != nullptr; }
   // Sequences of their own lengths (varlen, or dense with seqused_k): the
   // warp-specialized TMA forward runs its kVarlen instance then. The other

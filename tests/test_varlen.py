@@ -242,9 +242,9 @@ def test_varlen_deterministic_is_bitwise(device):
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256, 40])
 def test_cuda_varlen_kernel_paths(head_dim, deterministic, kernels, monkeypatch, poison):
     """Every CUDA kernel that runs varlen batches, against the oracle: on an
-    H200 the warp-specialized TMA forward (64/96/128/192/256), with
-    FLASHATTN_DISABLE_TMA=1 the Hopper cp.async forward (64/128/192/256) and,
-    either way, the cp.async backward (64/128, atomic dQ); with
+    H200 the warp-specialized TMA forward and backward (64/96/128/192/256,
+    atomic and deterministic dQ), with FLASHATTN_DISABLE_TMA=1 the Hopper
+    cp.async forward (64/128/192/256) and backward (64/128, atomic dQ); with
     FLASHATTN_DISABLE_SM90=1 the mma.sync forward and backward; the
     deterministic dQ kernel; preprocessing and dQ conversion; head dim 40
     through the padded copy. Poisoned outputs: nothing unwritten."""
@@ -352,6 +352,140 @@ def test_cuda_varlen_tma_nonfinite_neighbour(head_dim):
         assert all(c.ok for c in res), f"causal={causal}, sequence 2: " + "; ".join(
             c.message() for c in res if not c.ok
         )
+
+
+# The warp-specialized TMA backward on varlen batches (flash_bwd_sm90_ws_kernel.cuh
+# for head dims 64/96/128, flash_bwd_sm90_ws_split_kernel.cuh for 192/256).
+TMA_BWD_KERNELS = ("flash_bwd_sm90_ws_kernel", "flash_bwd_sm90_ws_split_kernel")
+
+
+def _grads_of(q, k, v, dout, fn):
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = fn(*leaves)
+    return torch.autograd.grad(out, leaves, dout)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", list(TMA_VARLEN_CASES))
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic-dq"])
+def test_cuda_varlen_tma_backward(head_dim, dtype, case, deterministic, monkeypatch, poison):
+    """The backward of a varlen batch on the TMA kernels: against the oracle,
+    and equal (bitwise) to the same kernel's dense call on each sequence alone:
+    the kernel zeroes the rows past a sequence's end in shared memory, so its
+    tiles hold what TMA's zero fill gives the dense call. dK and dV always
+    (the same sweep order); dQ in deterministic mode, where the key blocks add
+    in the same fixed order (the plain order: FLASHATTN_DQ_PLAIN_ORDER=1, as
+    varlen batches never rotate). On an H200 the profiler must show a
+    warp-specialized backward kernel."""
+    device = "cuda"
+    monkeypatch.setenv("FLASHATTN_DQ_PLAIN_ORDER", "1")
+    lens_q, lens_k, hq, hkv, kw = TMA_VARLEN_CASES[case]
+    q, k, v = make_varlen(lens_q, lens_k, hq, hkv, head_dim, dtype, device)
+    bad = check_varlen(q, k, v, lens_q, lens_k, op_deterministic=deterministic, **kw)
+    assert not bad, "; ".join(bad)
+    cq, ck = cu(lens_q, device), cu(lens_k, device)
+    dout = randn(q.shape, dtype, device)
+    wl, wr = kw.get("window_size", (-1, -1))
+    wr = 0 if kw.get("causal", False) else wr
+    scale = head_dim**-0.5
+
+    def varlen(q_, k_, v_):
+        return _ops.varlen_attention(q_, k_, v_, cq, ck, max(lens_q), max(lens_k), scale, wl, wr, True, deterministic)[
+            0
+        ]
+
+    run = lambda: _grads_of(q, k, v, dout, varlen)  # noqa: E731
+    dq, dk, dv = run()
+    if _is_sm90():
+        names = _cuda_kernel_names(run)
+        assert any(any(t in n for t in TMA_BWD_KERNELS) for n in names), names
+    for i, ((sq, eq), (sk, ek)) in enumerate(zip(bounds(lens_q), bounds(lens_k))):
+        if eq == sq or ek == sk:  # checked by check_varlen (a dense call takes no empty sequence)
+            continue
+
+        def dense(q_, k_, v_):
+            return _ops.attention(q_[None], k_[None], v_[None], scale, wl, wr, True, deterministic)[0][0]
+
+        rq, rk, rv = _grads_of(q[sq:eq], k[sk:ek], v[sk:ek], dout[sq:eq], dense)
+        assert torch.equal(dk[sk:ek], rk), f"sequence {i}: dk differs from the dense call"
+        assert torch.equal(dv[sk:ek], rv), f"sequence {i}: dv differs from the dense call"
+        if deterministic:
+            assert torch.equal(dq[sq:eq], rq), f"sequence {i}: dq differs from the dense call"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic-dq"])
+def test_cuda_varlen_tma_backward_nonfinite_neighbour(head_dim, deterministic):
+    """The TMA backward reads past a sequence's end into the next one: the last
+    query block of sequence 0 holds Q / dO rows of sequence 1, its last key
+    block K / V rows. Non-finite values there must not reach sequence 0's
+    gradients (0 * inf in a product: the kernel zeroes those rows in shared
+    memory), nor sequence 2's, whose rows follow."""
+    device, dtype = "cuda", torch.bfloat16
+    lens = [100, 50, 30]
+    q, k, v = make_varlen(lens, lens, 4, 2, head_dim, dtype, device)
+    dout = randn(q.shape, dtype, device)
+    for t in (q, k, v, dout):  # the first rows of sequence 1
+        t[100], t[101] = float("inf"), float("nan")
+    c = cu(lens, device)
+    for causal in (False, True):
+        wr = 0 if causal else -1
+
+        def varlen(q_, k_, v_):
+            return _ops.varlen_attention(q_, k_, v_, c, c, 100, 100, head_dim**-0.5, -1, wr, True, deterministic)
+
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        out, lse = varlen(*leaves)
+        dq, dk, dv = torch.autograd.grad(out, leaves, dout)
+        for lo, hi in ((0, 100), (150, 180)):
+            s = slice(lo, hi)
+            res = check_attention(
+                q[None, s],
+                k[None, s],
+                v[None, s],
+                out[None, s],
+                lse[None, :, s],
+                dout[None, s],
+                (dq[None, s], dk[None, s], dv[None, s]),
+                causal=causal,
+            )
+            assert all(r.ok for r in res), f"causal={causal}, rows {lo}:{hi}: " + "; ".join(
+                r.message() for r in res if not r.ok
+            )
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cuda_varlen_backward_dispatch(monkeypatch, deterministic):
+    """run_bwd sends varlen batches to the warp-specialized TMA backward on sm90
+    (head dims 128 and 256: both kernels) and FLASHATTN_DISABLE_TMA=1 to the
+    fallbacks (the cp.async wgmma kernel; deterministic: the mma.sync dQ pass),
+    with the same results up to rounding."""
+    if not _is_sm90():
+        pytest.skip("the TMA kernels run on sm90 only")
+    device, dtype = "cuda", torch.bfloat16
+    lens_q, lens_k = [130, 0, 1, 257], [200, 5, 0, 129]
+    for d, kernel in ((128, "flash_bwd_sm90_ws_kernel"), (256, "flash_bwd_sm90_ws_split_kernel")):
+        q, k, v = make_varlen(lens_q, lens_k, 4, 2, d, dtype, device)
+        dout = randn(q.shape, dtype, device)
+        cq, ck = cu(lens_q, device), cu(lens_k, device)
+
+        def varlen(q_, k_, v_):
+            return _ops.varlen_attention(q_, k_, v_, cq, ck, 257, 200, d**-0.5, -1, 0, True, deterministic)[0]
+
+        run = lambda: _grads_of(q, k, v, dout, varlen)  # noqa: E731
+        monkeypatch.delenv("FLASHATTN_DISABLE_TMA", raising=False)
+        names = _cuda_kernel_names(run)
+        assert any(kernel in n for n in names), names
+        tma = run()
+        monkeypatch.setenv("FLASHATTN_DISABLE_TMA", "1")
+        names = _cuda_kernel_names(run)
+        assert not any(any(t in n for t in TMA_BWD_KERNELS) for n in names), names
+        for a, b in zip(run(), tma):
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=0)
 
 
 @pytest.mark.cuda

@@ -205,12 +205,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   const int64_t batch = cu_seqlens_q.size(0) - 1, total_q = q.size(1), heads_q = q.size(2);
   auto f32 = q.options().dtype(at::kFloat);
   auto dsum = at::empty({heads_q, total_q}, f32);
-  // Each sequence's dQ accumulator rows are followed by kBwdBlockM padding
-  // rows of its own (flash_params.h); bwd_preprocess_kernel zeroes the rows read back.
-  // The warp-specialized kernel takes no varlen batch (bwd_tries_sm90_ws is
-  // false for them): no dQ semaphores, and the deterministic backward runs the
-  // mma.sync dQ pass, which needs no accumulator.
-  at::Tensor dq_accum = deterministic ? at::Tensor() : at::empty({heads_q, total_q + batch * kBwdBlockM, kdim}, f32);
   check_grid((max_seqlen_k + 63) / 64 * 2 * batch * k.size(2), "backward");
   check_grid((max_seqlen_q + 63) / 64 * batch * heads_q, "backward");
 
@@ -218,7 +212,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
                                        max_seqlen_k, softmax_scale, mask, deterministic);
   params.dsum_ptr = dsum.data_ptr();
   params.device_arch = device_arch(q);
-  if (!deterministic) {
+  // The warp-specialized TMA backward runs varlen batches too: the same switches as bwd_cuda's.
+  params.allow_tma = !env_flag("FLASHATTN_DISABLE_TMA");
+  params.dq_allow_rotation = !env_flag("FLASHATTN_DQ_PLAIN_ORDER");
+  // Each sequence's dQ accumulator rows are followed by kBwdBlockM padding
+  // rows of its own (flash_params.h); bwd_preprocess_kernel zeroes the rows
+  // read back (the warp-specialized kernel's: whole 64-row blocks of each
+  // sequence). Columns: whole 64-column blocks, as in bwd_cuda (the
+  // warp-specialized kernel adds 64 x 64 blocks: at head dim 96 the 128-wide
+  // kernel's tile is 128 columns a row). The deterministic backward needs the
+  // accumulator, and zeroed counters per (sequence, head, 64-query block)
+  // (indexed by max_seqlen_q, as a dense batch of that length), only where
+  // run_bwd tries the warp-specialized kernel; elsewhere it runs the mma.sync
+  // dQ pass, which needs neither.
+  const bool sm90_ws = tries_sm90_ws(params, kdim, q);
+  const int64_t dq_accum_cols = (kdim + 63) / 64 * 64;
+  at::Tensor dq_accum =
+      deterministic && !sm90_ws ? at::Tensor() : at::empty({heads_q, total_q + batch * kBwdBlockM, dq_accum_cols}, f32);
+  at::Tensor dq_semaphore = deterministic && sm90_ws
+                                ? at::zeros({batch, heads_q, (max_seqlen_q + 63) / 64}, q.options().dtype(at::kInt))
+                                : at::Tensor();
+  if (dq_semaphore.defined()) params.dq_semaphore_ptr = dq_semaphore.data_ptr<int>();
+  if (dq_accum.defined()) {
     params.dq_accum_ptr = dq_accum.data_ptr();
     params.dq_accum_batch_stride = 0;  // sequences are located by cu_seqlens (SeqInfo)
     params.dq_accum_head_stride = dq_accum.stride(0);

@@ -48,10 +48,13 @@ __device__ __forceinline__ int64_t dq_accum_offset(const AttnBwdParams& p, const
 //   kWholeBlocks = false (the atomic-dQ kernels): dq_accum[b, h, i, 0:head_dim],
 //     the only part convert_dq_kernel reads (the atomics also land on padding
 //     rows and columns, which nothing reads);
-//   kWholeBlocks = true (the warp-specialized Hopper backward, dense batches):
-//     its tiles are added whole in DqFragLayout order, 64 rows x row_stride
-//     floats each, so rows run up to the next multiple of 64 and every column
-//     of them is zeroed (rows past seqlen_q compute no D).
+//   kWholeBlocks = true (the warp-specialized Hopper backward): its tiles are
+//     added whole in DqFragLayout order, 64 rows x row_stride floats each, so
+//     rows run up to the next multiple of 64 and every column of them is
+//     zeroed (rows past seqlen_q compute no D). Varlen: up to the next
+//     multiple of 64 of the sequence's own seqlen_q (its rows and padding
+//     rows of its own, dq_accum_offset); rows i past that, up to max_seqlen_q
+//     rounded, would be the next sequence's (or past the accumulator) and idle.
 template <typename T, int kLanesPerRow, bool kWholeBlocks = false>
 __global__ void bwd_preprocess_kernel(const AttnBwdParams p) {
   const int rows_per_head = kWholeBlocks ? ceil_div(p.seqlen_q, 64) * 64 : p.seqlen_q;
@@ -84,7 +87,7 @@ __global__ void bwd_preprocess_kernel(const AttnBwdParams p) {
       for (int e = 0; e < 8; ++e) sum += to_float(oe[e]) * to_float(de[e]);
     }
   }
-  if (acc != nullptr && (kWholeBlocks || valid)) {
+  if (acc != nullptr && (kWholeBlocks ? !seq.varlen || i < ceil_div(seq.seqlen_q, 64) * 64 : valid)) {
     const int64_t cols = kWholeBlocks ? p.dq_accum_row_stride : p.head_dim;
     for (int64_t c = sub * 8; c < cols; c += kLanesPerRow * 8) {
       reinterpret_cast<float4*>(acc + c)[0] = make_float4(0.f, 0.f, 0.f, 0.f);

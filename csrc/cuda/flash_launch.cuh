@@ -187,27 +187,40 @@ cudaError_t launch_bwd_sm90(const AttnBwdParams& p, cudaStream_t stream) {
 // Hopper, warp-specialized with TMA (dQ by bulk reduce-adds; in a fixed order
 // when p.deterministic). Sets *launched = false (and launches nothing) when TMA cannot
 // describe one of the tensors.
+//
+// A varlen batch runs the kernels' kVarlen instances, as launch_fwd_sm90_ws
+// does: tensor maps of the packed tensors as one batch entry of total_q /
+// total_k rows, a grid of ceil(max_seqlen_k / kBlockN) key blocks per
+// (sequence, kv head) (those past their sequence exit), the dQ accumulator in
+// the varlen layout (flash_params.h; its columns whole 64-column blocks, as
+// for dense batches, varlen_bwd_cuda) and convert_dq_frag_kernel's varlen
+// instance. A packed tensor without rows (total_q or total_k 0) has no tensor
+// map: the kernels after this one in run_bwd take the batch.
 template <typename Kt>
 cudaError_t launch_bwd_sm90_ws(const AttnBwdParams& p, cudaStream_t stream, bool* launched) {
   using T = typename Kt::Element;
   static_assert(kBwdBlockM % Kt::kBlockM == 0, "the dQ accumulator is padded to kBwdBlockM rows");
   *launched = false;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  const bool varlen = p.is_varlen();
+  if (varlen && (p.total_q == 0 || p.total_k == 0)) return cudaSuccess;
+  const int batch = varlen ? 1 : p.batch;
+  const int rows_q = varlen ? p.total_q : p.seqlen_q, rows_k = varlen ? p.total_k : p.seqlen_k;
   BwdTmaMaps maps;
-  const bool described = make_tensor_map_bshd(&maps.q, p.q_ptr, kBf16, p.batch, p.seqlen_q, p.heads_q, p.head_dim,
+  const bool described = make_tensor_map_bshd(&maps.q, p.q_ptr, kBf16, batch, rows_q, p.heads_q, p.head_dim,
                                               p.q_batch_stride, p.q_row_stride, p.q_head_stride, Kt::kBlockM) &&
-                         make_tensor_map_bshd(&maps.dout, p.do_ptr, kBf16, p.batch, p.seqlen_q, p.heads_q, p.head_dim,
+                         make_tensor_map_bshd(&maps.dout, p.do_ptr, kBf16, batch, rows_q, p.heads_q, p.head_dim,
                                               p.do_batch_stride, p.do_row_stride, p.do_head_stride, Kt::kBlockM) &&
-                         make_tensor_map_bshd(&maps.k, p.k_ptr, kBf16, p.batch, p.seqlen_k, p.heads_kv, p.head_dim,
+                         make_tensor_map_bshd(&maps.k, p.k_ptr, kBf16, batch, rows_k, p.heads_kv, p.head_dim,
                                               p.k_batch_stride, p.k_row_stride, p.k_head_stride, Kt::kBlockN) &&
-                         make_tensor_map_bshd(&maps.v, p.v_ptr, kBf16, p.batch, p.seqlen_k, p.heads_kv, p.head_dim,
+                         make_tensor_map_bshd(&maps.v, p.v_ptr, kBf16, batch, rows_k, p.heads_kv, p.head_dim,
                                               p.v_batch_stride, p.v_row_stride, p.v_head_stride, Kt::kBlockN);
   if (!described) return cudaSuccess;
-  auto kernel = [] {
+  auto kernel = [varlen] {
     if constexpr (Kt::kSplitHeadDim)
-      return &flash_bwd_sm90_ws_split_kernel<Kt>;
+      return varlen ? &flash_bwd_sm90_ws_split_kernel<Kt, true> : &flash_bwd_sm90_ws_split_kernel<Kt, false>;
     else
-      return &flash_bwd_sm90_ws_kernel<Kt>;
+      return varlen ? &flash_bwd_sm90_ws_kernel<Kt, true> : &flash_bwd_sm90_ws_kernel<Kt, false>;
   }();
   if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
   // The kernel adds whole tiles (padding rows and columns included) in its own
@@ -220,18 +233,23 @@ cudaError_t launch_bwd_sm90_ws(const AttnBwdParams& p, cudaStream_t stream, bool
   // Deterministic without a mask: rotated sweeps (dq_wait_for_turn), whose
   // waits form a cycle among a head's key blocks: only when they fit in half
   // the SMs (one CTA an SM), so that they are resident together, and when the
-  // sweep has at least a step per key block.
+  // sweep has at least a step per key block. Varlen: never (plain order; the
+  // sequences' sweeps differ in length, see the kernel's top comment).
   const int steps = ceil_div(p.seqlen_q, Kt::kBlockM) * p.heads_ratio();
   const bool unmasked = p.mask.window_left < 0 && p.mask.window_right < 0;
-  pk.dq_sweep_stride = p.deterministic && p.dq_allow_rotation && unmasked && n_blocks > 1 &&
+  pk.dq_sweep_stride = p.deterministic && p.dq_allow_rotation && !varlen && unmasked && n_blocks > 1 &&
                                2 * n_blocks <= sm_count() && steps >= n_blocks
                            ? steps / n_blocks
                            : 0;
-  kernel<<<static_cast<unsigned>(blocks), Kt::kNThreads, Kt::kSmemBytes, stream>>>(pk, maps);
+  // (Varlen: max_seqlen_k may be 0, an empty grid, which is no launch; the
+  // accumulator is zeroed and dQ still converted.)
+  if (blocks > 0) kernel<<<static_cast<unsigned>(blocks), Kt::kNThreads, Kt::kSmemBytes, stream>>>(pk, maps);
   *launched = true;
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   const int64_t convert_blocks = int64_t(ceil_div(p.seqlen_q, Kt::kBlockM)) * Kt::kDqBlocks * p.heads_q * p.batch;
-  convert_dq_frag_kernel<Kt><<<static_cast<unsigned>(convert_blocks), 128, 0, stream>>>(p);
+  if (convert_blocks == 0) return cudaSuccess;
+  auto convert = varlen ? &convert_dq_frag_kernel<Kt, true> : &convert_dq_frag_kernel<Kt, false>;
+  convert<<<static_cast<unsigned>(convert_blocks), 128, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -263,13 +281,12 @@ cudaError_t run_variant(Variants<Kts...>, const char* env, Launch&& launch) {
 // kernel (kvcache_cuda.cpp: the split-KV decoding kernel).
 //
 // Varlen batches (p.is_varlen()) run on the kernels that locate their rows
-// through SeqInfo: the warp-specialized TMA forward (tensor maps over the
-// packed rows, launch_fwd_sm90_ws), the mma.sync forward and backward
-// (deterministic dQ and the preprocessing / convert kernels included) and the
-// cp.async wgmma forward and backward. The warp-specialized TMA backward is
-// not among them (bwd_tries_sm90_ws tests is_varlen()). A kernel added to the
-// dispatch below runs varlen batches only once it reads SeqInfo; until then,
-// test is_varlen().
+// through SeqInfo: the warp-specialized TMA forward and backward (tensor maps
+// over the packed rows, launch_fwd_sm90_ws / launch_bwd_sm90_ws), the
+// mma.sync forward and backward (deterministic dQ and the preprocessing /
+// convert kernels included) and the cp.async wgmma forward and backward. A
+// kernel added to the dispatch below runs varlen batches only once it reads
+// SeqInfo; until then, test is_varlen().
 template <typename T, int kHeadDim>
 cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
 #ifdef FLASHATTN_SM90
@@ -323,15 +340,15 @@ cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
 }
 
 // The one rule for when run_bwd tries the warp-specialized TMA backward:
-// built for sm90a, an sm90 device, TMA allowed, a dense batch, and a head dim
-// KernelConfig gives a BwdSm90Ws. The binding layer allocates that kernel's
+// built for sm90a, an sm90 device, TMA allowed, and a head dim KernelConfig
+// gives a BwdSm90Ws (dense and varlen batches). The binding layer allocates that kernel's
 // deterministic workspace by it (dispatch.h). The kernel can still decline
 // (launch_bwd_sm90_ws: a tensor TMA cannot describe); the ones below run then.
 template <typename T, int kHeadDim>
 bool bwd_tries_sm90_ws(const AttnBwdParams& p) {
 #ifdef FLASHATTN_SM90
   if constexpr (HasBwdSm90Ws<KernelConfig<kHeadDim, T>>::value) {
-    return p.device_arch == 90 && p.allow_tma && !p.is_varlen();
+    return p.device_arch == 90 && p.allow_tma;
   }
 #endif
   return false;

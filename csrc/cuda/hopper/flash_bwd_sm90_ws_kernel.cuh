@@ -52,6 +52,57 @@
 // The masks (causal, window, the ragged key end) are those of the other
 // kernels (../mask.cuh), applied to S^T and dS^T in registers; bias, dropout
 // or softcap would slot in at the same place.
+//
+// Varlen batches (kVarlen, a separate instance so that the dense one keeps its
+// registers and SASS; SeqInfo in ../../flash_params.h), as in the forward
+// (flash_fwd_sm90_ws_kernel.cuh):
+//   - The grid is sized by max_seqlen_k: ceil(max_seqlen_k / kBlockN) key
+//     blocks per (sequence, kv head). A CTA whose key block starts past its
+//     sequence's seqlen_k returns before the mbarrier set-up and the CTA-wide
+//     barrier (the whole CTA decides it from the same values: nothing waits
+//     for it, and it has no key to write). A sequence without queries
+//     (iters = 0) still writes zero dK / dV for its keys, as a dense one does.
+//   - The tensor maps describe the packed (total, heads, head_dim) tensors as
+//     one batch entry of total rows: a sequence's K / V box is at row
+//     k_start + n0, its Q / dO boxes at q_start + m0. A box that runs past the
+//     end of its sequence reads the next sequence's rows (TMA zero-fills only
+//     past the end of the packed tensor), which may hold inf / NaN. The masks
+//     and lse = +inf would make P and dS zero there, but a zero operand does
+//     not keep a non-finite one out of a wgmma product (0 * inf = NaN): a
+//     NaN row of dO past the sequence would reach dV through P^T dO, a
+//     non-finite Q row dK through dS^T Q, a non-finite K row past seqlen_k dQ
+//     through dS K. So the consumers zero those rows in shared memory after
+//     the TMA lands and before any product reads them: rows [keys, kBlockN)
+//     of sK once (the last key block of a sequence), rows [seqlen_q - m0,
+//     kBlockM) of the Q and dO stage at the last, partial query block of a
+//     sequence (once a query head of the sweep); zeroing and a consumer
+//     barrier (kZeroBar) cost nothing in the other steps. (V past seqlen_k
+//     only reaches dP^T rows that the mask replaces by 0: not zeroed.) The
+//     shared-memory tiles are then exactly those of a dense call on the
+//     sequence alone, whose boxes TMA zero-fills past seqlen: dK and dV come
+//     out bitwise equal to that call's (same sweep order), and the
+//     non-finite recompute (../nonfinite_fixup.cuh, with the sequence's
+//     SeqInfo) only sees what the sequence's own values produce.
+//   - lse / D come from (heads_q, total_q) through SeqInfo::rowvec_offset; the
+//     sweep and the masks use the sequence's BlockMask (seqlen_q, seqlen_k,
+//     the per-sequence diagonal).
+//   - dQ: the accumulator is (heads_q, total_q + batch * kBwdBlockM, cols),
+//     sequence b from row q_start + b * kBwdBlockM (dq_accum_offset). A step's
+//     tile is kBlockM rows x cols floats from row m0 of the sequence, in
+//     DqFragLayout order: the last tile of sequence b ends before row
+//     q_start + b * kBwdBlockM + seqlen_q + kBlockM - 1 < the start of b + 1
+//     (kBlockM <= kBwdBlockM, cols = kHeadDim): the bulk adds of two
+//     sequences never meet, and the rows past seqlen_q are padding that only
+//     the zeroing and the adds touch. convert_dq_frag_kernel<Kt, true> reads
+//     each sequence's rows back.
+//   - dK / dV: store_tile's guarded 16-byte stores (rows < keys) at
+//     k_start + n0, as for dense batches.
+//   - Deterministic mode: the counters are (batch, heads_q, ceil(max_seqlen_q
+//     / 64)), indexed as for a dense batch of max_seqlen_q; the add order is
+//     the plain descending one (the launcher sets no rotation: the rotated
+//     order's deadlock argument counts every key block of a head resident and
+//     the same sweep length for all, which sequences of their own lengths do
+//     not give).
 #pragma once
 
 #include "../../flash_params.h"
@@ -102,6 +153,17 @@ struct StepRowVecs {
       dsum[i] = in ? static_cast<const float*>(p.dsum_ptr)[vec + r] : 0.f;
     }
   }
+  // Varlen: the sequence's rows of (heads_q, total_q) (SeqInfo); rows past its seqlen_q as above.
+  __device__ __forceinline__ void load(const AttnBwdParams& p, const SeqInfo& seq, int b, int hq, int m0, int lane) {
+    const int64_t vec = seq.rowvec_offset(p, b, hq) + m0;
+#pragma unroll
+    for (int i = 0; i < kRowsPerLane; ++i) {
+      const int r = lane + 32 * i;
+      const bool in = m0 + r < seq.seqlen_q;
+      lse[i] = in ? lse_to_log2(static_cast<const float*>(p.lse_ptr)[vec + r]) : INFINITY;
+      dsum[i] = in ? static_cast<const float*>(p.dsum_ptr)[vec + r] : 0.f;
+    }
+  }
   // Into the stage's vectors (kBlockM floats each).
   __device__ __forceinline__ void store(float* stage_lse, float* stage_dsum, int lane) const {
 #pragma unroll
@@ -125,11 +187,13 @@ struct StepRowVecs {
 // starts N - 1 - n add latencies late: 10-30% slower, NOTES question 9).
 // Waits (acquire) until the key blocks before n_block in that order have added
 // theirs; returns the counter to pass on.
-template <int kBlockN, int kBlockM>
+// Varlen (kVarlen): `mask` is the sequence's, whose seqlen_q bounds the query
+// block's rows; the counters are laid out for max_seqlen_q (p.seqlen_q).
+template <int kBlockN, int kBlockM, bool kVarlen = false>
 __device__ __forceinline__ int* dq_wait_for_turn(const AttnBwdParams& p, const BlockMask& mask, int b, int hq, int m0,
                                                  int n_block, int order_index) {
   int n_lo, n_hi;
-  mask.key_block_range<kBlockN>(m0, min(kBlockM, p.seqlen_q - m0), n_lo, n_hi);
+  mask.key_block_range<kBlockN>(m0, min(kBlockM, (kVarlen ? mask.seqlen_q : p.seqlen_q) - m0), n_lo, n_hi);
   int* sem = p.dq_semaphore_ptr + (int64_t(b) * p.heads_q + hq) * ceil_div(p.seqlen_q, 64) + m0 / 64;
   int before = n_hi - 1 - n_block;
   if (p.dq_sweep_stride > 0) {  // no mask: n_lo = 0, n_hi = N
@@ -150,7 +214,18 @@ __device__ __forceinline__ void dq_pass_turn(int* sem) {
   red_release_gpu_add(sem, 1);
 }
 
-template <typename Kt>
+// Varlen: zeroes rows [row_lo, Tile::kRows) of a swizzled shared-memory tile
+// (all of each row's 16-byte chunks, so the swizzle does not matter), with
+// kNThreads threads numbered tid. The caller fences (fence_proxy_async_smem:
+// wgmma reads the tile next) and syncs its threads.
+template <typename Tile, int kNThreads, typename T>
+__device__ __forceinline__ void zero_tile_rows(T* tile, int row_lo, int tid) {
+  constexpr int kChunks = Tile::kCols / 8;
+  for (int i = row_lo * kChunks + tid; i < Tile::kRows * kChunks; i += kNThreads)
+    *reinterpret_cast<uint4*>(tile + Tile::offset(i / kChunks, (i % kChunks) * 8)) = make_uint4(0, 0, 0, 0);
+}
+
+template <typename Kt, bool kVarlen>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
     flash_bwd_sm90_ws_kernel(const __grid_constant__ AttnBwdParams p, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -166,6 +241,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   constexpr int kDT = kHeadDim / 8;      // n-tiles of a dK / dV row
   constexpr int kDqTileFloats = kBlockM * kHeadDim;
   constexpr int kDsBar = 1, kDqFull = 2, kDqEmpty = 3, kEpilogueBar = 4;
+  constexpr int kZeroBar = 5;  // varlen: the consumers, rows past the sequence zeroed in sK / sQ / sdO
   // With a single 64 x 64 dQ block (kBlockM = 64, head dim 64) the consumers
   // take turns: consumer it % 2 computes and hands over the dQ of step it.
   constexpr bool kDqAlternate = Kt::kDqAlternate;
@@ -205,9 +281,17 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   const int b = bh / p.heads_kv;
   const int ratio = p.heads_ratio();
   const int n0 = n_block * kBlockN;
-  const int keys = min(kBlockN, p.seqlen_k - n0);
+  // Varlen: b is the sequence; every role returns here alike when the key
+  // block starts past its seqlen_k (before any barrier; no key to write).
+  const SeqInfo seq(p, b, kVarlen);
+  if (kVarlen && n0 >= seq.seqlen_k) return;
+  const int keys = min(kBlockN, seq.seqlen_k - n0);
 
-  const BlockMask mask(p);
+  const BlockMask mask = kVarlen ? BlockMask(p, seq) : BlockMask(p);
+  // TMA coordinates of a sequence's rows: (row in the sequence, batch b), or
+  // (row in the packed tensor, batch 0) when varlen.
+  const int k_row0 = kVarlen ? seq.k_start + n0 : n0;
+  const int tma_b = kVarlen ? 0 : b;
   // The key blocks of a head start their sweeps at different query blocks
   // (spreads the dQ adds). Deterministic: by p.dq_sweep_stride (see
   // dq_wait_for_turn).
@@ -238,15 +322,19 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         mbar_arrive_expect_tx(full_kv, 2 * Kt::kBytesKV);
 #pragma unroll
         for (int pn = 0; pn < Kt::kPanels; ++pn) {
-          tma_load_4d(sK + pn * TileKV::kRows * 64, &maps.k, full_kv, pn * 64, h_kv, n0, b);
-          tma_load_4d(sV + pn * TileKV::kRows * 64, &maps.v, full_kv, pn * 64, h_kv, n0, b);
+          tma_load_4d(sK + pn * TileKV::kRows * 64, &maps.k, full_kv, pn * 64, h_kv, k_row0, tma_b);
+          tma_load_4d(sV + pn * TileKV::kRows * 64, &maps.v, full_kv, pn * 64, h_kv, k_row0, tma_b);
         }
       }
       StepRowVecs<kBlockM> next;  // the lse and D of step it + 1
       auto load_rowvecs = [&](int it) {
         int hq, m0;
         query_block(it, hq, m0);
-        next.load(p, b, hq, m0, lane);
+        if constexpr (kVarlen) {
+          next.load(p, seq, b, hq, m0, lane);
+        } else {
+          next.load(p, b, hq, m0, lane);
+        }
       };
       load_rowvecs(0);
       for (int it = 0; it < iters; ++it) {
@@ -258,8 +346,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
           mbar_arrive_expect_tx(&full_q[s], 2 * Kt::kBytesQ);
 #pragma unroll
           for (int pn = 0; pn < Kt::kPanels; ++pn) {
-            tma_load_4d(sQ + s * TileQ::kElems + pn * TileQ::kRows * 64, &maps.q, &full_q[s], pn * 64, hq, m0, b);
-            tma_load_4d(sdO + s * TileQ::kElems + pn * TileQ::kRows * 64, &maps.dout, &full_q[s], pn * 64, hq, m0, b);
+            tma_load_4d(sQ + s * TileQ::kElems + pn * TileQ::kRows * 64, &maps.q, &full_q[s], pn * 64, hq,
+                        kVarlen ? seq.q_start + m0 : m0, tma_b);
+            tma_load_4d(sdO + s * TileQ::kElems + pn * TileQ::kRows * 64, &maps.dout, &full_q[s], pn * 64, hq,
+                        kVarlen ? seq.q_start + m0 : m0, tma_b);
           }
         }
         next.store(sLse + s * kBlockM, sDsum + s * kBlockM, lane);
@@ -278,13 +368,16 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         // is full, and passed on after the tile has gone back to the consumers.
         int* sem = nullptr;
         if (deterministic && lane == 0)
-          sem = dq_wait_for_turn<kBlockN, kBlockM>(p, mask, b, hq, m0, n_block, sweep.order_index(it));
+          sem = dq_wait_for_turn<kBlockN, kBlockM, kVarlen>(p, mask, b, hq, m0, n_block, sweep.order_index(it));
         named_barrier_sync(kDqFull, kDqBarThreads);
-        float* gdq = static_cast<float*>(p.dq_accum_ptr) + b * p.dq_accum_batch_stride + hq * p.dq_accum_head_stride +
-                     int64_t(m0) * p.dq_accum_row_stride;
+        float* gdq =
+            static_cast<float*>(p.dq_accum_ptr) +
+            (kVarlen ? dq_accum_offset(p, seq, b, hq) : b * p.dq_accum_batch_stride + hq * p.dq_accum_head_stride) +
+            int64_t(m0) * p.dq_accum_row_stride;
         // One bulk add of the whole tile: the accumulator keeps each (b, h, query
         // block) in the tile's fragment order (DqFragLayout), and its rows are
-        // padded to kBwdBlockM, so the tile is one contiguous range.
+        // padded to kBwdBlockM (varlen: kBwdBlockM padding rows after each
+        // sequence), so the tile is one contiguous range of its own.
         if (lane == 0) {
           bulk_reduce_add_f32(gdq, sdQ + (it % Kt::kDqTiles) * kDqTileFloats, kDqTileFloats * 4);
           tma_store_commit();
@@ -344,6 +437,15 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     named_barrier_arrive(kDqFull, kDqBarThreads);
   };
   if (iters > 0) mbar_wait(full_kv, 0);
+  if constexpr (kVarlen) {
+    // The last key block of a sequence: rows [keys, kBlockN) of sK are the
+    // next sequence's keys (see the top of the file); dQ = dS K reads every row.
+    if (iters > 0 && keys < kBlockN) {
+      zero_tile_rows<TileKV, kConsumerThreads>(sK, keys, ctid);
+      fence_proxy_async_smem();  // wgmma (async proxy) reads what st.shared wrote
+      named_barrier_sync(kZeroBar, kConsumerThreads);
+    }
+  }
 
   for (int it = 0; it < iters; ++it) {
     const int s = stage(it);
@@ -357,6 +459,18 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const float* sDsums = sDsum + s * kBlockM;
     T* sdS_it = sdS + (it & 1) * TileDS::kElems;
     mbar_wait(&full_q[s], parity(it));
+    if constexpr (kVarlen) {
+      // The sequence's last, partial query block: its rows past seqlen_q are
+      // the next sequence's Q / dO (see the top of the file). Both consumers
+      // take this branch at the same steps (it depends on m0 only).
+      const int q_rows = mask.seqlen_q - m0;
+      if (q_rows < kBlockM) {
+        zero_tile_rows<TileQ, kConsumerThreads>(sQ + s * TileQ::kElems, q_rows, ctid);
+        zero_tile_rows<TileQ, kConsumerThreads>(sdO + s * TileQ::kElems, q_rows, ctid);
+        fence_proxy_async_smem();
+        named_barrier_sync(kZeroBar, kConsumerThreads);
+      }
+    }
 
     float acc_s[1][kQT][4], acc_dp[1][kQT][4];
     issue_scores_and_dp_t<Kt>(acc_s[0], acc_dp[0], desc_k, desc_v, desc_q, desc_do);
@@ -429,18 +543,22 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   }
 
   // Epilogue: dK (scaled) and dV through sK / sV once both warpgroups are done reading them.
+  // Varlen: the sequence is decoded again here (two cached loads of
+  // cu_seqlens) rather than its start rows kept live through the loop.
+  const SeqInfo eseq(p, b, kVarlen);
   const bool bad = nonfinite::any_bad(acc_dk) || nonfinite::any_bad(acc_dv);
   named_barrier_sync(kEpilogueBar, kConsumerThreads);
   store_acc<TileKV>(sK, acc_dk, warp_key0, 0, lane, p.softmax_scale);
   store_acc<TileKV>(sV, acc_dv, warp_key0, 0, lane);
   // The non-finite rule (../nonfinite_fixup.cuh): this warp's 16 keys, exactly, if one holds a NaN / inf.
   if (__any_sync(0xffffffffu, bad))
-    nonfinite::fix_key_rows<TileKV, (kHeadDim + 31) / 32>(nonfinite::fixup_args(p, SeqInfo(p, b, false), b), h_kv, n0,
-                                                          warp_key0, warp_key0 + 16, 1, keys, sK, sV, 0, kHeadDim,
-                                                          lane);
+    nonfinite::fix_key_rows<TileKV, (kHeadDim + 31) / 32>(nonfinite::fixup_args(p, eseq, b), h_kv, n0, warp_key0,
+                                                          warp_key0 + 16, 1, keys, sK, sV, 0, kHeadDim, lane);
   named_barrier_sync(kEpilogueBar, kConsumerThreads);
-  T* gdK = static_cast<T*>(p.dk_ptr) + b * p.dk_batch_stride + h_kv * p.dk_head_stride + n0 * p.dk_row_stride;
-  T* gdV = static_cast<T*>(p.dv_ptr) + b * p.dv_batch_stride + h_kv * p.dv_head_stride + n0 * p.dv_row_stride;
+  T* gdK = static_cast<T*>(p.dk_ptr) + eseq.k_offset(p.dk_batch_stride, p.dk_row_stride, b) + h_kv * p.dk_head_stride +
+           n0 * p.dk_row_stride;
+  T* gdV = static_cast<T*>(p.dv_ptr) + eseq.k_offset(p.dv_batch_stride, p.dv_row_stride, b) + h_kv * p.dv_head_stride +
+           n0 * p.dv_row_stride;
   store_tile<TileKV, kConsumerThreads>(gdK, p.dk_row_stride, sK, keys, p.head_dim, ctid);
   store_tile<TileKV, kConsumerThreads>(gdV, p.dv_row_stride, sV, keys, p.head_dim, ctid);
 #endif
@@ -462,24 +580,26 @@ __device__ __forceinline__ bool any_bad8(float4 x, float4 y) {
 // The slow path of convert_dq_frag_kernel (../nonfinite_fixup.cuh), whole
 // warp, after its normal stores: the rows of this warp's chunks that hold a
 // NaN / inf, recomputed exactly over the block's 64 columns.
-template <typename Kt>
+template <typename Kt, bool kVarlen>
 __device__ FLASHATTN_NONFINITE_SLOW void fix_dq_frag_rows(AttnBwdParams p, const float* acc, int block, int row_base,
                                                           int c_lo, int b, int h, int thr) {
   using T = typename Kt::Element;
   const int lane = thr % 32;
+  const SeqInfo seq(p, b, kVarlen);
   for (int u = 0; u < 64 * 8 / 128; ++u) {
     const int r = (thr + 128 * u) / 8, di = (thr + 128 * u) % 8;
     bool bad = false;
-    if (row_base + r < p.seqlen_q && c_lo + di * 8 < p.head_dim) {
+    if (row_base + r < seq.seqlen_q && c_lo + di * 8 < p.head_dim) {
       const float4* src = dq_frag_chunk(acc, block, r, di);
       bad = any_bad8(src[0], src[1]);
     }
     for (int q = 0; q < 4; ++q) {  // the warp's 4 rows of this unit: lanes 8q .. 8q + 7
       const int row = row_base + ((thr - lane) + 128 * u) / 8 + q;
-      if (!__any_sync(0xffffffffu, bad && lane / 8 == q) || row >= p.seqlen_q) continue;
-      T* dq = static_cast<T*>(p.dq_ptr) + b * p.dq_batch_stride + h * p.dq_head_stride + int64_t(row) * p.dq_row_stride;
-      nonfinite::fix_dq_row_global<(Kt::kHeadDim + 31) / 32, T>(nonfinite::fixup_args(p, SeqInfo(p, b, false), b), h,
-                                                                row, dq, c_lo, c_lo + 64, lane);
+      if (!__any_sync(0xffffffffu, bad && lane / 8 == q) || row >= seq.seqlen_q) continue;
+      T* dq = static_cast<T*>(p.dq_ptr) + seq.q_offset(p.dq_batch_stride, p.dq_row_stride, b) + h * p.dq_head_stride +
+              int64_t(row) * p.dq_row_stride;
+      nonfinite::fix_dq_row_global<(Kt::kHeadDim + 31) / 32, T>(nonfinite::fixup_args(p, seq, b), h, row, dq, c_lo,
+                                                                c_lo + 64, lane);
     }
   }
 }
@@ -490,7 +610,14 @@ __device__ FLASHATTN_NONFINITE_SLOW void fix_dq_frag_rows(AttnBwdParams p, const
 // they are 8 consecutive floats (4 threads' pairs), so it reads 32 bytes and
 // writes 16, and 8 neighbouring threads write a row's 128 contiguous bytes.
 // (At most 64 registers: see convert_dq_kernel.)
-template <typename Kt>
+//
+// Varlen (kVarlen): the grid covers ceil(max_seqlen_q / kBlockM) query blocks
+// a (sequence, head); a CTA whose query block starts past its sequence's
+// seqlen_q returns (the whole CTA: no vote is left half-taken). The tile of
+// query block mb is at row mb * kBlockM of the sequence's accumulator rows
+// (dq_accum_offset: q_start + b * kBwdBlockM), as the kernel added it; rows
+// past seqlen_q are padding and are not read.
+template <typename Kt, bool kVarlen>
 __global__ void __launch_bounds__(128, 8) convert_dq_frag_kernel(const AttnBwdParams p) {
   using T = typename Kt::Element;
   const int m_blocks = ceil_div(p.seqlen_q, Kt::kBlockM);
@@ -502,18 +629,22 @@ __global__ void __launch_bounds__(128, 8) convert_dq_frag_kernel(const AttnBwdPa
   const int h = static_cast<int>(idx % unsigned(p.heads_q));
   const int b = static_cast<int>(idx / unsigned(p.heads_q));
   const int thr = threadIdx.x;
-  const float* acc = static_cast<const float*>(p.dq_accum_ptr) + b * p.dq_accum_batch_stride +
-                     h * p.dq_accum_head_stride + int64_t(mb) * Kt::kBlockM * p.dq_accum_row_stride;
+  const SeqInfo seq(p, b, kVarlen);
+  if (kVarlen && mb * Kt::kBlockM >= seq.seqlen_q) return;
+  const float* acc =
+      static_cast<const float*>(p.dq_accum_ptr) +
+      (kVarlen ? dq_accum_offset(p, seq, b, h) : b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride) +
+      int64_t(mb) * Kt::kBlockM * p.dq_accum_row_stride;
   const int c_lo = (block % Kt::kDqColBlocks) * 64;
   const int row_base = mb * Kt::kBlockM + (block / Kt::kDqColBlocks) * 64;
-  T* dq_base = static_cast<T*>(p.dq_ptr) + b * p.dq_batch_stride + h * p.dq_head_stride;
+  T* dq_base = static_cast<T*>(p.dq_ptr) + seq.q_offset(p.dq_batch_stride, p.dq_row_stride, b) + h * p.dq_head_stride;
   const float s = p.softmax_scale;
   bool bad = false;
 #pragma unroll
   for (int u = 0; u < 64 * 8 / 128; ++u) {
     const int r = (thr + 128 * u) / 8, di = (thr + 128 * u) % 8;  // row of the block, 8-column chunk
     const int row = row_base + r, col = c_lo + di * 8;
-    if (row >= p.seqlen_q || col >= p.head_dim) continue;
+    if (row >= seq.seqlen_q || col >= p.head_dim) continue;
     const float4* src = dq_frag_chunk(acc, block, r, di);
     const float4 x = src[0], y = src[1];
     uint4 out;
@@ -525,7 +656,7 @@ __global__ void __launch_bounds__(128, 8) convert_dq_frag_kernel(const AttnBwdPa
     bad |= any_bad8(x, y);
   }
   // The non-finite rule: rows with a NaN / inf, exactly (each row's chunks are this warp's).
-  if (__any_sync(0xffffffffu, bad)) fix_dq_frag_rows<Kt>(p, acc, block, row_base, c_lo, b, h, thr);
+  if (__any_sync(0xffffffffu, bad)) fix_dq_frag_rows<Kt, kVarlen>(p, acc, block, row_base, c_lo, b, h, thr);
 }
 
 }  // namespace flashattn

@@ -59,6 +59,17 @@
 // Deterministic mode: as in flash_bwd_sm90_ws_kernel.cuh (key blocks add in
 // descending order behind per-(batch, head, 64-query block) counters; the
 // counter is released after both parts have landed).
+//
+// Varlen batches (kVarlen): as in flash_bwd_sm90_ws_kernel.cuh (see its top
+// comment: packed tensor maps, the early exit of key blocks past the
+// sequence, rows past the sequence zeroed in shared memory, the dQ layout).
+// Here Q and dO have separate full barriers and the consumers wait on them at
+// different points of a step, so at the sequence's last, partial query block
+// both consumers wait for both at the top of the step, zero their share of
+// the rows past seqlen_q and meet at kZeroBar before any product. This cannot
+// block: each consumer reaches the top of step it having finished step it - 1
+// (its empty_do / empty_q arrives included), which is all the producer needs
+// to load Q and dO of step it.
 #pragma once
 
 #include <type_traits>
@@ -81,7 +92,7 @@ struct PFragLayout {
   __device__ __forceinline__ static int offset(int i, int wg_tid) { return (i * 128 + wg_tid) * 4; }
 };
 
-template <typename Kt>
+template <typename Kt, bool kVarlen>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
     flash_bwd_sm90_ws_split_kernel(const __grid_constant__ AttnBwdParams p, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -100,7 +111,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   constexpr int kQT = kBlockM / 8;       // n-tiles of an S^T row
   constexpr int kDqPart0Floats = kBlockM * kCols0, kDqPart1Floats = kBlockM * kCols1;
   constexpr int kWgThreads = 128;
-  constexpr int kEpilogueBar = 1;  // the only named barrier (both consumers sync on it)
+  constexpr int kEpilogueBar = 1;  // both consumers sync on it
+  constexpr int kZeroBar = 2;      // varlen: both consumers sync, rows past the sequence zeroed
   static_assert(kBlockN == 64 && kBlockM == 64, "one warpgroup's M is the CTA's 64 keys");
 
   extern __shared__ char smem_raw[];
@@ -140,9 +152,16 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   const int b = bh / p.heads_kv;
   const int ratio = p.heads_ratio();
   const int n0 = n_block * kBlockN;
-  const int keys = min(kBlockN, p.seqlen_k - n0);
+  // Varlen: b is the sequence; every role returns here alike when the key
+  // block starts past its seqlen_k (before any barrier; no key to write).
+  const SeqInfo seq(p, b, kVarlen);
+  if (kVarlen && n0 >= seq.seqlen_k) return;
+  const int keys = min(kBlockN, seq.seqlen_k - n0);
 
-  const BlockMask mask(p);
+  const BlockMask mask = kVarlen ? BlockMask(p, seq) : BlockMask(p);
+  // TMA coordinates: (row in the sequence, batch b), or (row in the packed tensor, batch 0) when varlen.
+  const int k_row0 = kVarlen ? seq.k_start + n0 : n0;
+  const int tma_b = kVarlen ? 0 : b;
   const QuerySweep<kBlockM> sweep(mask, n0, keys, h_kv, ratio, deterministic ? n_block * p.dq_sweep_stride : n_block);
   const int iters = sweep.iters;
   auto query_block = [&](int it, int& hq, int& m0) { sweep.step(it, hq, m0); };
@@ -182,15 +201,19 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         mbar_arrive_expect_tx(full_kv, 2 * Kt::kBytesKV);
 #pragma unroll
         for (int pn = 0; pn < Kt::kPanels; ++pn) {
-          tma_load_4d(sK + pn * TileKV::kRows * 64, &maps.k, full_kv, pn * 64, h_kv, n0, b);
-          tma_load_4d(sV + pn * TileKV::kRows * 64, &maps.v, full_kv, pn * 64, h_kv, n0, b);
+          tma_load_4d(sK + pn * TileKV::kRows * 64, &maps.k, full_kv, pn * 64, h_kv, k_row0, tma_b);
+          tma_load_4d(sV + pn * TileKV::kRows * 64, &maps.v, full_kv, pn * 64, h_kv, k_row0, tma_b);
         }
       }
       StepRowVecs<kBlockM> next;  // the lse and D of step it + 1
       auto load_rowvecs = [&](int it) {
         int hq, m0;
         query_block(it, hq, m0);
-        next.load(p, b, hq, m0, lane);
+        if constexpr (kVarlen) {
+          next.load(p, seq, b, hq, m0, lane);
+        } else {
+          next.load(p, b, hq, m0, lane);
+        }
       };
       load_rowvecs(0);
       for (int it = 0; it < iters; ++it) {
@@ -202,7 +225,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
           mbar_arrive_expect_tx(&full_q[s], Kt::kBytesQ);
 #pragma unroll
           for (int pn = 0; pn < Kt::kPanels; ++pn)
-            tma_load_4d(sQ + s * TileQ::kElems + pn * TileQ::kRows * 64, &maps.q, &full_q[s], pn * 64, hq, m0, b);
+            tma_load_4d(sQ + s * TileQ::kElems + pn * TileQ::kRows * 64, &maps.q, &full_q[s], pn * 64, hq,
+                        kVarlen ? seq.q_start + m0 : m0, tma_b);
         }
         next.store(sLse + s * kBlockM, sDsum + s * kBlockM, lane);
         mbar_arrive(&full_q[s]);  // every lane: releases its own writes to the consumers
@@ -212,7 +236,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
           mbar_arrive_expect_tx(full_do, Kt::kBytesQ);
 #pragma unroll
           for (int pn = 0; pn < Kt::kPanels; ++pn)
-            tma_load_4d(sdO + pn * TileQ::kRows * 64, &maps.dout, full_do, pn * 64, hq, m0, b);
+            tma_load_4d(sdO + pn * TileQ::kRows * 64, &maps.dout, full_do, pn * 64, hq, kVarlen ? seq.q_start + m0 : m0,
+                        tma_b);
         }
         if (it + 1 < iters) load_rowvecs(it + 1);
       }
@@ -224,8 +249,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       for (int it = 0; it < iters; ++it) {
         int hq, m0;
         query_block(it, hq, m0);
-        float* gdq = static_cast<float*>(p.dq_accum_ptr) + b * p.dq_accum_batch_stride + hq * p.dq_accum_head_stride +
-                     int64_t(m0) * p.dq_accum_row_stride;
+        // (Varlen: the sequence's own accumulator rows, dq_accum_offset.)
+        float* gdq =
+            static_cast<float*>(p.dq_accum_ptr) +
+            (kVarlen ? dq_accum_offset(p, seq, b, hq) : b * p.dq_accum_batch_stride + hq * p.dq_accum_head_stride) +
+            int64_t(m0) * p.dq_accum_row_stride;
         // Deterministic: the turn is awaited once the first part is full and
         // passed on (both parts landed) before the tile goes back to consumer 0.
         // (Awaiting it before the tile is full and passing it after the tile
@@ -237,7 +265,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
           mbar_wait(&full_dq[half], uint32_t(it) & 1);
           if (lane == 0) {
             if (deterministic && half == 0)
-              sem = dq_wait_for_turn<kBlockN, kBlockM>(p, mask, b, hq, m0, n_block, sweep.order_index(it));
+              sem = dq_wait_for_turn<kBlockN, kBlockM, kVarlen>(p, mask, b, hq, m0, n_block, sweep.order_index(it));
             bulk_reduce_add_f32(gdq + half * kDqPart0Floats, sdQ, (half == 0 ? kDqPart0Floats : kDqPart1Floats) * 4);
             tma_store_commit();
             if (deterministic && half == 1) {
@@ -277,6 +305,15 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   const uint64_t desc_ds_m = smem_desc(smem_u32(sdS), Kt::kPanelDS, kSbo);
 
   if (iters > 0) mbar_wait(full_kv, 0);
+  if constexpr (kVarlen) {
+    // The last key block of a sequence: rows [keys, kBlockN) of sK are the
+    // next sequence's keys; both consumers' dQ products read every row.
+    if (iters > 0 && keys < kBlockN) {
+      zero_tile_rows<TileKV, kConsumerThreads>(sK, keys, ctid);
+      fence_proxy_async_smem();  // wgmma (async proxy) reads what st.shared wrote
+      named_barrier_sync(kZeroBar, kConsumerThreads);
+    }
+  }
 
   // One consumer's whole path, instantiated per role (kRole = cwg) so that each
   // has accumulators of its own column count: with one set sized for consumer
@@ -332,6 +369,19 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       const uint64_t desc_do_n = smem_desc(do_cols, Kt::kPanelQ, kSbo);                        // B of dV, N-major
       const bool needs_mask = mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0);
       mbar_wait(&full_q[s], parity(it));
+      if constexpr (kVarlen) {
+        // The sequence's last, partial query block (both consumers alike, by
+        // m0): rows past seqlen_q of the Q stage and of dO are the next
+        // sequence's; see the top of the file for why waiting for dO here is safe.
+        const int q_rows = mask.seqlen_q - m0;
+        if (q_rows < kBlockM) {
+          mbar_wait(full_do, uint32_t(it) & 1);
+          zero_tile_rows<TileQ, kConsumerThreads>(sQ + s * TileQ::kElems, q_rows, ctid);
+          zero_tile_rows<TileQ, kConsumerThreads>(sdO, q_rows, ctid);
+          fence_proxy_async_smem();
+          named_barrier_sync(kZeroBar, kConsumerThreads);
+        }
+      }
 
       float acc_x[1][kQT][4];  // consumer 0: S^T then P^T; consumer 1: dP^T then dS^T
       if constexpr (kRole == 0) {
@@ -445,15 +495,18 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   // consumer's columns, exactly, if one holds a NaN / inf. (One call for both
   // roles: a second call site of the out-of-line fix-up cost a spilled stack
   // address at head dim 256.)
+  // Varlen: the sequence decoded again (its start rows not kept live through the loop).
+  const SeqInfo eseq(p, b, kVarlen);
   const int col0 = cwg * kCols0, cols = cwg == 0 ? kCols0 : kCols1;
   if (__any_sync(0xffffffffu, bad))
-    nonfinite::fix_key_rows<TileKV, (Kt::kHeadDim + 31) / 32>(nonfinite::fixup_args(p, SeqInfo(p, b, false), b), h_kv,
-                                                              n0, warp_key0, warp_key0 + 16, 1, keys, sK, sV, col0,
-                                                              col0 + cols, lane);
+    nonfinite::fix_key_rows<TileKV, (Kt::kHeadDim + 31) / 32>(nonfinite::fixup_args(p, eseq, b), h_kv, n0, warp_key0,
+                                                              warp_key0 + 16, 1, keys, sK, sV, col0, col0 + cols, lane);
   named_barrier_sync(kEpilogueBar, kConsumerThreads);
 
-  T* gdK = static_cast<T*>(p.dk_ptr) + b * p.dk_batch_stride + h_kv * p.dk_head_stride + n0 * p.dk_row_stride;
-  T* gdV = static_cast<T*>(p.dv_ptr) + b * p.dv_batch_stride + h_kv * p.dv_head_stride + n0 * p.dv_row_stride;
+  T* gdK = static_cast<T*>(p.dk_ptr) + eseq.k_offset(p.dk_batch_stride, p.dk_row_stride, b) + h_kv * p.dk_head_stride +
+           n0 * p.dk_row_stride;
+  T* gdV = static_cast<T*>(p.dv_ptr) + eseq.k_offset(p.dv_batch_stride, p.dv_row_stride, b) + h_kv * p.dv_head_stride +
+           n0 * p.dv_row_stride;
   store_tile<TileKV, kConsumerThreads>(gdK, p.dk_row_stride, sK, keys, p.head_dim, ctid);
   store_tile<TileKV, kConsumerThreads>(gdV, p.dv_row_stride, sV, keys, p.head_dim, ctid);
 #endif
