@@ -1230,7 +1230,7 @@ def flash_attn_with_kvcache(
     and softmax_scale as in ``flash_attn_func``. num_splits: on CUDA the number
     of parts each row's keys are split into (split-KV decoding; 0 picks it from
     the SM count and the shapes; clamped to the 64-key blocks of a row);
-    ignored on the CPU. On an sm90 GPU a prefill (seqlen_q >= 64; the environment
+    ignored on the CPU. On an sm90 GPU a prefill (seqlen_q >= 32; the environment
     variable FLASHATTN_KVCACHE_PREFILL_MIN_Q moves the threshold) on a contiguous
     cache without cache_batch_idx or cache_leftpad, num_splits 0 or 1, runs the
     warp-specialized forward kernel with per-row key counts instead (same

@@ -956,6 +956,7 @@ PREFILL_SHAPES = {
     "q300-noappend-mha": (300, 0, 4, 4, 128),
     "q513-append513-mqa": (513, 513, 4, 1, 128),
     "q64-append17-gqa2-d64": (64, 17, 4, 2, 64),
+    "q40-append8-gqa4": (40, 8, 8, 2, 128),  # just above the route's threshold
     "q129-noappend-gqa2-d256": (129, 0, 4, 2, 256),
 }
 
@@ -1074,7 +1075,7 @@ def test_prefill_route_matches_decode_kernel(poison, mask, monkeypatch):
 def test_prefill_route_not_taken(poison, extra):
     """Calls the TMA forward does not take stay on the decoding kernel: a paged
     cache, cache_batch_idx, cache_leftpad, an explicit split count > 1, fewer
-    than 64 queries."""
+    than 32 queries."""
     device, dtype, d, hq, hkv, cap = "cuda", torch.bfloat16, 64, 4, 2, 256
     batch, seqlen_q = 3, (16 if extra == "short" else 128)
     q = randn((batch, seqlen_q, hq, d), dtype, device)

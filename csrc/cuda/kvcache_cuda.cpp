@@ -59,15 +59,15 @@ int choose_num_splits(int64_t requested, int64_t ctas, int64_t key_blocks, int64
 // The query length from which a call goes to the TMA forward (prefill_route).
 // The decoding kernel packs a GQA group's rows (heads_q / heads_kv * seqlen_q)
 // into query tiles of at most 64 (d <= 64), 32 (d <= 128) or 16 rows, and every
-// tile of a group reads all of the group's keys again (NOTES.md, decoding):
-// from 64 queries that is >= 2 reads of the cache per query head at d128 (8 at
-// GQA 4) where the forward reads it about once per query head (its CTAs of
-// one head share it in L2), and the forward's 128-row tiles are at least half
-// full. Below it the decoding kernel's K/V bandwidth is what counts (measured
-// at 1-16 queries). Unmeasured in between: FLASHATTN_KVCACHE_PREFILL_MIN_Q=n
-// (read on every call, as the other switches) moves the threshold for a sweep
-// (a huge n keeps every call on the decoding kernel).
-constexpr int64_t kPrefillMinSeqlenQ = 64;
+// tile of a group reads all of the group's keys again (NOTES.md, decoding),
+// where the forward reads them about once per query head (its CTAs of one head
+// share them in L2). Measured (session 6, bench_decode.py's prefill sweep, 8k
+// cache, batch 4, 32/8 heads, d128, ms, forward / decoding kernel): q 16
+// 0.108 / 0.065, q 32 0.107 / 0.112, q 64 0.109 / 0.200, q 128 0.115 / 0.398:
+// level at 32, the forward 1.8x from 64. FLASHATTN_KVCACHE_PREFILL_MIN_Q=n (read
+// on every call, as the other switches) moves the threshold for a sweep (a
+// huge n keeps every call on the decoding kernel).
+constexpr int64_t kPrefillMinSeqlenQ = 32;
 
 int64_t prefill_min_seqlen_q() {
   const char* value = std::getenv("FLASHATTN_KVCACHE_PREFILL_MIN_Q");
