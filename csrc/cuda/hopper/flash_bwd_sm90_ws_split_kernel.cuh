@@ -50,15 +50,17 @@
 //   consumer 1, writer, ...
 // These were named barriers used as arrive (one side) -> sync (the other):
 // ordered by the PTX memory model, but compute-sanitizer's racecheck does not
-// credit arrive-only ordering and reported them (benchmarks/NOTES.md, open
-// question 11). It follows an mbarrier's arrive -> wait when the thread that
-// wrote is the one that arrives (the producer's lse / D copy is handed over
-// that way), hence the per-thread counts. The one named barrier left is
+// credit arrive-only ordering and reported 80 hazards (session 5). It follows
+// an mbarrier's arrive -> wait when the thread that wrote is the one that
+// arrives (the producer's lse / D copy is handed over that way), hence the
+// per-thread counts: racecheck reports none since (session 6). The one named
+// barrier left is
 // kEpilogueBar (both consumers sync, before dK / dV reuse sK / sV).
 //
 // Deterministic mode: as in flash_bwd_sm90_ws_kernel.cuh (key blocks add in
-// descending order behind per-(batch, head, 64-query block) counters; the
-// counter is released after both parts have landed).
+// the order their sweeps reach a query block, behind per-(batch, head,
+// 64-query block) counters; the counter is released after both parts have
+// landed).
 //
 // Varlen batches (kVarlen): as in flash_bwd_sm90_ws_kernel.cuh (see its top
 // comment: packed tensor maps, the early exit of key blocks past the
