@@ -104,6 +104,23 @@ class KernelCalls(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def cuda_kernel_names(fn):
+    """Names of the CUDA kernels fn() launches (torch.profiler): the tests that
+    check which kernel a call dispatched to."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def is_sm90():
+    """An H100/H200 (the warp-specialized Hopper kernels run there)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
 __all__ = [
     "ALL_DTYPES",
     "DTYPES",
@@ -121,4 +138,6 @@ __all__ = [
     "compute_dtype",
     "default_scale",
     "KernelCalls",
+    "cuda_kernel_names",
+    "is_sm90",
 ]

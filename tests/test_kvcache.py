@@ -12,7 +12,7 @@ import re
 
 import pytest
 import torch
-from helpers import KernelCalls, randn
+from helpers import KernelCalls, cuda_kernel_names, is_sm90, randn
 
 from flashattn_ext import flash_attn_func, flash_attn_with_kvcache
 from flashattn_ext.reference import compute_dtype
@@ -999,21 +999,6 @@ def run_prefill_case(shape, mask, dtype=torch.bfloat16, nan_slots=False, seqlens
     return out, lse, call
 
 
-def _cuda_kernel_names(fn):
-    """Names of the CUDA kernels fn() launches (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
-def _is_sm90():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
 def _head_dim_built(d):
     import flashattn_ext
 
@@ -1029,8 +1014,8 @@ def test_prefill_route(poison, shape, mask):
     if not _head_dim_built(PREFILL_SHAPES[shape][4]):
         pytest.skip("head dim not in this build")
     _, _, call = run_prefill_case(shape, mask)
-    if _is_sm90():
-        names = _cuda_kernel_names(call)
+    if is_sm90():
+        names = cuda_kernel_names(call)
         assert any("flash_fwd_sm90_ws_kernel" in n for n in names), names
         assert not any("flash_decode" in n for n in names), names
 
@@ -1061,8 +1046,8 @@ def test_prefill_route_matches_decode_kernel(poison, mask, monkeypatch):
     monkeypatch.setenv("FLASHATTN_KVCACHE_PREFILL_MIN_Q", str(1 << 30))
     torch.manual_seed(seed)
     out_d, lse_d, call = run_prefill_case("q300-noappend-mha", mask, seqlens=seqlens)
-    if _is_sm90():
-        names = _cuda_kernel_names(call)
+    if is_sm90():
+        names = cuda_kernel_names(call)
         assert any("flash_decode_kernel" in n for n in names) and not any("sm90_ws" in n for n in names), names
     torch.testing.assert_close(out_d.float(), out.float(), atol=2e-2, rtol=2e-2)
     seen = torch.isfinite(lse)
@@ -1104,8 +1089,8 @@ def test_prefill_route_not_taken(poison, extra):
     _, _, rows = oracle(q, lk, lv, None, None, seqlens, leftpad, causal=True)
     bad = check_rows(out, lse, rows, causal=True)
     assert not bad, "; ".join(bad)
-    if _is_sm90():
-        names = _cuda_kernel_names(call)
+    if is_sm90():
+        names = cuda_kernel_names(call)
         assert any("flash_decode_kernel" in n for n in names) and not any("sm90_ws" in n for n in names), names
 
 

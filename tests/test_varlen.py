@@ -17,7 +17,7 @@ import re
 
 import pytest
 import torch
-from helpers import KernelCalls, randn
+from helpers import KernelCalls, cuda_kernel_names, is_sm90, randn
 
 import flashattn_ext
 from flashattn_ext import (
@@ -260,21 +260,6 @@ def test_cuda_varlen_kernel_paths(head_dim, deterministic, kernels, monkeypatch,
         assert not bad, f"causal={causal}: " + "; ".join(bad)
 
 
-def _cuda_kernel_names(fn):
-    """Names of the CUDA kernels fn() launches (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
-def _is_sm90():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
 # The warp-specialized TMA forward on varlen batches (flash_fwd_sm90_ws_kernel.cuh):
 # (lens_q, lens_k, heads_q, heads_kv, kwargs). Lengths 0 and 1, lengths on both
 # sides of the query tiles (128 / 192 rows) and key blocks (64 / 128 rows), several
@@ -315,8 +300,8 @@ def test_cuda_varlen_tma_forward(head_dim, dtype, case, poison):
     cq, ck = cu(lens_q, device), cu(lens_k, device)
     run = lambda: flash_attn_varlen_func(q, k, v, cq, ck, max(lens_q), max(lens_k), return_lse=True, **kw)  # noqa: E731
     out, lse = run()
-    if _is_sm90():
-        assert any("flash_fwd_sm90_ws_kernel" in n for n in _cuda_kernel_names(run))
+    if is_sm90():
+        assert any("flash_fwd_sm90_ws_kernel" in n for n in cuda_kernel_names(run))
     for i, ((sq, eq), (sk, ek)) in enumerate(zip(bounds(lens_q), bounds(lens_k))):
         if eq == sq or ek == sk:  # checked by check_varlen (a dense call takes no empty sequence)
             continue
@@ -398,8 +383,8 @@ def test_cuda_varlen_tma_backward(head_dim, dtype, case, deterministic, monkeypa
 
     run = lambda: _grads_of(q, k, v, dout, varlen)  # noqa: E731
     dq, dk, dv = run()
-    if _is_sm90():
-        names = _cuda_kernel_names(run)
+    if is_sm90():
+        names = cuda_kernel_names(run)
         assert any(any(t in n for t in TMA_BWD_KERNELS) for n in names), names
     for i, ((sq, eq), (sk, ek)) in enumerate(zip(bounds(lens_q), bounds(lens_k))):
         if eq == sq or ek == sk:  # checked by check_varlen (a dense call takes no empty sequence)
@@ -464,7 +449,7 @@ def test_cuda_varlen_backward_dispatch(monkeypatch, deterministic):
     (head dims 128 and 256: both kernels) and FLASHATTN_DISABLE_TMA=1 to the
     fallbacks (the cp.async wgmma kernel; deterministic: the mma.sync dQ pass),
     with the same results up to rounding."""
-    if not _is_sm90():
+    if not is_sm90():
         pytest.skip("the TMA kernels run on sm90 only")
     device, dtype = "cuda", torch.bfloat16
     lens_q, lens_k = [130, 0, 1, 257], [200, 5, 0, 129]
@@ -478,11 +463,11 @@ def test_cuda_varlen_backward_dispatch(monkeypatch, deterministic):
 
         run = lambda: _grads_of(q, k, v, dout, varlen)  # noqa: E731
         monkeypatch.delenv("FLASHATTN_DISABLE_TMA", raising=False)
-        names = _cuda_kernel_names(run)
+        names = cuda_kernel_names(run)
         assert any(kernel in n for n in names), names
         tma = run()
         monkeypatch.setenv("FLASHATTN_DISABLE_TMA", "1")
-        names = _cuda_kernel_names(run)
+        names = cuda_kernel_names(run)
         assert not any(any(t in n for t in TMA_BWD_KERNELS) for n in names), names
         for a, b in zip(run(), tma):
             torch.testing.assert_close(a, b, atol=2e-2, rtol=0)
@@ -493,18 +478,18 @@ def test_cuda_varlen_forward_dispatch(monkeypatch):
     """run_fwd sends varlen batches to the warp-specialized TMA kernel on sm90
     and FLASHATTN_DISABLE_TMA=1 to the cp.async wgmma kernel (the fallback),
     with the same results up to rounding."""
-    if not _is_sm90():
+    if not is_sm90():
         pytest.skip("the TMA kernels run on sm90 only")
     device, dtype = "cuda", torch.bfloat16
     lens_q, lens_k = [130, 0, 1, 257], [200, 5, 0, 129]
     q, k, v = make_varlen(lens_q, lens_k, 4, 2, 128, dtype, device)
     cq, ck = cu(lens_q, device), cu(lens_k, device)
     run = lambda: flash_attn_varlen_func(q, k, v, cq, ck, 257, 200, causal=True)  # noqa: E731
-    names = _cuda_kernel_names(run)
+    names = cuda_kernel_names(run)
     assert any("flash_fwd_sm90_ws_kernel" in n for n in names), names
     tma = run()
     monkeypatch.setenv("FLASHATTN_DISABLE_TMA", "1")
-    names = _cuda_kernel_names(run)
+    names = cuda_kernel_names(run)
     assert any("flash_fwd_sm90_kernel" in n for n in names), names
     assert not any("flash_fwd_sm90_ws_kernel" in n for n in names), names
     torch.testing.assert_close(run(), tma, atol=2e-2, rtol=0)
