@@ -23,6 +23,8 @@ for c in ${CASES:-bwd128_4k bwd128_1k_causal}; do
     bwd128_4k) prof $c flash_bwd_sm90_ws_kernel --d 128 --n 4096 --bwd ;;
     bwd128_1k_causal) prof $c flash_bwd_sm90_ws_kernel --d 128 --n 1024 --causal --bwd ;;
     bwd64_4k) prof $c flash_bwd_sm90_ws_kernel --d 64 --n 4096 --bwd ;;
+    det64_4k) prof $c flash_bwd_sm90_ws_kernel --d 64 --n 4096 --bwd --deterministic ;;  # against bwd64_4k
+    det128_4k) prof $c flash_bwd_sm90_ws_kernel --d 128 --n 4096 --bwd --deterministic ;;  # against bwd128_4k
     fwd128_1k_causal) prof $c flash_fwd_sm90_ws --d 128 --n 1024 --causal ;;
     fwd128_4k) prof $c flash_fwd_sm90_ws --d 128 --n 4096 ;;
     fwd128_1k) prof $c flash_fwd_sm90_ws --d 128 --n 1024 ;;

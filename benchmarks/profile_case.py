@@ -20,6 +20,7 @@ ap.add_argument("--d", type=int, default=128)
 ap.add_argument("--n", type=int, default=4096)
 ap.add_argument("--causal", action="store_true")
 ap.add_argument("--bwd", action="store_true", help="run forward and backward")
+ap.add_argument("--deterministic", action="store_true", help="the deterministic backward")
 ap.add_argument("--iters", type=int, default=3)
 ap.add_argument("--kernels", action="store_true", help="per-kernel GPU times (torch.profiler), ours and cuDNN's")
 args = ap.parse_args()
@@ -34,7 +35,7 @@ dout = torch.randn_like(q)
 
 
 def step():
-    out = flashattn_ext.flash_attn_func(q, k, v, causal=args.causal)
+    out = flashattn_ext.flash_attn_func(q, k, v, causal=args.causal, deterministic=args.deterministic)
     if args.bwd:
         torch.autograd.grad(out, (q, k, v), dout)
 
@@ -47,7 +48,10 @@ for _ in range(args.iters):
     step()
 end.record()
 torch.cuda.synchronize()
-print(f"d{args.d} n{args.n} causal={args.causal} bwd={args.bwd}: {start.elapsed_time(end) / args.iters:.3f} ms a call")
+print(
+    f"d{args.d} n{args.n} causal={args.causal} bwd={args.bwd} deterministic={args.deterministic}: "
+    f"{start.elapsed_time(end) / args.iters:.3f} ms a call"
+)
 
 if args.kernels:
     import torch.nn.functional as F
