@@ -41,8 +41,10 @@
 // frees it as soon as the TMA unit has read it (well within a step).
 //
 // Deterministic mode (p.deterministic): the key blocks of a head add their dQ
-// tiles in descending key-block order, each waiting for a per-(batch, head,
-// 64-query block) counter; see the grid order and the writer warp below.
+// tiles to a query block in a fixed order (descending key blocks, or without
+// a mask the order of rotated sweeps: dq_wait_for_turn), each waiting for a
+// per-(batch, head, 64-query block) counter; see the grid order and the
+// writer warp below.
 //
 // Named barriers: kDsBar (the two consumers, dS complete), kDqFull (the
 // consumers computing dQ arrive, the writer syncs) and kDqEmpty (the writer
