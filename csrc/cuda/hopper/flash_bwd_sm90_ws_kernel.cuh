@@ -137,6 +137,30 @@ struct DqFragLayout {
 // ---- pieces the two warp-specialized backward kernels share ----------------
 // (this one and flash_bwd_sm90_ws_split_kernel.cuh)
 
+// The key block a CTA owns: (batch or sequence b, kv head, key block). The
+// key blocks of a head are neighbours in the grid: their Q / dO reads meet in
+// L2. (Causal CTAs launched heaviest first across all heads, key block
+// slowest, measured 5-11% slower: the L2 reuse is worth more than the shorter
+// tail.) Deterministic: the key blocks of a head wait for each other's dQ
+// adds. With plain sweeps (descending order) a CTA then only waits for ones
+// launched before it (CTAs start in blockIdx order): the last key block of a
+// head goes first. Rotated sweeps wait in a cycle, so the launcher rotates
+// only when a head's key blocks are at most half the SMs (they are then
+// resident together). The grid has ceil(seqlen_k / kBlockN) key blocks a
+// (b, kv head) (varlen: max_seqlen_k's).
+struct BwdGridBlock {
+  int n_block, b, h_kv;
+};
+
+template <int kBlockN>
+__device__ __forceinline__ BwdGridBlock bwd_grid_block(const AttnBwdParams& p) {
+  const int num_n_blocks = ceil_div(p.seqlen_k, kBlockN);
+  const int n_block =
+      static_cast<int>(p.deterministic ? num_n_blocks - 1 - blockIdx.x % num_n_blocks : blockIdx.x % num_n_blocks);
+  const int bh = static_cast<int>(blockIdx.x / num_n_blocks);
+  return {n_block, bh / p.heads_kv, bh % p.heads_kv};
+}
+
 // The lse (log2 units) and D of a step's kBlockM query rows, kBlockM / 32 a
 // lane of the producer warp, loaded one step ahead so that their latency is not
 // on the path. Rows past seqlen_q: lse +inf makes P (and so dS, dV, dK, dQ) zero.
@@ -265,22 +289,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
   const int wg = warp / 4;
-  const int num_n_blocks = ceil_div(p.seqlen_k, kBlockN);
-  // The key blocks of a head are neighbours in the grid: their Q / dO reads
-  // meet in L2. (Causal CTAs launched heaviest first across all heads, key
-  // block slowest, measured 5-11% slower: the L2 reuse is worth more than the
-  // shorter tail.) Deterministic: the key blocks of a head wait for each
-  // other's dQ adds. With plain sweeps (descending order) a CTA then only
-  // waits for ones launched before it (CTAs start in blockIdx order): the last
-  // key block of a head goes first. Rotated sweeps wait in a cycle, so the
-  // launcher rotates only when a head's key blocks are at most half the SMs
-  // (they are then resident together).
   const bool deterministic = p.deterministic;
-  const int n_block =
-      static_cast<int>(deterministic ? num_n_blocks - 1 - blockIdx.x % num_n_blocks : blockIdx.x % num_n_blocks);
-  const int bh = static_cast<int>(blockIdx.x / num_n_blocks);
-  const int h_kv = bh % p.heads_kv;
-  const int b = bh / p.heads_kv;
+  const BwdGridBlock grid_block = bwd_grid_block<kBlockN>(p);
+  const int n_block = grid_block.n_block, b = grid_block.b, h_kv = grid_block.h_kv;
   const int ratio = p.heads_ratio();
   const int n0 = n_block * kBlockN;
   // Varlen: b is the sequence; every role returns here alike when the key

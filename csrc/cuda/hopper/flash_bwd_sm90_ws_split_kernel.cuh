@@ -144,14 +144,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
   const int wg = warp / 4;
-  const int num_n_blocks = ceil_div(p.seqlen_k, kBlockN);
-  // Grid order as in flash_bwd_sm90_ws_kernel (deterministic: last key block first).
   const bool deterministic = p.deterministic;
-  const int n_block =
-      static_cast<int>(deterministic ? num_n_blocks - 1 - blockIdx.x % num_n_blocks : blockIdx.x % num_n_blocks);
-  const int bh = static_cast<int>(blockIdx.x / num_n_blocks);
-  const int h_kv = bh % p.heads_kv;
-  const int b = bh / p.heads_kv;
+  const BwdGridBlock grid_block = bwd_grid_block<kBlockN>(p);  // 64 keys a CTA here
+  const int n_block = grid_block.n_block, b = grid_block.b, h_kv = grid_block.h_kv;
   const int ratio = p.heads_ratio();
   const int n0 = n_block * kBlockN;
   // Varlen: b is the sequence; every role returns here alike when the key
