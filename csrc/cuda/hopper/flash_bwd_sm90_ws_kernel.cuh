@@ -251,6 +251,17 @@ __device__ __forceinline__ void zero_tile_rows(T* tile, int row_lo, int tid) {
     *reinterpret_cast<uint4*>(tile + Tile::offset(i / kChunks, (i % kChunks) * 8)) = make_uint4(0, 0, 0, 0);
 }
 
+// Varlen, the last key block of a sequence: rows [keys, kBlockN) of sK are the
+// next sequence's keys and dQ = dS K reads every row (see the top of the
+// file): the kNThreads consumer threads zero them once, before any product,
+// and meet at zero_bar.
+template <typename TileKV, int kNThreads, typename T>
+__device__ __forceinline__ void zero_key_tail(T* sK, int keys, int tid, int zero_bar) {
+  zero_tile_rows<TileKV, kNThreads>(sK, keys, tid);
+  fence_proxy_async_smem();  // wgmma (async proxy) reads what st.shared wrote
+  named_barrier_sync(zero_bar, kNThreads);
+}
+
 template <typename Kt, bool kVarlen>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
     flash_bwd_sm90_ws_kernel(const __grid_constant__ AttnBwdParams p, const __grid_constant__ BwdTmaMaps maps) {
@@ -450,15 +461,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     named_barrier_arrive(kDqFull, kDqBarThreads);
   };
   if (iters > 0) mbar_wait(full_kv, 0);
-  if constexpr (kVarlen) {
-    // The last key block of a sequence: rows [keys, kBlockN) of sK are the
-    // next sequence's keys (see the top of the file); dQ = dS K reads every row.
-    if (iters > 0 && keys < kBlockN) {
-      zero_tile_rows<TileKV, kConsumerThreads>(sK, keys, ctid);
-      fence_proxy_async_smem();  // wgmma (async proxy) reads what st.shared wrote
-      named_barrier_sync(kZeroBar, kConsumerThreads);
-    }
-  }
+  if (kVarlen && iters > 0 && keys < kBlockN) zero_key_tail<TileKV, kConsumerThreads>(sK, keys, ctid, kZeroBar);
 
   for (int it = 0; it < iters; ++it) {
     const int s = stage(it);

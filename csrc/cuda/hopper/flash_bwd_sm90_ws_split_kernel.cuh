@@ -302,15 +302,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   const uint64_t desc_ds_m = smem_desc(smem_u32(sdS), Kt::kPanelDS, kSbo);
 
   if (iters > 0) mbar_wait(full_kv, 0);
-  if constexpr (kVarlen) {
-    // The last key block of a sequence: rows [keys, kBlockN) of sK are the
-    // next sequence's keys; both consumers' dQ products read every row.
-    if (iters > 0 && keys < kBlockN) {
-      zero_tile_rows<TileKV, kConsumerThreads>(sK, keys, ctid);
-      fence_proxy_async_smem();  // wgmma (async proxy) reads what st.shared wrote
-      named_barrier_sync(kZeroBar, kConsumerThreads);
-    }
-  }
+  if (kVarlen && iters > 0 && keys < kBlockN) zero_key_tail<TileKV, kConsumerThreads>(sK, keys, ctid, kZeroBar);
 
   // One consumer's whole path, instantiated per role (kRole = cwg) so that each
   // has accumulators of its own column count: with one set sized for consumer
