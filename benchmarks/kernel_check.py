@@ -10,9 +10,12 @@ non-zero on any failure. Usage: python benchmarks/kernel_check.py [--json PATH] 
 """
 
 import argparse
+import contextlib
+import functools
 import json
 import math
 import os
+import statistics
 import sys
 import time
 
@@ -225,6 +228,29 @@ def bench(fn, reps=30):
     return times[len(times) // 2]
 
 
+@contextlib.contextmanager
+def env_set(name):
+    """Runs the block with the switch `name`=1 (the C++ side reads it on every call)."""
+    os.environ[name] = "1"
+    try:
+        yield
+    finally:
+        del os.environ[name]
+
+
+def bench_side_by_side(entries, rounds=3, reps=10):
+    """{name: median ms} of entries {name: (context factory, fn)}, timed in
+    rounds, every entry once a round: a drift of the GPU over the run, or a
+    penalty of whatever is timed first (seen: the first of the variants timed
+    one after the other read up to 12% low), then hits them all alike."""
+    times = {name: [] for name in entries}
+    for _ in range(rounds):
+        for name, (ctx, fn) in entries.items():
+            with ctx():
+                times[name].append(bench(fn, reps))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def quick_perf(dims):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -238,20 +264,18 @@ def quick_perf(dims):
                 k = torch.randn_like(q, requires_grad=True)
                 v = torch.randn_like(q, requires_grad=True)
                 flops = attention_flops(b, h, n, n, d, causal)
-                out, lse = _ops.fwd(q, k, v, d**-0.5, -1, 0 if causal else -1, True, False)
+                wr = 0 if causal else -1
+                out, lse = _ops.fwd(q, k, v, d**-0.5, -1, wr, True, False)
                 dout = torch.randn_like(out)
                 res = {"d": d, "n": n, "causal": causal}
-                res["ours_fwd"] = bench(lambda: _ops.fwd(q, k, v, d**-0.5, -1, 0 if causal else -1, True, False))
-                res["ours_bwd"] = bench(
-                    lambda: _ops.bwd(dout, q, k, v, out, lse, d**-0.5, -1, 0 if causal else -1, True, False)
-                )
-                det_bwd = lambda: _ops.bwd(dout, q, k, v, out, lse, d**-0.5, -1, 0 if causal else -1, True, True)  # noqa: E731
-                res["det_bwd"] = bench(det_bwd)
+                fwd = lambda: _ops.fwd(q, k, v, d**-0.5, -1, wr, True, False)  # noqa: E731
+                bwd = lambda: _ops.bwd(dout, q, k, v, out, lse, d**-0.5, -1, wr, True, False)  # noqa: E731
+                det_bwd = lambda: _ops.bwd(dout, q, k, v, out, lse, d**-0.5, -1, wr, True, True)  # noqa: E731
+                plain = contextlib.nullcontext
+                entries = {"ours_fwd": (plain, fwd), "ours_bwd": (plain, bwd), "det_bwd": (plain, det_bwd)}
                 if torch.cuda.get_device_capability() == (9, 0):
                     # Side by side on an sm90 device: the Hopper kernels without TMA (the
                     # cp.async wgmma kernels) and the mma.sync kernels.
-                    fwd = lambda: _ops.fwd(q, k, v, d**-0.5, -1, 0 if causal else -1, True, False)  # noqa: E731
-                    bwd = lambda: _ops.bwd(dout, q, k, v, out, lse, d**-0.5, -1, 0 if causal else -1, True, False)  # noqa: E731
                     variants = [
                         ("FLASHATTN_DISABLE_TMA", "notma", {"fwd": fwd, "bwd": bwd}),
                         ("FLASHATTN_DISABLE_SM90", "sm80", {"fwd": fwd, "bwd": bwd}),
@@ -261,26 +285,24 @@ def quick_perf(dims):
                     else:  # the deterministic backward's plain sweeps beside the rotated ones
                         variants.append(("FLASHATTN_DQ_PLAIN_ORDER", "detplain", {"bwd": det_bwd}))
                     for env, name, fns in variants:
-                        os.environ[env] = "1"
-                        try:
-                            for mode, fn in fns.items():
-                                res[f"{name}_{mode}"] = bench(fn)
-                        finally:
-                            del os.environ[env]
+                        for mode, fn in fns.items():
+                            entries[f"{name}_{mode}"] = (functools.partial(env_set, env), fn)
                 qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
                 for name, be in (("fa2", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                    ctx = functools.partial(sdpa_kernel, be)
                     try:
-                        with sdpa_kernel(be):
-                            res[name + "_fwd"] = bench(
-                                lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-                            )
+                        with ctx():
                             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-                            do = torch.randn_like(o)
-                            res[name + "_bwd"] = bench(
-                                lambda: torch.autograd.grad(o, (qt, kt, vt), do, retain_graph=True)
-                            )
                     except Exception as exc:  # a backend that refuses a shape
                         res[name + "_err"] = str(exc)[:100]
+                        continue
+                    do = torch.randn_like(o)
+                    entries[name + "_fwd"] = (ctx, lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+                    entries[name + "_bwd"] = (
+                        ctx,
+                        lambda o=o, do=do: torch.autograd.grad(o, (qt, kt, vt), do, retain_graph=True),
+                    )
+                res.update(bench_side_by_side(entries))
                 for key in list(res):
                     if key.endswith("_fwd"):
                         res[key.replace("_fwd", "_fwd_tflops")] = flops / res[key] / 1e9
