@@ -279,8 +279,6 @@ def quick_perf(dims):
                     variants = [
                         ("FLASHATTN_DISABLE_TMA", "notma", {"fwd": fwd, "bwd": bwd}),
                         ("FLASHATTN_DISABLE_SM90", "sm80", {"fwd": fwd, "bwd": bwd}),
-                        # The backward's three kernels launched plainly (no programmatic dependent launch).
-                        ("FLASHATTN_DISABLE_PDL", "nopdl", {"bwd": bwd}),
                     ]
                     if causal:  # the persistent forward's single-tile order beside the paired one
                         variants.append(("FLASHATTN_FWD_SINGLE_TILES", "single", {"fwd": fwd}))
@@ -315,7 +313,6 @@ def quick_perf(dims):
                 rows.append(res)
                 single = f", single tiles {res['single_fwd_tflops']:.0f}" if "single_fwd_tflops" in res else ""
                 detplain = f" / plain order {res['detplain_bwd_tflops']:.0f}" if "detplain_bwd_tflops" in res else ""
-                detplain += f", no PDL {res['nopdl_bwd_tflops']:.0f}" if "nopdl_bwd_tflops" in res else ""
                 print(
                     f"perf d{d} n{n} causal={causal}: fwd ours {res.get('ours_fwd_tflops', 0):.0f} "
                     f"(no TMA {res.get('notma_fwd_tflops', 0):.0f}, mma.sync {res.get('sm80_fwd_tflops', 0):.0f}"
