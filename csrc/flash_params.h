@@ -168,11 +168,6 @@ struct AttnBwdParams : AttnFwdParams {
   // FLASHATTN_DQ_PLAIN_ORDER=1 clears dq_allow_rotation, for timing.
   bool dq_allow_rotation = true;
   int dq_sweep_stride = 0;
-  // Hopper (device_arch >= 90): the warp-specialized backward's kernels after
-  // the first are launched as programmatic dependents of the one before
-  // (PDL: launch_bwd_sm90_ws), so that their launch and set-up overlap its
-  // end. FLASHATTN_DISABLE_PDL=1 clears it, to time the plain launches beside it.
-  bool allow_pdl = true;
 };
 
 // One sequence b of a batch as the kernels see it (FA2's BlockInfo): where

@@ -57,14 +57,6 @@ __device__ __forceinline__ int64_t dq_accum_offset(const AttnBwdParams& p, const
 //     rounded, would be the next sequence's (or past the accumulator) and idle.
 template <typename T, int kLanesPerRow, bool kWholeBlocks = false>
 __global__ void bwd_preprocess_kernel(const AttnBwdParams p) {
-  // PDL (launch_bwd_sm90_ws): the warp-specialized kernel after this one may
-  // launch as soon as every CTA here runs, and set up and load K / V while
-  // this kernel ends (it waits before it reads D or adds into dq_accum). Its
-  // CTAs only find room on SMs this kernel has left (each takes a whole SM's
-  // registers), and they launch only once this grid's last CTAs have
-  // started: nothing of this grid waits for them. (No effect before the
-  // other backward kernels, which are launched plainly.)
-  pdl_launch_dependents();
   const int rows_per_head = kWholeBlocks ? ceil_div(p.seqlen_q, 64) * 64 : p.seqlen_q;
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kLanesPerRow;  // over (b, h, i)
   const int sub = threadIdx.x % kLanesPerRow;

@@ -14,7 +14,6 @@
 #include "hopper/flash_fwd_sm90_ws_kernel.cuh"
 #include "hopper/tma_host.h"
 #include "kernel_configs.h"
-#include "pdl_launch.cuh"
 
 namespace flashattn {
 
@@ -117,12 +116,10 @@ cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool
 }
 
 // D = rowsum(dO * O) (and dq_accum zeroed, see bwd_preprocess_kernel): head_dim / 8
-// lanes a row, rounded up to a power of two. *launched (when given): whether a
-// kernel went onto the stream (none without rows).
+// lanes a row, rounded up to a power of two.
 template <typename T, bool kWholeBlocks = false>
-cudaError_t launch_bwd_preprocess(const AttnBwdParams& p, cudaStream_t stream, bool* launched = nullptr) {
+cudaError_t launch_bwd_preprocess(const AttnBwdParams& p, cudaStream_t stream) {
   const int64_t rows = int64_t(p.batch) * p.heads_q * (kWholeBlocks ? ceil_div(p.seqlen_q, 64) * 64 : p.seqlen_q);
-  if (launched != nullptr) *launched = rows > 0;
   if (rows == 0) return cudaSuccess;
   constexpr int kThreads = 256;
   auto launch = [&](auto kernel, int lanes_per_row) {
@@ -191,20 +188,6 @@ cudaError_t launch_bwd_sm90(const AttnBwdParams& p, cudaStream_t stream) {
 // when p.deterministic). Sets *launched = false (and launches nothing) when TMA cannot
 // describe one of the tensors.
 //
-// Three kernels on the stream, each after the first a programmatic dependent
-// of the one before (PDL, pdl_launch.cuh; p.allow_pdl, FLASHATTN_DISABLE_PDL=1
-// clears it): the preprocessing (D, the accumulator zeroed) lets the main
-// kernel launch as soon as all its CTAs run; the main kernel loads K / V
-// (d <= 128: and its first Q / dO block) before it waits for D (pdl_wait in
-// each role); the
-// conversion launches during the main kernel's last steps and waits for its
-// adds. Each dependent is launched so only when the kernel before it was
-// launched just before it (an empty grid is no launch): then every kernel of
-// the chain waits (every CTA, on every path) for the one before, so the
-// conversion's completion implies the preprocessing's, and the kernels after
-// the chain on the stream, launched plainly, see all three complete. Short
-// calls (seqlen 512-1k: 100-300 us in all) gain the launch gaps.
-//
 // A varlen batch runs the kernels' kVarlen instances, as launch_fwd_sm90_ws
 // does: tensor maps of the packed tensors as one batch entry of total_q /
 // total_k rows, a grid of ceil(max_seqlen_k / kBlockN) key blocks per
@@ -243,9 +226,7 @@ cudaError_t launch_bwd_sm90_ws(const AttnBwdParams& p, cudaStream_t stream, bool
   // The kernel adds whole tiles (padding rows and columns included) in its own
   // order (DqFragLayout): the preprocessing zeroes the accumulator in whole
   // 64-row blocks (no separate memset).
-  bool preprocessed = false;
-  if (cudaError_t err = launch_bwd_preprocess<T, true>(p, stream, &preprocessed); err != cudaSuccess) return err;
-  const bool pdl = p.allow_pdl && p.device_arch >= 90;
+  if (cudaError_t err = launch_bwd_preprocess<T, true>(p, stream); err != cudaSuccess) return err;
   const int n_blocks = ceil_div(p.seqlen_k, Kt::kBlockN);
   const int64_t blocks = int64_t(n_blocks) * p.heads_kv * p.batch;
   AttnBwdParams pk = p;
@@ -262,17 +243,14 @@ cudaError_t launch_bwd_sm90_ws(const AttnBwdParams& p, cudaStream_t stream, bool
                            : 0;
   // (Varlen: max_seqlen_k may be 0, an empty grid, which is no launch; the
   // accumulator is zeroed and dQ still converted.)
+  if (blocks > 0) kernel<<<static_cast<unsigned>(blocks), Kt::kNThreads, Kt::kSmemBytes, stream>>>(pk, maps);
   *launched = true;
-  if (blocks > 0) {
-    const cudaError_t err = launch_kernel(kernel, dim3(static_cast<unsigned>(blocks)), dim3(Kt::kNThreads),
-                                          Kt::kSmemBytes, stream, pdl && preprocessed, pk, maps);
-    if (err != cudaSuccess) return err;
-  }
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   const int64_t convert_blocks = int64_t(ceil_div(p.seqlen_q, Kt::kBlockM)) * Kt::kDqBlocks * p.heads_q * p.batch;
   if (convert_blocks == 0) return cudaSuccess;
   auto convert = varlen ? &convert_dq_frag_kernel<Kt, true> : &convert_dq_frag_kernel<Kt, false>;
-  return launch_kernel(convert, dim3(static_cast<unsigned>(convert_blocks)), dim3(128), 0, stream, pdl && blocks > 0,
-                       p);
+  convert<<<static_cast<unsigned>(convert_blocks), 128, 0, stream>>>(p);
+  return cudaGetLastError();
 }
 
 #ifdef FLASHATTN_TUNING

@@ -1,7 +1,6 @@
 // Thin wrappers over the sm80+ instructions the kernels are built from:
 // cp.async (global -> shared without registers), ldmatrix (shared -> the
-// register fragments of mma.sync) and mma.sync m16n8k16 with fp32 accumulation;
-// and the sm90 grid dependency controls (pdl_wait, pdl_launch_dependents).
+// register fragments of mma.sync) and mma.sync m16n8k16 with fp32 accumulation.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -127,31 +126,6 @@ __device__ __forceinline__ void atomic_add2(float* dst, float a, float b) {
 #else
   atomicAdd(dst, a);
   atomicAdd(dst + 1, b);
-#endif
-}
-
-// Programmatic dependent launch (sm90+; the host side is launch_kernel in
-// pdl_launch.cuh). A grid launched as a programmatic dependent of the kernel
-// before it on the stream may start while that kernel still runs:
-//   pdl_wait(): the calling thread waits until the grids this one depends on
-//     have completed and their memory operations are visible to this grid.
-//     Per thread: every thread that reads (or writes over) what they wrote
-//     executes it first, or is ordered after one that did (a barrier or an
-//     mbarrier). Returns at once in a grid launched without the attribute.
-//   pdl_launch_dependents(): this CTA lets the dependents of its grid launch;
-//     they launch once every CTA of the grid has done so or exited. A hint
-//     with no memory ordering (the dependents still pdl_wait); a no-op when
-//     nothing depends on the grid.
-// Compiled to nothing before sm90, whose launches never carry the attribute.
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
 

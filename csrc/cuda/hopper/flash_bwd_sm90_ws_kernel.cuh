@@ -55,25 +55,6 @@
 // kernels (../mask.cuh), applied to S^T and dS^T in registers; bias, dropout
 // or softcap would slot in at the same place.
 //
-// Programmatic dependent launch (launch_bwd_sm90_ws; the same in
-// flash_bwd_sm90_ws_split_kernel.cuh, whose producer loads step 0's Q / dO
-// after its wait): the kernel may start while the
-// preprocessing kernel still writes D (dsum) and zeroes dq_accum. Q, K, V, dO
-// and lse are complete before that kernel starts (it is launched plainly), so
-// the mbarrier set-up and the TMA loads of K / V and of the first step's Q /
-// dO go ahead; each role waits (pdl_wait) before it touches the
-// preprocessing's output or the deterministic counters:
-//   producer warp: before its lanes load the first step's lse / D;
-//   dQ writer warp: before its first counter read and bulk add;
-//   consumers: they read D only from the stages (after the producer's wait,
-//     through full_q) and in the epilogue's non-finite fix-up; they wait
-//     before the sweep anyway, where they would wait for step 0's stage: no
-//     cost, and a CTA without steps waits too;
-//   a varlen CTA past its sequence waits before it returns.
-// So every CTA waits for the preprocessing: this grid's completion implies
-// that one's (the conversion after it relies on it). The conversion is let
-// launch when the producer has issued its last step's loads (see there).
-//
 // Varlen batches (kVarlen, a separate instance so that the dense one keeps its
 // registers and SASS; SeqInfo in ../../flash_params.h), as in the forward
 // (flash_fwd_sm90_ws_kernel.cuh):
@@ -327,10 +308,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   // Varlen: b is the sequence; every role returns here alike when the key
   // block starts past its seqlen_k (before any barrier; no key to write).
   const SeqInfo seq(p, b, kVarlen);
-  if (kVarlen && n0 >= seq.seqlen_k) {
-    pdl_wait();  // (PDL, see the top of the file: every CTA waits)
-    return;
-  }
+  if (kVarlen && n0 >= seq.seqlen_k) return;
   const int keys = min(kBlockN, seq.seqlen_k - n0);
 
   const BlockMask mask = kVarlen ? BlockMask(p, seq) : BlockMask(p);
@@ -382,47 +360,28 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
           next.load(p, b, hq, m0, lane);
         }
       };
-      // Lane 0: the Q and dO blocks of step it into stage s (free).
-      auto load_q_do = [&](int it, int s) {
-        int hq, m0;
-        query_block(it, hq, m0);
-        mbar_arrive_expect_tx(&full_q[s], 2 * Kt::kBytesQ);
-#pragma unroll
-        for (int pn = 0; pn < Kt::kPanels; ++pn) {
-          tma_load_4d(sQ + s * TileQ::kElems + pn * TileQ::kRows * 64, &maps.q, &full_q[s], pn * 64, hq,
-                      kVarlen ? seq.q_start + m0 : m0, tma_b);
-          tma_load_4d(sdO + s * TileQ::kElems + pn * TileQ::kRows * 64, &maps.dout, &full_q[s], pn * 64, hq,
-                      kVarlen ? seq.q_start + m0 : m0, tma_b);
-        }
-      };
-      // Step 0's Q / dO (the stages start free) before the wait for D, which
-      // the preprocessing kernel may still be writing (PDL, see the top).
-      if (lane == 0) load_q_do(0, stage(0));
-      pdl_wait();
       load_rowvecs(0);
       for (int it = 0; it < iters; ++it) {
         const int s = stage(it);
-        if (it > 0) {
-          mbar_wait(&empty_q[s], parity(it) ^ 1);
-          if (lane == 0) load_q_do(it, s);
+        int hq, m0;
+        query_block(it, hq, m0);
+        mbar_wait(&empty_q[s], parity(it) ^ 1);
+        if (lane == 0) {
+          mbar_arrive_expect_tx(&full_q[s], 2 * Kt::kBytesQ);
+#pragma unroll
+          for (int pn = 0; pn < Kt::kPanels; ++pn) {
+            tma_load_4d(sQ + s * TileQ::kElems + pn * TileQ::kRows * 64, &maps.q, &full_q[s], pn * 64, hq,
+                        kVarlen ? seq.q_start + m0 : m0, tma_b);
+            tma_load_4d(sdO + s * TileQ::kElems + pn * TileQ::kRows * 64, &maps.dout, &full_q[s], pn * 64, hq,
+                        kVarlen ? seq.q_start + m0 : m0, tma_b);
+          }
         }
         next.store(sLse + s * kBlockM, sDsum + s * kBlockM, lane);
         mbar_arrive(&full_q[s]);  // every lane: releases its own writes to the consumers
         if (it + 1 < iters) load_rowvecs(it + 1);
       }
-      // PDL: the conversion kernel may launch once every CTA has got here (or
-      // exited): this CTA's loads are all issued, at most kStages steps and the
-      // epilogue are left. Its CTAs find room only on SMs this grid has left
-      // and then wait for its end there; they launch only after this grid's
-      // last CTAs started, so they never hold back a CTA of it (nor break
-      // the deterministic rotated order's co-residency), but the later they
-      // launch, the less they sit idle on the SMs (at long sequences the last
-      // wave's CTAs end far apart). A few steps' time still covers the launch.
-      pdl_launch_dependents();
     } else if (warp == 1 && iters > 0) {
       // dQ writer: the consumers' dQ tile of step it into dq_accum, one row a bulk add.
-      // PDL (see the top of the file): before the counters and the adds.
-      pdl_wait();
       named_barrier_arrive(kDqEmpty, kDqBarThreads);  // the tile starts free
       for (int it = 0; it < iters; ++it) {
         int hq, m0;
@@ -503,7 +462,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   };
   if (iters > 0) mbar_wait(full_kv, 0);
   if (kVarlen && iters > 0 && keys < kBlockN) zero_key_tail<TileKV, kConsumerThreads>(sK, keys, ctid, kZeroBar);
-  pdl_wait();  // D: see the top of the file (PDL)
 
   for (int it = 0; it < iters; ++it) {
     const int s = stage(it);
@@ -688,10 +646,6 @@ __global__ void __launch_bounds__(128, 8) convert_dq_frag_kernel(const AttnBwdPa
   const int b = static_cast<int>(idx / unsigned(p.heads_q));
   const int thr = threadIdx.x;
   const SeqInfo seq(p, b, kVarlen);
-  // PDL (launch_bwd_sm90_ws): the main kernel may still be adding into the
-  // accumulator. Every thread waits, in every CTA (also one that returns
-  // below: the chain's completion order, see the launcher).
-  pdl_wait();
   if (kVarlen && mb * Kt::kBlockM >= seq.seqlen_q) return;
   const float* acc =
       static_cast<const float*>(p.dq_accum_ptr) +

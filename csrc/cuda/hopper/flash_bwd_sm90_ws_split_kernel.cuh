@@ -57,13 +57,6 @@
 // barrier left is
 // kEpilogueBar (both consumers sync, before dK / dV reuse sK / sV).
 //
-// Programmatic dependent launch: as in flash_bwd_sm90_ws_kernel.cuh (see its
-// top comment; each role waits for the preprocessing at the same place),
-// except that the producer issues step 0's Q / dO after its wait, not
-// before: the restructured producer loop that does so there moved ptxas's
-// spills of this kernel's varlen instance (d256: 64 / 64 bytes stored /
-// loaded to 52 / 76); as it is, both instances keep their spills.
-//
 // Deterministic mode: as in flash_bwd_sm90_ws_kernel.cuh (key blocks add in
 // the order their sweeps reach a query block, behind per-(batch, head,
 // 64-query block) counters; the counter is released after both parts have
@@ -159,10 +152,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   // Varlen: b is the sequence; every role returns here alike when the key
   // block starts past its seqlen_k (before any barrier; no key to write).
   const SeqInfo seq(p, b, kVarlen);
-  if (kVarlen && n0 >= seq.seqlen_k) {
-    pdl_wait();  // (PDL: every CTA waits, see flash_bwd_sm90_ws_kernel.cuh)
-    return;
-  }
+  if (kVarlen && n0 >= seq.seqlen_k) return;
   const int keys = min(kBlockN, seq.seqlen_k - n0);
 
   const BlockMask mask = kVarlen ? BlockMask(p, seq) : BlockMask(p);
@@ -222,7 +212,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
           next.load(p, b, hq, m0, lane);
         }
       };
-      pdl_wait();  // D (PDL): K / V are loading
       load_rowvecs(0);
       for (int it = 0; it < iters; ++it) {
         const int s = stage(it);
@@ -249,15 +238,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         }
         if (it + 1 < iters) load_rowvecs(it + 1);
       }
-      // PDL: the conversion may launch once every CTA has issued its last
-      // loads (the reasons in flash_bwd_sm90_ws_kernel.cuh).
-      pdl_launch_dependents();
     } else if (warp == 1 && iters > 0) {
       // dQ writer: the two parts of each step's dQ tile, consumer 0's then
       // consumer 1's, through the one shared tile. Lane 0 issues the bulk adds
       // and, once the TMA unit has read the tile, hands it on with its own
       // arrive (empty_dq counts that one thread); the other lanes only wait.
-      pdl_wait();  // before the counters and the adds (PDL)
       for (int it = 0; it < iters; ++it) {
         int hq, m0;
         query_block(it, hq, m0);
@@ -318,7 +303,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 
   if (iters > 0) mbar_wait(full_kv, 0);
   if (kVarlen && iters > 0 && keys < kBlockN) zero_key_tail<TileKV, kConsumerThreads>(sK, keys, ctid, kZeroBar);
-  pdl_wait();  // D (in the stages, and in the epilogue's fix-up): as in flash_bwd_sm90_ws_kernel.cuh
 
   // One consumer's whole path, instantiated per role (kRole = cwg) so that each
   // has accumulators of its own column count: with one set sized for consumer
