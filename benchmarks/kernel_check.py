@@ -280,6 +280,9 @@ def quick_perf(dims):
                         ("FLASHATTN_DISABLE_TMA", "notma", {"fwd": fwd, "bwd": bwd}),
                         ("FLASHATTN_DISABLE_SM90", "sm80", {"fwd": fwd, "bwd": bwd}),
                     ]
+                    if d == 64:  # the backward's 64-query steps beside its 128-query steps
+                        variants.append(("FLASHATTN_BWD_D64_SHORT_STEPS", "short", {"bwd": bwd}))
+                        variants.append(("FLASHATTN_BWD_D64_SHORT_STEPS", "shortdet", {"bwd": det_bwd}))
                     if causal:  # the persistent forward's single-tile order beside the paired one
                         variants.append(("FLASHATTN_FWD_SINGLE_TILES", "single", {"fwd": fwd}))
                     else:  # the deterministic backward's plain sweeps beside the rotated ones
@@ -313,6 +316,8 @@ def quick_perf(dims):
                 rows.append(res)
                 single = f", single tiles {res['single_fwd_tflops']:.0f}" if "single_fwd_tflops" in res else ""
                 detplain = f" / plain order {res['detplain_bwd_tflops']:.0f}" if "detplain_bwd_tflops" in res else ""
+                if "short_bwd_tflops" in res:
+                    detplain += f", 64-query steps {res['short_bwd_tflops']:.0f} / deterministic {res['shortdet_bwd_tflops']:.0f}"
                 print(
                     f"perf d{d} n{n} causal={causal}: fwd ours {res.get('ours_fwd_tflops', 0):.0f} "
                     f"(no TMA {res.get('notma_fwd_tflops', 0):.0f}, mma.sync {res.get('sm80_fwd_tflops', 0):.0f}"

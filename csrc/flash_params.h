@@ -167,6 +167,10 @@ struct AttnBwdParams : AttnFwdParams {
   // (dq_wait_for_turn in hopper/flash_bwd_sm90_ws_kernel.cuh).
   // FLASHATTN_DQ_PLAIN_ORDER=1 clears dq_allow_rotation, for timing.
   bool dq_allow_rotation = true;
+  // Head dim 64 on Hopper: 128-query steps of the warp-specialized backward
+  // (KernelConfig<64>::BwdSm90Ws); FLASHATTN_BWD_D64_SHORT_STEPS=1 clears it,
+  // to time the 64-query steps it replaced (BwdSm90WsShortSteps) beside them.
+  bool bwd_long_steps = true;
   int dq_sweep_stride = 0;
 };
 

@@ -115,6 +115,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_i
   params.device_arch = device_arch(q);
   params.allow_tma = !env_flag("FLASHATTN_DISABLE_TMA");
   params.dq_allow_rotation = !env_flag("FLASHATTN_DQ_PLAIN_ORDER");
+  params.bwd_long_steps = !env_flag("FLASHATTN_BWD_D64_SHORT_STEPS");
   // dQ accumulates in fp32 across key blocks: rows padded to the kernel's
   // query block, columns to the kernel head dim (atomics touch all of them);
   // bwd_preprocess_kernel (before the warp-specialized kernel, a memset)
@@ -215,6 +216,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   // The warp-specialized TMA backward runs varlen batches too: the same switches as bwd_cuda's.
   params.allow_tma = !env_flag("FLASHATTN_DISABLE_TMA");
   params.dq_allow_rotation = !env_flag("FLASHATTN_DQ_PLAIN_ORDER");
+  params.bwd_long_steps = !env_flag("FLASHATTN_BWD_D64_SHORT_STEPS");
   // Each sequence's dQ accumulator rows are followed by kBwdBlockM padding
   // rows of its own (flash_params.h); bwd_preprocess_kernel zeroes the rows
   // read back (the warp-specialized kernel's: whole 64-row blocks of each

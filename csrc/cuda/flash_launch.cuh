@@ -365,7 +365,13 @@ cudaError_t run_bwd(const AttnBwdParams& p, cudaStream_t stream) {
   if constexpr (HasBwdSm90Ws<Cfg>::value) {
     if (bwd_tries_sm90_ws<T, kHeadDim>(p) && (!p.deterministic || p.dq_semaphore_ptr != nullptr)) {
       bool launched = false;
-      const cudaError_t err = launch_bwd_sm90_ws<typename Cfg::BwdSm90Ws>(p, stream, &launched);
+      cudaError_t err;
+      if constexpr (HasBwdSm90WsShortSteps<Cfg>::value) {
+        err = p.bwd_long_steps ? launch_bwd_sm90_ws<typename Cfg::BwdSm90Ws>(p, stream, &launched)
+                               : launch_bwd_sm90_ws<typename Cfg::BwdSm90WsShortSteps>(p, stream, &launched);
+      } else {
+        err = launch_bwd_sm90_ws<typename Cfg::BwdSm90Ws>(p, stream, &launched);
+      }
       if (launched || err != cudaSuccess) return err;
     }
   }

@@ -36,8 +36,12 @@ struct KernelConfig<64, T> {
   using FwdSm90Ws = FwdSm90WsTraits<64, 128, 3, 2, T>;  // 192 queries: three consumers
   // Causal / windowed up to 8k queries: 128-query tiles waste less on the diagonal (tune.py, visit 2 of session 3).
   using FwdSm90WsMasked = FwdSm90WsTraits<64, 128, 2, 2, T>;
-  using BwdSm90 = BwdSm90Traits<64, 128, T>;        // 128 queries a step: half the dQ atomics per flop of 64
-  using BwdSm90Ws = BwdSm90WsTraits<64, 64, 4, T>;  // one dQ block a step, the consumers in turn; short steps: 4 stages
+  using BwdSm90 = BwdSm90Traits<64, 128, T>;  // 128 queries a step: half the dQ atomics per flop of 64
+  // 128 queries a step: twice the products per step's fixed costs (barriers, waits, the dQ tile's bulk add) of
+  // 64-query steps (session 7; p.bwd_long_steps); those stay for the A/B, in turns with 4 stages.
+  using BwdSm90Ws = BwdSm90WsTraits<64, 128, 2, T>;
+  using BwdSm90WsShortSteps =
+      BwdSm90WsTraits<64, 64, 4, T>;  // one dQ block a step, the consumers in turn; short steps: 4 stages
 };
 template <typename T>
 struct KernelConfig<96, T> {
@@ -101,6 +105,10 @@ template <typename Cfg, typename = void>
 struct HasBwdSm90Ws : std::false_type {};
 template <typename Cfg>
 struct HasBwdSm90Ws<Cfg, std::void_t<typename Cfg::BwdSm90Ws>> : std::true_type {};
+template <typename Cfg, typename = void>
+struct HasBwdSm90WsShortSteps : std::false_type {};
+template <typename Cfg>
+struct HasBwdSm90WsShortSteps<Cfg, std::void_t<typename Cfg::BwdSm90WsShortSteps>> : std::true_type {};
 
 template <typename... Kts>
 struct Variants {};

@@ -247,6 +247,9 @@ struct BwdSm90WsTraits {
   static constexpr int kDqBlocksPerWg = kDqAlternate ? 1 : kDqBlocks / 2;
   static constexpr int kDqTiles = kDqAlternate ? 2 : 1;  // fp32 dQ tiles in shared memory
   static constexpr bool kSplitHeadDim = false;           // the consumers split the keys
+  // dV issued after the dS arithmetic instead of under it: with 128 queries a
+  // step the registers hold P^T and dP^T in fp32 but not P^T's packed copy too.
+  static constexpr bool kDvAfterDs = kBlockM == 128;
 
   using TileQ = SmemTile<kBlockM, kHeadDim>;          // Q and dO blocks
   using TileKV = SmemTile<kBlockN, kHeadDim>;         // K and V

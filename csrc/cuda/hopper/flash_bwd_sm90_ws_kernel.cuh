@@ -496,21 +496,32 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const bool needs_mask = mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0);
     if (needs_mask) apply_mask_cols(acc_s, mask, n0 + warp_key0, m0, lane, 0.f);
 
-    // dV += P^T dO (P^T as the register A operand) runs under the dS arithmetic.
+    // dV += P^T dO (P^T as the register A operand) runs under the dS
+    // arithmetic; with 128-query steps (Kt::kDvAfterDs) it is issued after it,
+    // with dK: P^T's packed copy (read by the running dV product) beside both
+    // fp32 tiles and dV, dK did not fit in the registers (ptxas serialized
+    // every wgmma, C7512).
     uint32_t a_p[kQSteps][4], a_ds[kQSteps][4];
+    auto issue_dv = [&]() {
 #pragma unroll
-    for (int kk = 0; kk < kQSteps; ++kk) acc_to_a<T>(a_p[kk], acc_s[0], kk);
-    wgmma_fence();
+      for (int kk = 0; kk < kQSteps; ++kk) acc_to_a<T>(a_p[kk], acc_s[0], kk);
+      wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kQSteps; ++kk)
-      Wgmma<kHeadDim, T>::template rs<1>(acc_dv[0], a_p[kk], desc_add(desc_do_n, kk * 2048), 1);
-    wgmma_commit();
-
-    wgmma_wait<1>();  // dP^T (dV may still run)
+      for (int kk = 0; kk < kQSteps; ++kk)
+        Wgmma<kHeadDim, T>::template rs<1>(acc_dv[0], a_p[kk], desc_add(desc_do_n, kk * 2048), 1);
+      wgmma_commit();
+    };
+    if constexpr (!Kt::kDvAfterDs) {
+      issue_dv();
+      wgmma_wait<1>();  // dP^T (dV may still run)
+    } else {
+      wgmma_wait<0>();  // dP^T
+    }
     pin_registers(acc_dp[0]);
     ds_t(acc_dp[0], acc_s[0], sDsums, t);
     // A masked dS is 0 even where dP - D is not finite (0 * NaN).
     if (needs_mask) apply_mask_cols(acc_dp, mask, n0 + warp_key0, m0, lane, 0.f);
+    if constexpr (Kt::kDvAfterDs) issue_dv();
 
       // dK += dS^T Q, dS^T as the register A operand.
 #pragma unroll
@@ -543,9 +554,14 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
           smem_desc(smem_u32(sdS_it) + (dq_row0(i) / 64) * Kt::kPanelDS, Kt::kPanelDS, kSbo);  // A, M-major
       const uint64_t desc_kn =
           smem_desc(smem_u32(sK) + (dq_col0(i) / 64) * Kt::kPanelKV, Kt::kPanelKV, kSbo);  // B, N-major
+      // The first k-step overwrites acc_dq without reading it: the last
+      // step's dQ (written out) is dead, and no register holds it across
+      // the step (at 128-query steps that made ptxas serialize every wgmma
+      // for lack of registers, C7512).
+      Wgmma<64, T>::template ss_overwrite<1, 1>(acc_dq[i], desc_ds, desc_kn);
 #pragma unroll
-      for (int ks = 0; ks < kBlockN / 16; ++ks)
-        Wgmma<64, T>::template ss<1, 1>(acc_dq[i], desc_add(desc_ds, ks * 2048), desc_add(desc_kn, ks * 2048), ks > 0);
+      for (int ks = 1; ks < kBlockN / 16; ++ks)
+        Wgmma<64, T>::template ss<1, 1>(acc_dq[i], desc_add(desc_ds, ks * 2048), desc_add(desc_kn, ks * 2048), 1);
     }
     wgmma_commit();
     wgmma_wait<1>();  // dV, dK done: the Q / dO stage is free (and a_p, a_ds)
