@@ -19,7 +19,10 @@
 //     through the log-sum-exp at the end;
 //   - num_splits == 1 writes out and lse directly; otherwise each split
 //     writes an fp32 partial output and its lse (log2 units) to a workspace
-//     and flash_decode_combine_kernel merges them.
+//     and flash_decode_combine_kernel merges them. On sm90 the combine kernel
+//     is launched with programmatic dependent launch (pdl_launch.h; off with
+//     FLASHATTN_DISABLE_PDL=1), so its launch overlaps the split grid's last
+//     wave instead of following it.
 //
 // The integer arguments are read on the device and clamped into range (a bad
 // value cannot make a read or write leave the tensors; the CPU kernel and the
@@ -33,6 +36,8 @@
 #include "../kvcache_params.h"
 #include "decode_dispatch.h"
 #include "nonfinite_fixup.cuh"
+#include "pdl_launch.h"
+#include "ptx.cuh"
 #include "softmax.cuh"
 #include "tile.cuh"
 
@@ -232,6 +237,15 @@ __global__ void __launch_bounds__(Kt::kNThreads) flash_decode_kernel(const Kvcac
     fetch_pages(n_begin + s + 1);
   }
 
+  // Lets the combine kernel (launched with PDL, p.pdl) be scheduled early. It
+  // launches only once every CTA of this grid has executed this or exited, so
+  // no CTA of this grid is still waiting for a slot then: its CTAs (waiting in
+  // pdl_wait, no shared memory) take only the registers and warps this grid's
+  // last wave leaves free, and its launch latency hides under that whole wave
+  // (after the main loop, it would hide only under the epilogue). Its wait
+  // still covers this whole grid, so where this stands affects only timing.
+  pdl_launch_dependents();
+
   // The visible key range of each of this lane's accumulator rows (rows past
   // the group see nothing: they are computed and never stored).
   int row_lo[kMT][2], row_hi[kMT][2];
@@ -391,6 +405,11 @@ __global__ void __launch_bounds__(Kt::kNThreads) flash_decode_kernel(const Kvcac
 // (At most 64 registers: the slow path's call would otherwise set the register count.)
 template <typename T>
 __global__ void __launch_bounds__(128, 8) flash_decode_combine_kernel(const KvcacheParams p) {
+  // Launched with PDL (p.pdl), this kernel may start while the split kernel
+  // still runs: every thread waits for the split grid (and its workspace
+  // writes) before anything else, the early exit below included, so that the
+  // grid's completion also implies the split kernel's for what follows it.
+  pdl_wait();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t rows_total = int64_t(p.batch) * p.heads_q * p.seqlen_q;
   const int64_t row = int64_t(blockIdx.x) * 4 + warp;
@@ -455,8 +474,8 @@ cudaError_t launch_decode(const KvcacheParams& p, cudaStream_t stream) {
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   if (p.num_splits > 1) {
     const int64_t rows_total = int64_t(p.batch) * p.heads_q * p.seqlen_q;
-    flash_decode_combine_kernel<T><<<static_cast<unsigned>((rows_total + 3) / 4), 128, 0, stream>>>(p);
-    return cudaGetLastError();
+    return launch_kernel_pdl(p.pdl, &flash_decode_combine_kernel<T>, dim3(static_cast<unsigned>((rows_total + 3) / 4)),
+                             dim3(128), 0, stream, p);
   }
   return cudaSuccess;
 }
