@@ -55,6 +55,9 @@ struct KvcacheParams : QkvoParams {
   int num_splits = 1;
   float* o_accum = nullptr;
   float* lse_accum = nullptr;
+  // CUDA only: launch the combine kernel with programmatic dependent launch
+  // (sm90+; the binding sets it, FLASHATTN_DISABLE_PDL clears it).
+  bool pdl = false;
 };
 
 }  // namespace flashattn

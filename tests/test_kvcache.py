@@ -742,6 +742,43 @@ def test_plain_step_cuda_graph_and_no_sync(seqlens):
         assert torch.equal(out, out_e) and torch.equal(lse, lse_e)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged256"])
+def test_split_step_cuda_graph_pdl(paged, monkeypatch):
+    """Several splits, so the combine kernel runs: on sm90 it is launched with
+    programmatic dependent launch (FLASHATTN_DISABLE_PDL=1: the plain launch).
+    Captured with PDL, the replays equal eager calls with and without it, bit
+    for bit (the same kernels; only the launch differs)."""
+    device, dtype = "cuda", torch.bfloat16
+    monkeypatch.delenv("FLASHATTN_DISABLE_PDL", raising=False)
+    batch, cap, hq, hkv, d = 3, 1024, 8, 2, 64
+    q = randn((batch, 1, hq, d), dtype, device)
+    kc, vc = randn((batch, cap, hkv, d), dtype, device), randn((batch, cap, hkv, d), dtype, device)
+    table = None
+    if paged:
+        kc, table = to_paged(kc, page=256)
+        vc = randn(kc.shape, dtype, device)
+    lens = torch.tensor([cap, 0, 517], dtype=torch.int32, device=device)
+
+    def step():
+        return flash_attn_with_kvcache(
+            q, kc, vc, cache_seqlens=lens, block_table=table, causal=True, num_splits=4, return_softmax_lse=True
+        )
+
+    graph, (out, lse) = _no_sync_then_capture(step)
+    for new_lens in ((300, cap, 1), (cap, 700, 0)):
+        for t in (q, kc, vc):
+            t.copy_(torch.randn_like(t))
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32, device=device))
+        graph.replay()
+        out_p, lse_p = step()
+        monkeypatch.setenv("FLASHATTN_DISABLE_PDL", "1")
+        out_e, lse_e = step()
+        monkeypatch.delenv("FLASHATTN_DISABLE_PDL")
+        assert torch.equal(out, out_p) and torch.equal(lse, lse_p)
+        assert torch.equal(out, out_e) and torch.equal(lse, lse_e)
+
+
 # ----------------------------------------------------------------------------- the CUDA decoding kernel
 # Every path of csrc/cuda/flash_decode_kernel.cuh against the oracle: query
 # lengths 1 and more (several query tiles), GQA ratios 1/4/8 and MQA, split

@@ -53,7 +53,7 @@ int smallest_at_least(HeadDimList<kDims...>, int64_t head_dim) {
 }
 
 // A switch of the environment ("1"), read on every call: the timing switches
-// (FLASHATTN_DISABLE_TMA, FLASHATTN_DISABLE_SM90, ...).
+// (FLASHATTN_DISABLE_TMA, FLASHATTN_DISABLE_SM90, FLASHATTN_DISABLE_PDL, ...).
 inline bool env_flag(const char* name) {
   const char* value = std::getenv(name);
   return value != nullptr && value[0] == '1' && value[1] == '\0';
@@ -66,6 +66,15 @@ inline int device_arch(const at::Tensor& q) {
   const auto* prop = at::cuda::getDeviceProperties(q.device().index());
   const int arch = prop->major * 10 + prop->minor;
   return (arch == 90 && env_flag("FLASHATTN_DISABLE_SM90")) ? 80 : arch;
+}
+
+// Whether kernels that support programmatic dependent launch get it
+// (pdl_launch.h): sm90+ devices (the grid dependency controls need sm90), unless
+// FLASHATTN_DISABLE_PDL=1 (read on every call), which keeps the plain launch so
+// that both can be timed in one build.
+inline bool pdl_enabled(const at::Tensor& q) {
+  const auto* prop = at::cuda::getDeviceProperties(q.device().index());
+  return prop->major >= 9 && !env_flag("FLASHATTN_DISABLE_PDL");
 }
 
 // The smallest compiled kernel head dim that holds head_dim (the kernels

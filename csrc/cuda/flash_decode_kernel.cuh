@@ -11,15 +11,19 @@
 //     values are read once;
 //   - a row's visible keys are cut into num_splits ranges of 64-key blocks;
 //     a CTA sweeps its range with a kStages-deep cp.async pipeline of K and V
-//     tiles (16-byte copies; with a page table, each key row is looked up on
-//     the device, the table entries one block ahead);
+//     tiles (16-byte copies; with a page table, the entries are read on the
+//     device one block ahead: one per block when page_size is a multiple of
+//     the 64-key block, else one per key row);
 //   - inside a CTA the four warps split each key block (16 keys each) rather
 //     than the rows: every warp holds all the CTA's rows, so each key is read
 //     from shared memory once, and the warps' online-softmax states are merged
 //     through the log-sum-exp at the end;
 //   - num_splits == 1 writes out and lse directly; otherwise each split
 //     writes an fp32 partial output and its lse (log2 units) to a workspace
-//     and flash_decode_combine_kernel merges them.
+//     and flash_decode_combine_kernel merges them. On sm90 the combine kernel
+//     is launched with programmatic dependent launch (pdl_launch.h; off with
+//     FLASHATTN_DISABLE_PDL=1), so its launch overlaps the split grid's last
+//     wave instead of following it.
 //
 // The integer arguments are read on the device and clamped into range (a bad
 // value cannot make a read or write leave the tensors; the CPU kernel and the
@@ -33,6 +37,8 @@
 #include "../kvcache_params.h"
 #include "decode_dispatch.h"
 #include "nonfinite_fixup.cuh"
+#include "pdl_launch.h"
+#include "ptx.cuh"
 #include "softmax.cuh"
 #include "tile.cuh"
 
@@ -189,28 +195,51 @@ __global__ void __launch_bounds__(Kt::kNThreads) flash_decode_kernel(const Kvcac
     CopyQ::copy(sQ, src, p.head_dim, dummy, tid);
   }
 
-  // The page-table entries of this thread's key rows in the next block to load,
-  // fetched one block ahead so that their latency hides under a block's work.
-  int pages[CopyKV::kIters];
+  // Where page_size is a multiple of kBlockN (the usual case), a key block lies
+  // within one page: one table entry serves the whole block, the same for every
+  // thread (one broadcast load a block). Other page sizes (multiples of 16)
+  // look up the page of each key row.
+  const bool page_per_row = paged && p.page_size % kBlockN != 0;
+  // The page-table entries of the next block to load, fetched one block ahead
+  // so that their latency hides under a block's work: pages[0] the block's page
+  // or, per row, pages[i] the page of this thread's i-th row.
+  int pages[CopyKV::kIters] = {};
   auto fetch_pages = [&](int n_block) {
+    if (!paged || n_block >= n_begin + n_count) return;  // (a block never loaded: its entries are not read)
+    if (!page_per_row) {
+      // The split's blocks hold a key of [lo_cta, hi_cta), so the entry is within the row's table.
+      pages[0] = table[n_block * kBlockN / p.page_size];
+      return;
+    }
 #pragma unroll
     for (int i = 0; i < CopyKV::kIters; ++i) {
       const int key = n_block * kBlockN + CopyKV::row(tid, i);
-      pages[i] = (paged && n_block < n_begin + n_count && key >= lo_cta && key < hi_cta) ? table[key / p.page_size] : 0;
+      pages[i] = (key >= lo_cta && key < hi_cta) ? table[key / p.page_size] : 0;
     }
   };
   // K and V rows of key block n_block into `stage`; keys no row of the CTA
   // sees (outside [lo_cta, hi_cta)) are zero-filled, not read.
   auto load_kv = [&](int n_block, int stage) {
+    const int key0 = n_block * kBlockN;
+    // A block within one page: its rows follow its first row's offset.
+    int64_t k_block = 0, v_block = 0;
+    if (paged && !page_per_row) {
+      const int64_t page = clamp_int(pages[0], 0, p.cache_rows - 1), slot0 = key0 % p.page_size;
+      k_block = page * p.k_batch_stride + slot0 * p.k_row_stride;
+      v_block = page * p.v_batch_stride + slot0 * p.v_row_stride;
+    }
     const T* src_k[CopyKV::kIters];
     const T* src_v[CopyKV::kIters];
 #pragma unroll
     for (int i = 0; i < CopyKV::kIters; ++i) {
       const int r = CopyKV::row(tid, i);
-      const int key = n_block * kBlockN + r;
+      const int key = key0 + r;
       const bool ok = r < kBlockN && key >= lo_cta && key < hi_cta;
-      int64_t k_off = int64_t(key) * p.k_row_stride, v_off = int64_t(key) * p.v_row_stride;
-      if (paged) {
+      int64_t k_off = int64_t(key) * p.k_row_stride, v_off = int64_t(key) * p.v_row_stride;  // contiguous
+      if (paged && !page_per_row) {
+        k_off = k_block + r * p.k_row_stride;
+        v_off = v_block + r * p.v_row_stride;
+      } else if (page_per_row) {
         const int64_t page = clamp_int(pages[i], 0, p.cache_rows - 1), slot = key % p.page_size;
         k_off = page * p.k_batch_stride + slot * p.k_row_stride;
         v_off = page * p.v_batch_stride + slot * p.v_row_stride;
@@ -231,6 +260,15 @@ __global__ void __launch_bounds__(Kt::kNThreads) flash_decode_kernel(const Kvcac
     cp_async_commit();
     fetch_pages(n_begin + s + 1);
   }
+
+  // Lets the combine kernel (launched with PDL, p.pdl) be scheduled early. It
+  // launches only once every CTA of this grid has executed this or exited, so
+  // no CTA of this grid is still waiting for a slot then: its CTAs (waiting in
+  // pdl_wait, no shared memory) take only the registers and warps this grid's
+  // last wave leaves free, and its launch latency hides under that whole wave
+  // (after the main loop, it would hide only under the epilogue). Its wait
+  // still covers this whole grid, so where this stands affects only timing.
+  pdl_launch_dependents();
 
   // The visible key range of each of this lane's accumulator rows (rows past
   // the group see nothing: they are computed and never stored).
@@ -391,6 +429,11 @@ __global__ void __launch_bounds__(Kt::kNThreads) flash_decode_kernel(const Kvcac
 // (At most 64 registers: the slow path's call would otherwise set the register count.)
 template <typename T>
 __global__ void __launch_bounds__(128, 8) flash_decode_combine_kernel(const KvcacheParams p) {
+  // Launched with PDL (p.pdl), this kernel may start while the split kernel
+  // still runs: every thread waits for the split grid (and its workspace
+  // writes) before anything else, the early exit below included, so that the
+  // grid's completion also implies the split kernel's for what follows it.
+  pdl_wait();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t rows_total = int64_t(p.batch) * p.heads_q * p.seqlen_q;
   const int64_t row = int64_t(blockIdx.x) * 4 + warp;
@@ -455,8 +498,8 @@ cudaError_t launch_decode(const KvcacheParams& p, cudaStream_t stream) {
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   if (p.num_splits > 1) {
     const int64_t rows_total = int64_t(p.batch) * p.heads_q * p.seqlen_q;
-    flash_decode_combine_kernel<T><<<static_cast<unsigned>((rows_total + 3) / 4), 128, 0, stream>>>(p);
-    return cudaGetLastError();
+    return launch_kernel_pdl(p.pdl, &flash_decode_combine_kernel<T>, dim3(static_cast<unsigned>((rows_total + 3) / 4)),
+                             dim3(128), 0, stream, p);
   }
   return cudaSuccess;
 }

@@ -201,6 +201,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_impl(const at::Tensor& q_in,
     lse_accum = at::empty({params.num_splits, batch, heads_q, seqlen_q}, f32);
     params.o_accum = o_accum.data_ptr<float>();
     params.lse_accum = lse_accum.data_ptr<float>();
+    params.pdl = pdl_enabled(q);
   }
   const cudaError_t err = with_element_type(q.scalar_type(), [&](auto elem) {
     return with_kernel_head_dim(

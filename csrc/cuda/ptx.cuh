@@ -1,6 +1,7 @@
 // Thin wrappers over the sm80+ instructions the kernels are built from:
 // cp.async (global -> shared without registers), ldmatrix (shared -> the
-// register fragments of mma.sync) and mma.sync m16n8k16 with fp32 accumulation.
+// register fragments of mma.sync) and mma.sync m16n8k16 with fp32 accumulation;
+// and the sm90 grid dependency controls of programmatic dependent launch.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -126,6 +127,27 @@ __device__ __forceinline__ void atomic_add2(float* dst, float a, float b) {
 #else
   atomicAdd(dst, a);
   atomicAdd(dst + 1, b);
+#endif
+}
+
+// Programmatic dependent launch (sm90+; the host side is pdl_launch.h). A
+// kernel launched with programmatic stream serialization may start while the
+// previous kernel of its stream still runs: pdl_wait() blocks until that grid
+// has completed and its memory writes are visible, so it must come before the
+// first access to anything the previous kernel writes (or reads, if this kernel
+// writes it). pdl_launch_dependents() lets the next kernel's CTAs be scheduled
+// once every CTA of this grid has executed it or exited; it orders no memory
+// (the dependent's pdl_wait does), so any point is correct and only the
+// timing changes. Both are no-ops on a plain launch and below sm90.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::);
 #endif
 }
 
