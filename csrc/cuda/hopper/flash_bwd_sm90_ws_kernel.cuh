@@ -26,12 +26,14 @@
 //                     dV_w += P^T dO                         (wgmma RS, async)
 //                     dS^T = P^T (dP^T - D)                  (under dV)
 //                     dK_w += dS^T Q                         (wgmma RS, async)
+//                   (kBlockM = 128 queries a step, head dim 64: dV is issued
+//                   after dS, with dK, for registers: Kt::kDvAfterDs)
 //                     dS^T -> shared memory (both warpgroups), named barrier
 //                     dQ_i  = dS K for this warpgroup's 64 x 64 block(s) of dQ
 //                     dQ -> shared memory (fp32) for the writer warp
 //                   With a single 64 x 64 dQ block (64-query steps at head dim
-//                   64) the consumers compute it in turns, step by step, each
-//                   into its own dQ tile. (Writing a step's dQ under the next
+//                   64, FLASHATTN_BWD_D64_SHORT_STEPS=1) the consumers compute it
+//                   in turns, step by step, each into its own dQ tile. (Writing a step's dQ under the next
 //                   step's first products keeps a wgmma group in flight across
 //                   the loop's back edge: ptxas then serializes every wgmma.)
 //
