@@ -245,8 +245,7 @@ struct BwdSm90WsTraits {
   static constexpr int kDqBlocks = (kBlockM / 64) * kDqColBlocks;
   static constexpr bool kDqAlternate = kDqBlocks == 1;
   static constexpr int kDqBlocksPerWg = kDqAlternate ? 1 : kDqBlocks / 2;
-  static constexpr int kDqTiles = kDqAlternate ? 2 : 1;  // fp32 dQ tiles in shared memory
-  static constexpr bool kSplitHeadDim = false;           // the consumers split the keys
+  static constexpr bool kSplitHeadDim = false;  // the consumers split the keys
   // dV issued after the dS arithmetic instead of under it: with 128 queries a
   // step the registers hold P^T and dP^T in fp32 but not P^T's packed copy too.
   static constexpr bool kDvAfterDs = kBlockM == 128;
@@ -260,9 +259,18 @@ struct BwdSm90WsTraits {
   static constexpr int kBytesQ = TileQ::kElems * 2;
   static constexpr int kBytesKV = TileKV::kElems * 2;
   // +1024: dynamic shared memory is aligned up to 1024 bytes (the swizzle atom).
-  static constexpr int kSmemBytes = 1024 + 2 * kBytesKV + 2 * kStages * kBytesQ + 2 * TileDS::kElems * 2 +
-                                    kDqTiles * kBlockM * kHeadDim * 4 + 2 * kStages * kBlockM * 4 +
-                                    (1 + 2 * kStages) * 8;
+  static constexpr int smem_bytes(int dq_tiles) {
+    return 1024 + 2 * kBytesKV + 2 * kStages * kBytesQ + 2 * TileDS::kElems * 2 + dq_tiles * kBlockM * kHeadDim * 4 +
+           2 * kStages * kBlockM * 4 + (1 + 2 * kStages) * 8;
+  }
+  // fp32 dQ tiles in shared memory: one a consumer when they take turns; else
+  // two where they fit (head dim 128: the consumers write step it's tile while
+  // the writer warp still adds step it - 1's, or in the deterministic mode
+  // waits for its turn to), one otherwise (head dim 64 with 128-query steps:
+  // 40 bytes short).
+  static constexpr int kDqTiles = kDqAlternate || smem_bytes(2) <= 227 * 1024 ? 2 : 1;
+  static constexpr bool kDqDoubleBuffer = !kDqAlternate && kDqTiles == 2;
+  static constexpr int kSmemBytes = smem_bytes(kDqTiles);
 
   static_assert((kHeadDim == 64 || kHeadDim == 128) && (kBlockM == 64 || kBlockM == 128), "shapes");
   static_assert(kDqAlternate || kDqBlocks % 2 == 0, "the dQ blocks deal evenly to the two consumers");

@@ -39,8 +39,13 @@
 //
 // dS^T is double-buffered: writing buffer it % 2 at step it only needs both
 // warpgroups to be past their dQ product of step it - 2 (waited for before the
-// dS barrier of step it - 1). A dQ tile is single-buffered: the writer warp
-// frees it as soon as the TMA unit has read it (well within a step).
+// dS barrier of step it - 1). The writer warp frees a dQ tile as soon as the
+// TMA unit has read it; where shared memory holds two (head dim 128,
+// Kt::kDqDoubleBuffer) step it writes tile it % 2, so the consumers need not
+// wait for the writer of step it - 1, which in the deterministic mode may
+// still wait for its turn (ncu, session 7: 21% of the deterministic d128
+// kernel's issue samples waited there with one tile). Head dim 64 (128-query
+// steps) has room for one.
 //
 // Deterministic mode (p.deterministic): the key blocks of a head add their dQ
 // tiles to a query block in a fixed order (descending key blocks, or without
@@ -280,11 +285,20 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   constexpr int kDT = kHeadDim / 8;      // n-tiles of a dK / dV row
   constexpr int kDqTileFloats = kBlockM * kHeadDim;
   constexpr int kDsBar = 1, kDqFull = 2, kDqEmpty = 3, kEpilogueBar = 4;
-  constexpr int kZeroBar = 5;  // varlen: the consumers, rows past the sequence zeroed in sK / sQ / sdO
+  constexpr int kZeroBar = 5;                 // varlen: the consumers, rows past the sequence zeroed in sK / sQ / sdO
+  constexpr int kDqFull1 = 6, kDqEmpty1 = 7;  // the second dQ tile's pair (Kt::kDqDoubleBuffer)
   // With a single 64 x 64 dQ block (kBlockM = 64, head dim 64) the consumers
   // take turns: consumer it % 2 computes and hands over the dQ of step it.
   constexpr bool kDqAlternate = Kt::kDqAlternate;
   constexpr int kDqBarThreads = (kDqAlternate ? 128 : kConsumerThreads) + 32;
+  // The dQ tile of step it, and its full / empty barriers: with two tiles in
+  // turns (kDqAlternate) one pair serves both (the writer frees each tile
+  // before the other consumer writes its own); double-buffered, each tile has
+  // its pair, and tile it % 2 is free again once step it - 2's add has read it.
+  constexpr bool kDqDoubleBuffer = Kt::kDqDoubleBuffer;
+  constexpr int kDqReuse = kDqDoubleBuffer ? 2 : 1;  // a tile is written again kDqReuse steps later
+  auto dq_full_bar = [](int it) { return kDqDoubleBuffer && (it & 1) ? kDqFull1 : kDqFull; };
+  auto dq_empty_bar = [](int it) { return kDqDoubleBuffer && (it & 1) ? kDqEmpty1 : kDqEmpty; };
 
   extern __shared__ char smem_raw[];
   char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
@@ -384,7 +398,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       }
     } else if (warp == 1 && iters > 0) {
       // dQ writer: the consumers' dQ tile of step it into dq_accum, one row a bulk add.
-      named_barrier_arrive(kDqEmpty, kDqBarThreads);  // the tile starts free
+      named_barrier_arrive(kDqEmpty, kDqBarThreads);                                     // the tile starts free
+      if (kDqDoubleBuffer && iters > 1) named_barrier_arrive(kDqEmpty1, kDqBarThreads);  // and the second
       for (int it = 0; it < iters; ++it) {
         int hq, m0;
         query_block(it, hq, m0);
@@ -395,7 +410,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         int* sem = nullptr;
         if (deterministic && lane == 0)
           sem = dq_wait_for_turn<kBlockN, kBlockM, kVarlen>(p, mask, b, hq, m0, n_block, sweep.order_index(it));
-        named_barrier_sync(kDqFull, kDqBarThreads);
+        named_barrier_sync(dq_full_bar(it), kDqBarThreads);
         float* gdq =
             static_cast<float*>(p.dq_accum_ptr) +
             (kVarlen ? dq_accum_offset(p, seq, b, hq) : b * p.dq_accum_batch_stride + hq * p.dq_accum_head_stride) +
@@ -410,7 +425,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
           tma_store_wait_read();
         }
         __syncwarp();
-        if (it + 1 < iters) named_barrier_arrive(kDqEmpty, kDqBarThreads);
+        if (it + kDqReuse < iters) named_barrier_arrive(dq_empty_bar(it), kDqBarThreads);
         if (deterministic && lane == 0) dq_pass_turn(sem);
       }
       tma_store_wait_all();
@@ -444,12 +459,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   // dQ of step it is written to shared memory under the S^T / dP^T products
   // of step it + 1 (so the tensor cores do not wait for the copy).
   float acc_dq[kDqPerWg][8][4];
-  // The dQ tile this consumer writes (in turns: each its own, which keeps the
-  // writes of consecutive steps apart).
-  float* sdQ_own = sdQ + (kDqAlternate ? cwg : 0) * kDqTileFloats;
   const int wg_tid = ctid % 128;
-  auto write_dq = [&]() {
-    named_barrier_sync(kDqEmpty, kDqBarThreads);  // the writer has read the previous tile
+  auto write_dq = [&](int it) {
+    // The dQ tile of step it (in turns: each consumer its own, which keeps the
+    // writes of consecutive steps apart), once the writer has read it last.
+    float* sdQ_own = sdQ + (kDqAlternate ? cwg : (kDqDoubleBuffer ? (it & 1) : 0)) * kDqTileFloats;
+    named_barrier_sync(dq_empty_bar(it), kDqBarThreads);
 #pragma unroll
     for (int i = 0; i < kDqPerWg; ++i)
 #pragma unroll
@@ -460,7 +475,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
               make_float2(acc_dq[i][di][2 * h], acc_dq[i][di][2 * h + 1]);
         }
     fence_proxy_async_smem();  // the bulk reduce (async proxy) reads what st.shared wrote
-    named_barrier_arrive(kDqFull, kDqBarThreads);
+    named_barrier_arrive(dq_full_bar(it), kDqBarThreads);
   };
   if (iters > 0) mbar_wait(full_kv, 0);
   if (kVarlen && iters > 0 && keys < kBlockN) zero_key_tail<TileKV, kConsumerThreads>(sK, keys, ctid, kZeroBar);
@@ -573,7 +588,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < kDqPerWg; ++i) pin_registers(acc_dq[i]);
-    write_dq();
+    write_dq(it);
   }
 
   // Epilogue: dK (scaled) and dV through sK / sV once both warpgroups are done reading them.
