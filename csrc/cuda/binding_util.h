@@ -69,13 +69,10 @@ inline int device_arch(const at::Tensor& q) {
 }
 
 // Whether kernels that support programmatic dependent launch get it
-// (pdl_launch.h): sm90+ devices (the grid dependency controls need sm90), unless
-// FLASHATTN_DISABLE_PDL=1 (read on every call), which keeps the plain launch so
-// that both can be timed in one build.
-inline bool pdl_enabled(const at::Tensor& q) {
-  const auto* prop = at::cuda::getDeviceProperties(q.device().index());
-  return prop->major >= 9 && !env_flag("FLASHATTN_DISABLE_PDL");
-}
+// (pdl_launch.h): sm90+ devices as device_arch reports them (the grid
+// dependency controls need sm90), unless FLASHATTN_DISABLE_PDL=1 (read on every
+// call), which keeps the plain launch so that both can be timed in one build.
+inline bool pdl_enabled(const at::Tensor& q) { return device_arch(q) >= 90 && !env_flag("FLASHATTN_DISABLE_PDL"); }
 
 // The smallest compiled kernel head dim that holds head_dim (the kernels
 // zero-fill the columns past head_dim).

@@ -37,11 +37,11 @@ struct KernelConfig<64, T> {
   // Causal / windowed up to 8k queries: 128-query tiles waste less on the diagonal (tune.py, visit 2 of session 3).
   using FwdSm90WsMasked = FwdSm90WsTraits<64, 128, 2, 2, T>;
   using BwdSm90 = BwdSm90Traits<64, 128, T>;  // 128 queries a step: half the dQ atomics per flop of 64
-  // 128 queries a step: twice the products per step's fixed costs (barriers, waits, the dQ tile's bulk add) of
-  // 64-query steps (session 7; p.bwd_long_steps); those stay for the A/B, in turns with 4 stages.
+  // 128 queries a step: twice the products per step's fixed costs (barriers, waits, the dQ tile's bulk add).
   using BwdSm90Ws = BwdSm90WsTraits<64, 128, 2, T>;
-  using BwdSm90WsShortSteps =
-      BwdSm90WsTraits<64, 64, 4, T>;  // one dQ block a step, the consumers in turn; short steps: 4 stages
+  // The 64-query steps it replaced (session 7), for the A/B (p.bwd_long_steps = false): one dQ block a step, the
+  // consumers in turn; short steps: 4 stages.
+  using BwdSm90WsShortSteps = BwdSm90WsTraits<64, 64, 4, T>;
 };
 template <typename T>
 struct KernelConfig<96, T> {

@@ -32,10 +32,11 @@
 //                     dQ_i  = dS K for this warpgroup's 64 x 64 block(s) of dQ
 //                     dQ -> shared memory (fp32) for the writer warp
 //                   With a single 64 x 64 dQ block (64-query steps at head dim
-//                   64, FLASHATTN_BWD_D64_SHORT_STEPS=1) the consumers compute it
-//                   in turns, step by step, each into its own dQ tile. (Writing a step's dQ under the next
-//                   step's first products keeps a wgmma group in flight across
-//                   the loop's back edge: ptxas then serializes every wgmma.)
+//                   64, FLASHATTN_BWD_D64_SHORT_STEPS=1) the consumers compute
+//                   it in turns, step by step, each into its own dQ tile.
+//                   (Writing a step's dQ under the next step's first products
+//                   keeps a wgmma group in flight across the loop's back edge:
+//                   ptxas then serializes every wgmma.)
 //
 // dS^T is double-buffered: writing buffer it % 2 at step it only needs both
 // warpgroups to be past their dQ product of step it - 2 (waited for before the
