@@ -28,6 +28,7 @@ for c in ${CASES:-bwd128_4k bwd128_1k_causal}; do
     fwd128_1k_causal) prof $c flash_fwd_sm90_ws --d 128 --n 1024 --causal ;;
     fwd128_4k) prof $c flash_fwd_sm90_ws --d 128 --n 4096 ;;
     fwd128_1k) prof $c flash_fwd_sm90_ws --d 128 --n 1024 ;;
+    fwd128_512) prof $c flash_fwd_sm90_ws --d 128 --n 512 ;;  # the short-sequence forward (4 key blocks a tile)
     fwd64_1k_causal) prof $c flash_fwd_sm90_ws --d 64 --n 1024 --causal ;;
     bwd256_4k) prof $c flash_bwd_sm90_ws_split --d 256 --n 4096 --bwd ;;
   esac

@@ -1,30 +1,51 @@
 """Times the candidate tile configurations of a tuning build
 (FLASHATTN_TUNING=1, see csrc/cuda/kernel_configs.h) side by side with torch's
 FlashAttention-2 and cuDNN backends, and checks each candidate's output
-against the default one. Prints one table per (pass, head dim).
+against the default one and, up to --check-max-seqlen, against the oracle
+(flashattn_ext.tolerance). The forward's candidates and the peers are timed in
+rounds, each once a round (kernel_check.bench_side_by_side: the first of
+several entries timed one after the other reads up to 12% low). Prints one
+line per (head dim, mask, seqlen).
 
-    python benchmarks/tune.py --json out.json [--dims 64,128] [--seqlens 512,2048,8192]
+    python benchmarks/tune.py --json out.json [--dims 64,128] [--seqlens 512,2048,8192] [--passes fwd]
 """
 
 import argparse
+import contextlib
+import functools
 import json
 import math
 import os
 
 import torch
 import torch.nn.functional as F
-from kernel_check import bench  # noqa: E402  (benchmarks/ is the script's directory)
+from kernel_check import bench, bench_side_by_side  # noqa: E402  (benchmarks/ is the script's directory)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashattn_ext  # noqa: F401
 from flashattn_ext import _ops
 from flashattn_ext.reference import attention_flops
+from flashattn_ext.tolerance import check_attention
 
 # Entries of TuneVariants (csrc/cuda/kernel_configs.h) per pass and head dim:
 # the wgmma lists (FwdSm90 / BwdSm90) on an sm90 device, the mma.sync ones elsewhere.
 # (the forward runs the TMA kernels' list, FwdSm90Ws, unless FLASHATTN_DISABLE_TMA=1).
-VARIANTS_SM90 = {"fwd": {64: 4, 128: 3}, "bwd": {64: 3, 128: 1}}
+VARIANTS_SM90 = {"fwd": {64: 6, 128: 4}, "bwd": {64: 3, 128: 1}}
 VARIANTS_SM80 = {"fwd": {64: 2, 128: 2}, "bwd": {64: 2, 128: 2}}
+
+
+@contextlib.contextmanager
+def env_value(name, value):
+    """Runs the block with the environment variable `name` = value (the C++ side reads it on every call)."""
+    old = os.environ.get(name)
+    os.environ[name] = str(value)
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
 
 
 def main():
@@ -33,6 +54,7 @@ def main():
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--seqlens", default="512,2048,8192")
     ap.add_argument("--passes", default="fwd,bwd")
+    ap.add_argument("--check-max-seqlen", type=int, default=2048, help="oracle checks up to this seqlen")
     args = ap.parse_args()
     assert "tuning=1" in torch.ops.flashattn_ext.build_info(), "needs a FLASHATTN_TUNING=1 build"
     sm90 = torch.cuda.get_device_capability() == (9, 0) and os.environ.get("FLASHATTN_DISABLE_SM90") != "1"
@@ -55,13 +77,29 @@ def main():
                 dout = torch.randn_like(out0)
                 grads0 = _ops.bwd(dout, q, k, v, out0, lse0, scale, -1, wr, True, False)
                 passes = args.passes.split(",")
+                qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_(True) for x in (q, k, v))
+                peers = (("fa2", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION))
+                entries = {}
                 for var in range(VARIANTS["fwd"][d] if "fwd" in passes else 0):
-                    os.environ["FLASHATTN_FWD_VARIANT"] = str(var)
-                    out, lse = _ops.fwd(q, k, v, scale, -1, wr, True, False)
-                    err = (out.float() - out0.float()).abs().max().item()
-                    ms = bench(lambda: _ops.fwd(q, k, v, scale, -1, wr, True, False))
-                    row[f"fwd_v{var}"] = flops / ms / 1e9
-                    row[f"fwd_v{var}_err"] = err
+                    with env_value("FLASHATTN_FWD_VARIANT", var):
+                        out, lse = _ops.fwd(q, k, v, scale, -1, wr, True, False)
+                        row[f"fwd_v{var}_err"] = (out.float() - out0.float()).abs().max().item()
+                        if n <= args.check_max_seqlen:
+                            comps = check_attention(q, k, v, out, lse, softmax_scale=scale, causal=causal)
+                            row[f"fwd_v{var}_oracle_ok"] = all(c.ok for c in comps)
+                            if not row[f"fwd_v{var}_oracle_ok"]:
+                                print(f"  FAIL v{var} against the oracle:", [c.message() for c in comps], flush=True)
+                    entries[f"fwd_v{var}"] = (
+                        functools.partial(env_value, "FLASHATTN_FWD_VARIANT", var),
+                        lambda: _ops.fwd(q, k, v, scale, -1, wr, True, False),
+                    )
+                for name, be in peers:
+                    entries[f"fwd_{name}"] = (
+                        functools.partial(sdpa_kernel, be),
+                        lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal),
+                    )
+                for key, ms in bench_side_by_side(entries).items():
+                    row[key] = flops / ms / 1e9
                 os.environ["FLASHATTN_FWD_VARIANT"] = "0"
                 for var in range(VARIANTS["bwd"][d] if "bwd" in passes else 0):
                     os.environ["FLASHATTN_BWD_VARIANT"] = str(var)
@@ -71,12 +109,8 @@ def main():
                     row[f"bwd_v{var}"] = bwd_flops / ms / 1e9
                     row[f"bwd_v{var}_err"] = err
                 os.environ["FLASHATTN_BWD_VARIANT"] = "0"
-                qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_(True) for x in (q, k, v))
-                for name, be in (("fa2", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                for name, be in peers if "bwd" in passes else ():
                     with sdpa_kernel(be):
-                        row[f"fwd_{name}"] = (
-                            flops / bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)) / 1e9
-                        )
                         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
                         do = torch.randn_like(o)
                         row[f"bwd_{name}"] = (
@@ -85,13 +119,18 @@ def main():
                 rows.append(row)
                 fv = " ".join(f"v{i}={row[f'fwd_v{i}']:.0f}" for i in range(VARIANTS["fwd"][d]) if f"fwd_v{i}" in row)
                 bv = " ".join(f"v{i}={row[f'bwd_v{i}']:.0f}" for i in range(VARIANTS["bwd"][d]) if f"bwd_v{i}" in row)
+                peer = {
+                    f"{pa}_{name}": f"{row[f'{pa}_{name}']:.0f}" if f"{pa}_{name}" in row else "-"
+                    for pa in ("fwd", "bwd")
+                    for name, _ in peers
+                }
                 print(
-                    f"d{d} n{n} {'causal' if causal else 'full  '} | fwd {fv} fa2={row['fwd_fa2']:.0f} "
-                    f"cudnn={row['fwd_cudnn']:.0f} | bwd {bv} fa2={row['bwd_fa2']:.0f} cudnn={row['bwd_cudnn']:.0f}",
+                    f"d{d} n{n} {'causal' if causal else 'full  '} | fwd {fv} fa2={peer['fwd_fa2']} "
+                    f"cudnn={peer['fwd_cudnn']} | bwd {bv} fa2={peer['bwd_fa2']} cudnn={peer['bwd_cudnn']}",
                     flush=True,
                 )
                 errs = [row[k] for k in row if k.endswith("_err")]
-                if max(errs) > 0.05:
+                if errs and max(errs) > 0.05:
                     print("  WARNING variant mismatch:", {k: row[k] for k in row if k.endswith("_err")})
     if args.json:
         with open(args.json, "w") as f:

@@ -129,8 +129,11 @@ struct TuneVariants<64, T> {
   using Fwd = Variants<typename KernelConfig<64, T>::Fwd, FwdTraits<64, 128, 64, 4, 2, 2, T>>;
   using Bwd = Variants<typename KernelConfig<64, T>::Bwd, BwdTraits<64, 32, 128, 4, 1, 2, 1, T, false>>;
   using FwdSm90 = Variants<typename KernelConfig<64, T>::FwdSm90, FwdSm90Traits<64, 128, T>, FwdSm90Traits<64, 64, T>>;
+  // Three / two consumers; then each with 1/4, then 1/8 of the exponentials on the FMA pipe (kPolyExpEvery).
+  // FLASHATTN_FWD_VARIANT=2 runs the FMA-pipe exponentials at both head dims (1/4), =3 too (d128: 1/8).
   using FwdSm90Ws = Variants<typename KernelConfig<64, T>::FwdSm90Ws, FwdSm90WsTraits<64, 128, 2, 2, T>,
-                             FwdSm90WsTraits<64, 64, 3, 2, T>, FwdSm90WsTraits<64, 192, 2, 2, T>>;
+                             FwdSm90WsTraits<64, 128, 3, 2, T, 4>, FwdSm90WsTraits<64, 128, 2, 2, T, 4>,
+                             FwdSm90WsTraits<64, 128, 3, 2, T, 8>, FwdSm90WsTraits<64, 128, 2, 2, T, 8>>;
   using BwdSm90 =
       Variants<typename KernelConfig<64, T>::BwdSm90, BwdSm90Traits<64, 128, T, 1>, BwdSm90Traits<64, 64, T>>;
 };
@@ -140,8 +143,8 @@ struct TuneVariants<128, T> {
   using Bwd = Variants<typename KernelConfig<128, T>::Bwd, BwdTraits<128, 64, 128, 8, 1, 2, 2, T, false>>;
   using FwdSm90 =
       Variants<typename KernelConfig<128, T>::FwdSm90, FwdSm90Traits<128, 64, T>, FwdSm90Traits<128, 64, T, 2>>;
-  using FwdSm90Ws = Variants<typename KernelConfig<128, T>::FwdSm90Ws, FwdSm90WsTraits<128, 64, 2, 2, T>,
-                             FwdSm90WsTraits<128, 192, 2, 2, T>>;
+  using FwdSm90Ws = Variants<typename KernelConfig<128, T>::FwdSm90Ws, FwdSm90WsTraits<128, 192, 2, 2, T>,
+                             FwdSm90WsTraits<128, 128, 2, 2, T, 4>, FwdSm90WsTraits<128, 128, 2, 2, T, 8>>;
   using BwdSm90 = Variants<typename KernelConfig<128, T>::BwdSm90>;
 };
 template <typename T>

@@ -154,9 +154,12 @@ struct FwdSm90Traits {
 };
 
 // The warp-specialized TMA forward (hopper/flash_fwd_sm90_ws_kernel.cuh).
-template <int kHeadDim_, int kBlockN_, int kConsumers_, int kStages_, typename Element_>
+template <int kHeadDim_, int kBlockN_, int kConsumers_, int kStages_, typename Element_, int kPolyExpEvery_ = 0>
 struct FwdSm90WsTraits {
   using Element = Element_;
+  // > 0: the exponentials of every kPolyExpEvery-th 8-key column group of S
+  // on the FMA pipe (OnlineSoftmax::softmax_rows, poly_exp2); 0: all on MUFU.
+  static constexpr int kPolyExpEvery = kPolyExpEvery_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kConsumers = kConsumers_;  // consumer warpgroups of 64 query rows
   static constexpr int kBlockM = 64 * kConsumers;

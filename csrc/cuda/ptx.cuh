@@ -109,6 +109,32 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// 2^x on the FMA pipe, for x <= 0 (softmax exponents after the max shift),
+// so that a kernel can move part of its exponentials off the MUFU unit (16
+// results a clock an SM on Hopper: at head dim 64 the forward's exponentials
+// take as long as its tensor-core work). x = n + f with n = round(x), |f| <= 1/2;
+// 2^f by a degree-3 polynomial (minimax relative error 1.0e-4 with the constant
+// term exactly 1: under half an ulp of fp16, the precision P is rounded to) and
+// 2^n as a float built from n's bits. Exact where it matters: 2^0 = 1, and
+// x <= -127 (masked -inf included) gives +0 (the scale's exponent field is 0);
+// NaN stays NaN (max.NaN keeps it, and NaN * scale is NaN), as ex2 does, so the
+// non-finite rule sees it. Nine instructions (FMNMX, 3 FADD, 3 FFMA, SHL, FMUL)
+// against MUFU.EX2's one issue slot and eight MUFU cycles a warp.
+__device__ __forceinline__ float poly_exp2(float x) {
+  float xc;
+  asm("max.NaN.f32 %0, %1, %2;\n" : "=f"(xc) : "f"(x), "f"(-127.f));
+  // 1.5 * 2^23 rounds to an integer in the mantissa; + 127 puts n + 127 (the
+  // biased exponent) in its low bits.
+  constexpr float kMagic = 12582912.f + 127.f;
+  const float t = __fadd_rn(xc, kMagic);
+  const float f = __fsub_rn(xc, __fsub_rn(t, kMagic));  // in [-1/2, 1/2]
+  float p = __fmaf_rn(0.05500906f, f, 0.24221097f);
+  p = __fmaf_rn(p, f, 0.6932829f);
+  p = __fmaf_rn(p, f, 1.f);
+  const float scale = __uint_as_float(__float_as_uint(t) << 23);  // 2^n; 0 at n = -127
+  return __fmul_rn(p, scale);
+}
+
 // Reductions over the 4 lanes of a quad: the lanes that hold one accumulator row.
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));

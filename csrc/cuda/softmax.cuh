@@ -31,7 +31,10 @@ struct OnlineSoftmax {
   // correction: the factor the output rows must be multiplied by for the new
   // row max (see rescale); kept apart so a kernel can compute P while the
   // previous block's P V is still running into O.
-  template <bool kPositiveScale, int kNT>
+  // kPolyEvery > 0: the exponentials of every kPolyEvery-th n-tile (the same
+  // columns in every lane, so no divergence) run on the FMA pipe (poly_exp2),
+  // the rest on MUFU; 0: all on MUFU.
+  template <bool kPositiveScale, int kPolyEvery = 0, int kNT>
   __device__ __forceinline__ void softmax_rows(float (&s)[kMT][kNT][4], float scale_log2, float (&correction)[kMT][2]) {
 #pragma unroll
     for (int mi = 0; mi < kMT; ++mi)
@@ -61,7 +64,13 @@ struct OnlineSoftmax {
         for (int ni = 0; ni < kNT; ++ni)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float pv = fast_exp2(s[mi][ni][2 * h + e] * sc - shift);
+            const float x = s[mi][ni][2 * h + e] * sc - shift;
+            float pv;
+            if constexpr (kPolyEvery > 0) {
+              pv = ni % kPolyEvery == kPolyEvery - 1 ? poly_exp2(x) : fast_exp2(x);
+            } else {
+              pv = fast_exp2(x);
+            }
             s[mi][ni][2 * h + e] = pv;
             sum += pv;
           }

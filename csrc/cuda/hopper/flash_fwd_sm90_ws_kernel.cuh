@@ -263,9 +263,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       const int n0 = (n_max - 1 - j) * kBlockN;
       if (tmask.tile_needs_mask<kBlockM, kBlockN>(m0, n0)) apply_mask_rows(acc_s, tmask, m0 + warp_row0, n0, lane);
       if (positive_scale) {
-        softmax.template softmax_rows<true>(acc_s, p.softmax_scale_log2, correction);
+        softmax.template softmax_rows<true, Kt::kPolyExpEvery>(acc_s, p.softmax_scale_log2, correction);
       } else {
-        softmax.template softmax_rows<false>(acc_s, p.softmax_scale_log2, correction);
+        softmax.template softmax_rows<false, Kt::kPolyExpEvery>(acc_s, p.softmax_scale_log2, correction);
       }
     };
     // After S_j has completed: the last S of the tile frees Q for the next tile.
