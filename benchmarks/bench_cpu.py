@@ -10,9 +10,14 @@ so that the ratios survive a noisy (shared) machine:
   naive  matmul, softmax, matmul in plain PyTorch (materializes the N x N scores)
 
 Modes: fwd (forward only, no autograd) and fwd+bwd (forward and backward of a
-random output gradient). Figures are medians over --reps runs after warm-up;
-the implementations take turns within each repetition; torch's default
-thread count is used.
+random output gradient); decode (a decoding step: one query against a KV
+cache of n keys, --decode-heads query / kv heads (default 32/8, GQA),
+--decode-dim, batches --decode-batches, as transformers calls SDPA at a
+decode step): ours is flash_attn_with_kvcache on the (b, n, h_kv, d) cache,
+sdpa torch's SDPA on (b, h_kv, n, d) caches with enable_gqa=True, naive the
+three steps on K/V expanded to the query heads. Figures are medians over
+--reps runs after warm-up; the implementations take turns within each
+repetition; torch's default thread count is used.
 """
 
 import argparse
@@ -55,6 +60,21 @@ def naive_fn(q, k, v, causal):
 IMPLS = {"ours": (ours_fn, "bnhd"), "sdpa": (sdpa_fn, "bhnd"), "naive": (naive_fn, "bhnd")}
 
 
+def make_decode_step(impl, dtype, b, heads, heads_kv, n, d):
+    """One decoding step of impl: a query token per batch row against a full cache of n keys."""
+    if impl == "ours":
+        q = torch.randn(b, 1, heads, d, dtype=dtype)
+        k_cache, v_cache = (torch.randn(b, n, heads_kv, d, dtype=dtype) for _ in range(2))
+        seqlens = torch.full((b,), n, dtype=torch.int32)
+        return lambda: flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
+    q = torch.randn(b, 1, heads, d, dtype=dtype).transpose(1, 2)  # (b, h, 1, d), a view of the projection
+    k, v = (torch.randn(b, heads_kv, n, d, dtype=dtype) for _ in range(2))
+    if impl == "sdpa":
+        return lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    ratio = heads // heads_kv
+    return lambda: naive_fn(q, k.repeat_interleave(ratio, 1), v.repeat_interleave(ratio, 1), False)
+
+
 def make_inputs(layout, b, h, n, d, dtype, requires_grad):
     shape = (b, n, h, d) if layout == "bnhd" else (b, h, n, d)
     return [torch.randn(shape, dtype=dtype).requires_grad_(requires_grad) for _ in range(3)]
@@ -81,10 +101,13 @@ def make_step(impl, mode, dtype, b, h, n, d, causal):
     return step
 
 
-def bench_config(impls, mode, dtype, b, h, n, d, causal, warmup, reps):
+def bench_config(impls, mode, dtype, b, h, n, d, causal, warmup, reps, heads_kv=None):
     """Median ms per implementation. The implementations take turns within
     each repetition, so that a change of load on a shared machine hits all."""
-    steps = {impl: make_step(impl, mode, dtype, b, h, n, d, causal) for impl in impls}
+    if mode == "decode":
+        steps = {impl: make_decode_step(impl, dtype, b, h, heads_kv, n, d) for impl in impls}
+    else:
+        steps = {impl: make_step(impl, mode, dtype, b, h, n, d, causal) for impl in impls}
     for step in steps.values():
         for _ in range(warmup):
             step()
@@ -109,6 +132,10 @@ def main(argv=None):
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--modes", default="fwd,fwd+bwd")
     ap.add_argument("--impls", default="ours,sdpa,naive")
+    ap.add_argument("--decode-caches", default="1024,4096", help="decode mode: cache lengths")
+    ap.add_argument("--decode-batches", default="1,4", help="decode mode: batch sizes")
+    ap.add_argument("--decode-heads", default="32,8", help="decode mode: query heads, kv heads")
+    ap.add_argument("--decode-dim", type=int, default=128, help="decode mode: head dim")
     ap.add_argument("--quick", action="store_true", help="one seqlen (1024), fewer reps")
     args = ap.parse_args(argv)
     if args.quick:
@@ -125,6 +152,9 @@ def main(argv=None):
     header += "".join(f" {'ours/' + i:>11}" for i in ratio_cols)
     print(header)
     for mode in args.modes.split(","):
+        if mode == "decode":
+            rows += bench_decode(args, impls, ratio_cols)
+            continue
         for dtype_name in args.dtypes.split(","):
             for causal in (False, True):
                 for n in seqlens:
@@ -143,6 +173,40 @@ def main(argv=None):
             json.dump(rows, f, indent=1)
         print(f"wrote {len(rows)} rows to {args.json}")
     return 0
+
+
+def bench_decode(args, impls, ratio_cols):
+    heads, heads_kv = (int(x) for x in args.decode_heads.split(","))
+    d = args.decode_dim
+    print(f"decode: {heads}/{heads_kv} heads, d{d}, one query token a batch row; n = cache length, b = batch")
+    rows = []
+    for dtype_name in args.dtypes.split(","):
+        for n in (int(x) for x in args.decode_caches.split(",")):
+            for b in (int(x) for x in args.decode_batches.split(",")):
+                ms = bench_config(
+                    impls, "decode", DTYPES[dtype_name], b, heads, n, d, False, args.warmup, args.reps, heads_kv
+                )
+                for impl in impls:
+                    rows.append(
+                        dict(
+                            impl=impl,
+                            mode="decode",
+                            dtype=dtype_name,
+                            d=d,
+                            n=n,
+                            b=b,
+                            h=heads,
+                            h_kv=heads_kv,
+                            causal=False,
+                            ms=ms[impl],
+                        )
+                    )
+                line = f"{'decode':8} {dtype_name:9} {'b' + str(b):6} {n:5d} " + " ".join(
+                    f"{ms[i]:10.2f}" for i in impls
+                )
+                line += "".join(f" {ms['ours'] / ms[i]:11.2f}" for i in ratio_cols)
+                print(line, flush=True)
+    return rows
 
 
 if __name__ == "__main__":

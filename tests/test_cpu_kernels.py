@@ -285,6 +285,49 @@ def test_random_config(seed, case):
 
 
 # ---------------------------------------------------------------------------
+# Decode-shaped calls (at most 8 queries): the few-queries path, which takes
+# the query heads of a GQA group together (up to 16 rows of heads x queries
+# an item, fewer when that would leave threads idle): group sizes that do and
+# do not fill an item, masks whose key ranges differ between the rows of one
+# item, head dims that are not multiples of the 16 dot-product lanes.
+
+FEW_QUERY_CASES = [
+    # (seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, mask)
+    (1, 300, 32, 8, 128, "none"),
+    (1, 513, 32, 1, 64, "causal_br"),  # MQA: 32 heads, more than one item holds
+    (3, 257, 12, 4, 40, "causal_br"),  # 9 rows an item, a 40-wide dot (8-element tail)
+    (5, 100, 6, 2, 72, "window"),  # rows with different key windows in one item
+    (8, 77, 24, 8, 64, "causal"),  # top-left: row i sees keys 0..i
+    (7, 5, 6, 1, 32, "causal_br"),  # more queries than keys: rows 0, 1 see no key (zeros, lse -inf)
+    (2, 40, 5, 5, 13, "window_left"),  # MHA, an odd head dim
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("case", FEW_QUERY_CASES, ids=lambda x: str(x))
+def test_few_queries(seed, dtype, case):
+    seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, mask = case
+    run_case(seed, dtype, seqlen_q, seqlen_k, head_dim, heads_q=heads_q, heads_kv=heads_kv, mask=mask, batch=3)
+
+
+def test_few_queries_thread_invariant(seed):
+    # The grouping of query heads into items follows the thread count; each
+    # row's arithmetic must not.
+    q, k, v, _ = make_inputs(1, 2, 700, 32, 4, 128, torch.float32, noncontiguous=True)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (threads, 1, 3):
+            torch.set_num_threads(n)
+            results.append(fwd_op(q, k, v, 0.125, -1, 0, True))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b), f"results differ between thread counts (seed {seed})"
+
+
+# ---------------------------------------------------------------------------
 # Determinism and the autograd path.
 
 

@@ -616,6 +616,29 @@ def test_bench_decode_smoke(tmp_path):
         assert (tmp_path / "plots" / "decode.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_cpu_decode_mode(tmp_path):
+    """bench_cpu.py's decode mode: one row per (dtype, cache, batch, impl), each timed."""
+    out = tmp_path / "cpu.json"
+    r = _run(
+        [
+            os.path.join(BENCH, "bench_cpu.py"),
+            *("--modes", "decode", "--dtypes", "float32,bfloat16", "--decode-caches", "64,96"),
+            *("--decode-batches", "1,2", "--decode-heads", "4,2", "--decode-dim", "32"),
+            *("--reps", "1", "--warmup", "0", "--json", str(out)),
+        ]
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())
+    assert {(row["dtype"], row["n"], row["b"], row["impl"]) for row in rows} == {
+        (dt, n, b, impl)
+        for dt in ("float32", "bfloat16")
+        for n in (64, 96)
+        for b in (1, 2)
+        for impl in ("ours", "sdpa", "naive")
+    }
+    assert all(row["mode"] == "decode" and row["h"] == 4 and row["h_kv"] == 2 and row["ms"] > 0 for row in rows)
+
+
 def test_bench_decode_order_and_budget():
     """The important decode points (batch 8/32, cache 8k-32k) run first; batch 128 last."""
     mod = _load("bench_decode")

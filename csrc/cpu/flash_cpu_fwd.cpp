@@ -181,44 +181,55 @@ void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
 // are too few for GEMM tiles (their products would be padded to a vector's
 // width and every value tile transposed for one query): attend_few_queries
 // works row-major on the k and v rows in place, kFewBlockK keys at a time.
+// The query heads of a GQA group that share a kv head are one work item, up
+// to kFewRows rows (heads x queries) together, so that each k and v row is
+// read (and, for 16-bit inputs, converted) once for all of them: decoding
+// reads the cache once per kv head instead of once per query head (4x less
+// memory traffic with 32 query heads on 8 kv heads). Each row's arithmetic is
+// the same whatever it is grouped with, so the grouping (which may follow
+// the thread count) never changes a result.
 constexpr int kFewQueries = 8;
+constexpr int kFewRows = 16;
 constexpr int kFewBlockK = 256;
 
 template <typename acc_t>
 struct FewQueriesScratch {
   explicit FewQueriesScratch(int d)
-      : q(kFewQueries * d),
-        o(kFewQueries * d),
-        scores(kFewQueries * kFewBlockK),
-        kv_row(d),
-        row_max(kFewQueries),
-        row_sum(kFewQueries),
-        key_lo(kFewQueries),
-        key_hi(kFewQueries) {}
+      : q(kFewRows * d),
+        o(kFewRows * d),
+        scores(kFewRows * kFewBlockK),
+        kv_row(kFewKvRows * d),
+        row_max(kFewRows),
+        row_sum(kFewRows),
+        key_lo(kFewRows),
+        key_hi(kFewRows) {}
 
   ScratchArray<acc_t> q;       // rows x d           scale * Q
   ScratchArray<acc_t> o;       // rows x d           unnormalized O
   ScratchArray<acc_t> scores;  // rows x kFewBlockK  S, then P
-  ScratchArray<acc_t> kv_row;  // d                  one k or v row in acc_t
+  ScratchArray<acc_t> kv_row;  // kFewKvRows x d     k or v rows in acc_t
   ScratchArray<acc_t> row_max, row_sum;
   ScratchArray<int> key_lo, key_hi;
 };
 
+// Query heads [h0, h0 + heads) of batch entry b, all of kv head h0 / ratio:
+// row r of the item is query r % seqlen_q of head h0 + r / seqlen_q.
 template <typename scalar_t, typename acc_t>
-void fwd_few_queries(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask& mask, int b, int h,
+void fwd_few_queries(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask& mask, int b, int h0, int heads,
                      FewQueriesScratch<acc_t>& scratch) {
   const int d = p.head_dim;
-  const int rows = seq.seqlen_q;
-  const int64_t h_kv = h / p.heads_ratio();
-  const scalar_t* q =
-      static_cast<const scalar_t*>(p.q_ptr) + seq.q_offset(p.q_batch_stride, p.q_row_stride, b) + h * p.q_head_stride;
+  const int seqlen_q = seq.seqlen_q;
+  const int rows = heads * seqlen_q;
+  const int64_t h_kv = h0 / p.heads_ratio();
+  const scalar_t* q0 = static_cast<const scalar_t*>(p.q_ptr) + seq.q_offset(p.q_batch_stride, p.q_row_stride, b);
   const scalar_t* k = static_cast<const scalar_t*>(p.k_ptr) + seq.k_offset(p.k_batch_stride, p.k_row_stride, b) +
                       h_kv * p.k_head_stride;
   const scalar_t* v = static_cast<const scalar_t*>(p.v_ptr) + seq.k_offset(p.v_batch_stride, p.v_row_stride, b) +
                       h_kv * p.v_head_stride;
-  scalar_t* o =
-      static_cast<scalar_t*>(p.o_ptr) + seq.q_offset(p.o_batch_stride, p.o_row_stride, b) + h * p.o_head_stride;
-  acc_t* lse = static_cast<acc_t*>(p.lse_ptr) + seq.rowvec_offset(p, b, h);
+  scalar_t* o0 = static_cast<scalar_t*>(p.o_ptr) + seq.q_offset(p.o_batch_stride, p.o_row_stride, b);
+  // Row r's query, head and place in q / out / lse.
+  auto query_of = [&](int r) { return r % seqlen_q; };
+  auto head_of = [&](int r) { return h0 + r / seqlen_q; };
 
   constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
   acc_t* row_max = scratch.row_max.get();
@@ -228,19 +239,23 @@ void fwd_few_queries(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
   std::fill(row_sum, row_sum + rows, acc_t(0));
   std::fill(o_acc, o_acc + rows * d, acc_t(0));
   const acc_t scale = static_cast<acc_t>(p.softmax_scale);
-  for (int r = 0; r < rows; ++r)
-    for (int c = 0; c < d; ++c) scratch.q.get()[r * d + c] = scale * static_cast<acc_t>(q[r * p.q_row_stride + c]);
+  for (int r = 0; r < rows; ++r) {
+    const scalar_t* q_row = q0 + query_of(r) * p.q_row_stride + head_of(r) * p.q_head_stride;
+    for (int c = 0; c < d; ++c) scratch.q.get()[r * d + c] = scale * static_cast<acc_t>(q_row[c]);
+  }
 
+  // Every head of the item has the same queries, so the key range is theirs.
   const int64_t key_begin = mask.tile_key_begin(0);
-  const int64_t key_end = mask.tile_key_end(rows);
+  const int64_t key_end = mask.tile_key_end(seqlen_q);
   for (int64_t k0 = key_begin; k0 < key_end; k0 += kFewBlockK) {
     const int cols = static_cast<int>(std::min<int64_t>(kFewBlockK, key_end - k0));
     const int* key_lo = nullptr;
     const int* key_hi = nullptr;
-    if (!mask.block_fully_visible(0, rows, k0, k0 + cols)) {
+    if (!mask.block_fully_visible(0, seqlen_q, k0, k0 + cols)) {
       for (int r = 0; r < rows; ++r) {
-        scratch.key_lo.get()[r] = static_cast<int>(std::clamp<int64_t>(mask.key_begin(r) - k0, 0, cols));
-        scratch.key_hi.get()[r] = static_cast<int>(std::clamp<int64_t>(mask.key_end(r) - k0, 0, cols));
+        const int i = query_of(r);
+        scratch.key_lo.get()[r] = static_cast<int>(std::clamp<int64_t>(mask.key_begin(i) - k0, 0, cols));
+        scratch.key_hi.get()[r] = static_cast<int>(std::clamp<int64_t>(mask.key_end(i) - k0, 0, cols));
       }
       key_lo = scratch.key_lo.get();
       key_hi = scratch.key_hi.get();
@@ -251,11 +266,24 @@ void fwd_few_queries(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
   }
 
   for (int r = 0; r < rows; ++r) {
+    const int i = query_of(r), h = head_of(r);
     const bool empty = row_sum[r] == acc_t(0);
     const acc_t inv_sum = empty ? acc_t(0) : acc_t(1) / row_sum[r];
-    lse[r] = empty ? kNegInf : row_max[r] + std::log(row_sum[r]);
-    store_tile(o_acc + r * d, d, 1, d, inv_sum, o + r * p.o_row_stride, p.o_row_stride);
+    static_cast<acc_t*>(p.lse_ptr)[seq.rowvec_offset(p, b, h) + i] =
+        empty ? kNegInf : row_max[r] + std::log(row_sum[r]);
+    store_tile(o_acc + r * d, d, 1, d, inv_sum, o0 + i * p.o_row_stride + h * p.o_head_stride, p.o_row_stride);
   }
+}
+
+// Query heads a few-queries item takes: as many of a GQA group as kFewRows
+// rows hold, fewer while that would leave some of the threads without an
+// item (a batch of one with few kv heads).
+inline int few_queries_heads_per_item(const AttnFwdParams& p) {
+  const int ratio = p.heads_ratio();
+  int heads = std::max(1, std::min(ratio, kFewRows / std::max(1, p.seqlen_q)));
+  const int64_t groups = static_cast<int64_t>(p.batch) * p.heads_kv;
+  while (heads > 1 && groups * ceil_div(ratio, heads) < 2 * at::get_num_threads()) heads = (heads + 1) / 2;
+  return heads;
 }
 
 // Items run over (batch, head, query block of seqlen_q): in a varlen batch
@@ -266,13 +294,19 @@ void fwd(const AttnFwdParams& p) {
   using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
   const int64_t batch_heads = static_cast<int64_t>(p.batch) * p.heads_q;
   if (p.seqlen_q <= kFewQueries) {
+    const int ratio = p.heads_ratio();
+    const int heads = few_queries_heads_per_item(p);
+    const int chunks = static_cast<int>(ceil_div(ratio, heads));  // items per (batch, kv head)
     for_each_item_in_parallel(
-        batch_heads, [&] { return FewQueriesScratch<acc_t>(p.head_dim); },
-        [&](int64_t bh, FewQueriesScratch<acc_t>& scratch) {
-          const int b = static_cast<int>(bh / p.heads_q);
+        static_cast<int64_t>(p.batch) * p.heads_kv * chunks, [&] { return FewQueriesScratch<acc_t>(p.head_dim); },
+        [&](int64_t item, FewQueriesScratch<acc_t>& scratch) {
+          const int64_t group = item / chunks;  // (batch, kv head)
+          const int b = static_cast<int>(group / p.heads_kv);
+          const int h0 = static_cast<int>(group % p.heads_kv) * ratio + static_cast<int>(item % chunks) * heads;
           const SeqInfo seq(p, b);
           if (seq.seqlen_q == 0) return;
-          fwd_few_queries<scalar_t, acc_t>(p, seq, AttnMask(p.mask, seq), b, static_cast<int>(bh % p.heads_q), scratch);
+          fwd_few_queries<scalar_t, acc_t>(p, seq, AttnMask(p.mask, seq), b, h0,
+                                           std::min(heads, (h0 / ratio + 1) * ratio - h0), scratch);
         });
     return;
   }

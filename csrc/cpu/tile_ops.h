@@ -83,7 +83,8 @@ void probs_and_dscores_t(acc_t* s_t, acc_t* dp_t, int64_t ld, int keys, int quer
 //             nullptr when every query sees every key
 //   row_max, row_sum, o  the online-softmax state (m, l, unnormalized O,
 //             rows x head_dim, ld head_dim), updated as online_softmax_step does
-//   scores    rows x cols scratch; kv_row head_dim scratch
+//   scores    rows x cols scratch; kv_row kFewKvRows x head_dim scratch
+constexpr int kFewKvRows = 4;  // value rows attend_few_queries adds in one pass over O
 template <typename scalar_t, typename acc_t>
 void attend_few_queries(const acc_t* q, int rows, int head_dim, const scalar_t* k, int64_t k_ld, const scalar_t* v,
                         int64_t v_ld, int cols, const int* key_lo, const int* key_hi, acc_t* row_max, acc_t* row_sum,
