@@ -17,6 +17,10 @@
 # sanitize: compute-sanitizer memcheck and racecheck on a small case per Hopper backward kernel
 # bench:    benchmarks/bench_gpu.py, the standard grid (BENCH_ARGS to narrow it,
 #           e.g. BENCH_ARGS=--quick); JSON, markdown and its summary under $OUT
+# tune:     only when named in STAGES, on a FLASHATTN_TUNING=1 build (export it
+#           before the build stage): benchmarks/tune.py over the candidate tile
+#           configurations (TUNE_ARGS, default the forward at d64/d128, 512..16k),
+#           $OUT/tune.json and tune.log
 # crash:    only when named in STAGES: the pytest run of CRASH_TESTS (default
 #           tests/test_errors.py) under cuda-gdb, for a native backtrace of a
 #           segfault ($OUT/crash_gdb.log)
@@ -144,6 +148,13 @@ EOF
     echo "compute-sanitizer $tool: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)"
     [ $rc -eq 0 ] || status=1
   done
+fi
+
+if has tune; then
+  stamp "tune: ${TUNE_ARGS:=--passes fwd --dims 64,128 --seqlens 512,1024,2048,4096,8192,16384}"
+  # shellcheck disable=SC2086
+  python3 benchmarks/tune.py --json "$OUT/tune.json" $TUNE_ARGS > "$OUT/tune.log" 2>&1 || status=1
+  cat "$OUT/tune.log"
 fi
 
 if has crash; then
