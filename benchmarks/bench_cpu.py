@@ -163,16 +163,18 @@ def main(argv=None):
                         rows.append(
                             dict(impl=impl, mode=mode, dtype=dtype_name, d=d, n=n, b=b, h=h, causal=causal, ms=ms[impl])
                         )
-                    line = f"{mode:8} {dtype_name:9} {str(causal):6} {n:5d} " + " ".join(
-                        f"{ms[i]:10.2f}" for i in impls
-                    )
-                    line += "".join(f" {ms['ours'] / ms[i]:11.2f}" for i in ratio_cols)
-                    print(line, flush=True)
+                    print_row(mode, dtype_name, str(causal), n, ms, impls, ratio_cols)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
         print(f"wrote {len(rows)} rows to {args.json}")
     return 0
+
+
+def print_row(mode, dtype_name, case, n, ms, impls, ratio_cols):
+    """One line of the table: times, then ours over each peer."""
+    line = f"{mode:8} {dtype_name:9} {case:6} {n:5d} " + " ".join(f"{ms[i]:10.2f}" for i in impls)
+    print(line + "".join(f" {ms['ours'] / ms[i]:11.2f}" for i in ratio_cols), flush=True)
 
 
 def bench_decode(args, impls, ratio_cols):
@@ -201,11 +203,7 @@ def bench_decode(args, impls, ratio_cols):
                             ms=ms[impl],
                         )
                     )
-                line = f"{'decode':8} {dtype_name:9} {'b' + str(b):6} {n:5d} " + " ".join(
-                    f"{ms[i]:10.2f}" for i in impls
-                )
-                line += "".join(f" {ms['ours'] / ms[i]:11.2f}" for i in ratio_cols)
-                print(line, flush=True)
+                print_row("decode", dtype_name, f"b{b}", n, ms, impls, ratio_cols)
     return rows
 
 
