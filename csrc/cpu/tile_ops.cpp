@@ -130,7 +130,7 @@ FLASHATTN_INLINE acc_t dot(const acc_t* __restrict x, const acc_t* __restrict y,
 
 #if FLASHATTN_VECTOR_EXT
 // The float dot in vector types: the 16 lanes above as two 8-float vectors,
-// the same products, sums and fold, so the same bits; written out because
+// the same products, sums and fold order; written out because
 // GCC kept the generic loop's lanes in memory on AVX2 once inlined into the
 // few-queries loop (callgrind: ~800 instructions a 128-long dot, 70% of a
 // decoding call; AVX-512, one register for all 16 lanes, vectorized it).
@@ -411,7 +411,7 @@ FLASHATTN_SIMD_CLONES void attend_few_queries(const acc_t* q, int rows, int head
   // masked P is 0, but 0 * NaN is not: see tile_ops.h).                rows x d
   // A row that sees all of them adds them in one pass over its O row (each
   // element loaded and stored once, not once a key), in the same order as one
-  // key at a time: the same bits.
+  // key at a time.
   for (int j0 = 0; j0 < cols; j0 += kPvKeys) {
     const int keys = std::min(kPvKeys, cols - j0);
     const acc_t* v_rows[kPvKeys];
