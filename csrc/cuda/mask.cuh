@@ -75,6 +75,40 @@ struct BlockMask {
     if (window_left >= 0 && int64_t(n0) < int64_t(row_last) + diag_offset - window_left) return true;
     return false;
   }
+
+  // The key blocks of one query tile split by whether they cut through the
+  // mask: a tile visiting blocks n_max - 1 down to n_min (step j: block
+  // n_max - 1 - j) needs element masking (tile_needs_mask) on steps
+  // [0, masked_front) (the causal / right-window diagonal and the ragged key
+  // end) and [unmasked_end, n_max - n_min) (the left window edge), and on no
+  // step in between. tile_needs_mask is monotone in n0 on each side, so the
+  // kernels run the three ranges as loops of their own with the mask a
+  // compile-time property of each loop.
+  template <int kBlockM, int kBlockN>
+  __host__ __device__ __forceinline__ void masked_steps(int m0, int n_min, int n_max, int& masked_front,
+                                                        int& unmasked_end) const {
+    // Right side: block n needs a mask iff n * kBlockN >= right (keys past
+    // seqlen_k, or a key past the window of the tile's first row).
+    int64_t right = int64_t(seqlen_k) - kBlockN + 1;
+    if (window_right >= 0) {
+      const int64_t diag = int64_t(m0) + diag_offset + window_right - kBlockN + 2;
+      right = diag < right ? diag : right;
+    }
+    int64_t n_right = right > 0 ? (right + kBlockN - 1) / kBlockN : 0;
+    n_right = n_right < n_min ? n_min : (n_right > n_max ? n_max : n_right);
+    masked_front = static_cast<int>(n_max - n_right);
+    // Left side: block n needs a mask iff n * kBlockN < left (a key before the
+    // window of the tile's last row that is stored).
+    int64_t n_left = n_min;
+    if (window_left >= 0) {
+      const int row_last = (m0 + kBlockM < seqlen_q ? m0 + kBlockM : seqlen_q) - 1;
+      const int64_t left = int64_t(row_last) + diag_offset - window_left;
+      n_left = left > 0 ? (left + kBlockN - 1) / kBlockN : 0;
+      n_left = n_left < n_min ? n_min : (n_left > n_max ? n_max : n_left);
+    }
+    unmasked_end = static_cast<int>(n_max - n_left);
+    if (unmasked_end < masked_front) unmasked_end = masked_front;
+  }
 };
 
 // The query block, head and batch a CTA of a one-dimensional query-block grid

@@ -29,10 +29,16 @@
 // (head dim 256), O is staged in the Q tile and Q is released after the store.
 //
 // Key blocks are visited last first, so the blocks that need element masking
-// (causal diagonal, the ragged end of the keys) come first. The per-element
-// mask, the skipped blocks and the CTA order are those of the other kernels
-// (../mask.cuh); masks, bias or dropout slot in at softmax_step, where S is in
-// registers with known (row, key) coordinates.
+// (causal diagonal, the ragged end of the keys) come first, and those of a
+// left window edge last (BlockMask::masked_steps). The mask is a compile-time
+// property of the step: the masked steps run loops of their own, and the
+// loop over the blocks in between holds no mask code (the instructions and
+// registers of the mask stay out of the unmasked steps: the three-consumer
+// d64 instance's spills went from 140 to 28 bytes, the rest in the non-finite
+// fix-up call). The per-element mask, the skipped blocks and the CTA order are
+// those of the other kernels (../mask.cuh); masks, bias or dropout slot in at
+// masked_softmax_step, where S is in registers with known (row, key)
+// coordinates.
 //
 // Varlen batches (kVarlen, a separate instance so that the dense one keeps its
 // registers; see SeqInfo in ../../flash_params.h) run the same pipeline:
@@ -74,6 +80,8 @@
 // the recompute, as above), and lse keeps the dense (batch, heads_q, seqlen_q)
 // layout.
 #pragma once
+
+#include <type_traits>
 
 #include "../../flash_params.h"
 #include "../mask.cuh"
@@ -258,15 +266,26 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     }
     const int blocks = n_max - n_min;  // step j visits key block n_max - 1 - j
 
+    // Steps [0, masked_front) and [unmasked_end, blocks) cut through the mask;
+    // the steps between see every key of their block and run a loop whose
+    // body has no mask code (step's `masked`, a std::bool_constant). The
+    // masked and the plain softmax are two plain lambdas: a generic lambda
+    // handing its `auto` parameter on to another generic lambda crashed
+    // cicc 13.0 (segmentation fault).
+    int masked_front, unmasked_end;
+    tmask.masked_steps<kBlockM, kBlockN>(m0, n_min, n_max, masked_front, unmasked_end);
+
     OnlineSoftmax<1> softmax;
-    auto softmax_step = [&](float(&acc_s)[1][kNT][4], int j, float(&correction)[1][2]) {
-      const int n0 = (n_max - 1 - j) * kBlockN;
-      if (tmask.tile_needs_mask<kBlockM, kBlockN>(m0, n0)) apply_mask_rows(acc_s, tmask, m0 + warp_row0, n0, lane);
+    auto softmax_step = [&](float(&acc_s)[1][kNT][4], float(&correction)[1][2]) {
       if (positive_scale) {
-        softmax.template softmax_rows<true, Kt::kPolyExpEvery>(acc_s, p.softmax_scale_log2, correction);
+        softmax.softmax_rows<true, Kt::kPolyExpEvery>(acc_s, p.softmax_scale_log2, correction);
       } else {
-        softmax.template softmax_rows<false, Kt::kPolyExpEvery>(acc_s, p.softmax_scale_log2, correction);
+        softmax.softmax_rows<false, Kt::kPolyExpEvery>(acc_s, p.softmax_scale_log2, correction);
       }
+    };
+    auto masked_softmax_step = [&](float(&acc_s)[1][kNT][4], int j, float(&correction)[1][2]) {
+      apply_mask_rows(acc_s, tmask, m0 + warp_row0, (n_max - 1 - j) * kBlockN, lane);
+      softmax_step(acc_s, correction);
     };
     // After S_j has completed: the last S of the tile frees Q for the next tile.
     auto scores_done = [&](int j) {
@@ -288,9 +307,14 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     wgmma_wait<0>();
     pin_registers(acc_s[0]);
     scores_done(0);
-    softmax_step(acc_s, 0, correction);
+    if (masked_front > 0 || unmasked_end == 0) {
+      masked_softmax_step(acc_s, 0, correction);
+    } else {
+      softmax_step(acc_s, correction);
+    }
 
-    for (int j = 0; j + 1 < blocks; ++j) {
+    // One step: S_{j+1} and P_j V_j; masked: block j + 1 cuts through the mask.
+    auto step = [&](auto masked, int j) {
       // P_j packed into A fragments frees acc_s for S_{j+1}.
       uint32_t a_p[kBlockN / 16][4];
 #pragma unroll
@@ -305,12 +329,20 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       wgmma_wait<1>();
       pin_registers(acc_s[0]);
       scores_done(j + 1);
-      softmax_step(acc_s, j + 1, correction);
+      if constexpr (decltype(masked)::value) {
+        masked_softmax_step(acc_s, j + 1, correction);
+      } else {
+        softmax_step(acc_s, correction);
+      }
       wgmma_wait<0>();
       pin_registers(acc_o[0]);
       mbar_arrive(&empty_v[stage(it0 + j)]);
       OnlineSoftmax<1>::rescale(acc_o, correction);
-    }
+    };
+    int j = 0;
+    for (; j + 1 < masked_front; ++j) step(std::true_type{}, j);
+    for (; j + 1 < unmasked_end; ++j) step(std::false_type{}, j);
+    for (; j + 1 < blocks; ++j) step(std::true_type{}, j);
     {  // The last block: P V only.
       uint32_t a_p[kBlockN / 16][4];
 #pragma unroll
