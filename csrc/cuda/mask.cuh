@@ -30,15 +30,15 @@ struct BlockMask {
         window_right(p.mask.window_right),
         diag_offset(seq.diag_offset) {}
 
-  __device__ __forceinline__ static int clamp(int64_t x, int lo, int hi) {
+  __host__ __device__ __forceinline__ static int clamp(int64_t x, int lo, int hi) {
     return static_cast<int>(x < lo ? lo : (x > hi ? hi : x));
   }
 
   // Visible keys of query row `row`: [lo, hi).
-  __device__ __forceinline__ int key_hi(int row) const {
+  __host__ __device__ __forceinline__ int key_hi(int row) const {
     return window_right < 0 ? seqlen_k : clamp(int64_t(row) + diag_offset + window_right + 1, 0, seqlen_k);
   }
-  __device__ __forceinline__ int key_lo(int row) const {
+  __host__ __device__ __forceinline__ int key_lo(int row) const {
     return window_left < 0 ? 0 : clamp(int64_t(row) + diag_offset - window_left, 0, seqlen_k);
   }
 
@@ -184,46 +184,70 @@ __device__ __forceinline__ void store_unseeing_query_block(const AttnFwdParams& 
   for (int r = tid; r < rows; r += nthreads) gLse[r] = -INFINITY;
 }
 
+// The element masks of a warp's accumulator tile. Key j is visible from query
+// row i iff band_lo <= j - i <= band_hi and j < seqlen_k (key_lo / key_hi
+// without their clamps, which only make empty ranges empty). An element's
+// j - i is a per-row base plus its column offset c = 8 ni + e, a compile-time
+// constant, so each row gets the range [c_lo, c_hi] of visible offsets once
+// and each element costs two compares with immediates and a select (the
+// per-element key_lo / key_hi with their clamps and 64-bit arithmetic made a
+// masked backward step 2.9-3.4x an unmasked one).
+__host__ __device__ __forceinline__ int64_t band_lo(const BlockMask& m) {
+  return m.window_left < 0 ? -(int64_t(1) << 40) : int64_t(m.diag_offset) - m.window_left;
+}
+__host__ __device__ __forceinline__ int64_t band_hi(const BlockMask& m) {
+  return m.window_right < 0 ? (int64_t(1) << 40) : int64_t(m.diag_offset) + m.window_right;
+}
+
 // Sets to `fill` the entries of invisible keys in a warp's accumulator tile
 // (-inf for scores, 0 for probabilities). Rows are queries r0 + mi*16 + g (+8);
 // columns are keys c0 + ni*8 + 2t (+1).
 template <int kMT, int kNT>
-__device__ __forceinline__ void apply_mask_rows(float (&s)[kMT][kNT][4], const BlockMask& mask, int r0, int c0,
+__host__ __device__ __forceinline__ void apply_mask_rows(float (&s)[kMT][kNT][4], const BlockMask& mask, int r0, int c0,
                                                 int lane, float fill = -INFINITY) {
   const int g = lane >> 2, t = lane & 3;
+  const int64_t blo = band_lo(mask), bhi = band_hi(mask);
+  const int col0 = c0 + 2 * t;  // the key of offset c = 0
 #pragma unroll
   for (int mi = 0; mi < kMT; ++mi)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = r0 + mi * 16 + g + 8 * h;
-      const int lo = mask.key_lo(row), hi = mask.key_hi(row);
+      // Key col0 + c: visible iff blo <= col0 + c - row <= bhi and col0 + c < seqlen_k.
+      const int64_t hi = bhi + row - col0, k_end = int64_t(mask.seqlen_k) - 1 - col0;
+      const int c_lo = BlockMask::clamp(blo + row - col0, 0, kNT * 8);
+      const int c_hi = BlockMask::clamp(hi < k_end ? hi : k_end, -1, kNT * 8);
 #pragma unroll
       for (int ni = 0; ni < kNT; ++ni)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int col = c0 + ni * 8 + 2 * t + e;
-          if (col < lo || col >= hi) s[mi][ni][2 * h + e] = fill;
+          const int c = ni * 8 + e;
+          if (c < c_lo || c > c_hi) s[mi][ni][2 * h + e] = fill;
         }
     }
 }
 
 // The same for a transposed tile: rows are keys, columns are queries.
 template <int kMT, int kNT>
-__device__ __forceinline__ void apply_mask_cols(float (&s)[kMT][kNT][4], const BlockMask& mask, int key0, int q0,
+__host__ __device__ __forceinline__ void apply_mask_cols(float (&s)[kMT][kNT][4], const BlockMask& mask, int key0, int q0,
                                                 int lane, float fill = -INFINITY) {
   const int g = lane >> 2, t = lane & 3;
+  const int64_t blo = band_lo(mask), bhi = band_hi(mask);
+  const int qb = q0 + 2 * t;  // the query of offset c = 0
 #pragma unroll
-  for (int ni = 0; ni < kNT; ++ni)
+  for (int mi = 0; mi < kMT; ++mi)
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int q = q0 + ni * 8 + 2 * t + e;
-      const int lo = mask.key_lo(q), hi = mask.key_hi(q);
+    for (int h = 0; h < 2; ++h) {
+      const int key = key0 + mi * 16 + g + 8 * h;
+      // Query qb + c sees this key iff blo <= key - qb - c <= bhi (and key < seqlen_k).
+      const int c_lo = BlockMask::clamp(key - qb - bhi, 0, kNT * 8);
+      const int c_hi = key < mask.seqlen_k ? BlockMask::clamp(key - qb - blo, -1, kNT * 8) : -1;
 #pragma unroll
-      for (int mi = 0; mi < kMT; ++mi)
+      for (int ni = 0; ni < kNT; ++ni)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int key = key0 + mi * 16 + g + 8 * h;
-          if (key < lo || key >= hi) s[mi][ni][2 * h + e] = fill;
+        for (int e = 0; e < 2; ++e) {
+          const int c = ni * 8 + e;
+          if (c < c_lo || c > c_hi) s[mi][ni][2 * h + e] = fill;
         }
     }
 }
