@@ -231,8 +231,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   // V: B of P V, N-major (keys are the contraction, 16 rows = 2048 bytes a step).
   const uint64_t desc_q = smem_desc(smem_u32(sQ) + cwg * 64 * 128, 16, kSbo);
 
-  auto issue_scores = [&](float(&acc_s)[1][kNT][4], int it) {
-    const uint64_t dk = smem_desc(smem_u32(sK + stage(it) * TileKV::kElems), 16, kSbo);
+  auto desc_k_of = [&](int it) { return smem_desc(smem_u32(sK + stage(it) * TileKV::kElems), 16, kSbo); };
+  auto desc_v_of = [&](int it) { return smem_desc(smem_u32(sV + stage(it) * TileKV::kElems), kPanelKV, kSbo); };
+  auto issue_scores = [&](float(&acc_s)[1][kNT][4], uint64_t dk) {
 #pragma unroll
     for (int ks = 0; ks < kHeadDim / 16; ++ks)
       Wgmma<kBlockN, T>::template ss<0, 0>(acc_s[0], desc_add(desc_q, kmajor_step(ks, kPanelQ)),
@@ -240,8 +241,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     wgmma_commit();
   };
   float acc_o[1][kDT][4];
-  auto issue_pv = [&](const uint32_t(&a_p)[kBlockN / 16][4], int it) {
-    const uint64_t dv = smem_desc(smem_u32(sV + stage(it) * TileKV::kElems), kPanelKV, kSbo);
+  auto issue_pv = [&](const uint32_t(&a_p)[kBlockN / 16][4], uint64_t dv) {
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk)
       Wgmma<kHeadDim, T>::template rs<1>(acc_o[0], a_p[kk], desc_add(dv, kk * 2048), 1);
@@ -302,7 +302,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     mbar_wait(&full_k[stage(it0)], parity(it0));
     turn_begin();
     wgmma_fence();
-    issue_scores(acc_s, it0);
+    issue_scores(acc_s, desc_k_of(it0));
     turn_end();
     wgmma_wait<0>();
     pin_registers(acc_s[0]);
@@ -312,19 +312,31 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     } else {
       softmax_step(acc_s, correction);
     }
+    // P_j packed into A fragments frees acc_s for S_{j+1}. It is packed at the
+    // end of the step that computed it, not at the top of the next: there
+    // ptxas sank the 32 conversions below the ping-pong barrier, into the
+    // turn, where they delay the other consumers' GEMMs (kernel_check, d64:
+    // 409 -> 310 TFLOP/s at 1k); the loop's back edge keeps them out of it.
+    // The next step's shared-memory descriptors are computed there too (ptxas
+    // put their address arithmetic inside the turn as well).
+    uint32_t a_p[kBlockN / 16][4];
+    uint64_t desc_k_next, desc_v_next;
+    auto prepare_step = [&](int j) {  // for the step that issues S_{j+1} and P_j V_j
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a<T>(a_p[kk], acc_s[0], kk);
+      desc_k_next = desc_k_of(it0 + j + 1);
+      desc_v_next = desc_v_of(it0 + j);
+    };
+    prepare_step(0);
 
     // One step: S_{j+1} and P_j V_j; masked: block j + 1 cuts through the mask.
     auto step = [&](auto masked, int j) {
-      // P_j packed into A fragments frees acc_s for S_{j+1}.
-      uint32_t a_p[kBlockN / 16][4];
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a<T>(a_p[kk], acc_s[0], kk);
       mbar_wait(&full_k[stage(it0 + j + 1)], parity(it0 + j + 1));
       mbar_wait(&full_v[stage(it0 + j)], parity(it0 + j));
       turn_begin();
       wgmma_fence();
-      issue_scores(acc_s, it0 + j + 1);
-      issue_pv(a_p, it0 + j);
+      issue_scores(acc_s, desc_k_next);
+      issue_pv(a_p, desc_v_next);
       turn_end();
       wgmma_wait<1>();
       pin_registers(acc_s[0]);
@@ -338,19 +350,17 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       pin_registers(acc_o[0]);
       mbar_arrive(&empty_v[stage(it0 + j)]);
       OnlineSoftmax<1>::rescale(acc_o, correction);
+      prepare_step(j + 1);  // P V_j has read a_p
     };
     int j = 0;
     for (; j + 1 < masked_front; ++j) step(std::true_type{}, j);
     for (; j + 1 < unmasked_end; ++j) step(std::false_type{}, j);
     for (; j + 1 < blocks; ++j) step(std::true_type{}, j);
     {  // The last block: P V only.
-      uint32_t a_p[kBlockN / 16][4];
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a<T>(a_p[kk], acc_s[0], kk);
       mbar_wait(&full_v[stage(it0 + blocks - 1)], parity(it0 + blocks - 1));
       turn_begin();
       wgmma_fence();
-      issue_pv(a_p, it0 + blocks - 1);
+      issue_pv(a_p, desc_v_of(it0 + blocks - 1));
       turn_end();
       wgmma_wait<0>();
       pin_registers(acc_o[0]);
