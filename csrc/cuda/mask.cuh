@@ -30,6 +30,15 @@ struct BlockMask {
         window_right(p.mask.window_right),
         diag_offset(seq.diag_offset) {}
 
+  // From its fields (the host check of tests/test_mask_rule.py).
+  __host__ __device__ __forceinline__ BlockMask(int seqlen_q_, int seqlen_k_, int window_left_, int window_right_,
+                                                int diag_offset_)
+      : seqlen_q(seqlen_q_),
+        seqlen_k(seqlen_k_),
+        window_left(window_left_),
+        window_right(window_right_),
+        diag_offset(diag_offset_) {}
+
   __host__ __device__ __forceinline__ static int clamp(int64_t x, int lo, int hi) {
     return static_cast<int>(x < lo ? lo : (x > hi ? hi : x));
   }
@@ -74,40 +83,6 @@ struct BlockMask {
     if (window_right >= 0 && int64_t(n0) + kBlockN - 1 > int64_t(m0) + diag_offset + window_right) return true;
     if (window_left >= 0 && int64_t(n0) < int64_t(row_last) + diag_offset - window_left) return true;
     return false;
-  }
-
-  // The key blocks of one query tile split by whether they cut through the
-  // mask: a tile visiting blocks n_max - 1 down to n_min (step j: block
-  // n_max - 1 - j) needs element masking (tile_needs_mask) on steps
-  // [0, masked_front) (the causal / right-window diagonal and the ragged key
-  // end) and [unmasked_end, n_max - n_min) (the left window edge), and on no
-  // step in between. tile_needs_mask is monotone in n0 on each side, so the
-  // kernels run the three ranges as loops of their own with the mask a
-  // compile-time property of each loop.
-  template <int kBlockM, int kBlockN>
-  __host__ __device__ __forceinline__ void masked_steps(int m0, int n_min, int n_max, int& masked_front,
-                                                        int& unmasked_end) const {
-    // Right side: block n needs a mask iff n * kBlockN >= right (keys past
-    // seqlen_k, or a key past the window of the tile's first row).
-    int64_t right = int64_t(seqlen_k) - kBlockN + 1;
-    if (window_right >= 0) {
-      const int64_t diag = int64_t(m0) + diag_offset + window_right - kBlockN + 2;
-      right = diag < right ? diag : right;
-    }
-    int64_t n_right = right > 0 ? (right + kBlockN - 1) / kBlockN : 0;
-    n_right = n_right < n_min ? n_min : (n_right > n_max ? n_max : n_right);
-    masked_front = static_cast<int>(n_max - n_right);
-    // Left side: block n needs a mask iff n * kBlockN < left (a key before the
-    // window of the tile's last row that is stored).
-    int64_t n_left = n_min;
-    if (window_left >= 0) {
-      const int row_last = (m0 + kBlockM < seqlen_q ? m0 + kBlockM : seqlen_q) - 1;
-      const int64_t left = int64_t(row_last) + diag_offset - window_left;
-      n_left = left > 0 ? (left + kBlockN - 1) / kBlockN : 0;
-      n_left = n_left < n_min ? n_min : (n_left > n_max ? n_max : n_left);
-    }
-    unmasked_end = static_cast<int>(n_max - n_left);
-    if (unmasked_end < masked_front) unmasked_end = masked_front;
   }
 };
 
@@ -204,7 +179,7 @@ __host__ __device__ __forceinline__ int64_t band_hi(const BlockMask& m) {
 // columns are keys c0 + ni*8 + 2t (+1).
 template <int kMT, int kNT>
 __host__ __device__ __forceinline__ void apply_mask_rows(float (&s)[kMT][kNT][4], const BlockMask& mask, int r0, int c0,
-                                                int lane, float fill = -INFINITY) {
+                                                         int lane, float fill = -INFINITY) {
   const int g = lane >> 2, t = lane & 3;
   const int64_t blo = band_lo(mask), bhi = band_hi(mask);
   const int col0 = c0 + 2 * t;  // the key of offset c = 0
@@ -229,8 +204,8 @@ __host__ __device__ __forceinline__ void apply_mask_rows(float (&s)[kMT][kNT][4]
 
 // The same for a transposed tile: rows are keys, columns are queries.
 template <int kMT, int kNT>
-__host__ __device__ __forceinline__ void apply_mask_cols(float (&s)[kMT][kNT][4], const BlockMask& mask, int key0, int q0,
-                                                int lane, float fill = -INFINITY) {
+__host__ __device__ __forceinline__ void apply_mask_cols(float (&s)[kMT][kNT][4], const BlockMask& mask, int key0,
+                                                         int q0, int lane, float fill = -INFINITY) {
   const int g = lane >> 2, t = lane & 3;
   const int64_t blo = band_lo(mask), bhi = band_hi(mask);
   const int qb = q0 + 2 * t;  // the query of offset c = 0

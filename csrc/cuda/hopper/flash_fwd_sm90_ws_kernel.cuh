@@ -29,16 +29,10 @@
 // (head dim 256), O is staged in the Q tile and Q is released after the store.
 //
 // Key blocks are visited last first, so the blocks that need element masking
-// (causal diagonal, the ragged end of the keys) come first, and those of a
-// left window edge last (BlockMask::masked_steps). The mask is a compile-time
-// property of the step: the masked steps run loops of their own, and the
-// loop over the blocks in between holds no mask code (the instructions and
-// registers of the mask stay out of the unmasked steps: the three-consumer
-// d64 instance's spills went from 140 to 28 bytes, the rest in the non-finite
-// fix-up call). The per-element mask, the skipped blocks and the CTA order are
-// those of the other kernels (../mask.cuh); masks, bias or dropout slot in at
-// masked_softmax_step, where S is in registers with known (row, key)
-// coordinates.
+// (causal diagonal, the ragged end of the keys) come first. The per-element
+// mask, the skipped blocks and the CTA order are those of the other kernels
+// (../mask.cuh); masks, bias or dropout slot in at softmax_step, where S is in
+// registers with known (row, key) coordinates.
 //
 // Varlen batches (kVarlen, a separate instance so that the dense one keeps its
 // registers; see SeqInfo in ../../flash_params.h) run the same pipeline:
@@ -80,8 +74,6 @@
 // the recompute, as above), and lse keeps the dense (batch, heads_q, seqlen_q)
 // layout.
 #pragma once
-
-#include <type_traits>
 
 #include "../../flash_params.h"
 #include "../mask.cuh"
@@ -231,9 +223,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   // V: B of P V, N-major (keys are the contraction, 16 rows = 2048 bytes a step).
   const uint64_t desc_q = smem_desc(smem_u32(sQ) + cwg * 64 * 128, 16, kSbo);
 
-  auto desc_k_of = [&](int it) { return smem_desc(smem_u32(sK + stage(it) * TileKV::kElems), 16, kSbo); };
-  auto desc_v_of = [&](int it) { return smem_desc(smem_u32(sV + stage(it) * TileKV::kElems), kPanelKV, kSbo); };
-  auto issue_scores = [&](float(&acc_s)[1][kNT][4], uint64_t dk) {
+  auto issue_scores = [&](float(&acc_s)[1][kNT][4], int it) {
+    const uint64_t dk = smem_desc(smem_u32(sK + stage(it) * TileKV::kElems), 16, kSbo);
 #pragma unroll
     for (int ks = 0; ks < kHeadDim / 16; ++ks)
       Wgmma<kBlockN, T>::template ss<0, 0>(acc_s[0], desc_add(desc_q, kmajor_step(ks, kPanelQ)),
@@ -241,7 +232,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     wgmma_commit();
   };
   float acc_o[1][kDT][4];
-  auto issue_pv = [&](const uint32_t(&a_p)[kBlockN / 16][4], uint64_t dv) {
+  auto issue_pv = [&](const uint32_t(&a_p)[kBlockN / 16][4], int it) {
+    const uint64_t dv = smem_desc(smem_u32(sV + stage(it) * TileKV::kElems), kPanelKV, kSbo);
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk)
       Wgmma<kHeadDim, T>::template rs<1>(acc_o[0], a_p[kk], desc_add(dv, kk * 2048), 1);
@@ -266,26 +258,15 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     }
     const int blocks = n_max - n_min;  // step j visits key block n_max - 1 - j
 
-    // Steps [0, masked_front) and [unmasked_end, blocks) cut through the mask;
-    // the steps between see every key of their block and run a loop whose
-    // body has no mask code (step's `masked`, a std::bool_constant). The
-    // masked and the plain softmax are two plain lambdas: a generic lambda
-    // handing its `auto` parameter on to another generic lambda crashed
-    // cicc 13.0 (segmentation fault).
-    int masked_front, unmasked_end;
-    tmask.masked_steps<kBlockM, kBlockN>(m0, n_min, n_max, masked_front, unmasked_end);
-
     OnlineSoftmax<1> softmax;
-    auto softmax_step = [&](float(&acc_s)[1][kNT][4], float(&correction)[1][2]) {
+    auto softmax_step = [&](float(&acc_s)[1][kNT][4], int j, float(&correction)[1][2]) {
+      const int n0 = (n_max - 1 - j) * kBlockN;
+      if (tmask.tile_needs_mask<kBlockM, kBlockN>(m0, n0)) apply_mask_rows(acc_s, tmask, m0 + warp_row0, n0, lane);
       if (positive_scale) {
-        softmax.softmax_rows<true, Kt::kPolyExpEvery>(acc_s, p.softmax_scale_log2, correction);
+        softmax.template softmax_rows<true, Kt::kPolyExpEvery>(acc_s, p.softmax_scale_log2, correction);
       } else {
-        softmax.softmax_rows<false, Kt::kPolyExpEvery>(acc_s, p.softmax_scale_log2, correction);
+        softmax.template softmax_rows<false, Kt::kPolyExpEvery>(acc_s, p.softmax_scale_log2, correction);
       }
-    };
-    auto masked_softmax_step = [&](float(&acc_s)[1][kNT][4], int j, float(&correction)[1][2]) {
-      apply_mask_rows(acc_s, tmask, m0 + warp_row0, (n_max - 1 - j) * kBlockN, lane);
-      softmax_step(acc_s, correction);
     };
     // After S_j has completed: the last S of the tile frees Q for the next tile.
     auto scores_done = [&](int j) {
@@ -302,65 +283,42 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     mbar_wait(&full_k[stage(it0)], parity(it0));
     turn_begin();
     wgmma_fence();
-    issue_scores(acc_s, desc_k_of(it0));
+    issue_scores(acc_s, it0);
     turn_end();
     wgmma_wait<0>();
     pin_registers(acc_s[0]);
     scores_done(0);
-    if (masked_front > 0 || unmasked_end == 0) {
-      masked_softmax_step(acc_s, 0, correction);
-    } else {
-      softmax_step(acc_s, correction);
-    }
-    // P_j packed into A fragments frees acc_s for S_{j+1}. It is packed at the
-    // end of the step that computed it, not at the top of the next: there
-    // ptxas sank the 32 conversions below the ping-pong barrier, into the
-    // turn, where they delay the other consumers' GEMMs (kernel_check, d64:
-    // 409 -> 310 TFLOP/s at 1k); the loop's back edge keeps them out of it.
-    // The next step's shared-memory descriptors are computed there too (ptxas
-    // put their address arithmetic inside the turn as well).
-    uint32_t a_p[kBlockN / 16][4];
-    uint64_t desc_k_next, desc_v_next;
-    auto prepare_step = [&](int j) {  // for the step that issues S_{j+1} and P_j V_j
+    softmax_step(acc_s, 0, correction);
+
+    for (int j = 0; j + 1 < blocks; ++j) {
+      // P_j packed into A fragments frees acc_s for S_{j+1}.
+      uint32_t a_p[kBlockN / 16][4];
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a<T>(a_p[kk], acc_s[0], kk);
-      desc_k_next = desc_k_of(it0 + j + 1);
-      desc_v_next = desc_v_of(it0 + j);
-    };
-    prepare_step(0);
-
-    // One step: S_{j+1} and P_j V_j; masked: block j + 1 cuts through the mask.
-    auto step = [&](auto masked, int j) {
       mbar_wait(&full_k[stage(it0 + j + 1)], parity(it0 + j + 1));
       mbar_wait(&full_v[stage(it0 + j)], parity(it0 + j));
       turn_begin();
       wgmma_fence();
-      issue_scores(acc_s, desc_k_next);
-      issue_pv(a_p, desc_v_next);
+      issue_scores(acc_s, it0 + j + 1);
+      issue_pv(a_p, it0 + j);
       turn_end();
       wgmma_wait<1>();
       pin_registers(acc_s[0]);
       scores_done(j + 1);
-      if constexpr (decltype(masked)::value) {
-        masked_softmax_step(acc_s, j + 1, correction);
-      } else {
-        softmax_step(acc_s, correction);
-      }
+      softmax_step(acc_s, j + 1, correction);
       wgmma_wait<0>();
       pin_registers(acc_o[0]);
       mbar_arrive(&empty_v[stage(it0 + j)]);
       OnlineSoftmax<1>::rescale(acc_o, correction);
-      prepare_step(j + 1);  // P V_j has read a_p
-    };
-    int j = 0;
-    for (; j + 1 < masked_front; ++j) step(std::true_type{}, j);
-    for (; j + 1 < unmasked_end; ++j) step(std::false_type{}, j);
-    for (; j + 1 < blocks; ++j) step(std::true_type{}, j);
+    }
     {  // The last block: P V only.
+      uint32_t a_p[kBlockN / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a<T>(a_p[kk], acc_s[0], kk);
       mbar_wait(&full_v[stage(it0 + blocks - 1)], parity(it0 + blocks - 1));
       turn_begin();
       wgmma_fence();
-      issue_pv(a_p, desc_v_of(it0 + blocks - 1));
+      issue_pv(a_p, it0 + blocks - 1);
       turn_end();
       wgmma_wait<0>();
       pin_registers(acc_o[0]);
