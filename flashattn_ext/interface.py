@@ -867,9 +867,14 @@ def flash_attn_varlen_func(
     FlashAttnFallbackWarning).
     """
     fn = "flash_attn_varlen_func"
-    _check_varlen_qkv(fn, q, k, v)
+    # Before the shape checks: with block_table, k and v are flash-attn's paged
+    # caches (num_blocks, page_block_size, heads_kv, head_dim), not 3-D.
     if block_table is not None:
-        raise NotImplementedError(f"{fn}: block_table (paged KV cache) is not supported by flashattn_ext; pass None")
+        raise NotImplementedError(
+            f"{fn}: block_table (paged k/v) is not supported by flashattn_ext yet; pass contiguous packed k/v "
+            "(total_k, heads_kv, head_dim) with block_table=None, or use flash_attn_with_kvcache, which takes block_table"
+        )
+    _check_varlen_qkv(fn, q, k, v)
     p, scale, wl, wr, deterministic, return_lse = _common_args(
         fn,
         q,

@@ -742,6 +742,17 @@ VARLEN_ERRORS = {
         NotImplementedError,
         r"block_table",
     ),
+    # flash-attn's paged call: k/v as (num_blocks, page_block_size, heads_kv, head_dim). The refusal names
+    # block_table, not k's rank.
+    "block_table-paged-kv": (
+        lambda a, d: dict(
+            k=a["k"].reshape(1, 8, 2, -1),
+            v=a["v"].reshape(1, 8, 2, -1),
+            block_table=torch.zeros(2, 1, dtype=torch.int32, device=d),
+        ),
+        NotImplementedError,
+        r"block_table",
+    ),
     "window_size": (lambda a, d: dict(window_size=(-2, 0)), ValueError, r"window_size"),
     "dropout_p": (lambda a, d: dict(dropout_p=1.5), ValueError, r"dropout_p must be in \[0, 1\]"),
     "softmax_scale": (lambda a, d: dict(softmax_scale=float("inf")), ValueError, r"softmax_scale must be finite"),
