@@ -204,7 +204,7 @@ def _ring_backward(ring, dout, q, k, v, out, lse, scale, deterministic):
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     dout = _ops.unit_last_stride(dout)
     k_cur, v_cur = k, v
-    dkv_reqs = None
+    dkv_reqs = dk_acc = dv_acc = None
     for i in range(ring.world):
         if i + 1 < ring.world:
             kv_reqs, (k_next, v_next) = ring.exchange([k_cur, v_cur], tag=1)
