@@ -255,80 +255,113 @@ def _as_permuted(x):
 # for the CPU dispatch key (_register_flash_ops) and runs them there.
 
 
+# Keyword arguments of newer torch versions' FA2 forward ops that ours understand:
+# out (write into it), block_table (paged keys: refused unless None), num_splits (a
+# hint of how to split the keys: our kernels choose their own), compute_auxiliary
+# (False: no rng / debug outputs).
+_FA2_NEWER_KWARGS = ("out", "block_table", "num_splits", "compute_auxiliary")
+
+
+def _fa2_forward_refusal(query, key, value, cum_seq_q, cum_seq_k, dropout_p, return_debug_mask, window, kwargs):
+    unknown = sorted(
+        set(kwargs)
+        - {"scale", "window_size_left", "window_size_right", "seqused_k", "alibi_slopes"}
+        - set(_FA2_NEWER_KWARGS)
+    )
+    out = kwargs.get("out")
+    return (
+        ("dropout_p > 0" if dropout_p != 0.0 else None)
+        or ("return_debug_mask" if return_debug_mask else None)
+        or ("seqused_k is given" if kwargs.get("seqused_k") is not None else None)
+        or ("alibi_slopes are given" if kwargs.get("alibi_slopes") is not None else None)
+        or ("block_table is given" if kwargs.get("block_table") is not None else None)
+        or ("a window size below -1" if window is None else None)
+        or ("unknown arguments " + ", ".join(unknown) if unknown else None)
+        or (
+            "out does not match the query"
+            if out is not None and (out.shape != query.shape or out.dtype != query.dtype or out.device != query.device)
+            else None
+        )
+        or _scale_refusal(kwargs.get("scale"))
+        or (
+            _varlen_refusal(query, key, value, cum_seq_q, cum_seq_k)
+            if cum_seq_q is not None or cum_seq_k is not None
+            else _dense_refusal(query, key, value, 1)
+        )
+    )
+
+
+def _fa2_forward_run(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, window, scale):
+    """out (with query's layout) and lse of FA2's forward on our kernels."""
+    wl, wr = window
+    sc = _scale_of(scale, query)
+    q, k, v = (_ops.unit_last_stride(x) for x in (query, key, value))
+    # FlashAttention-2's causal and windows are aligned bottom-right: bottom_right=True.
+    if cum_seq_q is not None:
+        return _ops.varlen_fwd(q, k, v, cum_seq_q, cum_seq_k, int(max_q), int(max_k), sc, wl, wr, True)
+    return _ops.fwd_op(q, k, v, sc, wl, wr, True)
+
+
+_FA2_FWD_ARGS = ("query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal")
+_FA2_FWD_ARGS += ("return_debug_mask",)
+
+
 def _flash_forward(orig):
     op = "_flash_attention_forward"
 
-    def impl(
-        keyset,
-        query,
-        key,
-        value,
-        cum_seq_q,
-        cum_seq_k,
-        max_q,
-        max_k,
-        dropout_p,
-        is_causal,
-        return_debug_mask,
-        *,
-        scale=None,
-        window_size_left=None,
-        window_size_right=None,
-        seqused_k=None,
-        alibi_slopes=None,
-        **extra,
-    ):
-        window = _window(window_size_left, window_size_right, is_causal)
-        varlen = cum_seq_q is not None or cum_seq_k is not None
-        why = (
-            ("dropout_p > 0" if dropout_p != 0.0 else None)
-            or ("return_debug_mask" if return_debug_mask else None)
-            or ("seqused_k is given" if seqused_k is not None else None)
-            or ("alibi_slopes are given" if alibi_slopes is not None else None)
-            or ("a window size below -1" if window is None else None)
-            or (
-                "unknown arguments " + ", ".join(sorted(k for k in extra if k != "out"))
-                if set(extra) - {"out"}
-                else None
-            )
-            or _scale_refusal(scale)
-            or (
-                _varlen_refusal(query, key, value, cum_seq_q, cum_seq_k)
-                if varlen
-                else _dense_refusal(query, key, value, 1)
-            )
-        )
+    def impl(keyset, *args, **kwargs):
+        # Positional arguments as in the schema; keyword-only ones passed through as they came.
+        a = dict(zip(_FA2_FWD_ARGS, args))
+        window = _window(kwargs.get("window_size_left"), kwargs.get("window_size_right"), a["is_causal"])
+        why = _fa2_forward_refusal(
+            a["query"], a["key"], a["value"], a["cum_seq_q"], a["cum_seq_k"], a["dropout_p"],
+            a["return_debug_mask"], window, kwargs,
+        )  # fmt: skip
         if why is not None:
             _calls[(op, "torch: " + why)] += 1
-            kwargs = dict(
-                scale=scale,
-                window_size_left=window_size_left,
-                window_size_right=window_size_right,
-                seqused_k=seqused_k,
-                alibi_slopes=alibi_slopes,
-                **extra,
-            )
-            return orig.call_boxed(
-                keyset, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
-                return_debug_mask, **kwargs,
-            )  # fmt: skip
+            return orig.call_boxed(keyset, *args, **kwargs)
         _calls[(op, IMPL_NAME)] += 1
-        wl, wr = window
-        sc = _scale_of(scale, query)
-        q, k, v = (_ops.unit_last_stride(x) for x in (query, key, value))
-        # FlashAttention-2's causal and windows are aligned bottom-right: bottom_right=True.
-        if varlen:
-            out, lse = _ops.varlen_fwd(q, k, v, cum_seq_q, cum_seq_k, int(max_q), int(max_k), sc, wl, wr, True)
-        else:
-            out, lse = _ops.fwd_op(q, k, v, sc, wl, wr, True)
-        dest = extra.get("out")
+        query = a["query"]
+        out, lse = _fa2_forward_run(
+            query, a["key"], a["value"], a["cum_seq_q"], a["cum_seq_k"], a["max_q"], a["max_k"], window,
+            kwargs.get("scale"),
+        )  # fmt: skip
+        dest = kwargs.get("out")
         if dest is not None:  # newer torch: write into the caller's buffer
             dest.copy_(out)
             out = dest
         else:
             out = _as_like(query, out)
+        if kwargs.get("compute_auxiliary", True) is False:
+            return out, lse, None, None, None
         seed, offset = _rng_outputs(query)
         return out, lse, seed, offset, torch.empty(0, dtype=query.dtype, device=query.device)
+
+    return op, impl
+
+
+def _flash_forward_inplace(orig):
+    """aten._flash_attention_forward_no_dropout_inplace (torch > 2.11; torch's
+    varlen_attn calls it): writes the output into its first argument, returns lse."""
+    op = "_flash_attention_forward_no_dropout_inplace"
+
+    def impl(keyset, out, *args, **kwargs):
+        a = dict(zip(_FA2_FWD_ARGS, args))
+        window = _window(kwargs.get("window_size_left"), kwargs.get("window_size_right"), a["is_causal"])
+        why = _fa2_forward_refusal(
+            a["query"], a["key"], a["value"], a["cum_seq_q"], a["cum_seq_k"], a["dropout_p"],
+            a["return_debug_mask"], window, {**kwargs, "out": out},
+        )  # fmt: skip
+        if why is not None:
+            _calls[(op, "torch: " + why)] += 1
+            return orig.call_boxed(keyset, out, *args, **kwargs)
+        _calls[(op, IMPL_NAME)] += 1
+        res, lse = _fa2_forward_run(
+            a["query"], a["key"], a["value"], a["cum_seq_q"], a["cum_seq_k"], a["max_q"], a["max_k"], window,
+            kwargs.get("scale"),
+        )  # fmt: skip
+        out.copy_(res)
+        return lse
 
     return op, impl
 
@@ -484,10 +517,13 @@ def _sdpa_flash_backward(orig):
 
 _CPU_OPS = (_cpu_flash_forward, _cpu_flash_backward)
 _FLASH_OPS = (_flash_forward, _flash_backward, _sdpa_flash_forward, _sdpa_flash_backward)
+if hasattr(aten, "_flash_attention_forward_no_dropout_inplace"):  # torch > 2.11
+    _FLASH_OPS += (_flash_forward_inplace,)
 _OP_NAMES = {
     _cpu_flash_forward: "_scaled_dot_product_flash_attention_for_cpu",
     _cpu_flash_backward: "_scaled_dot_product_flash_attention_for_cpu_backward",
     _flash_forward: "_flash_attention_forward",
+    _flash_forward_inplace: "_flash_attention_forward_no_dropout_inplace",
     _flash_backward: "_flash_attention_backward",
     _sdpa_flash_forward: "_scaled_dot_product_flash_attention",
     _sdpa_flash_backward: "_scaled_dot_product_flash_attention_backward",

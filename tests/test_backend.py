@@ -356,3 +356,31 @@ def test_cuda_dropout_is_torchs(active):
     out.sum().backward()
     assert _ours(CUDA_OP) == 0 and _refused(CUDA_OP) == {"torch: dropout_p > 0": 1}
     assert math.isfinite(out.float().sum().item())
+
+
+def test_newer_torch_forward_arguments():
+    """The FA2 forward overrides as a newer torch calls them (called directly:
+    torch 2.11 has neither _flash_attention_forward_no_dropout_inplace nor these
+    keyword arguments): out= written in place, compute_auxiliary=False,
+    num_splits ignored, block_table refused."""
+    backend.reset_calls()
+    missing = backend._NoKernel("_flash_attention_forward_no_dropout_inplace", "CPU")
+    _, inplace = backend._flash_forward_inplace(missing)
+    _, forward = backend._flash_forward(missing)
+    cu = torch.tensor([0, 7, 27], dtype=torch.int32)
+    q, k, v = (torch.randn(27, 4, 32) for _ in range(3))
+    args = (q, k, v, cu, cu, 20, 20, 0.0, True, False)
+    kw = dict(scale=None, window_size_left=None, window_size_right=None, seqused_k=None, alibi_slopes=None)
+    ref_out, ref_lse = forward(None, *args, **kw)[:2]
+    buf = torch.full_like(q, float("nan"))
+    lse = inplace(None, buf, *args, **kw, block_table=None, num_splits=3)
+    assert torch.equal(buf, ref_out) and torch.equal(lse, ref_lse)
+    buf2 = torch.full_like(q, float("nan"))
+    res = forward(None, *args, **kw, out=buf2, block_table=None, compute_auxiliary=False, num_splits=2)
+    assert res[0] is buf2 and torch.equal(buf2, ref_out) and res[2:] == (None, None, None)
+    assert_all(
+        check_attention(q[None, 7:], k[None, 7:], v[None, 7:], ref_out[None, 7:], ref_lse[None, :, 7:], causal=True)
+    )
+    with pytest.raises(NotImplementedError, match="refused"):
+        inplace(None, buf, *args, **kw, block_table=torch.zeros(2, 1, dtype=torch.int32), num_splits=None)
+    assert sum(n for (op, r), n in backend.calls().items() if r == "torch: block_table is given") == 1
