@@ -29,6 +29,17 @@ sequence is cut into 2 * world chunks and rank r holds chunks r and
 2 * world - 1 - r, so every rank has the same causal work. ``shard`` /
 ``unshard`` apply that layout; the lengths must be multiples of 2 * world
 (world when not balanced).
+
+``ring_attention_varlen`` does the same for packed documents (flash-attn's
+varlen layout, self-attention, one cu_seqlens for q and k): each document is
+balanced on its own (``shard_varlen`` / ``unshard_varlen``; every length a
+multiple of 2 * world), and each step makes one varlen kernel call per
+(query chunk, key chunk) pair for all documents at once.
+
+Not here yet: masks and bias (the kernels take neither), causal varlen with
+different q and k lengths per document, and gradients written straight into
+the caller's buffers (each block's gradients come back from the kernels in
+the input dtype and are added in float32, as torch's context parallelism does).
 """
 
 from __future__ import annotations
@@ -40,7 +51,7 @@ import torch.distributed as dist
 
 from . import _ops
 
-__all__ = ["ring_attention", "shard", "unshard", "chunk_ids"]
+__all__ = ["ring_attention", "ring_attention_varlen", "shard", "unshard", "shard_varlen", "unshard_varlen", "chunk_ids"]
 
 
 # ----------------------------------------------------------------------------- layout
@@ -139,13 +150,14 @@ def _plan(q_pos, k_pos, causal, chunk_q, chunk_k):
 
 
 class _Ring:
-    """Everything a rank needs to run its part: group, peers, the plan of every step."""
+    """Everything a rank needs to run its part: group, peers, the plan of every
+    step, and the kernel calls on (batch, seqlen, heads, head_dim) parts."""
+
+    seq_dim = 1  # the sequence dimension of q, k, v, out; lse's is its last
 
     def __init__(self, group, seqlen_q, seqlen_k, causal, balanced):
-        self.group, self.rank, self.world = _group_info(group)
+        self._peers(group)
         w, r = self.world, self.rank
-        self.next = dist.get_global_rank(self.group, (r + 1) % w)
-        self.prev = dist.get_global_rank(self.group, (r - 1) % w)
         per = len(chunk_ids(0, w, balanced))
         # bottom-right: query row i of the full sequence sits at key position i + Lk - Lq.
         offset = seqlen_k * w - seqlen_q * w
@@ -156,6 +168,11 @@ class _Ring:
             for i in range(w)
         ]
 
+    def _peers(self, group):
+        self.group, self.rank, self.world = _group_info(group)
+        self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.world)
+        self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.world)
+
     def exchange(self, tensors, tag):
         """Send tensors to the next rank, receive the same shapes from the previous
         one; returns (requests, received buffers)."""
@@ -163,6 +180,67 @@ class _Ring:
         ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in tensors]
         ops += [dist.P2POp(dist.irecv, b, self.prev, self.group, tag) for b in bufs]
         return dist.batch_isend_irecv(ops), bufs
+
+    def rows(self, x, a, e):
+        return x.narrow(self.seq_dim, a, e - a)
+
+    def lse_rows(self, lse, a, e):
+        return lse.narrow(lse.dim() - 1, a, e - a)
+
+    def lse_shape(self, q):
+        return (q.shape[0], q.shape[2], q.shape[1])
+
+    def fwd(self, q, k, v, scale, wr):
+        return _ops.fwd_op(q, k, v, scale, -1, wr, False)
+
+    def bwd(self, dout, q, k, v, out, lse, scale, wr, deterministic):
+        return _ops.bwd(dout, q, k, v, out, lse, scale, -1, wr, False, deterministic)
+
+    def merge(self, acc_out, acc_lse, out, lse):
+        _merge(acc_out, acc_lse, out, lse)
+
+
+class _VarlenRing(_Ring):
+    """Packed sequences (total, heads, head_dim), each split into chunks of its
+    own (per-sequence head-tail balancing): a rank's part is its first chunk of
+    every sequence, packed, then its second. With equal lengths per sequence
+    for q and k, which keys a chunk sees depends on the chunk ids alone: one
+    varlen call per (query chunk, key chunk) pair, for all sequences at once."""
+
+    seq_dim = 0
+
+    def __init__(self, group, lengths, causal, balanced, device):
+        self._peers(group)
+        w, r = self.world, self.rank
+        n = _n_chunks(w, balanced)
+        sizes = [length // n for length in lengths]
+        self.max_chunk = max(sizes)
+        self.cu = torch.tensor([0] + torch.tensor(sizes).cumsum(0).tolist(), dtype=torch.int32, device=device)
+        t = sum(sizes)  # rows of one chunk slot
+        self.plans = []
+        for i in range(w):
+            calls = []
+            for slot_q, cq in enumerate(chunk_ids(r, w, balanced)):
+                for slot_k, ck in enumerate(chunk_ids((r - i) % w, w, balanced)):
+                    if causal and cq < ck:
+                        continue  # every key of chunk ck comes after every query of chunk cq
+                    wr = 0 if causal and cq == ck else -1
+                    calls.append((slot_q * t, (slot_q + 1) * t, slot_k * t, (slot_k + 1) * t, wr))
+            self.plans.append(calls)
+
+    def lse_shape(self, q):
+        return (q.shape[1], q.shape[0])
+
+    def fwd(self, q, k, v, scale, wr):
+        m = self.max_chunk
+        return _ops.varlen_fwd(q, k, v, self.cu, self.cu, m, m, scale, -1, wr, False)
+
+    def bwd(self, dout, q, k, v, out, lse, scale, wr, deterministic):
+        m = self.max_chunk
+        return _ops.varlen_bwd(dout, q, k, v, out, lse, self.cu, self.cu, m, m, scale, -1, wr, False, deterministic)
+
+    def merge(self, acc_out, acc_lse, out, lse):
+        _merge(acc_out.unsqueeze(0), acc_lse.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0))
 
 
 def _wait(reqs):
@@ -183,16 +261,16 @@ def _merge(acc_out, acc_lse, out, lse):
 
 def _ring_forward(ring, q, k, v, scale):
     acc_dtype = _ops._lse_dtype(q.dtype)
-    b, sq, h, d = q.shape
-    acc_out = torch.zeros((b, sq, h, d), dtype=acc_dtype, device=q.device)
-    acc_lse = torch.full((b, h, sq), float("-inf"), dtype=acc_dtype, device=q.device)
+    acc_out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    acc_lse = torch.full(ring.lse_shape(q), float("-inf"), dtype=acc_dtype, device=q.device)
+    rows = ring.rows
     k_cur, v_cur = k, v
     for i in range(ring.world):
         if i + 1 < ring.world:  # the next part in flight while this one is computed
             reqs, (k_next, v_next) = ring.exchange([k_cur, v_cur], tag=0)
         for a, e, c, f, wr in ring.plans[i]:
-            out, lse = _ops.fwd_op(q[:, a:e], k_cur[:, c:f], v_cur[:, c:f], scale, -1, wr, False)
-            _merge(acc_out[:, a:e], acc_lse[:, :, a:e], out, lse)
+            out, lse = ring.fwd(rows(q, a, e), rows(k_cur, c, f), rows(v_cur, c, f), scale, wr)
+            ring.merge(rows(acc_out, a, e), ring.lse_rows(acc_lse, a, e), out, lse)
         if i + 1 < ring.world:
             _wait(reqs)
             k_cur, v_cur = k_next, v_next
@@ -203,6 +281,7 @@ def _ring_backward(ring, dout, q, k, v, out, lse, scale, deterministic):
     acc_dtype = _ops._lse_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     dout = _ops.unit_last_stride(dout)
+    rows = ring.rows
     k_cur, v_cur = k, v
     dkv_reqs = dk_acc = dv_acc = None
     for i in range(ring.world):
@@ -211,13 +290,13 @@ def _ring_backward(ring, dout, q, k, v, out, lse, scale, deterministic):
         dk_blk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
         dv_blk = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
         for a, e, c, f, wr in ring.plans[i]:
-            dq_p, dk_p, dv_p = _ops.bwd(
-                dout[:, a:e], q[:, a:e], k_cur[:, c:f], v_cur[:, c:f], out[:, a:e], lse[:, :, a:e].contiguous(),
-                scale, -1, wr, False, deterministic,
+            dq_p, dk_p, dv_p = ring.bwd(
+                rows(dout, a, e), rows(q, a, e), rows(k_cur, c, f), rows(v_cur, c, f), rows(out, a, e),
+                ring.lse_rows(lse, a, e).contiguous(), scale, wr, deterministic,
             )  # fmt: skip
-            dq[:, a:e] += dq_p
-            dk_blk[:, c:f] += dk_p
-            dv_blk[:, c:f] += dv_p
+            rows(dq, a, e).add_(dq_p)
+            rows(dk_blk, c, f).add_(dk_p)
+            rows(dv_blk, c, f).add_(dv_p)
         if dkv_reqs is not None:  # this part's dK / dV so far, from the ranks it visited before
             _wait(dkv_reqs)
             dk_blk += dk_acc
@@ -234,8 +313,7 @@ def _ring_backward(ring, dout, q, k, v, out, lse, scale, deterministic):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, group, balanced, deterministic):
-        ring = _Ring(group, q.shape[1], k.shape[1], causal, balanced)
+    def forward(ctx, q, k, v, scale, ring, deterministic):
         q, k, v = (x.contiguous() for x in (q, k, v))
         out, lse = _ring_forward(ring, q, k, v, scale)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -247,7 +325,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(ctx.ring, dout, q, k, v, out, lse, ctx.scale, ctx.deterministic)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None
 
 
 def ring_attention(
@@ -284,5 +362,90 @@ def ring_attention(
         )
     _ops.check_qkv(q, k, v, unit_stride=False)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    out, lse = _RingAttention.apply(q, k, v, float(scale), bool(causal), group, bool(balanced), bool(deterministic))
+    ring = _Ring(group, q.shape[1], k.shape[1], bool(causal), bool(balanced))
+    out, lse = _RingAttention.apply(q, k, v, float(scale), ring, bool(deterministic))
+    return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------- packed sequences
+
+
+def _lengths_of(cu_seqlens):
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    return [b - a for a, b in zip(cu[:-1], cu[1:])]
+
+
+def _varlen_layout(cu_seqlens, world, balanced, name):
+    lengths = _lengths_of(cu_seqlens)
+    n = _n_chunks(world, balanced)
+    bad = [length for length in lengths if length % n or length == 0]
+    if bad:
+        raise ValueError(
+            f"flashattn_ext.ring.{name}: every sequence length must be a positive multiple of {n} "
+            f"({'2 x ' if balanced else ''}world size {world}), got {bad[:4]}; pad each sequence"
+        )
+    return lengths, n
+
+
+def shard_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, group=None, *, balanced: bool = True) -> torch.Tensor:
+    """This rank's part of packed sequences x (total, ...) with cumulative lengths
+    cu_seqlens (batch + 1,): its chunks of every sequence, the first chunk of each
+    sequence packed, then the second (balanced). Contiguous."""
+    _, rank, world = _group_info(group)
+    lengths, n = _varlen_layout(cu_seqlens, world, balanced, "shard_varlen")
+    pieces = list(x.split(lengths, dim=0))
+    chunks = [p.chunk(n, dim=0) for p in pieces]
+    return torch.cat([c[j] for j in chunk_ids(rank, world, balanced) for c in chunks], dim=0).contiguous()
+
+
+def unshard_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, group=None, *, balanced: bool = True, dim: int = 0):
+    """The packed sequences from every rank's part (shard_varlen's inverse); dim:
+    the packed dimension of x (1 for a (heads, total) log-sum-exp)."""
+    group, _, world = _group_info(group)
+    lengths, n = _varlen_layout(cu_seqlens, world, balanced, "unshard_varlen")
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    sizes = [length // n for length in lengths]
+    chunks = {}  # (sequence, chunk id) -> rows
+    for r, part in enumerate(parts):
+        slots = part.split([sum(sizes)] * len(chunk_ids(r, world, balanced)), dim=dim)
+        for c, slot in zip(chunk_ids(r, world, balanced), slots):
+            for b, piece in enumerate(slot.split(sizes, dim=dim)):
+                chunks[(b, c)] = piece
+    return torch.cat([chunks[(b, c)] for b in range(len(lengths)) for c in range(n)], dim=dim)
+
+
+def ring_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    group=None,
+    balanced: bool | None = None,
+    return_lse: bool = False,
+    deterministic: bool = False,
+):
+    """ring_attention for packed sequences (documents), self-attention: q, k, v
+    (total / world, heads, head_dim) parts made by ``shard_varlen`` with the
+    global cu_seqlens (batch + 1,) int32 of the full sequences (the same tensor
+    on every rank; read on the host once). Every sequence is balanced on its own
+    (its length must be a multiple of 2 * world). lse: (heads_q, total / world)."""
+    if balanced is None:
+        balanced = causal
+    _, _, world = _group_info(group)
+    lengths, _ = _varlen_layout(cu_seqlens, world, bool(balanced), "ring_attention_varlen")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"flashattn_ext.ring_attention_varlen: {name} must be a (total, heads, head_dim) tensor")
+    if q.shape[0] != sum(lengths) // world or k.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"flashattn_ext.ring_attention_varlen: q, k hold {q.shape[0]}, {k.shape[0]} rows, but this rank's part of "
+            f"cu_seqlens' sequences is {sum(lengths) // world} rows (use shard_varlen)"
+        )
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    ring = _VarlenRing(group, lengths, bool(causal), bool(balanced), q.device)
+    out, lse = _RingAttention.apply(q, k, v, float(scale), ring, bool(deterministic))
     return (out, lse) if return_lse else out

@@ -28,6 +28,12 @@ RING_CASES = [
     ("causal-fp64", torch.float64, 1, 2, 2, 32, 32, 16, True, True),
 ]
 
+# Packed documents, each balanced on its own: (name, dtype, lengths, heads_q, heads_kv, head_dim, causal)
+VARLEN_CASES = [
+    ("varlen-causal-bf16", torch.bfloat16, [16, 40, 8], 4, 2, 32, True),
+    ("varlen-full-fp32", torch.float32, [24, 8, 32], 2, 2, 16, False),
+]
+
 # torch's context parallelism (DTensor, its ring, its head-tail balancing) on
 # our SDPA flash op: (name, dtype, causal, rotate method).
 TORCH_CP_CASES = [
@@ -42,26 +48,27 @@ def _inputs(seed, shapes, dtype):
     return [torch.randn(s, generator=gen).to(dtype) for s in shapes]
 
 
-def _verdict(name, world, comparisons, single, ring_vals, extra=None):
-    """comparisons: the rule against the oracle for the distributed result; single /
-    ring_vals: {quantity: tensor} of the single-process call and the distributed one."""
+def _verdict(name, world, parts, extra=None):
+    """parts: [(comparisons, single, distributed)]: the rule against the oracle for
+    the distributed result, and {quantity: tensor} of the single-process call and
+    of the distributed one, which must differ by at most the rule's bound."""
     from flashattn_ext.tolerance import max_err
 
-    bounds = {c.name: c for c in comparisons}
-    problems = [c.message() for c in comparisons if not c.ok]
-    diffs = {}
-    for key, ref in single.items():
-        got = ring_vals[key]
-        if key == "lse":
-            if not torch.equal(torch.isneginf(got), torch.isneginf(ref)):
-                problems.append("lse: -inf on other rows than the single-process call's")
-            live = ~torch.isneginf(ref)
-            got, ref = got[live], ref[live]
-        diffs[key] = max_err(got, ref)
-        if diffs[key] > bounds[key].bound:
-            problems.append(
-                f"{key}: differs from the single-process call by {diffs[key]:.3e} > {bounds[key].bound:.3e}"
-            )
+    problems, diffs = [], {}
+    for comparisons, single, ring_vals in parts:
+        bounds = {c.name: c for c in comparisons}
+        problems += [c.message() for c in comparisons if not c.ok]
+        for key, ref in single.items():
+            got = ring_vals[key]
+            if key == "lse":
+                if not torch.equal(torch.isneginf(got), torch.isneginf(ref)):
+                    problems.append("lse: -inf on other rows than the single-process call's")
+                live = ~torch.isneginf(ref)
+                got, ref = got[live], ref[live]
+            diff = max_err(got, ref)
+            diffs[key] = max(diffs.get(key, 0.0), diff)
+            if diff > bounds[key].bound:
+                problems.append(f"{key}: differs from the single-process call by {diff:.3e} > {bounds[key].bound:.3e}")
     return dict(name=name, world=world, ok=not problems, problems=problems, diff_vs_single=diffs, **(extra or {}))
 
 
@@ -88,7 +95,50 @@ def _ring_case(case, seed, group, world, check):
     comparisons = check_attention(
         q, k, v, full["out"], full["lse"], dout, [full["dq"], full["dk"], full["dv"]], causal=causal
     )
-    return _verdict(name, world, comparisons, single, full)
+    return _verdict(name, world, [(comparisons, single, full)])
+
+
+def _varlen_case(case, seed, group, world, check):
+    import flashattn_ext
+    from flashattn_ext import ring
+    from flashattn_ext.tolerance import check_attention
+
+    name, dtype, lengths, hq, hk, d, causal = case
+    total = sum(lengths)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    q, k, v, dout = _inputs(seed, [(total, hq, d), (total, hk, d), (total, hk, d), (total, hq, d)], dtype)
+    local = [
+        ring.shard_varlen(x, cu, group, balanced=causal).requires_grad_(i < 3) for i, x in enumerate((q, k, v, dout))
+    ]
+    out, lse = ring.ring_attention_varlen(*local[:3], cu, causal=causal, group=group, return_lse=True)
+    grads = torch.autograd.grad(out, local[:3], local[3])
+    full = {"out": ring.unshard_varlen(out.detach(), cu, group, balanced=causal)}
+    full["lse"] = ring.unshard_varlen(lse, cu, group, balanced=causal, dim=1)
+    for key, g in zip(("dq", "dk", "dv"), grads):
+        full[key] = ring.unshard_varlen(g, cu, group, balanced=causal)
+    if not check:
+        return None
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    m = max(lengths)
+    s_out, s_lse = flashattn_ext.flash_attn_varlen_func(*leaves, cu, cu, m, m, causal=causal, return_lse=True)
+    single = {"out": s_out.detach(), "lse": s_lse}
+    single.update(zip(("dq", "dk", "dv"), torch.autograd.grad(s_out, leaves, dout)))
+    # The rule per document: its oracle sees that document alone.
+    parts = []
+    for b in range(len(lengths)):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+
+        def one(x, rows=rows):
+            return x[rows].unsqueeze(0)
+
+        doc = {key: (x[:, rows].unsqueeze(0) if key == "lse" else one(x)) for key, x in full.items()}
+        comparisons = check_attention(
+            one(q), one(k), one(v), doc["out"], doc["lse"], one(dout), [doc[g] for g in ("dq", "dk", "dv")],
+            causal=causal,
+        )  # fmt: skip
+        doc_single = {key: (x[:, rows].unsqueeze(0) if key == "lse" else one(x)) for key, x in single.items()}
+        parts.append((comparisons, doc_single, doc))
+    return _verdict(name, world, parts)
 
 
 def _torch_cp_case(case, seed, mesh, group, world, check):
@@ -139,7 +189,7 @@ def _torch_cp_case(case, seed, mesh, group, world, check):
     )
     single = {key: t(x) for key, x in single.items()}
     ring_vals = {key: (x if key == "lse" else t(x)) for key, x in full.items()}
-    return _verdict(name, world, comparisons, single, ring_vals, extra={"calls": calls})
+    return _verdict(name, world, [(comparisons, single, ring_vals)], extra={"calls": calls})
 
 
 def main(rank, world, init_file, seed, out_dir, repo):
@@ -158,6 +208,11 @@ def main(rank, world, init_file, seed, out_dir, repo):
         for i, case in enumerate(RING_CASES):
             for _, group, w in groups:
                 r = _ring_case(case, seed + i, group, w, dist.get_rank(group) == 0)
+                if r is not None:
+                    results.append(r)
+        for i, case in enumerate(VARLEN_CASES):
+            for _, group, w in groups:
+                r = _varlen_case(case, seed + 50 + i, group, w, dist.get_rank(group) == 0)
                 if r is not None:
                     results.append(r)
         handle = backend._register_flash_ops("CPU")  # the CUDA path's overrides, on the CPU key

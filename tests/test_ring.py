@@ -74,6 +74,13 @@ def test_ring_attention(results, case, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", [c[0] for c in _dist_worker.VARLEN_CASES])
+def test_ring_attention_varlen(results, case, world):
+    """Packed documents, each balanced on its own (ring_attention_varlen)."""
+    _check(results, case, world, WORLD // world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("case", [c[0] for c in _dist_worker.TORCH_CP_CASES])
 def test_torch_context_parallel_on_our_kernels(results, case, world):
     """Every block of torch's ring ran our kernels: one call of the SDPA flash
