@@ -8,6 +8,7 @@ online softmax, recomputation backward) in C++/CUDA kernels.
     from flashattn_ext import reference                     # the naive oracle (and the FLOP count)
     from flashattn_ext import tolerance                     # the tolerance rule of every check
     flashattn_ext.activate() / deactivate()                 # our kernels behind torch's own SDPA (torch >= 2.11)
+    from flashattn_ext import ring                          # context parallelism on torch.distributed's p2p ops
 """
 
 from . import (
