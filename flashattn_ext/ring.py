@@ -1,0 +1,451 @@
+"""Ring attention (context parallelism) on torch.distributed's own
+point-to-point operations, for what torch's ``context_parallel`` refuses.
+
+    from flashattn_ext import ring
+    q_loc, k_loc, v_loc = (ring.shard(x, group) for x in (q, k, v))   # (B, S, H, D) -> this rank's part
+    out_loc = ring.ring_attention(q_loc, k_loc, v_loc, causal=True, group=group)
+    out = ring.unshard(out_loc, group)                                # every rank's parts, in order
+
+Every rank holds a part of the sequence of q and of k / v, in flash_attn_func's
+layout (batch, seqlen, heads, head_dim). The key / value parts travel around
+the ring (rank r sends to r + 1 and receives from r - 1, ``batch_isend_irecv``),
+the next part's transfer in flight while the current one is computed; each
+part's attention is merged into a float32 (float64 for float64 inputs)
+accumulator through the log-sum-exp. The backward sends the key / value parts
+around once more, with their float32 dK / dV accumulators one step behind,
+and takes the merged output and the global log-sum-exp, as a single call's
+backward does.
+
+Masks follow flash_attn_func: ``causal`` is aligned bottom-right, so q may be
+shorter than k (the last seqlen_q positions of a prefill against a KV cache) or
+longer (its first seqlen_q - seqlen_k rows see no key: output 0, lse -inf),
+which torch's context_parallel refuses. Which keys a row sees is computed
+from the global positions of each rank's parts, so every (query part, key
+part) pair costs at most one kernel call: a full block, a causal diagonal, or
+nothing at all.
+
+``balanced=True`` (the default for causal) is head-tail load balancing: the
+sequence is cut into 2 * world chunks and rank r holds chunks r and
+2 * world - 1 - r, so every rank has the same causal work. ``shard`` /
+``unshard`` apply that layout; the lengths must be multiples of 2 * world
+(world when not balanced).
+
+``ring_attention_varlen`` does the same for packed documents (flash-attn's
+varlen layout, self-attention, one cu_seqlens for q and k): each document is
+balanced on its own (``shard_varlen`` / ``unshard_varlen``; every length a
+multiple of 2 * world), and each step makes one varlen kernel call per
+(query chunk, key chunk) pair for all documents at once.
+
+Not here yet: masks and bias (the kernels take neither), causal varlen with
+different q and k lengths per document, and gradients written straight into
+the caller's buffers (each block's gradients come back from the kernels in
+the input dtype and are added in float32, as torch's context parallelism does).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from . import _ops
+
+__all__ = ["ring_attention", "ring_attention_varlen", "shard", "unshard", "shard_varlen", "unshard_varlen", "chunk_ids"]
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def chunk_ids(rank: int, world: int, balanced: bool) -> tuple[int, ...]:
+    """The chunks of the sequence rank holds, in memory order: (rank, 2 * world
+    - 1 - rank) of 2 * world chunks (balanced), else (rank,) of world."""
+    return (rank, 2 * world - 1 - rank) if balanced else (rank,)
+
+
+def _n_chunks(world, balanced):
+    return 2 * world if balanced else world
+
+
+def _group_info(group):
+    group = group if group is not None else dist.group.WORLD
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def shard(x: torch.Tensor, group=None, *, balanced: bool = True, dim: int = 1) -> torch.Tensor:
+    """This rank's part of the full tensor x along dim (the sequence), contiguous."""
+    _, rank, world = _group_info(group)
+    n = _n_chunks(world, balanced)
+    if x.shape[dim] % n != 0:
+        raise ValueError(
+            f"flashattn_ext.ring.shard: length {x.shape[dim]} is not a multiple of {n} "
+            f"({'2 x ' if balanced else ''}world size {world}); pad the sequence"
+        )
+    chunks = x.chunk(n, dim=dim)
+    return torch.cat([chunks[c] for c in chunk_ids(rank, world, balanced)], dim=dim).contiguous()
+
+
+def unshard(x: torch.Tensor, group=None, *, balanced: bool = True, dim: int = 1) -> torch.Tensor:
+    """The full tensor from every rank's part (all_gather, then the chunks put back in order)."""
+    group, _, world = _group_info(group)
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    per = len(chunk_ids(0, world, balanced))
+    chunks = [None] * _n_chunks(world, balanced)
+    for r, part in enumerate(parts):
+        for c, piece in zip(chunk_ids(r, world, balanced), part.chunk(per, dim=dim)):
+            chunks[c] = piece
+    return torch.cat(chunks, dim=dim)
+
+
+def _positions(rank, world, balanced, local_len, offset):
+    """Global positions (in key coordinates) of the rows of a rank's part: int64 (local_len,)."""
+    ids = chunk_ids(rank, world, balanced)
+    size = local_len // len(ids)
+    return torch.cat([torch.arange(c * size, (c + 1) * size) for c in ids]) + offset
+
+
+def _plan(q_pos, k_pos, causal, chunk_q, chunk_k):
+    """The kernel calls of one (query part, key part) pair, as (q rows a:b, k rows
+    c:d, window_right) with top-left alignment (window_right -1: no mask).
+
+    Row i sees the keys with position <= q_pos[i] (causal); positions grow in
+    memory order, so that is a prefix of the key rows, of length n[i]. One call
+    takes rows a:b against keys c:d when n rises by one per row (a causal
+    diagonal: window_right = n[a] - 1) or is all of c:d (a full block); rows
+    that see no key are left out. Otherwise the query part, then the key part,
+    is split into its chunks (a pair of chunks always fits one call)."""
+    nq, nk = len(q_pos), len(k_pos)
+    if not causal:
+        return [(0, nq, 0, nk, -1)]
+
+    def fits(a, b, c, d):
+        n = torch.searchsorted(k_pos[c:d], q_pos[a:b], right=True)  # keys of c:d each row sees
+        live = torch.nonzero(n > 0)
+        if live.numel() == 0:
+            return []
+        a0 = int(live[0])
+        n = n[a0:]
+        if bool((n == d - c).all()):
+            return [(a + a0, b, c, d, -1)]
+        first = int(n[0])
+        if torch.equal(n, (torch.arange(len(n)) + first).clamp(max=d - c)):
+            return [(a + a0, b, c, d, first - 1)]
+        return None
+
+    whole = fits(0, nq, 0, nk)
+    if whole is not None:
+        return whole
+    calls = []
+    for a in range(0, nq, chunk_q):
+        part = fits(a, a + chunk_q, 0, nk)
+        if part is None:
+            part = []
+            for c in range(0, nk, chunk_k):
+                pair = fits(a, a + chunk_q, c, c + chunk_k)
+                assert pair is not None, "a pair of chunks always fits one call"
+                part += pair
+        calls += part
+    return calls
+
+
+class _Ring:
+    """Everything a rank needs to run its part: group, peers, the plan of every
+    step, and the kernel calls on (batch, seqlen, heads, head_dim) parts."""
+
+    seq_dim = 1  # the sequence dimension of q, k, v, out; lse's is its last
+
+    def __init__(self, group, seqlen_q, seqlen_k, causal, balanced):
+        self._peers(group)
+        w, r = self.world, self.rank
+        per = len(chunk_ids(0, w, balanced))
+        # bottom-right: query row i of the full sequence sits at key position i + Lk - Lq.
+        offset = seqlen_k * w - seqlen_q * w
+        q_pos = _positions(r, w, balanced, seqlen_q, offset)
+        # The plan of step i: rank r holds the key part of rank (r - i) % w.
+        self.plans = [
+            _plan(q_pos, _positions((r - i) % w, w, balanced, seqlen_k, 0), causal, seqlen_q // per, seqlen_k // per)
+            for i in range(w)
+        ]
+
+    def _peers(self, group):
+        self.group, self.rank, self.world = _group_info(group)
+        self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.world)
+        self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.world)
+
+    def exchange(self, tensors, tag):
+        """Send tensors to the next rank, receive the same shapes from the previous
+        one; returns (requests, received buffers)."""
+        bufs = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, b, self.prev, self.group, tag) for b in bufs]
+        return dist.batch_isend_irecv(ops), bufs
+
+    def rows(self, x, a, e):
+        return x.narrow(self.seq_dim, a, e - a)
+
+    def lse_rows(self, lse, a, e):
+        return lse.narrow(lse.dim() - 1, a, e - a)
+
+    def lse_shape(self, q):
+        return (q.shape[0], q.shape[2], q.shape[1])
+
+    def fwd(self, q, k, v, scale, wr):
+        return _ops.fwd_op(q, k, v, scale, -1, wr, False)
+
+    def bwd(self, dout, q, k, v, out, lse, scale, wr, deterministic):
+        return _ops.bwd(dout, q, k, v, out, lse, scale, -1, wr, False, deterministic)
+
+    def merge(self, acc_out, acc_lse, out, lse):
+        _merge(acc_out, acc_lse, out, lse)
+
+
+class _VarlenRing(_Ring):
+    """Packed sequences (total, heads, head_dim), each split into chunks of its
+    own (per-sequence head-tail balancing): a rank's part is its first chunk of
+    every sequence, packed, then its second. With equal lengths per sequence
+    for q and k, which keys a chunk sees depends on the chunk ids alone: one
+    varlen call per (query chunk, key chunk) pair, for all sequences at once."""
+
+    seq_dim = 0
+
+    def __init__(self, group, lengths, causal, balanced, device):
+        self._peers(group)
+        w, r = self.world, self.rank
+        n = _n_chunks(w, balanced)
+        sizes = [length // n for length in lengths]
+        self.max_chunk = max(sizes)
+        self.cu = torch.tensor([0] + torch.tensor(sizes).cumsum(0).tolist(), dtype=torch.int32, device=device)
+        t = sum(sizes)  # rows of one chunk slot
+        self.plans = []
+        for i in range(w):
+            calls = []
+            for slot_q, cq in enumerate(chunk_ids(r, w, balanced)):
+                for slot_k, ck in enumerate(chunk_ids((r - i) % w, w, balanced)):
+                    if causal and cq < ck:
+                        continue  # every key of chunk ck comes after every query of chunk cq
+                    wr = 0 if causal and cq == ck else -1
+                    calls.append((slot_q * t, (slot_q + 1) * t, slot_k * t, (slot_k + 1) * t, wr))
+            self.plans.append(calls)
+
+    def lse_shape(self, q):
+        return (q.shape[1], q.shape[0])
+
+    def fwd(self, q, k, v, scale, wr):
+        m = self.max_chunk
+        return _ops.varlen_fwd(q, k, v, self.cu, self.cu, m, m, scale, -1, wr, False)
+
+    def bwd(self, dout, q, k, v, out, lse, scale, wr, deterministic):
+        m = self.max_chunk
+        return _ops.varlen_bwd(dout, q, k, v, out, lse, self.cu, self.cu, m, m, scale, -1, wr, False, deterministic)
+
+    def merge(self, acc_out, acc_lse, out, lse):
+        _merge(acc_out.unsqueeze(0), acc_lse.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0))
+
+
+def _wait(reqs):
+    for req in reqs:
+        req.wait()
+
+
+def _merge(acc_out, acc_lse, out, lse):
+    """acc_out (B, n, H, D), acc_lse (B, H, n) float32 views updated in place with
+    one block's out (B, n, H, D) and lse (B, H, n): softmax over the union of their keys."""
+    new = torch.logaddexp(acc_lse, lse)
+    safe = torch.where(torch.isneginf(new), torch.zeros_like(new), new)  # rows that see no key yet
+    w_old = torch.exp(acc_lse - safe).transpose(1, 2).unsqueeze(-1)
+    w_new = torch.exp(lse.to(new.dtype) - safe).transpose(1, 2).unsqueeze(-1)
+    acc_out.mul_(w_old).add_(out.to(acc_out.dtype) * w_new)
+    acc_lse.copy_(new)
+
+
+def _ring_forward(ring, q, k, v, scale):
+    acc_dtype = _ops._lse_dtype(q.dtype)
+    acc_out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    acc_lse = torch.full(ring.lse_shape(q), float("-inf"), dtype=acc_dtype, device=q.device)
+    rows = ring.rows
+    k_cur, v_cur = k, v
+    for i in range(ring.world):
+        if i + 1 < ring.world:  # the next part in flight while this one is computed
+            reqs, (k_next, v_next) = ring.exchange([k_cur, v_cur], tag=0)
+        for a, e, c, f, wr in ring.plans[i]:
+            out, lse = ring.fwd(rows(q, a, e), rows(k_cur, c, f), rows(v_cur, c, f), scale, wr)
+            ring.merge(rows(acc_out, a, e), ring.lse_rows(acc_lse, a, e), out, lse)
+        if i + 1 < ring.world:
+            _wait(reqs)
+            k_cur, v_cur = k_next, v_next
+    return acc_out.to(q.dtype), acc_lse
+
+
+def _ring_backward(ring, dout, q, k, v, out, lse, scale, deterministic):
+    acc_dtype = _ops._lse_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    dout = _ops.unit_last_stride(dout)
+    rows = ring.rows
+    k_cur, v_cur = k, v
+    dkv_reqs = dk_acc = dv_acc = None
+    for i in range(ring.world):
+        if i + 1 < ring.world:
+            kv_reqs, (k_next, v_next) = ring.exchange([k_cur, v_cur], tag=1)
+        dk_blk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
+        dv_blk = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
+        for a, e, c, f, wr in ring.plans[i]:
+            dq_p, dk_p, dv_p = ring.bwd(
+                rows(dout, a, e), rows(q, a, e), rows(k_cur, c, f), rows(v_cur, c, f), rows(out, a, e),
+                ring.lse_rows(lse, a, e).contiguous(), scale, wr, deterministic,
+            )  # fmt: skip
+            rows(dq, a, e).add_(dq_p)
+            rows(dk_blk, c, f).add_(dk_p)
+            rows(dv_blk, c, f).add_(dv_p)
+        if dkv_reqs is not None:  # this part's dK / dV so far, from the ranks it visited before
+            _wait(dkv_reqs)
+            dk_blk += dk_acc
+            dv_blk += dv_acc
+        if ring.world == 1:
+            return dq.to(q.dtype), dk_blk.to(k.dtype), dv_blk.to(v.dtype)
+        dkv_reqs, (dk_acc, dv_acc) = ring.exchange([dk_blk, dv_blk], tag=2)
+        if i + 1 < ring.world:
+            _wait(kv_reqs)
+            k_cur, v_cur = k_next, v_next
+    _wait(dkv_reqs)  # after the last step, each part's accumulator has come home
+    return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, ring, deterministic):
+        q, k, v = (x.contiguous() for x in (q, k, v))
+        out, lse = _ring_forward(ring, q, k, v, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.scale, ctx.deterministic = ring, scale, deterministic
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(ctx.ring, dout, q, k, v, out, lse, ctx.scale, ctx.deterministic)
+        return dq, dk, dv, None, None, None
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    group=None,
+    balanced: bool | None = None,
+    return_lse: bool = False,
+    deterministic: bool = False,
+):
+    """Attention over the whole sequence, each rank of ``group`` holding a part.
+
+    q (batch, seqlen_q / world, heads_q, head_dim), k, v (batch, seqlen_k /
+    world, heads_kv, head_dim): this rank's parts (``shard``), the same sizes
+    on every rank. causal: flash_attn_func's bottom-right causal mask over the
+    full sequences. balanced: the head-tail layout of ``shard`` (default: when
+    causal). Returns this rank's part of the output (and, with return_lse, of
+    the log-sum-exp (batch, heads_q, seqlen_q / world), float32), differentiable
+    in q, k, v. Every rank of the group must call it, with the same arguments."""
+    if balanced is None:
+        balanced = causal
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"flashattn_ext.ring_attention: {name} must be a (batch, seqlen, heads, head_dim) tensor")
+    per = len(chunk_ids(0, 1, balanced))
+    if q.shape[1] % per or k.shape[1] % per:
+        raise ValueError(
+            "flashattn_ext.ring_attention: with balanced=True each rank's part holds two chunks, so its "
+            f"lengths must be even (got seqlen_q {q.shape[1]}, seqlen_k {k.shape[1]})"
+        )
+    _ops.check_qkv(q, k, v, unit_stride=False)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    ring = _Ring(group, q.shape[1], k.shape[1], bool(causal), bool(balanced))
+    out, lse = _RingAttention.apply(q, k, v, float(scale), ring, bool(deterministic))
+    return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------- packed sequences
+
+
+def _lengths_of(cu_seqlens):
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    return [b - a for a, b in zip(cu[:-1], cu[1:])]
+
+
+def _varlen_layout(cu_seqlens, world, balanced, name):
+    lengths = _lengths_of(cu_seqlens)
+    n = _n_chunks(world, balanced)
+    bad = [length for length in lengths if length % n or length == 0]
+    if bad:
+        raise ValueError(
+            f"flashattn_ext.ring.{name}: every sequence length must be a positive multiple of {n} "
+            f"({'2 x ' if balanced else ''}world size {world}), got {bad[:4]}; pad each sequence"
+        )
+    return lengths, n
+
+
+def shard_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, group=None, *, balanced: bool = True) -> torch.Tensor:
+    """This rank's part of packed sequences x (total, ...) with cumulative lengths
+    cu_seqlens (batch + 1,): its chunks of every sequence, the first chunk of each
+    sequence packed, then the second (balanced). Contiguous."""
+    _, rank, world = _group_info(group)
+    lengths, n = _varlen_layout(cu_seqlens, world, balanced, "shard_varlen")
+    pieces = list(x.split(lengths, dim=0))
+    chunks = [p.chunk(n, dim=0) for p in pieces]
+    return torch.cat([c[j] for j in chunk_ids(rank, world, balanced) for c in chunks], dim=0).contiguous()
+
+
+def unshard_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, group=None, *, balanced: bool = True, dim: int = 0):
+    """The packed sequences from every rank's part (shard_varlen's inverse); dim:
+    the packed dimension of x (1 for a (heads, total) log-sum-exp)."""
+    group, _, world = _group_info(group)
+    lengths, n = _varlen_layout(cu_seqlens, world, balanced, "unshard_varlen")
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    sizes = [length // n for length in lengths]
+    chunks = {}  # (sequence, chunk id) -> rows
+    for r, part in enumerate(parts):
+        slots = part.split([sum(sizes)] * len(chunk_ids(r, world, balanced)), dim=dim)
+        for c, slot in zip(chunk_ids(r, world, balanced), slots):
+            for b, piece in enumerate(slot.split(sizes, dim=dim)):
+                chunks[(b, c)] = piece
+    return torch.cat([chunks[(b, c)] for b in range(len(lengths)) for c in range(n)], dim=dim)
+
+
+def ring_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    group=None,
+    balanced: bool | None = None,
+    return_lse: bool = False,
+    deterministic: bool = False,
+):
+    """ring_attention for packed sequences (documents), self-attention: q, k, v
+    (total / world, heads, head_dim) parts made by ``shard_varlen`` with the
+    global cu_seqlens (batch + 1,) int32 of the full sequences (the same tensor
+    on every rank; read on the host once). Every sequence is balanced on its own
+    (its length must be a multiple of 2 * world). lse: (heads_q, total / world)."""
+    if balanced is None:
+        balanced = causal
+    _, _, world = _group_info(group)
+    lengths, _ = _varlen_layout(cu_seqlens, world, bool(balanced), "ring_attention_varlen")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"flashattn_ext.ring_attention_varlen: {name} must be a (total, heads, head_dim) tensor")
+    if q.shape[0] != sum(lengths) // world or k.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"flashattn_ext.ring_attention_varlen: q, k hold {q.shape[0]}, {k.shape[0]} rows, but this rank's part of "
+            f"cu_seqlens' sequences is {sum(lengths) // world} rows (use shard_varlen)"
+        )
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    ring = _VarlenRing(group, lengths, bool(causal), bool(balanced), q.device)
+    out, lse = _RingAttention.apply(q, k, v, float(scale), ring, bool(deterministic))
+    return (out, lse) if return_lse else out

@@ -1,0 +1,234 @@
+"""The body of tests/test_ring.py's processes (torch.multiprocessing spawn, gloo).
+
+Four processes: the world group runs every case with 4 ranks, and the two
+groups {0, 1} and {2, 3} (the "cp" dimension of a (2, 2) device mesh) run
+every case with 2 ranks, at the same time. Each case's full inputs are made
+from the test's seed on every rank alike; the distributed results, gathered
+back (ring.unshard), are held on each group's first rank to the tolerance
+rule against the oracle and against the single-process call (their
+difference within the rule's bound). The findings go to a JSON file per
+checking rank.
+"""
+
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+# One case: (name, dtype, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal, balanced)
+RING_CASES = [
+    ("causal-gqa-bf16", torch.bfloat16, 2, 4, 2, 64, 64, 32, True, True),
+    ("full-unequal-fp32", torch.float32, 1, 2, 2, 48, 80, 24, False, False),
+    ("causal-prefill-bf16", torch.bfloat16, 1, 4, 1, 16, 64, 32, True, True),  # q: the last 16 of 64 positions
+    ("causal-q-longer-fp32", torch.float32, 2, 2, 2, 64, 32, 16, True, True),  # first 32 rows see no key
+    ("causal-contiguous-fp16", torch.float16, 1, 2, 2, 32, 32, 40, True, False),
+    ("causal-fp64", torch.float64, 1, 2, 2, 32, 32, 16, True, True),
+]
+
+# Packed documents, each balanced on its own: (name, dtype, lengths, heads_q, heads_kv, head_dim, causal)
+VARLEN_CASES = [
+    ("varlen-causal-bf16", torch.bfloat16, [16, 40, 8], 4, 2, 32, True),
+    ("varlen-full-fp32", torch.float32, [24, 8, 32], 2, 2, 16, False),
+]
+
+# torch's context parallelism (DTensor, its ring, its head-tail balancing) on
+# our SDPA flash op: (name, dtype, causal, rotate method).
+TORCH_CP_CASES = [
+    ("torch-cp-causal-allgather-bf16", torch.bfloat16, True, "allgather"),
+    ("torch-cp-causal-alltoall-fp32", torch.float32, True, "alltoall"),
+    ("torch-cp-full-allgather-fp32", torch.float32, False, "allgather"),
+]
+
+
+def _inputs(seed, shapes, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+
+
+def _verdict(name, world, parts, extra=None):
+    """parts: [(comparisons, single, distributed)]: the rule against the oracle for
+    the distributed result, and {quantity: tensor} of the single-process call and
+    of the distributed one, which must differ by at most the rule's bound."""
+    from flashattn_ext.tolerance import max_err
+
+    problems, diffs = [], {}
+    for comparisons, single, ring_vals in parts:
+        bounds = {c.name: c for c in comparisons}
+        problems += [c.message() for c in comparisons if not c.ok]
+        for key, ref in single.items():
+            got = ring_vals[key]
+            if key == "lse":
+                if not torch.equal(torch.isneginf(got), torch.isneginf(ref)):
+                    problems.append("lse: -inf on other rows than the single-process call's")
+                live = ~torch.isneginf(ref)
+                got, ref = got[live], ref[live]
+            diff = max_err(got, ref)
+            diffs[key] = max(diffs.get(key, 0.0), diff)
+            if diff > bounds[key].bound:
+                problems.append(f"{key}: differs from the single-process call by {diff:.3e} > {bounds[key].bound:.3e}")
+    return dict(name=name, world=world, ok=not problems, problems=problems, diff_vs_single=diffs, **(extra or {}))
+
+
+def _ring_case(case, seed, group, world, check):
+    import flashattn_ext
+    from flashattn_ext import ring
+    from flashattn_ext.tolerance import check_attention
+
+    name, dtype, b, hq, hk, lq, lk, d, causal, balanced = case
+    q, k, v, dout = _inputs(seed, [(b, lq, hq, d), (b, lk, hk, d), (b, lk, hk, d), (b, lq, hq, d)], dtype)
+    local = [ring.shard(x, group, balanced=balanced).requires_grad_(i < 3) for i, x in enumerate((q, k, v, dout))]
+    out, lse = ring.ring_attention(*local[:3], causal=causal, group=group, balanced=balanced, return_lse=True)
+    grads = torch.autograd.grad(out, local[:3], local[3])
+    full = {"out": ring.unshard(out.detach(), group, balanced=balanced)}
+    full["lse"] = ring.unshard(lse, group, balanced=balanced, dim=2)
+    for key, g in zip(("dq", "dk", "dv"), grads):
+        full[key] = ring.unshard(g, group, balanced=balanced)
+    if not check:
+        return None
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    s_out, s_lse = flashattn_ext.flash_attn_func(*leaves, causal=causal, return_lse=True)
+    single = {"out": s_out.detach(), "lse": s_lse}
+    single.update(zip(("dq", "dk", "dv"), torch.autograd.grad(s_out, leaves, dout)))
+    comparisons = check_attention(
+        q, k, v, full["out"], full["lse"], dout, [full["dq"], full["dk"], full["dv"]], causal=causal
+    )
+    return _verdict(name, world, [(comparisons, single, full)])
+
+
+def _varlen_case(case, seed, group, world, check):
+    import flashattn_ext
+    from flashattn_ext import ring
+    from flashattn_ext.tolerance import check_attention
+
+    name, dtype, lengths, hq, hk, d, causal = case
+    total = sum(lengths)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    q, k, v, dout = _inputs(seed, [(total, hq, d), (total, hk, d), (total, hk, d), (total, hq, d)], dtype)
+    local = [
+        ring.shard_varlen(x, cu, group, balanced=causal).requires_grad_(i < 3) for i, x in enumerate((q, k, v, dout))
+    ]
+    out, lse = ring.ring_attention_varlen(*local[:3], cu, causal=causal, group=group, return_lse=True)
+    grads = torch.autograd.grad(out, local[:3], local[3])
+    full = {"out": ring.unshard_varlen(out.detach(), cu, group, balanced=causal)}
+    full["lse"] = ring.unshard_varlen(lse, cu, group, balanced=causal, dim=1)
+    for key, g in zip(("dq", "dk", "dv"), grads):
+        full[key] = ring.unshard_varlen(g, cu, group, balanced=causal)
+    if not check:
+        return None
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    m = max(lengths)
+    s_out, s_lse = flashattn_ext.flash_attn_varlen_func(*leaves, cu, cu, m, m, causal=causal, return_lse=True)
+    single = {"out": s_out.detach(), "lse": s_lse}
+    single.update(zip(("dq", "dk", "dv"), torch.autograd.grad(s_out, leaves, dout)))
+    # The rule per document: its oracle sees that document alone.
+    parts = []
+    for b in range(len(lengths)):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+
+        def one(x, rows=rows):
+            return x[rows].unsqueeze(0)
+
+        doc = {key: (x[:, rows].unsqueeze(0) if key == "lse" else one(x)) for key, x in full.items()}
+        comparisons = check_attention(
+            one(q), one(k), one(v), doc["out"], doc["lse"], one(dout), [doc[g] for g in ("dq", "dk", "dv")],
+            causal=causal,
+        )  # fmt: skip
+        doc_single = {key: (x[:, rows].unsqueeze(0) if key == "lse" else one(x)) for key, x in single.items()}
+        parts.append((comparisons, doc_single, doc))
+    return _verdict(name, world, parts)
+
+
+def _torch_cp_case(case, seed, mesh, group, world, check):
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.experimental._attention import (
+        _cp_options,
+        _disable_context_parallel_dispatcher,
+        _enable_context_parallel_dispatcher,
+        set_rotate_method,
+    )
+
+    from flashattn_ext import backend, ring
+    from flashattn_ext.tolerance import check_attention
+
+    name, dtype, causal, rotate = case
+    b, h, n, d = 2, 4, 64, 32
+    q, k, v, dout = _inputs(seed, [(b, h, n, d)] * 4, dtype)
+    local = [ring.shard(x, group, balanced=causal, dim=2).requires_grad_(i < 3) for i, x in enumerate((q, k, v, dout))]
+    # torch's head-tail balancing is ring.shard's layout (chunks r and 2 * world - 1 - r).
+    _cp_options.enable_load_balance = causal
+    set_rotate_method(rotate)
+    backend.reset_calls()
+    _enable_context_parallel_dispatcher()
+    try:
+        qd, kd, vd = (DTensor.from_local(x, mesh, [Shard(2)], run_check=False) for x in local[:3])
+        # What CUDA SDPA's FLASH backend calls; torch's CP handler runs its ring with it block by block.
+        res = torch.ops.aten._scaled_dot_product_flash_attention(qd, kd, vd, 0.0, causal)
+        out, lse = res[0], res[1]
+        out.backward(DTensor.from_local(local[3], mesh, [Shard(2)], run_check=False))
+    finally:
+        _disable_context_parallel_dispatcher()
+    calls = {f"{op}/{route}": count for (op, route), count in backend.calls().items()}
+    full = {"out": ring.unshard(out.to_local().detach(), group, balanced=causal, dim=2)}
+    full["lse"] = ring.unshard(lse.to_local(), group, balanced=causal, dim=2)
+    for key, x in zip(("dq", "dk", "dv"), local[:3]):
+        full[key] = ring.unshard(x.grad, group, balanced=causal, dim=2)
+    if not check:
+        return None
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        s_out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+    single = {"out": s_out.detach()}
+    single.update(zip(("dq", "dk", "dv"), torch.autograd.grad(s_out, leaves, dout)))
+    t = lambda x: x.transpose(1, 2)  # noqa: E731  (SDPA's layout -> the rule's (B, L, H, E))
+    comparisons = check_attention(
+        t(q), t(k), t(v), t(full["out"]), full["lse"], t(dout), [t(full[g]) for g in ("dq", "dk", "dv")], causal=causal
+    )
+    single = {key: t(x) for key, x in single.items()}
+    ring_vals = {key: (x if key == "lse" else t(x)) for key, x in full.items()}
+    return _verdict(name, world, [(comparisons, single, ring_vals)], extra={"calls": calls})
+
+
+def main(rank, world, init_file, seed, out_dir, repo):
+    sys.path.insert(0, repo)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    results = []
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from flashattn_ext import backend
+
+        mesh2d = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "cp"))
+        mesh1d = init_device_mesh("cpu", (world,))
+        groups = [(mesh1d, mesh1d.get_group(), world), (mesh2d["cp"], mesh2d["cp"].get_group(), world // 2)]
+        for i, case in enumerate(RING_CASES):
+            for _, group, w in groups:
+                r = _ring_case(case, seed + i, group, w, dist.get_rank(group) == 0)
+                if r is not None:
+                    results.append(r)
+        for i, case in enumerate(VARLEN_CASES):
+            for _, group, w in groups:
+                r = _varlen_case(case, seed + 50 + i, group, w, dist.get_rank(group) == 0)
+                if r is not None:
+                    results.append(r)
+        handle = backend._register_flash_ops("CPU")  # the CUDA path's overrides, on the CPU key
+        try:
+            for i, case in enumerate(TORCH_CP_CASES):
+                for mesh, group, w in groups:
+                    r = _torch_cp_case(case, seed + 100 + i, mesh, group, w, dist.get_rank(group) == 0)
+                    if r is not None:
+                        results.append(r)
+        finally:
+            handle.remove()
+    except Exception:
+        results.append(dict(name="worker", world=world, ok=False, problems=[traceback.format_exc()]))
+        raise
+    finally:
+        if results:
+            with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+                json.dump(results, f)
+        dist.destroy_process_group()

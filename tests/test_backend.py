@@ -1,0 +1,386 @@
+"""flashattn_ext.activate() / deactivate(): our kernels behind torch's own
+scaled_dot_product_attention (flashattn_ext/backend.py).
+
+On the CPU, SDPA runs torch's CPU flash op for most calls; activated, that op
+runs our kernels. The CUDA overrides (FA2's _flash_attention_forward/_backward
+and _scaled_dot_product_flash_attention/_backward) are device-agnostic code:
+here they are registered for the CPU dispatch key too (backend._register_flash_ops)
+and run on our CPU kernels; on a GPU machine the cuda cases run them for real.
+
+Every check against the oracle applies the tolerance rule (flashattn_ext.tolerance);
+that the call ran our kernels is shown by backend.calls() and by bitwise
+equality with the drop-in flashattn_ext.scaled_dot_product_attention, which
+calls the same kernels; a call ours refuse must be bitwise torch's.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_all, randn
+
+import flashattn_ext
+from flashattn_ext import backend
+from flashattn_ext.tolerance import check_attention
+
+CPU_OP = "_scaled_dot_product_flash_attention_for_cpu"
+CUDA_OP = "_scaled_dot_product_flash_attention"
+OURS = backend.IMPL_NAME
+
+
+@pytest.fixture
+def active():
+    backend.reset_calls()
+    backend.activate(first=True)
+    yield
+    backend.deactivate()
+
+
+def _ours(op):
+    return backend.calls().get((op, OURS), 0)
+
+
+def _refused(op):
+    return {route: n for (o, route), n in backend.calls().items() if o == op and route != OURS}
+
+
+def _bshd(*xs):
+    return [x.transpose(1, 2) for x in xs]
+
+
+SHAPES = [
+    # (batch, heads_q, heads_kv, lq, lk, head_dim, causal)
+    (2, 4, 4, 17, 17, 32, True),
+    (1, 4, 2, 113, 64, 40, False),  # GQA, lq > lk
+    (2, 2, 1, 9, 33, 64, True),  # MQA, causal lq < lk (top-left, as torch's)
+    (1, 3, 3, 1, 65, 16, False),  # one query row
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}h{}-{}q{}k{}d{}{}".format(*s[:6], "c" if s[6] else ""))
+def test_sdpa_runs_our_kernels(active, device, dtype, shape):
+    b, hq, hk, lq, lk, d, causal = shape
+    op = CPU_OP if device == "cpu" else CUDA_OP
+    if device == "cuda" and causal and lq != lk:
+        pytest.skip("torch's SDPA does not pick its flash backend for causal calls of unequal lengths on CUDA")
+    # SDPA's layout from a model: (B, L, H, E) projections seen as (B, H, L, E).
+    q = randn((b, lq, hq, d), dtype, device).transpose(1, 2).requires_grad_()
+    k = randn((b, lk, hk, d), dtype, device).transpose(1, 2).requires_grad_()
+    v = randn((b, lk, hk, d), dtype, device).transpose(1, 2).requires_grad_()
+    dout = randn((b, hq, lq, d), dtype, device)
+    gqa = hq != hk
+    before = _ours(op), _ours(op + "_backward")
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert (_ours(op), _ours(op + "_backward")) == (before[0] + 1, before[1] + 1), backend.calls()
+
+    # The same kernels through the drop-in: bitwise the same answer.
+    drop_in = flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    assert torch.equal(out, drop_in)
+    assert all(torch.equal(g, h) for g, h in zip(grads, torch.autograd.grad(drop_in, (q, k, v), dout)))
+
+    # The log-sum-exp SDPA's op returns, and everything against the oracle.
+    with torch.no_grad():
+        res = getattr(torch.ops.aten, op)(q, k, v, 0.0, causal)
+    lse = res[1]
+    assert torch.equal(res[0], out.detach())
+    comparisons = check_attention(
+        *_bshd(q, k, v),
+        out.transpose(1, 2),
+        lse,
+        dout.transpose(1, 2),
+        _bshd(*grads),
+        causal=causal,
+        bottom_right=False,
+    )
+    assert_all(comparisons, f"{device} {dtype} {shape}")
+
+
+LAYOUTS = {
+    "bhld": lambda b, h, n, d, dt: torch.randn(b, h, n, d).to(dt),
+    "blhd": lambda b, h, n, d, dt: torch.randn(b, n, h, d).to(dt).transpose(1, 2),
+    "sliced": lambda b, h, n, d, dt: torch.randn(b, h + 1, n, d + 8).to(dt)[:, 1:, :, :d],
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_outputs_have_torchs_layout(layout, dtype):
+    """Shapes, strides and dtypes of every output are torch's own kernel's (and
+    its meta function's, which torch.compile plans with)."""
+    make = LAYOUTS[layout]
+    q, k, v = make(2, 3, 11, 16, dtype), make(2, 3, 7, 16, dtype), make(2, 3, 7, 16, dtype)
+    go = make(2, 3, 11, 16, dtype)
+
+    def run():
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(go, q, k, v, out, lse, 0.0, True)
+        return (out, lse, *grads)
+
+    theirs = run()
+    backend.reset_calls()
+    with backend.activated():
+        ours = run()
+    assert _ours(CPU_OP) == 1 and _ours(CPU_OP + "_backward") == 1
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), ours, theirs):
+        assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype), name
+    meta = [x.to("meta") for x in (q, k, v)]
+    out_meta, lse_meta = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*meta, 0.0, True)
+    assert ours[0].stride() == out_meta.stride() and ours[1].stride() == lse_meta.stride()
+
+
+def test_refused_calls_are_torchs(active):
+    """Calls our kernels cannot take (a mask, a head dim above 256) run torch's
+    kernel: bitwise its answer, forward and backward, and counted as refused."""
+    cases = {
+        "bool mask": dict(d=32, attn_mask=torch.rand(13, 21) > 0.3),
+        "float mask": dict(d=32, attn_mask=torch.randn(2, 1, 13, 21)),
+        "head dim 264": dict(d=264),
+    }
+    for name, case in cases.items():
+        q = torch.randn(2, 2, 13, case["d"], requires_grad=True)
+        k = torch.randn(2, 2, 21, case["d"], requires_grad=True)
+        v = torch.randn(2, 2, 21, case["d"], requires_grad=True)
+        dout = torch.randn(2, 2, 13, case["d"])
+        mask = case.get("attn_mask")
+        backend.reset_calls()
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        assert _ours(CPU_OP) == 0 and _ours(CPU_OP + "_backward") == 0, name
+        assert sum(_refused(CPU_OP).values()) == 1 and sum(_refused(CPU_OP + "_backward").values()) == 1, name
+        backend.deactivate()
+        try:
+            ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+        finally:
+            backend.activate()
+        assert torch.equal(out, ref), name
+        assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads)), name
+    # Dropout never reaches torch's CPU flash op (SDPA runs its math path): nothing to count.
+    backend.reset_calls()
+    F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    assert backend.calls() == {}
+
+
+def test_deactivate_restores():
+    names = (CPU_OP, CPU_OP + "_backward")
+    kernels = [torch.library.get_kernel(f"aten::{n}", "CPU") for n in names]
+    debug_before = [repr(x) for x in kernels]
+    priority = torch._C._get_sdp_priority_order()
+    flash = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
+
+    backend.activate(first=True)
+    try:
+        assert backend.is_active() and torch.nn.attention.current_flash_attention_impl() == OURS
+        assert [repr(torch.library.get_kernel(f"aten::{n}", "CPU")) for n in names] != debug_before
+        assert torch._C._get_sdp_priority_order()[0] == flash
+    finally:
+        assert backend.deactivate() is True
+    assert not backend.is_active() and torch.nn.attention.current_flash_attention_impl() is None
+    assert [repr(torch.library.get_kernel(f"aten::{n}", "CPU")) for n in names] == debug_before
+    assert torch._C._get_sdp_priority_order() == priority
+    assert backend.deactivate() is False
+
+    backend.reset_calls()
+    q = torch.randn(1, 2, 8, 16, requires_grad=True)
+    F.scaled_dot_product_attention(q, q, q).sum().backward()
+    assert backend.calls() == {}
+
+    # activate() without first leaves torch's order alone.
+    with backend.activated():
+        assert torch._C._get_sdp_priority_order() == priority
+    assert not backend.is_active()
+
+
+def test_activate_twice_and_reactivate():
+    backend.activate()
+    backend.activate(first=True)  # torch's registry restores the first registration before the second
+    backend.deactivate()
+    assert not backend.is_active()
+    backend.reset_calls()
+    q = torch.randn(1, 2, 8, 16)
+    F.scaled_dot_product_attention(q, q, q)
+    assert backend.calls() == {}
+    with backend.activated():
+        F.scaled_dot_product_attention(q, q, q)
+    assert _ours(CPU_OP) == 1
+
+
+def test_old_torch_is_named(monkeypatch):
+    import torch.nn.attention as attention
+
+    monkeypatch.delattr(attention, "register_flash_attention_impl")
+    with pytest.raises(RuntimeError, match=r"torch >= 2\.11.*this is torch " + torch.__version__.replace("+", r"\+")):
+        flashattn_ext.activate()
+    assert flashattn_ext.backend.is_active() is False
+
+
+def test_torch_compile(active):
+    """torch.compile'd code calling SDPA runs our kernels (inductor calls the
+    aten op as an extern kernel), forward and backward."""
+
+    def attn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).sin()
+
+    q = torch.randn(2, 8, 3, 16).transpose(1, 2).requires_grad_()
+    k = torch.randn(2, 8, 3, 16).transpose(1, 2).requires_grad_()
+    v = torch.randn(2, 8, 3, 16).transpose(1, 2).requires_grad_()
+    eager = attn(q, k, v)
+    eager_grads = torch.autograd.grad(eager.sum(), (q, k, v))
+    compiled = torch.compile(attn, backend="inductor", fullgraph=True)
+    backend.reset_calls()
+    out = compiled(q, k, v)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert _ours(CPU_OP) == 1 and _ours(CPU_OP + "_backward") == 1, backend.calls()
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-6)
+    for g, e in zip(grads, eager_grads):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the CUDA overrides, run on the CPU
+
+
+@pytest.fixture
+def flash_ops_on_cpu():
+    backend.reset_calls()
+    handle = backend._register_flash_ops("CPU")
+    yield
+    handle.remove()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lq,lk,causal", [(33, 33, True), (19, 40, True), (40, 19, True), (24, 31, False)])
+def test_sdpa_flash_op_override(flash_ops_on_cpu, dtype, lq, lk, causal):
+    """aten._scaled_dot_product_flash_attention / _backward (what CUDA SDPA and
+    torch's context parallelism call) on our kernels: FA2's bottom-right causal,
+    outputs as torch's meta function gives them, gradients through torch's
+    autograd formula."""
+    q = randn((2, lq, 4, 32), dtype, "cpu").transpose(1, 2).requires_grad_()
+    k = randn((2, 2, lk, 32), dtype, "cpu").requires_grad_()
+    v = randn((2, 2, lk, 32), dtype, "cpu").requires_grad_()
+    dout = randn((2, 4, lq, 32), dtype, "cpu")
+    res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=0.3)
+    out, lse = res[0], res[1]
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert _ours(CUDA_OP) == 1 and _ours(CUDA_OP + "_backward") == 1, backend.calls()
+    assert (res[4], res[5]) == (lq, lk) and res[2] is None and res[3] is None
+    meta = torch.ops.aten._scaled_dot_product_flash_attention(*(x.detach().to("meta") for x in (q, k, v)), 0.0, causal)
+    for i in (0, 1, 6, 7, 8):
+        assert (res[i].shape, res[i].stride(), res[i].dtype) == (meta[i].shape, meta[i].stride(), meta[i].dtype), i
+    for g, x in zip(grads, (q, k, v)):
+        assert g.shape == x.shape and g.stride() == torch.empty_like(x).stride()
+    comparisons = check_attention(
+        *_bshd(q, k, v), out.transpose(1, 2), lse, dout.transpose(1, 2), _bshd(*grads), softmax_scale=0.3,
+        causal=causal, bottom_right=True,
+    )  # fmt: skip
+    assert_all(comparisons)
+
+
+@pytest.mark.parametrize("window", [(None, None, False), (None, None, True), (5, 2, False), (7, None, True)])
+def test_flash_attention_forward_override(flash_ops_on_cpu, window):
+    """aten._flash_attention_forward / _backward, dense (B, S, H, D) and packed
+    variable-length, with FA2's windows."""
+    wl, wr, causal = window
+    dtype = torch.float32
+    b, lq, lk, hq, hk, d = 2, 21, 29, 4, 2, 24
+    q = randn((b, lq, hq, d), dtype, "cpu").requires_grad_()
+    k = randn((b, lk, hk, d), dtype, "cpu").requires_grad_()
+    v = randn((b, lk, hk, d), dtype, "cpu").requires_grad_()
+    dout = randn((b, lq, hq, d), dtype, "cpu")
+    kw = dict(scale=None, window_size_left=wl, window_size_right=wr)
+    out, lse, seed, offset, debug = torch.ops.aten._flash_attention_forward(
+        q, k, v, None, None, lq, lk, 0.0, causal, False, **kw
+    )
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    op = "_flash_attention_forward"
+    assert _ours(op) == 1 and _ours("_flash_attention_backward") == 1, backend.calls()
+    assert seed.dtype == torch.uint64 and seed.shape == (2,) and debug.numel() == 0
+    window_size = (-1 if wl is None else wl, -1 if wr is None else wr)
+    assert_all(check_attention(q, k, v, out, lse, dout, grads, window_size=window_size, causal=causal))
+
+    # Packed variable-length: sequences of lengths (lq_i, lk_i) along dimension 0.
+    lens_q, lens_k = [5, 17, 1], [9, 12, 30]
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
+    qv = randn((sum(lens_q), hq, d), dtype, "cpu").requires_grad_()
+    kv = randn((sum(lens_k), hk, d), dtype, "cpu").requires_grad_()
+    vv = randn((sum(lens_k), hk, d), dtype, "cpu").requires_grad_()
+    dv_out = randn((sum(lens_q), hq, d), dtype, "cpu")
+    out, lse = torch.ops.aten._flash_attention_forward(
+        qv, kv, vv, cu_q, cu_k, max(lens_q), max(lens_k), 0.0, causal, False, **kw
+    )[:2]
+    assert lse.shape == (hq, sum(lens_q))
+    grads = torch.autograd.grad(out, (qv, kv, vv), dv_out)
+    assert _ours(op) == 2 and _ours("_flash_attention_backward") == 2
+    for i in range(len(lens_q)):
+        sq, sk = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        one = lambda x, s: x[s].unsqueeze(0)  # noqa: E731
+        assert_all(
+            check_attention(
+                one(qv, sq),
+                one(kv, sk),
+                one(vv, sk),
+                one(out, sq),
+                lse[:, sq].unsqueeze(0),
+                one(dv_out, sq),
+                [one(grads[0], sq), one(grads[1], sk), one(grads[2], sk)],
+                window_size=window_size,
+                causal=causal,
+            ),  # fmt: skip
+            f"sequence {i}",
+        )
+
+
+def test_flash_ops_refusals_are_torchs(flash_ops_on_cpu):
+    """A call ours refuse goes to the kernel torch had there: on the CPU torch
+    has none for these ops, so it raises torch's "not implemented" error."""
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(NotImplementedError):
+        torch.ops.aten._scaled_dot_product_flash_attention(q, q, q, 0.1, False)
+    with pytest.raises(NotImplementedError):
+        torch.ops.aten._flash_attention_forward(q, q, q, None, None, 8, 8, 0.0, False, True)
+    assert _refused(CUDA_OP) == {"torch: dropout_p > 0": 1}
+    assert _refused("_flash_attention_forward") == {"torch: return_debug_mask": 1}
+    assert _ours(CUDA_OP) == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or not flashattn_ext.build_info()["cuda"], reason="needs a GPU")
+def test_cuda_dropout_is_torchs(active):
+    """CUDA: dropout reaches torch's flash op, which ours refuse: torch's FA2 runs it."""
+    q = torch.randn(2, 4, 128, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    backend.reset_calls()
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        out = F.scaled_dot_product_attention(q, q, q, dropout_p=0.3)
+    out.sum().backward()
+    assert _ours(CUDA_OP) == 0 and _refused(CUDA_OP) == {"torch: dropout_p > 0": 1}
+    assert math.isfinite(out.float().sum().item())
+
+
+def test_newer_torch_forward_arguments():
+    """The FA2 forward overrides as a newer torch calls them (called directly:
+    torch 2.11 has neither _flash_attention_forward_no_dropout_inplace nor these
+    keyword arguments): out= written in place, compute_auxiliary=False,
+    num_splits ignored, block_table refused."""
+    backend.reset_calls()
+    missing = backend._NoKernel("_flash_attention_forward_no_dropout_inplace", "CPU")
+    _, inplace = backend._flash_forward_inplace(missing)
+    _, forward = backend._flash_forward(missing)
+    cu = torch.tensor([0, 7, 27], dtype=torch.int32)
+    q, k, v = (torch.randn(27, 4, 32) for _ in range(3))
+    args = (q, k, v, cu, cu, 20, 20, 0.0, True, False)
+    kw = dict(scale=None, window_size_left=None, window_size_right=None, seqused_k=None, alibi_slopes=None)
+    ref_out, ref_lse = forward(None, *args, **kw)[:2]
+    buf = torch.full_like(q, float("nan"))
+    lse = inplace(None, buf, *args, **kw, block_table=None, num_splits=3)
+    assert torch.equal(buf, ref_out) and torch.equal(lse, ref_lse)
+    buf2 = torch.full_like(q, float("nan"))
+    res = forward(None, *args, **kw, out=buf2, block_table=None, compute_auxiliary=False, num_splits=2)
+    assert res[0] is buf2 and torch.equal(buf2, ref_out) and res[2:] == (None, None, None)
+    assert_all(
+        check_attention(q[None, 7:], k[None, 7:], v[None, 7:], ref_out[None, 7:], ref_lse[None, :, 7:], causal=True)
+    )
+    with pytest.raises(NotImplementedError, match="refused"):
+        inplace(None, buf, *args, **kw, block_table=torch.zeros(2, 1, dtype=torch.int32), num_splits=None)
+    assert sum(n for (op, r), n in backend.calls().items() if r == "torch: block_table is given") == 1

@@ -1,0 +1,153 @@
+"""Distributed attention on the CPU (gloo), 2 and 4 ranks, against the
+single-process call: flashattn_ext.ring (our ring on torch.distributed's
+point-to-point ops: causal with head-tail balancing, q shorter or longer than
+k, GQA) and torch's own context parallelism running our kernels on every
+block (its all-gather and all-to-all rotations).
+
+One torch.multiprocessing spawn of 4 processes serves every case
+(tests/_dist_worker.py): the world group is the 4-rank run, the two halves
+{0, 1}, {2, 3} are two 2-rank runs at once. Forward, log-sum-exp and the
+gradients, each within the tolerance rule against the oracle and within the
+rule's bound of the single-process call.
+"""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(__file__))
+import _dist_worker  # noqa: E402
+
+WORLD = 4
+TIMEOUT_S = 240
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    seed = int(os.environ.get("FLASHATTN_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+    print(f"seed={seed} (replay with FLASHATTN_TEST_SEED={seed})")
+    tmp = tmp_path_factory.mktemp("ring")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ctx = mp.start_processes(
+        _dist_worker.main,
+        args=(WORLD, str(tmp / "init"), seed, str(tmp), repo),
+        nprocs=WORLD,
+        join=False,
+        start_method="spawn",
+    )
+    import time
+
+    deadline = time.monotonic() + TIMEOUT_S
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"the distributed processes did not finish in {TIMEOUT_S} s (seed {seed})")
+    found = {}
+    for rank in range(WORLD):
+        path = tmp / f"rank{rank}.json"
+        if path.exists():
+            for r in json.loads(path.read_text()):
+                found.setdefault((r["name"], r["world"]), []).append(r)
+    return found
+
+
+def _check(results, name, world, groups):
+    got = results.get((name, world))
+    assert got is not None and len(got) == groups, f"no result for {name} on {world} ranks: {sorted(results)}"
+    for r in got:
+        assert r["ok"], f"{name}, {world} ranks: " + "; ".join(r["problems"])
+    return got
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", [c[0] for c in _dist_worker.RING_CASES])
+def test_ring_attention(results, case, world):
+    _check(results, case, world, WORLD // world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", [c[0] for c in _dist_worker.VARLEN_CASES])
+def test_ring_attention_varlen(results, case, world):
+    """Packed documents, each balanced on its own (ring_attention_varlen)."""
+    _check(results, case, world, WORLD // world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", [c[0] for c in _dist_worker.TORCH_CP_CASES])
+def test_torch_context_parallel_on_our_kernels(results, case, world):
+    """Every block of torch's ring ran our kernels: one call of the SDPA flash
+    op per step and rank, forward and backward, none refused."""
+    for r in _check(results, case, world, WORLD // world):
+        assert r["calls"] == {
+            "_scaled_dot_product_flash_attention/flashattn_ext": world,
+            "_scaled_dot_product_flash_attention_backward/flashattn_ext": world,
+        }, r["calls"]
+
+
+def test_ring_single_rank_matches_flash_attn_func():
+    """world 1 (a group of one, no communication): the same kernels as one call,
+    so the very same bits when the plan is one call (not causal)."""
+    import flashattn_ext
+    from flashattn_ext import ring
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists")
+    tmp = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"ring_single_{os.getpid()}")
+    dist.init_process_group("gloo", init_method=f"file://{tmp}", rank=0, world_size=1)
+    try:
+        for causal in (False, True):
+            q = torch.randn(2, 24, 4, 16, requires_grad=True)
+            k = torch.randn(2, 40, 2, 16, requires_grad=True)
+            v = torch.randn(2, 40, 2, 16, requires_grad=True)
+            out = ring.ring_attention(q, k, v, causal=causal)
+            ref = flashattn_ext.flash_attn_func(q, k, v, causal=causal)
+            dout = torch.randn_like(out)
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+            ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+            if causal:
+                torch.testing.assert_close(out, ref)
+                for g, r in zip(grads, ref_grads):
+                    torch.testing.assert_close(g, r)
+            else:
+                assert torch.equal(out, ref)
+                assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
+    finally:
+        dist.destroy_process_group()
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def test_plan_covers_each_visible_pair_once():
+    """ring._plan against a brute-force mask: for every (query part, key part)
+    pair of every rank and step, the calls' masks tile exactly the visible
+    (query, key) pairs, each once."""
+    from flashattn_ext import ring
+
+    for world, balanced, lq, lk in [
+        (2, True, 16, 16),
+        (4, True, 8, 24),
+        (4, True, 24, 8),
+        (3, False, 12, 9),
+        (4, False, 4, 4),
+    ]:
+        offset = lk * world - lq * world
+        for r in range(world):
+            q_pos = ring._positions(r, world, balanced, lq, offset)
+            per = len(ring.chunk_ids(0, world, balanced))
+            for s in range(world):
+                k_pos = ring._positions(s, world, balanced, lk, 0)
+                want = k_pos[None, :] <= q_pos[:, None]
+                got = torch.zeros(lq, lk, dtype=torch.int64)
+                for a, b, c, d, wr in ring._plan(q_pos, k_pos, True, lq // per, lk // per):
+                    i = torch.arange(b - a)[:, None]
+                    j = torch.arange(d - c)[None, :]
+                    got[a:b, c:d] += (j <= i + wr) if wr >= 0 else torch.ones(b - a, d - c, dtype=torch.bool)
+                assert torch.equal(got, want.long()), (world, balanced, lq, lk, r, s)
