@@ -89,7 +89,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         return
     parts = []
     if n_cuda:
-        parts.append(f"{n_cuda} CUDA tests skipped: {CUDA_SKIP}; they run on a machine with a GPU")
+        then = "they run on a machine with a GPU" if not HAS_CUDA else "rebuild with the CUDA kernels to run them"
+        parts.append(f"{n_cuda} CUDA tests skipped: {CUDA_SKIP}; {then}")
     if n_other:
         parts.append(f"{n_other} other test{'s' if n_other != 1 else ''} skipped (-rs shows why)")
     terminalreporter.write_line("flashattn_ext: " + "; ".join(parts))
