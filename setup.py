@@ -10,7 +10,13 @@ otherwise the extension is CPU-only and still complete. The line starting
 torch's headers: C++20 where they require it (torch 2.15 and later), C++17
 before. Environment knobs:
 
-    FLASHATTN_CUDA_ARCHS   CUDA archs to compile, e.g. "90" or "80;90" (default "80;90")
+    FLASHATTN_CUDA_ARCHS   CUDA archs to compile, e.g. "90" or "80;90": overrides the rule below
+    TORCH_CUDA_ARCH_LIST   torch's extension convention, used when FLASHATTN_CUDA_ARCHS is not set:
+                           e.g. "9.0", "8.0;9.0", "8.0 8.6", names such as "Hopper"; archs below
+                           8.0 are left out (the kernels need sm80's mma.sync), "+PTX" is ignored
+                           (the extension ships SASS only), "native" means the GPUs present.
+                           Neither set: the archs of the GPUs this machine has (a GPU machine builds
+                           its own arch only), else, with no GPU visible, the supported list "80;90".
     FLASHATTN_HEAD_DIMS    kernel head dims to compile, e.g. "64,128" (default all of
                            csrc/cuda/generate_instantiations.py HEAD_DIMS; a call with another head dim uses the
                            next larger compiled one)
@@ -19,6 +25,9 @@ before. Environment knobs:
     FLASHATTN_TUNING=1     also compile the candidate tile configurations of
                            csrc/cuda/kernel_configs.h (for benchmarks/tune.py)
     MAX_JOBS               parallel compile jobs (default: all cores)
+
+The build's progress (ninja's "[k/n]" line per compiled source) is printed as it
+goes; pip hides it unless run with -v (`pip install -v --no-build-isolation -e .`).
 """
 
 import glob
@@ -153,12 +162,107 @@ def _head_dims():
     return dims
 
 
+SUPPORTED_ARCHS = ("80", "90")  # the default build without a GPU to look at: A100 (sm80), H100/H200 (sm90a)
+
+# TORCH_CUDA_ARCH_LIST's names (torch.utils.cpp_extension's table).
+NAMED_ARCHS = {
+    "Kepler+Tesla": "3.7",
+    "Kepler": "3.5",
+    "Maxwell+Tegra": "5.3",
+    "Maxwell": "5.0;5.2",
+    "Pascal": "6.0;6.1",
+    "Volta+Tegra": "7.2",
+    "Volta": "7.0",
+    "Turing": "7.5",
+    "Ampere+Tegra": "8.7",
+    "Ampere": "8.0;8.6",
+    "Ada": "8.9",
+    "Hopper": "9.0",
+    "Blackwell+Tegra": "11.0",
+    "Blackwell": "10.0;10.3;12.0;12.1",
+}
+
+
+def _parse_torch_arch_list(raw):
+    """TORCH_CUDA_ARCH_LIST ("8.0;9.0+PTX", "8.6 9.0a", "Hopper") -> (archs >= 80 as
+    strings like "90", what was left out and why)."""
+    raw = raw.replace(" ", ";")
+    for name, value in NAMED_ARCHS.items():  # combined names ("Ampere+Tegra") first
+        raw = raw.replace(name, value)
+    archs, below, ptx = [], [], False
+    for entry in (e.strip() for e in raw.split(";")):
+        if not entry:
+            continue
+        m = re.fullmatch(r"(\d+)\.(\d)[af]?(\+PTX)?", entry)
+        if m is None:
+            sys.exit(f"TORCH_CUDA_ARCH_LIST: {entry!r} is not an arch such as 8.0, 9.0a or 8.6+PTX")
+        arch = m.group(1) + m.group(2)
+        ptx = ptx or bool(m.group(3))
+        if int(arch) < 80:
+            below.append(entry)
+        elif arch not in archs:
+            archs.append(arch)
+    dropped = [f"{', '.join(below)} (below 8.0: the kernels need sm80's mma.sync)"] if below else []
+    if ptx:
+        dropped.append("+PTX (the extension ships SASS only)")
+    return sorted(archs, key=int), dropped
+
+
+def _visible_gpu_archs():
+    """The compute capabilities of the GPUs torch sees, as "90", "80", ..., capped
+    at the newest arch this torch was built for (as torch's own rule does: nvcc
+    is expected to match it). Empty without a GPU."""
+    import torch
+
+    try:
+        caps = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+        built = [int(re.sub(r"\D", "", a.split("_", 1)[1])) for a in torch.cuda.get_arch_list() if a.startswith("sm_")]
+    except Exception:  # noqa: BLE001  (a driver that fails to answer counts as no GPU)
+        return []
+    archs = []
+    for major, minor in caps:
+        cap = 10 * major + minor
+        if built:
+            cap = min(cap, max(built))
+        if str(cap) not in archs:
+            archs.append(str(cap))
+    return sorted(archs, key=int)
+
+
 def _archs():
-    archs = _env_list("FLASHATTN_CUDA_ARCHS", ("80", "90"), ";")
-    for a in archs:
-        if not a.isdigit() or int(a) < 80:
-            sys.exit(f"FLASHATTN_CUDA_ARCHS: {a!r} is not an arch >= 80 (the kernels need mma.sync bf16)")
-    return archs
+    """(archs to compile, why these): FLASHATTN_CUDA_ARCHS, else
+    TORCH_CUDA_ARCH_LIST, else the GPUs present, else SUPPORTED_ARCHS."""
+    if os.environ.get("FLASHATTN_CUDA_ARCHS", "").strip():
+        archs = _env_list("FLASHATTN_CUDA_ARCHS", SUPPORTED_ARCHS, ";")
+        for a in archs:
+            if not a.isdigit() or int(a) < 80:
+                sys.exit(f"FLASHATTN_CUDA_ARCHS: {a!r} is not an arch >= 80 (the kernels need mma.sync bf16)")
+        return archs, "set by FLASHATTN_CUDA_ARCHS"
+    torch_list = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if torch_list and torch_list != "native":
+        archs, dropped = _parse_torch_arch_list(torch_list)
+        if not archs:
+            sys.exit(
+                f"TORCH_CUDA_ARCH_LIST={torch_list!r} names no arch >= 8.0 (the kernels need sm80's mma.sync): "
+                "set it to e.g. 9.0, or build without the CUDA kernels with FLASHATTN_CPU_ONLY=1"
+            )
+        note = "from TORCH_CUDA_ARCH_LIST"
+        if dropped:
+            note += "; left out: " + ", ".join(dropped)
+        return archs, note
+    visible = _visible_gpu_archs()
+    usable = [a for a in visible if int(a) >= 80]
+    if usable:
+        note = "the GPUs of this machine"
+        if len(usable) < len(visible):
+            note += " (left out, below sm80: " + ", ".join(f"sm_{a}" for a in visible if int(a) < 80) + ")"
+        return usable, note + "; TORCH_CUDA_ARCH_LIST or FLASHATTN_CUDA_ARCHS to build others"
+    if visible:
+        why = f"this machine's GPUs ({', '.join('sm_' + a for a in visible)}) are below sm80, which the kernels need"
+    else:
+        why = "no GPU visible"
+    note = f"{why}, so the supported list; TORCH_CUDA_ARCH_LIST or FLASHATTN_CUDA_ARCHS to choose"
+    return list(SUPPORTED_ARCHS), note
 
 
 def _links_libstdcxx_shared(cxx, extra):
@@ -239,7 +343,7 @@ def extensions():
             )
         ]
 
-    dims, archs = _head_dims(), _archs()
+    dims, (archs, arch_source) = _head_dims(), _archs()
     kernel_sources = []
     for d in dims:
         for dt in DTYPES:
@@ -277,7 +381,7 @@ def extensions():
         nvcc_flags += ["-Xptxas", "-v"]
     _say(
         f"building the CPU kernels and the CUDA kernels for archs {', '.join(archs)} "
-        f"({', '.join('sm_90a' if a == '90' else 'sm_' + a for a in archs)}), head dims "
+        f"({', '.join('sm_90a' if a == '90' else 'sm_' + a for a in archs)}: {arch_source}), head dims "
         f"{', '.join(str(d) for d in dims)} ({len(kernel_sources)} kernel sources), {detail}; {std_note}"
     )
     return [

@@ -3,7 +3,7 @@
 
     python examples/train_gpt.py --attn ours            # tiny model, CPU, well under a minute
     python examples/train_gpt.py --attn torch
-    python examples/train_gpt.py --compare --json curves.json   # both, same seed: loss difference, time ratio
+    python examples/train_gpt.py --compare --json curves.json   # both, same seed, steps interleaved: loss difference, time ratio
     python examples/train_gpt.py --compare --tol 1e-3           # exit 1 if the first 50 steps disagree
     python examples/train_gpt.py --compare --device cuda          # a GPT-2-small-like model in bf16
 
@@ -30,6 +30,7 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 import time
 
@@ -170,48 +171,80 @@ CONFIGS = {
 }
 
 
-def train(attn, cfg, device, dtype, seed, log_every, quiet=False):
-    torch.manual_seed(seed)  # the same initial weights for both attentions
-    data, _ = make_corpus(max(200_000, cfg["seq"] * 64), seed)
-    eval_data, eval_copy = make_corpus(cfg["seq"] * 64, seed + 1)
-    model = GPT(len(VOCAB), cfg["seq"], cfg["d_model"], cfg["n_head"], cfg["n_layer"], attention_function(attn))
-    model.to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=0.0)
-    gen = torch.Generator().manual_seed(seed)  # the same batches for both attentions
-    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    losses, times = [], []
-    steps = cfg["steps"]
-    for step in range(steps):
+class Run:
+    """One training run: a model, its optimizer and its batches, advanced a step at a
+    time (so that --compare can interleave the steps of two runs)."""
+
+    def __init__(self, attn, cfg, device, dtype, seed):
+        self.attn, self.cfg, self.device = attn, cfg, device
+        torch.manual_seed(seed)  # the same initial weights for both attentions
+        self.data, _ = make_corpus(max(200_000, cfg["seq"] * 64), seed)
+        self.eval_data, self.eval_copy = make_corpus(cfg["seq"] * 64, seed + 1)
+        self.model = GPT(
+            len(VOCAB), cfg["seq"], cfg["d_model"], cfg["n_head"], cfg["n_layer"], attention_function(attn)
+        )
+        self.model.to(device)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=0.0)
+        self.gen = torch.Generator().manual_seed(seed)  # the same batches for both attentions
+        self.autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+        self.losses, self.times = [], []
+
+    def step(self, step):
+        cfg, device = self.cfg, self.device
+        steps = cfg["steps"]
         # Cosine decay after a short warm-up.
         lr = cfg["lr"] * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
-        for g in opt.param_groups:
+        for g in self.opt.param_groups:
             g["lr"] = lr
-        x, y, _ = get_batch(data, cfg["batch"], cfg["seq"], gen)
+        x, y, _ = get_batch(self.data, cfg["batch"], cfg["seq"], self.gen)
         x, y = x.to(device), y.to(device)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with autocast:
-            logits = model(x)
+        with self.autocast:
+            logits = self.model(x)
         loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
-        opt.zero_grad(set_to_none=True)
+        self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
-        if not quiet and (step % log_every == 0 or step == steps - 1):
-            print(f"  [{attn:>5}] step {step:4d}  loss {losses[-1]:.4f}  {times[-1] * 1e3:7.1f} ms/step", flush=True)
-    acc = copy_accuracy(model, eval_data, eval_copy, cfg, device, autocast)
-    skip = min(5, max(0, steps - 1))  # leave out the first steps (allocation, autotuning)
-    return dict(
-        losses=losses,
-        mean_step_ms=1e3 * sum(times[skip:]) / max(1, len(times) - skip),
-        final_loss=sum(losses[-10:]) / len(losses[-10:]),
-        copy_accuracy=acc,
-    )
+        self.times.append(time.perf_counter() - t0)
+        self.losses.append(loss.item())
+
+    def log(self, step):
+        print(
+            f"  [{self.attn:>5}] step {step:4d}  loss {self.losses[-1]:.4f}  {self.times[-1] * 1e3:7.1f} ms/step",
+            flush=True,
+        )
+
+    def result(self):
+        acc = copy_accuracy(self.model, self.eval_data, self.eval_copy, self.cfg, self.device, self.autocast)
+        skip = min(5, max(0, len(self.times) - 1))  # leave out the first steps (allocation, autotuning)
+        timed = self.times[skip:]
+        return dict(
+            losses=self.losses,
+            mean_step_ms=1e3 * sum(timed) / max(1, len(timed)),
+            median_step_ms=1e3 * statistics.median(timed),
+            final_loss=sum(self.losses[-10:]) / len(self.losses[-10:]),
+            copy_accuracy=acc,
+        )
+
+
+def train(runs, cfg, log_every):
+    """Advances the runs step by step together, taking turns at going first (the
+    order alternates every step), so that whatever else loads the machine
+    (other processes, the clock, the caches) falls on both alike."""
+    steps = cfg["steps"]
+    for step in range(steps):
+        order = runs if step % 2 == 0 else runs[::-1]
+        for run in order:
+            run.step(step)
+        if step % log_every == 0 or step == steps - 1:
+            for run in runs:
+                run.log(step)
+    return {run.attn: run.result() for run in runs}
 
 
 @torch.no_grad()
@@ -238,7 +271,7 @@ def main(argv=None):
     p.add_argument(
         "--compare",
         action="store_true",
-        help="train with both, same seed; report the loss difference and the step-time ratio",
+        help="train with both, same seed, their steps interleaved; report the loss difference and the step-time ratio",
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument(
@@ -291,13 +324,12 @@ def main(argv=None):
         f"{cfg['n_head']} heads of {cfg['d_model'] // cfg['n_head']}, {cfg['n_layer']} layers, seq {cfg['seq']}, "
         f"batch {cfg['batch']}, {cfg['steps']} steps, seed {args.seed}"
     )
-    runs = {}
+    runs = train([Run(attn, cfg, device, dtype, args.seed) for attn in attns], cfg, args.log_every)
     for attn in attns:
-        runs[attn] = train(attn, cfg, device, dtype, args.seed, args.log_every)
         r = runs[attn]
         print(
             f"{attn}: final loss {r['final_loss']:.4f}, copy accuracy {r['copy_accuracy']:.1%}, "
-            f"mean step {r['mean_step_ms']:.1f} ms"
+            f"median step {r['median_step_ms']:.1f} ms"
         )
     report = dict(config=cfg, device=device.type, dtype=str(dtype).replace("torch.", ""), seed=args.seed, runs=runs)
     rc = 0
@@ -314,7 +346,17 @@ def main(argv=None):
         report["max_loss_diff_early"] = max(diffs[:k])
         report["first_step_diff_above_1e-3"] = next((i for i, x in enumerate(diffs) if x > 1e-3), None)
         report["final_loss_diff"] = abs(runs["ours"]["final_loss"] - runs["torch"]["final_loss"])
-        report["step_time_ratio"] = runs["ours"]["mean_step_ms"] / runs["torch"]["mean_step_ms"]
+        report["step_time_ratio"] = runs["ours"]["median_step_ms"] / runs["torch"]["median_step_ms"]
+        report["steps_interleaved"] = True
+        dtype_name = str(dtype).replace("torch.", "")
+        print(
+            f"compare: the two runs start from the same weights and see the same batches; they differ only in "
+            f"rounding (the kernels add in different orders). In {dtype_name} such runs follow one loss curve "
+            "for tens of steps, then drift apart over hundreds (training amplifies differences of 1e-7 "
+            "exponentially), so equal curves to the end are not expected. What is checked instead: the "
+            f"agreement over the first {k} steps (--diff-steps; --tol to fail on it), and at the end that both "
+            "learn the task alike (final loss and copy accuracy)."
+        )
         print(
             f"compare: max |loss(ours) - loss(torch)| over the first {k} steps {report['max_loss_diff_early']:.2e}; "
             f"over all {len(diffs)} steps {report['max_loss_diff']:.2e} (step {report['max_loss_diff_step']}; first "
@@ -322,8 +364,11 @@ def main(argv=None):
         )
         print(
             f"compare: final loss ours {runs['ours']['final_loss']:.4f} vs torch {runs['torch']['final_loss']:.4f}, "
-            f"copy accuracy {runs['ours']['copy_accuracy']:.1%} vs {runs['torch']['copy_accuracy']:.1%}; "
-            f"step time ours / torch = {report['step_time_ratio']:.2f}"
+            f"copy accuracy {runs['ours']['copy_accuracy']:.1%} vs {runs['torch']['copy_accuracy']:.1%}"
+        )
+        print(
+            f"compare: step time ours / torch = {report['step_time_ratio']:.2f} (medians over the steps, the two "
+            "runs' steps interleaved and taking turns at going first, so that load on the machine hits both alike)"
         )
         if args.tol is not None and report["max_loss_diff_early"] > args.tol:
             print(f"compare: FAIL, loss difference over the first {k} steps above --tol {args.tol:g}")

@@ -6,17 +6,25 @@ on this machine, and how fast they are next to torch's attention.
     python -m flashattn_ext --shapes "4,16,2048,128;8,12,1024,64,causal" --json report.json
 
 Steps: (1) the build: package, torch, CUDA, archs and head dims compiled in;
-(2) the device; (3) a short correctness check of flash_attn_func (forward and
-backward) and scaled_dot_product_attention against the float32/float64 oracle
+(2) the device; (3) a short correctness check, kernel family by kernel family,
+of flash_attn_func (forward and backward), scaled_dot_product_attention and
+flash_attn_with_kvcache against the float32/float64 oracle
 flashattn_ext.reference.attention_ref, with the project's one tolerance rule
 (flashattn_ext.tolerance, FlashAttention's): the error of ours must be at most
 2x (3x for gradients) the error of the same naive computation done in the low
-precision, plus a small floor; lse within the float32 accumulation's precision;
+precision, plus a small floor; lse within the float32 accumulation's precision.
+The families are the CPU kernels on the CPU; on a GPU the kernels that device
+runs by default and those its switches select (on sm90: the warp-specialized
+TMA kernels, FLASHATTN_DISABLE_TMA=1's cp.async wgmma kernels and
+FLASHATTN_DISABLE_SM90=1's mma.sync kernels), and the split-KV decoding
+kernel. The report ends by naming the families it checked and those it could
+not (e.g. no GPU: the CUDA kernels were built but not checked);
 (4) timings of ours, torch's SDPA (per backend on CUDA) and the naive
 3-kernel path. Exits 1 when the check fails, 2 on a usage error.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -62,6 +70,118 @@ CPU_CASES = [
     (2, 1, 33, 2, 2, 40, False),  # one query token, head dim not a power of two
 ]
 CPU_QUICK_CASES = CPU_CASES[:3]
+
+# flash_attn_with_kvcache cases: (batch, cache capacity, heads_q, heads_kv, head_dim, cache_seqlens),
+# one query token a row against its first cache_seqlens[b] keys (a decoding step).
+CUDA_DECODE_CASES = [(3, 1000, 8, 2, 128, (1000, 517, 1)), (2, 256, 4, 4, 64, (256, 100))]
+CPU_DECODE_CASES = [(2, 67, 4, 2, 64, (67, 30))]
+
+
+class Family:
+    """A kernel family the check runs: `env` is the switch (set to "1" while its
+    cases run) that routes calls to it; `cases` go through flash_attn_func (and
+    one square case through scaled_dot_product_attention), `decode` through
+    flash_attn_with_kvcache."""
+
+    def __init__(self, key, label, env=None, cases=(), decode=(), sdpa=False):
+        self.key, self.label, self.env = key, label, env
+        self.cases, self.decode, self.sdpa = list(cases), list(decode), sdpa
+
+
+def _archs_of(build):
+    return [a for a in (build.get("archs") or "").split(";") if a.strip()]
+
+
+def plan_families(device, build, quick):
+    """(families to check on `device`, [(family, why it is not checked)])."""
+    cuda_built = build.get("cuda_kernels")
+    archs = _archs_of(build)
+    arch_str = ", ".join("sm_90a" if a == "90" else f"sm_{a}" for a in archs)
+    if device.type == "cpu":
+        checked = [
+            Family(
+                "cpu",
+                "CPU kernels (forward, backward, KV-cache decoding)",
+                cases=CPU_QUICK_CASES if quick else CPU_CASES,
+                decode=CPU_DECODE_CASES,
+                sdpa=True,
+            )
+        ]
+        if cuda_built:
+            why = (
+                "--device cpu was asked for"
+                if torch.cuda.is_available()
+                else "no CUDA device here (torch.cuda.is_available() is False); run this on a machine with a GPU"
+            )
+            unchecked = [(f"CUDA kernels (built for {arch_str}; head dims {build.get('head_dims') or '-'})", why)]
+        elif cuda_built is False:
+            unchecked = [("CUDA kernels", "not in this build (built with FLASHATTN_CPU_ONLY=1, or without nvcc)")]
+        else:
+            unchecked = [("CUDA kernels", "the build could not be read")]
+        return checked, unchecked
+
+    major, minor = torch.cuda.get_device_capability(device)
+    cap = 10 * major + minor
+    cases = CUDA_QUICK_CASES if quick else CUDA_CASES
+    checked, unchecked = [], []
+    if cap == 90 and "90" in archs:
+        checked.append(
+            Family(
+                "sm90_tma",
+                "sm_90a warp-specialized TMA kernels (this device's default; head dim 32 runs mma.sync)",
+                cases=cases,
+                sdpa=True,
+            )
+        )
+        checked.append(
+            Family(
+                "sm90_cp_async",
+                "sm_90a cp.async wgmma kernels (FLASHATTN_DISABLE_TMA=1; the head dims without them run mma.sync)",
+                env="FLASHATTN_DISABLE_TMA",
+                cases=[CUDA_CASES[0], CUDA_CASES[2]] if not quick else [CUDA_CASES[2]],
+            )
+        )
+        checked.append(
+            Family(
+                "mma_sync",
+                "mma.sync kernels, sm80's family (FLASHATTN_DISABLE_SM90=1)",
+                env="FLASHATTN_DISABLE_SM90",
+                cases=[CUDA_CASES[1], CUDA_CASES[3], CUDA_CASES[5]] if not quick else [CUDA_CASES[3]],
+            )
+        )
+    else:
+        checked.append(Family("mma_sync", f"mma.sync kernels (sm_{cap} runs them)", cases=cases, sdpa=True))
+        if "90" in archs:
+            unchecked.append(
+                ("sm_90a kernels (warp-specialized TMA, cp.async wgmma)", f"need an sm90 GPU; this is sm_{cap}")
+            )
+    checked.append(
+        Family(
+            "decode",
+            "split-KV decoding kernel (flash_attn_with_kvcache)",
+            decode=CUDA_DECODE_CASES[:1] if quick else CUDA_DECODE_CASES,
+        )
+    )
+    unchecked.append(("CPU kernels", "python -m flashattn_ext --device cpu checks them"))
+    return checked, unchecked
+
+
+@contextlib.contextmanager
+def env_switch(name):
+    """Sets the environment switch `name` to "1" for the block (the binding layer
+    reads these on every call)."""
+    if name is None:
+        yield
+        return
+    old = os.environ.get(name)
+    os.environ[name] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
 
 
 # ----------------------------------------------------------------------------- build and device
@@ -217,6 +337,46 @@ def check_case(case, dtype, device, api="flash_attn_func"):
     return res
 
 
+def check_decode(case, dtype, device):
+    """One decoding step (flash_attn_with_kvcache, a query token a row against the
+    first cache_seqlens[b] keys of its cache row) against the oracle, row by row."""
+    b, n, hq, hkv, d, seqlens = case
+    res = case_record((b, 1, n, hq, hkv, d, True), dtype, "flash_attn_with_kvcache", ok=False)
+    res["cache_seqlens"] = list(seqlens)
+    try:
+        q = torch.randn(b, 1, hq, d, device=device, dtype=dtype)
+        k_cache = torch.randn(b, n, hkv, d, device=device, dtype=dtype)
+        v_cache = torch.randn(b, n, hkv, d, device=device, dtype=dtype)
+        lens = torch.tensor(seqlens, dtype=torch.int32, device=device)
+        out, lse = flashattn_ext.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=lens, causal=True, return_softmax_lse=True
+        )
+        comps = []
+        for i, length in enumerate(seqlens):
+            row = check_attention(
+                q[i : i + 1], k_cache[i : i + 1, :length], v_cache[i : i + 1, :length], out[i : i + 1], lse[i : i + 1]
+            )
+            for c in row:
+                c.name = f"{c.name}[row {i}]"
+            comps += row
+    except Exception as e:  # noqa: BLE001
+        res["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:400]
+        return res
+    res["errors"] = {
+        c.name: dict(
+            err=c.err,
+            naive_low_precision_err=c.naive_err,
+            bound=c.bound,
+            finite=c.problem is None,
+            ok=c.ok,
+            problem=c.problem,
+        )
+        for c in comps
+    }
+    res["ok"] = all(c.ok for c in comps)
+    return res
+
+
 def compiled_head_dims(build):
     try:
         return [int(x) for x in build.get("head_dims", "").split(",") if x.strip()]
@@ -224,30 +384,36 @@ def compiled_head_dims(build):
         return []
 
 
-def run_checks(device, dtypes, quick, progress, build):
-    cases = (
-        (CUDA_QUICK_CASES if quick else CUDA_CASES)
-        if device.type == "cuda"
-        else (CPU_QUICK_CASES if quick else CPU_CASES)
-    )
-    todo = [(c, dt, "flash_attn_func") for dt in dtypes for c in cases]
-    # The SDPA entry point once per dtype, on a square causal case.
-    todo += [((2, 64, 64, 4, 2, 64, True), dt, "scaled_dot_product_attention") for dt in dtypes]
+def run_checks(device, dtypes, families, progress, build):
+    todo = []
+    for fam in families:
+        todo += [(fam, c, dt, "flash_attn_func") for dt in dtypes for c in fam.cases]
+        if fam.sdpa:  # the SDPA entry point once per dtype, on a square causal case
+            todo += [(fam, (2, 64, 64, 4, 2, 64, True), dt, "scaled_dot_product_attention") for dt in dtypes]
+        todo += [(fam, c, dt, "flash_attn_with_kvcache") for dt in dtypes for c in fam.decode]
     # A CUDA build may hold only some head dims (FLASHATTN_HEAD_DIMS); a head dim runs
     # on the next larger compiled one, so only those above the largest are out of reach.
     largest = max(compiled_head_dims(build), default=None) if device.type == "cuda" else None
     results = []
     torch.manual_seed(0)
-    for i, (case, dt, api) in enumerate(todo):
-        progress.update(f"check {i + 1}/{len(todo)}: {api} {str(dt).replace('torch.', '')} {case_str(case)}")
-        if largest is not None and case[5] > largest:
-            results.append(
-                case_record(
-                    case, dt, api, ok=None, skipped=f"head dim {case[5]} not compiled (build has up to {largest})"
-                )
+    for i, (fam, case, dt, api) in enumerate(todo):
+        shown = case_str(case if api != "flash_attn_with_kvcache" else (case[0], 1, case[1], *case[2:5], True))
+        progress.update(f"check {i + 1}/{len(todo)}: {fam.key} {api} {str(dt).replace('torch.', '')} {shown}")
+        head_dim = case[5] if api != "flash_attn_with_kvcache" else case[4]
+        if largest is not None and head_dim > largest:
+            rec = case if api != "flash_attn_with_kvcache" else (case[0], 1, case[1], *case[2:5], True)
+            res = case_record(
+                rec, dt, api, ok=None, skipped=f"head dim {head_dim} not compiled (build has up to {largest})"
             )
-            continue
-        results.append(check_case(case, dt, device, api))
+        else:
+            with env_switch(fam.env):
+                res = (
+                    check_decode(case, dt, device)
+                    if api == "flash_attn_with_kvcache"
+                    else check_case(case, dt, device, api)
+                )
+        res["family"] = fam.key
+        results.append(res)
     progress.done()
     return results
 
@@ -417,9 +583,16 @@ class Progress:
             self.width = 0
 
 
-def print_checks(results):
+def print_checks(results, families):
+    labels = {f.key: f.label for f in families}
+    family = None
     for r in results:
+        if r.get("family") != family:
+            family = r.get("family")
+            print(f"  [{labels.get(family, family)}]")
         case = case_str((r["b"], r["seqlen_q"], r["seqlen_k"], r["heads_q"], r["heads_kv"], r["head_dim"], r["causal"]))
+        if "cache_seqlens" in r:
+            case += " lens " + ",".join(str(n) for n in r["cache_seqlens"])
         tag = "skip" if r.get("skipped") else "ok  " if r["ok"] else "FAIL"
         if r.get("skipped"):
             print(f"  {tag} {r['api']:<28} {r['dtype']:<9} {case:<32} {r['skipped']}")
@@ -551,7 +724,8 @@ def main(argv=None):
     sys.stdout.flush()
 
     progress = Progress(enabled=not args.no_progress)
-    checks = run_checks(device, check_dtypes, args.quick, progress, build)
+    families, unchecked = plan_families(device, build, args.quick)
+    checks = run_checks(device, check_dtypes, families, progress, build)
     n_skip = sum(1 for r in checks if r.get("skipped"))
     n_run = len(checks) - n_skip
     n_ok = sum(1 for r in checks if r["ok"])
@@ -561,7 +735,13 @@ def main(argv=None):
         + " (ours vs the float32/float64 oracle; bound = 2x the naive low-precision error for out, 3x for "
         "gradients, + a small floor: flashattn_ext.tolerance)"
     )
-    print_checks(checks)
+    print_checks(checks, families)
+    family_ok = {f.key: all(r["ok"] for r in checks if r["family"] == f.key and not r.get("skipped")) for f in families}
+    print("kernel families:")
+    for f in families:
+        print(f"  checked{'' if family_ok[f.key] else ' (FAILED)'}: {f.label}")
+    for label, why in unchecked:
+        print(f"  not checked: {label}: {why}")
     sys.stdout.flush()
 
     rows = []
@@ -574,10 +754,24 @@ def main(argv=None):
         print_timings(rows)
     ok = n_run > 0 and n_ok == n_run
     elapsed = time.time() - t0
-    print(f"{'PASS' if ok else 'FAIL'}: {n_ok}/{n_run} checks passed on {device.type} in {elapsed:.1f} s")
+    not_checked = "; not checked: " + ", ".join(label.split(" (")[0] for label, _ in unchecked) if unchecked else ""
+    print(
+        f"{'PASS' if ok else 'FAIL'}: {n_ok}/{n_run} checks passed on {device.type} in {elapsed:.1f} s "
+        f"({len(families)} kernel famil{'y' if len(families) == 1 else 'ies'} checked{not_checked})"
+    )
     if args.json:
         report = dict(
-            build=build, device=dev, note=note, ok=ok, checks=checks, timings=rows, elapsed_s=round(elapsed, 2)
+            build=build,
+            device=dev,
+            note=note,
+            ok=ok,
+            families=dict(
+                checked=[dict(family=f.key, label=f.label, env=f.env, ok=family_ok[f.key]) for f in families],
+                unchecked=[dict(family=label, why=why) for label, why in unchecked],
+            ),
+            checks=checks,
+            timings=rows,
+            elapsed_s=round(elapsed, 2),
         )
         d = os.path.dirname(os.path.abspath(args.json))
         os.makedirs(d, exist_ok=True)

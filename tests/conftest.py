@@ -2,8 +2,10 @@
 
 * ``device`` (with ``dtype`` when a test asks for both): every supported
   (device, dtype) pair; cuda cases carry the ``cuda`` marker and are skipped
-  without a GPU or without CUDA kernels in the build. ``@pytest.mark.dtypes(...)``
-  narrows the dtypes of a test.
+  without a GPU or without CUDA kernels in the build (one skip reason for all of
+  them, so that ``-rs`` lists it once beside the other skips' reasons, and one
+  line at the end of the run saying how many and why).
+  ``@pytest.mark.dtypes(...)`` narrows the dtypes of a test.
 * a fresh random seed for every test, printed (shown on failure); set
   FLASHATTN_TEST_SEED to replay one.
 * ``poison``: torch.empty returns NaN-filled memory for the test, so an output
@@ -27,18 +29,17 @@ from flashattn_ext import interface  # noqa: E402
 HAS_CUDA = torch.cuda.is_available()
 CUDA_BUILD = flashattn_ext.build_info()["cuda"]
 if not HAS_CUDA:
-    CUDA_SKIP = "no CUDA device"
+    CUDA_SKIP = "no CUDA device (torch.cuda.is_available() is False)"
 elif not CUDA_BUILD:
-    CUDA_SKIP = "flashattn_ext built without CUDA kernels"
+    CUDA_SKIP = "flashattn_ext built without CUDA kernels (FLASHATTN_CPU_ONLY=1, or no nvcc when it was built)"
 else:
     CUDA_SKIP = None
 
+_cuda_skipped = []  # node ids of the tests skipped for CUDA_SKIP (the summary line counts them)
+
 
 def _device_param(dev, *values, id=None):
-    marks = []
-    if dev == "cuda":
-        marks = [pytest.mark.cuda, pytest.mark.skipif(CUDA_SKIP is not None, reason=str(CUDA_SKIP))]
-    return pytest.param(*values, marks=marks, id=id)
+    return pytest.param(*values, marks=[pytest.mark.cuda] if dev == "cuda" else [], id=id)
 
 
 def _dtype_name(dt):
@@ -67,12 +68,32 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "dtypes(*dtypes): restrict the dtypes a test runs with")
 
 
-def pytest_collection_modifyitems(config, items):
-    # Tests marked cuda without the device parametrization (race, big grid).
-    skip = pytest.mark.skip(reason=str(CUDA_SKIP))
-    for item in items:
-        if CUDA_SKIP is not None and item.get_closest_marker("cuda") is not None:
-            item.add_marker(skip)
+def pytest_runtest_setup(item):
+    """Every test marked cuda (the device parametrization's cuda cases and the
+    tests marked by hand) is skipped here when CUDA_SKIP says why: one skip
+    location, so `-rs` shows the CUDA skips as one line and the other skips with
+    their own reasons."""
+    if CUDA_SKIP is not None and item.get_closest_marker("cuda") is not None:
+        _cuda_skipped.append(item.nodeid)
+        pytest.skip(CUDA_SKIP)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line on why tests were skipped: how many for want of CUDA, and how
+    many for other reasons (shown by -rs)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    cuda = set(_cuda_skipped)
+    n_cuda = sum(1 for r in skipped if r.nodeid in cuda)
+    n_other = len(skipped) - n_cuda
+    if not n_cuda and not n_other:
+        return
+    parts = []
+    if n_cuda:
+        then = "they run on a machine with a GPU" if not HAS_CUDA else "rebuild with the CUDA kernels to run them"
+        parts.append(f"{n_cuda} CUDA tests skipped: {CUDA_SKIP}; {then}")
+    if n_other:
+        parts.append(f"{n_other} other test{'s' if n_other != 1 else ''} skipped (-rs shows why)")
+    terminalreporter.write_line("flashattn_ext: " + "; ".join(parts))
 
 
 @pytest.fixture(autouse=True)
