@@ -21,11 +21,23 @@ void check_grid(int64_t blocks, const char* what) {
                     " thread blocks, more than a CUDA grid holds (2^31 - 1); split the batch");
 }
 
+// The archs the kernels were built for (setup.py's -DFLASHATTN_CUDA_ARCHS), for the error below.
+#ifdef FLASHATTN_CUDA_ARCHS
+#define FLASHATTN_BUILT_ARCHS FLASHATTN_CUDA_ARCHS
+#else
+#define FLASHATTN_BUILT_ARCHS "(unknown)"
+#endif
+
 // cudaFuncSetAttribute answers "invalid argument" when a kernel asks for more
 // shared memory per block than the device has: say so, with the numbers.
 void check_launch(cudaError_t err, const char* what, int kernel_dim, const at::Tensor& q) {
   if (err == cudaSuccess) return;
   const auto* prop = at::cuda::getDeviceProperties(q.device().index());
+  // A build for other archs (setup.py builds a GPU machine's own arch by default).
+  TORCH_CHECK(err != cudaErrorNoKernelImageForDevice, "flashattn_ext: the CUDA kernels were built for archs ",
+              FLASHATTN_BUILT_ARCHS, " and this GPU (", prop->name, ") is sm_", prop->major, prop->minor,
+              "; rebuild for it, e.g. TORCH_CUDA_ARCH_LIST=\"", prop->major, ".", prop->minor,
+              "\" pip install --no-build-isolation -e .");
   TORCH_CHECK(err != cudaErrorInvalidValue, "flashattn_ext: CUDA ", what, " kernel for head dim ", kernel_dim,
               " failed to launch (", cudaGetErrorString(err), "); a likely cause is shared memory: the kernels for ",
               "head dims >= 128 take up to 161 KiB per block and this GPU (", prop->name, ") allows ",
