@@ -4,7 +4,9 @@
 #include <torch/library.h>
 
 #include <string>
+#include <utility>
 
+#include "tile_gemm.h"
 #include "work_queue.h"
 
 namespace flashattn {
@@ -14,8 +16,18 @@ namespace {
 //   peak_workers   the most worker threads of the kernels' parallel loops
 //                  that ran at once since the last reset (reset_peak=True
 //                  reads and restarts it)
+//   bf16_gemm, fp16_gemm   the tile products of that dtype now: "brgemm"
+//                  (oneDNN, on the matrix units where the CPU has them) or
+//                  "float32" (our float32 path), then in brackets what the
+//                  machine offers (tile_gemm.h lowp_gemm_status)
 std::string cpu_runtime_info(bool reset_peak) {
-  return "peak_workers=" + std::to_string(cpu::WorkerBudget::peak_running(reset_peak));
+  std::string s = "peak_workers=" + std::to_string(cpu::WorkerBudget::peak_running(reset_peak));
+  for (auto [name, kind] :
+       {std::pair{"bf16_gemm", ScalarKind::kBFloat16}, std::pair{"fp16_gemm", ScalarKind::kFloat16}}) {
+    s += std::string(";") + name + "=" + (cpu::lowp_gemm_enabled(kind) ? "brgemm" : "float32") + "(" +
+         cpu::lowp_gemm_status(kind) + ")";
+  }
+  return s;
 }
 
 }  // namespace

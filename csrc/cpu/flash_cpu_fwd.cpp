@@ -57,10 +57,20 @@ constexpr int kBlockK = 64;
 constexpr int kMaxBlockQ = 128;
 constexpr int kMinBlockQ = 32;
 
-template <typename acc_t>
+template <typename scalar_t>
+constexpr bool kIsLowp = std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>;
+
+// Whether a call's full tiles take the low-precision products: the dtype on
+// brgemm (tile_gemm.h), and a head dim that is a whole number of AMX's
+// 32-element steps (no K tail inside a product; torch's own kernel asks 64).
+inline bool use_lowp_products(const AttnFwdParams& p) { return p.head_dim % 32 == 0 && lowp_gemm_enabled(p.dtype); }
+
+// lowp: also the 16-bit tiles of the low-precision products (tile_gemm.h).
+template <typename scalar_t, typename acc_t>
 struct FwdScratch {
-  FwdScratch(int d, int block_q_)
+  FwdScratch(int d, int block_q_, bool lowp_)
       : block_q(block_q_),
+        lowp(lowp_),
         q_t(d * block_q_),
         k(kBlockK * d),
         v_t(d * kBlockK),
@@ -73,9 +83,14 @@ struct FwdScratch {
         probe(kBlockK),
         query_lo(kBlockK),
         query_hi(kBlockK),
-        bad_keys(kBlockK) {}
+        bad_keys(kBlockK),
+        q_pairs(lowp_ ? d * block_q_ : 0),
+        k_lowp(lowp_ ? kBlockK * d : 0),
+        v_t_lowp(lowp_ ? d * kBlockK : 0),
+        p_pairs(lowp_ ? kBlockK * block_q_ : 0) {}
 
-  const int block_q;                 // queries per block (kBlockK keys per tile)
+  const int block_q;  // queries per block (kBlockK keys per tile)
+  const bool lowp;
   ScratchArray<acc_t> q_t;           // d x block_q        scale * Q^T
   ScratchArray<acc_t> k;             // kBlockK x d        key tile, when k cannot be a GEMM operand in place
   ScratchArray<acc_t> v_t;           // d x kBlockK        value tile, transposed
@@ -89,6 +104,11 @@ struct FwdScratch {
   ScratchArray<int> query_lo;        // kBlockK            queries that see each key, in block coordinates
   ScratchArray<int> query_hi;        // kBlockK
   ScratchArray<int> bad_keys;        // kBlockK            keys whose value row is not finite (masked tiles)
+  // Low-precision products:
+  ScratchArray<scalar_t> q_pairs;   // d x block_q        Q^T in pairs panels (unscaled)
+  ScratchArray<scalar_t> k_lowp;    // kBlockK x d        key tile, when k cannot be a GEMM operand in place
+  ScratchArray<scalar_t> v_t_lowp;  // d x kBlockK        value tile, transposed
+  ScratchArray<scalar_t> p_pairs;   // kBlockK x block_q  P^T rounded, in pairs panels
 };
 
 // The results of one key part of a split call (see key_parts below), per
@@ -126,10 +146,18 @@ void add_keys_over_visible_queries(const int* keys, int num_keys, const scalar_t
 // [part_begin, part_end) it can see (a multiple of kBlockK, so that the key
 // tiles keep their grid); the result goes to o and lse, or, when `partial`,
 // unnormalized to the part's slot there (merged by merge_key_parts).
+//
+// Low precision (scratch.lowp: bfloat16 / float16 on brgemm, tile_gemm.h):
+// in a block of block_q queries, the full key tiles run both products on the
+// 16-bit inputs with float32 accumulation, as torch's CPU flash kernel and
+// FlashAttention on GPUs do: S^T = K Q^T from k in place (unscaled, the
+// scale applied in the softmax step), then P^T rounded to the input dtype
+// for O^T += V^T P^T. The ragged tiles and blocks take the float32 path
+// below, on the same online-softmax state.
 template <typename scalar_t, typename acc_t>
 void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask& mask, int b, int h, int64_t q_block,
                      int64_t part_begin, int64_t part_end, const PartialOutputs<acc_t>* partial, int part,
-                     FwdScratch<acc_t>& scratch) {
+                     const scalar_t* v_t_tiles, FwdScratch<scalar_t, acc_t>& scratch) {
   const int d = p.head_dim;
   const int block_q = scratch.block_q;
   const int64_t q0 = q_block * block_q;
@@ -158,24 +186,66 @@ void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
   const int64_t key_begin = std::max(mask.tile_key_begin(q0), part_begin);
   const int64_t key_end = std::min(mask.tile_key_end(q0 + rows), part_end);
   if (key_begin < key_end) {
-    // The softmax scale goes into Q once, so that S^T comes out scaled.
-    load_tile_transposed(q, p.q_row_stride, rows, d, static_cast<acc_t>(p.softmax_scale), scratch.q_t.get(), block_q);
+    const bool lowp_block = scratch.lowp && rows == block_q;
+    bool have_q_t = false;  // the float32 path's scale * Q^T, loaded on first use
+    if constexpr (kIsLowp<scalar_t>) {
+      if (lowp_block) pack_pairs_transposed(q, p.q_row_stride, d, block_q, scratch.q_pairs.get());
+    }
     for (int64_t k0 = key_begin / kBlockK * kBlockK; k0 < key_end; k0 += kBlockK) {
       const int cols = static_cast<int>(std::min<int64_t>(kBlockK, seq.seqlen_k - k0));
       const bool full_tile = rows == block_q && cols == kBlockK;  // see tile_gemm.h
-
-      // S^T = K (scale Q)^T                                                cols x rows
-      const Operand<acc_t> k_op = as_operand(k + k0 * p.k_row_stride, p.k_row_stride, cols, d, scratch.k.get(), d);
-      gemm_nn(cols, rows, d, k_op.ptr, k_op.ld, scratch.q_t.get(), block_q, s_t, block_q, /*accumulate=*/false,
-              full_tile);
-
       // Element mask, only where some entry of the block is hidden.
       const bool masked = mask.block_query_ranges(q0, rows, k0, cols, scratch.query_lo.get(), scratch.query_hi.get());
       const int* query_lo = masked ? scratch.query_lo.get() : nullptr;
       const int* query_hi = masked ? scratch.query_hi.get() : nullptr;
+
+      if constexpr (kIsLowp<scalar_t>) {
+        if (lowp_block && full_tile) {
+          // S^T = K Q^T                                                    cols x rows
+          const scalar_t* k_tile = k + k0 * p.k_row_stride;
+          int64_t k_ld = p.k_row_stride;
+          if (!(k_ld >= d && ld_admitted_in_place(k_ld))) {
+            for (int j = 0; j < cols; ++j)
+              std::copy(k_tile + j * k_ld, k_tile + j * k_ld + d, scratch.k_lowp.get() + j * d);
+            k_tile = scratch.k_lowp.get(), k_ld = d;
+          }
+          gemm_nn_lowp(cols, rows, d, k_tile, k_ld, scratch.q_pairs.get(), s_t, block_q, /*accumulate=*/false);
+          // S^T -> P^T (scaled here), update m and l, rescale O^T.
+          online_softmax_step(s_t, block_q, cols, rows, query_lo, query_hi, row_max, row_sum, o_t, block_q, d,
+                              scratch.softmax_work.get(), static_cast<acc_t>(p.softmax_scale));
+          // O^T += V^T P^T                                                 d x rows
+          const scalar_t* v_tile = v + k0 * p.v_row_stride;
+          const int bad =
+              masked ? nonfinite_rows<scalar_t, acc_t>(v_tile, p.v_row_stride, cols, d, scratch.bad_keys.get()) : 0;
+          const scalar_t* v_t = v_t_tiles ? v_t_tiles + (k0 / kBlockK) * d * kBlockK : nullptr;
+          if (!v_t || bad > 0) {  // transposed here (the shared tiles stay as they are)
+            transpose_lowp(v_tile, p.v_row_stride, cols, d, scratch.v_t_lowp.get(), kBlockK);
+            if (bad > 0) zero_columns(scratch.v_t_lowp.get(), kBlockK, d, scratch.bad_keys.get(), bad);
+            v_t = scratch.v_t_lowp.get();
+          }
+          pack_pairs(s_t, block_q, cols, rows, scratch.p_pairs.get());
+          gemm_nn_lowp(d, rows, cols, v_t, kBlockK, scratch.p_pairs.get(), o_t, block_q, /*accumulate=*/true);
+          if (bad > 0)
+            add_keys_over_visible_queries(scratch.bad_keys.get(), bad, v_tile, p.v_row_stride, d, s_t, block_q,
+                                          query_lo, query_hi, rows, o_t, block_q);
+          continue;
+        }
+      }
+
+      // The float32 path. The softmax scale goes into Q once, so that S^T
+      // comes out scaled.
+      if (!have_q_t) {
+        load_tile_transposed(q, p.q_row_stride, rows, d, static_cast<acc_t>(p.softmax_scale), scratch.q_t.get(),
+                             block_q);
+        have_q_t = true;
+      }
+      // S^T = K (scale Q)^T                                                cols x rows
+      const Operand<acc_t> k_op = as_operand(k + k0 * p.k_row_stride, p.k_row_stride, cols, d, scratch.k.get(), d);
+      gemm_nn(cols, rows, d, k_op.ptr, k_op.ld, scratch.q_t.get(), block_q, s_t, block_q, /*accumulate=*/false,
+              full_tile);
       // S^T -> P^T, update m and l, rescale O^T.
       online_softmax_step(s_t, block_q, cols, rows, query_lo, query_hi, row_max, row_sum, o_t, block_q, d,
-                          scratch.softmax_work.get());
+                          scratch.softmax_work.get(), acc_t(1));
 
       // O^T += V^T P^T                                                     d x rows
       load_tile_transposed(v + k0 * p.v_row_stride, p.v_row_stride, cols, d, acc_t(1), scratch.v_t.get(), kBlockK);
@@ -362,12 +432,21 @@ struct FwdPlan {
   bool few = false;           // the few-queries path (seqlen_q <= kFewQueries)
   int heads = 1, chunks = 1;  // few: query heads an item takes, items per (batch, kv head)
   int block_q = 0;            // tiled path: queries per block
+  bool lowp = false;          //   its full tiles on the low-precision products
   int64_t q_blocks = 0;       //   blocks per (batch, head)
   int64_t units = 0;          // items of one key part
   KeyParts split;
   ScratchArray<acc_t> part_o, part_m, part_l;  // split.parts > 1: (parts, batch, heads_q, seqlen_q[, d])
   PartialOutputs<acc_t> partial{};
   std::unique_ptr<std::atomic<int>[]> parts_done;  // per unit, the parts finished
+  // lowp with several query blocks a head: the full value tiles transposed
+  // once for all of them, (batch, heads_kv, v_tiles, d x kBlockK).
+  ScratchArray<scalar_t> v_t;
+  int64_t v_tiles = 0;
+  const scalar_t* v_t_of(int b, int64_t h_kv) const {
+    return v_tiles ? v_t.get() + ((static_cast<int64_t>(b) * p->heads_kv + h_kv) * v_tiles) * p->head_dim * kBlockK
+                   : nullptr;
+  }
 
   int64_t items() const { return units * split.parts; }
 };
@@ -387,6 +466,7 @@ void plan_calls(const AttnFwdParams* calls, int64_t num_calls, std::vector<FwdPl
     } else {
       const int64_t batch_heads = static_cast<int64_t>(p.batch) * p.heads_q;
       plan.block_q = query_block_size(batch_heads, p.seqlen_q, kMaxBlockQ, kMinBlockQ);
+      plan.lowp = use_lowp_products(p);
       plan.q_blocks = ceil_div(p.seqlen_q, plan.block_q);
       plan.units = batch_heads * plan.q_blocks;
     }
@@ -431,12 +511,34 @@ void plan_calls(const AttnFwdParams* calls, int64_t num_calls, std::vector<FwdPl
                     p.heads_q,         p.seqlen_q,        p.head_dim};
     plan.parts_done.reset(new std::atomic<int>[plan.units]());
   }
+  for (auto& plan : plans) {
+    const AttnFwdParams& p = *plan.p;
+    if (!plan.lowp || plan.q_blocks < 2 || p.seqlen_k < kBlockK) continue;
+    plan.v_tiles = p.seqlen_k / kBlockK;
+    plan.v_t = ScratchArray<scalar_t>(static_cast<int64_t>(p.batch) * p.heads_kv * plan.v_tiles * p.head_dim * kBlockK);
+  }
+}
+
+// The value tiles of plan.v_t: item = (batch, kv head, tile).
+template <typename scalar_t, typename acc_t>
+void transpose_value_tiles(const FwdPlan<scalar_t, acc_t>& plan, int64_t item) {
+  if constexpr (kIsLowp<scalar_t>) {
+    const AttnFwdParams& p = *plan.p;
+    const int64_t tile = item % plan.v_tiles, bh = item / plan.v_tiles;
+    const int b = static_cast<int>(bh / p.heads_kv);
+    const SeqInfo seq(p, b);
+    if ((tile + 1) * kBlockK > seq.seqlen_k) return;  // (a varlen sequence's ragged or missing tiles: unused)
+    const scalar_t* v = static_cast<const scalar_t*>(p.v_ptr) + seq.k_offset(p.v_batch_stride, p.v_row_stride, b) +
+                        (bh % p.heads_kv) * p.v_head_stride + tile * kBlockK * p.v_row_stride;
+    scalar_t* dst = const_cast<scalar_t*>(plan.v_t_of(b, bh % p.heads_kv)) + tile * p.head_dim * kBlockK;
+    transpose_lowp(v, p.v_row_stride, kBlockK, p.head_dim, dst, kBlockK);
+  }
 }
 
 // Per-worker scratch of either path, made on first use.
 template <typename scalar_t, typename acc_t>
 struct FwdWorker {
-  std::optional<FwdScratch<acc_t>> tiled;
+  std::optional<FwdScratch<scalar_t, acc_t>> tiled;
   std::optional<FewQueriesScratch<acc_t>> few;
   int tiled_d = 0, few_d = 0;
   ScratchArray<acc_t> merge_row;  // d: one row of O in the merge
@@ -447,8 +549,12 @@ struct FwdWorker {
     return merge_row.get();
   }
 
-  FwdScratch<acc_t>& tiled_for(int d, int block_q) {
-    if (!tiled || tiled_d != d || tiled->block_q != block_q) tiled.emplace(d, block_q), tiled_d = d;
+  bool used_lowp = false;  // ran low-precision products: release them at the end
+
+  FwdScratch<scalar_t, acc_t>& tiled_for(int d, int block_q, bool lowp) {
+    if (!tiled || tiled_d != d || tiled->block_q != block_q || tiled->lowp != lowp)
+      tiled.emplace(d, block_q, lowp), tiled_d = d;
+    used_lowp = used_lowp || lowp;
     return *tiled;
   }
   FewQueriesScratch<acc_t>& few_for(int d) {
@@ -535,7 +641,8 @@ void run_item(const FwdPlan<scalar_t, acc_t>& plan, int64_t item, FwdWorker<scal
   if (q_block * plan.block_q >= seq.seqlen_q) return;
   const int h = static_cast<int>(bh % p.heads_q);
   fwd_query_block<scalar_t, acc_t>(p, seq, AttnMask(p.mask, seq), b, h, q_block, plan.split.begin(part),
-                                   plan.split.end(part), partial, part, worker.tiled_for(p.head_dim, plan.block_q));
+                                   plan.split.end(part), partial, part, plan.v_t_of(b, h / p.heads_ratio()),
+                                   worker.tiled_for(p.head_dim, plan.block_q, plan.lowp));
   if (partial && last_part_of(plan, unit)) {
     const int64_t q0 = q_block * plan.block_q;
     merge_key_parts<scalar_t>(plan, b, h, q0, std::min<int64_t>(q0 + plan.block_q, seq.seqlen_q),
@@ -549,6 +656,18 @@ void fwd(const AttnFwdParams* calls, int64_t num_calls) {
   using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
   std::vector<FwdPlan<scalar_t, acc_t>> plans;
   plan_calls(calls, num_calls, plans);
+  std::vector<int64_t> first_tile(num_calls + 1, 0);  // plans[c]'s value tiles to transpose first
+  for (int64_t c = 0; c < num_calls; ++c)
+    first_tile[c + 1] =
+        first_tile[c] + (plans[c].v_tiles ? int64_t(calls[c].batch) * calls[c].heads_kv * plans[c].v_tiles : 0);
+  if (first_tile.back() > 0) {
+    for_each_item_in_parallel(
+        first_tile.back(), [] { return 0; },
+        [&](int64_t item, int&) {
+          const int64_t c = std::upper_bound(first_tile.begin(), first_tile.end(), item) - first_tile.begin() - 1;
+          transpose_value_tiles(plans[c], item - first_tile[c]);
+        });
+  }
   std::vector<int64_t> first_item(num_calls + 1, 0);  // plans[c]'s items: [first_item[c], first_item[c + 1])
   for (int64_t c = 0; c < num_calls; ++c) first_item[c + 1] = first_item[c] + plans[c].items();
   for_each_item_in_parallel(
@@ -556,6 +675,9 @@ void fwd(const AttnFwdParams* calls, int64_t num_calls) {
       [&](int64_t item, FwdWorker<scalar_t, acc_t>& worker) {
         const int64_t c = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
         run_item<scalar_t, acc_t>(plans[c], item - first_item[c], worker);
+      },
+      [](FwdWorker<scalar_t, acc_t>& worker) {
+        if (worker.used_lowp) lowp_gemm_release();
       });
 }
 
