@@ -622,6 +622,18 @@ FLASHATTN_SIMD_CLONES void transpose_lowp(const lowp_t* src, int64_t src_ld, int
 }
 
 template <typename lowp_t>
+FLASHATTN_SIMD_CLONES void zero_pairs_rows(lowp_t* b, int k, int n, const int* rows, int num_rows) {
+  const int w = lowp_panel_width(n);
+  for (int r = 0; r < num_rows; ++r) {
+    const int p = rows[r];
+    for (int j0 = 0; j0 < n; j0 += w) {
+      lowp_t* row = b + static_cast<int64_t>(j0) * k + (p / 2) * 2 * w + p % 2;
+      for (int j = 0; j < w; ++j) row[2 * j] = lowp_t(0.f);
+    }
+  }
+}
+
+template <typename lowp_t>
 FLASHATTN_SIMD_CLONES void zero_columns(lowp_t* t, int64_t ld, int rows, const int* columns, int num_columns) {
   for (int r = 0; r < rows; ++r)
     for (int n = 0; n < num_columns; ++n) t[r * ld + columns[n]] = lowp_t(0.f);
@@ -694,7 +706,8 @@ FLASHATTN_INSTANTIATE_MATH(double)
   template void pack_pairs<lowp_t, lowp_t>(const lowp_t*, int64_t, int, int, lowp_t*);      \
   template void pack_pairs_transposed<lowp_t>(const lowp_t*, int64_t, int, int, lowp_t*);   \
   template void transpose_lowp<lowp_t>(const lowp_t*, int64_t, int, int, lowp_t*, int64_t); \
-  template void zero_columns<lowp_t>(lowp_t*, int64_t, int, const int*, int);
+  template void zero_columns<lowp_t>(lowp_t*, int64_t, int, const int*, int);               \
+  template void zero_pairs_rows<lowp_t>(lowp_t*, int, int, const int*, int);
 
 FLASHATTN_INSTANTIATE_LOWP(c10::BFloat16)
 FLASHATTN_INSTANTIATE_LOWP(c10::Half)

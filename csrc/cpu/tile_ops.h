@@ -108,6 +108,10 @@ void pack_pairs_transposed(const lowp_t* src, int64_t src_ld, int k, int n, lowp
 template <typename lowp_t>
 void transpose_lowp(const lowp_t* src, int64_t src_ld, int rows, int cols, lowp_t* dst, int64_t dst_ld);
 
+// Rows `rows` of a k x n pairs operand b (the B side above) set to 0.
+template <typename lowp_t>
+void zero_pairs_rows(lowp_t* b, int k, int n, const int* rows, int num_rows);
+
 // t[r][c] = 0 for the columns c of `columns`, every row r < rows.
 template <typename lowp_t>
 void zero_columns(lowp_t* t, int64_t ld, int rows, const int* columns, int num_columns);
