@@ -141,6 +141,19 @@ void add_keys_over_visible_queries(const int* keys, int num_keys, const scalar_t
   }
 }
 
+// The full value tiles of one (batch, kv head), transposed once for every
+// query block (FwdPlan::v_t): d x kBlockK each, in the input dtype for the
+// low-precision products or in acc_t for the float32 path; nullptr members
+// where there are none (a tile is then transposed where it is used).
+template <typename scalar_t, typename acc_t>
+struct ValueTiles {
+  const scalar_t* lowp = nullptr;
+  const acc_t* acc = nullptr;
+  int d = 0;
+  const scalar_t* lowp_tile(int64_t k0) const { return lowp ? lowp + (k0 / kBlockK) * d * kBlockK : nullptr; }
+  const acc_t* acc_tile(int64_t k0) const { return acc ? acc + (k0 / kBlockK) * d * kBlockK : nullptr; }
+};
+
 // Query block q_block of head h of sequence b (seq: its rows and lengths;
 // the caller skips blocks past the sequence's end), against the keys of
 // [part_begin, part_end) it can see (a multiple of kBlockK, so that the key
@@ -157,7 +170,7 @@ void add_keys_over_visible_queries(const int* keys, int num_keys, const scalar_t
 template <typename scalar_t, typename acc_t>
 void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask& mask, int b, int h, int64_t q_block,
                      int64_t part_begin, int64_t part_end, const PartialOutputs<acc_t>* partial, int part,
-                     const scalar_t* v_t_tiles, FwdScratch<scalar_t, acc_t>& scratch) {
+                     const ValueTiles<scalar_t, acc_t>& v_tiles, FwdScratch<scalar_t, acc_t>& scratch) {
   const int d = p.head_dim;
   const int block_q = scratch.block_q;
   const int64_t q0 = q_block * block_q;
@@ -217,8 +230,8 @@ void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
           const scalar_t* v_tile = v + k0 * p.v_row_stride;
           const int bad =
               masked ? nonfinite_rows<scalar_t, acc_t>(v_tile, p.v_row_stride, cols, d, scratch.bad_keys.get()) : 0;
-          const scalar_t* v_t = v_t_tiles ? v_t_tiles + (k0 / kBlockK) * d * kBlockK : nullptr;
-          if (!v_t || bad > 0) {  // transposed here (the shared tiles stay as they are)
+          const scalar_t* v_t = masked ? nullptr : v_tiles.lowp_tile(k0);
+          if (!v_t) {  // transposed here (masked tiles: the non-finite rule may zero columns)
             transpose_lowp(v_tile, p.v_row_stride, cols, d, scratch.v_t_lowp.get(), kBlockK);
             if (bad > 0) zero_columns(scratch.v_t_lowp.get(), kBlockK, d, scratch.bad_keys.get(), bad);
             v_t = scratch.v_t_lowp.get();
@@ -248,11 +261,15 @@ void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
                           scratch.softmax_work.get(), acc_t(1));
 
       // O^T += V^T P^T                                                     d x rows
-      load_tile_transposed(v + k0 * p.v_row_stride, p.v_row_stride, cols, d, acc_t(1), scratch.v_t.get(), kBlockK);
+      const acc_t* v_t = masked || cols < kBlockK ? nullptr : v_tiles.acc_tile(k0);
+      if (!v_t) {  // transposed here (masked tiles: the non-finite rule may zero columns)
+        load_tile_transposed(v + k0 * p.v_row_stride, p.v_row_stride, cols, d, acc_t(1), scratch.v_t.get(), kBlockK);
+        v_t = scratch.v_t.get();
+      }
       const int bad = masked ? take_nonfinite_columns(scratch.v_t.get(), kBlockK, d, cols, scratch.probe.get(),
                                                       scratch.bad_keys.get())
                              : 0;
-      gemm_nn(d, rows, cols, scratch.v_t.get(), kBlockK, s_t, block_q, o_t, block_q, /*accumulate=*/true, full_tile);
+      gemm_nn(d, rows, cols, v_t, kBlockK, s_t, block_q, o_t, block_q, /*accumulate=*/true, full_tile);
       if (bad > 0)
         add_keys_over_visible_queries(scratch.bad_keys.get(), bad, v + k0 * p.v_row_stride, p.v_row_stride, d, s_t,
                                       block_q, query_lo, query_hi, rows, o_t, block_q);
@@ -398,10 +415,11 @@ void fwd_few_queries(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
 // online softmax over its keys and leaves its m, l and unnormalized O in a
 // float32 (float64) buffer, and the item that finishes a unit's last part
 // combines them in a fixed order (merge_key_parts; no second parallel loop,
-// whose start and end would cost more than the merge on a busy machine). The number of parts depends on the shapes
-// only, never on the thread count, so that the results stay bitwise identical across thread counts: enough items for
-// kWantedItems workers, parts of at least kMinPartKeys keys (shorter ones would cost more in setup and merge than they
-// spread).
+// whose start and end would cost more than the merge on a busy machine).
+// The number of parts depends on the shapes only, never on the thread count,
+// so that the results stay bitwise identical across thread counts: enough
+// items for kWantedItems workers, parts of at least kMinPartKeys keys
+// (shorter ones would cost more in setup and merge than they spread).
 constexpr int64_t kWantedItems = 128;
 constexpr int64_t kMinPartKeys = 256;
 
@@ -439,13 +457,24 @@ struct FwdPlan {
   ScratchArray<acc_t> part_o, part_m, part_l;  // split.parts > 1: (parts, batch, heads_q, seqlen_q[, d])
   PartialOutputs<acc_t> partial{};
   std::unique_ptr<std::atomic<int>[]> parts_done;  // per unit, the parts finished
-  // lowp with several query blocks a head: the full value tiles transposed
-  // once for all of them, (batch, heads_kv, v_tiles, d x kBlockK).
-  ScratchArray<scalar_t> v_t;
+  // Several query blocks a head (a dense batch): the full value tiles
+  // transposed once for all of them, (batch, heads_kv, v_tiles, d x kBlockK),
+  // in the input dtype (lowp) or acc_t.
+  ScratchArray<scalar_t> v_t_lowp;
+  ScratchArray<acc_t> v_t_acc;
   int64_t v_tiles = 0;
-  const scalar_t* v_t_of(int b, int64_t h_kv) const {
-    return v_tiles ? v_t.get() + ((static_cast<int64_t>(b) * p->heads_kv + h_kv) * v_tiles) * p->head_dim * kBlockK
-                   : nullptr;
+  int64_t v_t_offset(int b, int64_t h_kv) const {
+    return (static_cast<int64_t>(b) * p->heads_kv + h_kv) * v_tiles * p->head_dim * kBlockK;
+  }
+  ValueTiles<scalar_t, acc_t> v_t_of(int b, int64_t h_kv) const {
+    ValueTiles<scalar_t, acc_t> t;
+    t.d = p->head_dim;
+    if (v_tiles == 0) return t;
+    if (lowp)
+      t.lowp = v_t_lowp.get() + v_t_offset(b, h_kv);
+    else
+      t.acc = v_t_acc.get() + v_t_offset(b, h_kv);
+    return t;
   }
 
   int64_t items() const { return units * split.parts; }
@@ -513,26 +542,34 @@ void plan_calls(const AttnFwdParams* calls, int64_t num_calls, std::vector<FwdPl
   }
   for (auto& plan : plans) {
     const AttnFwdParams& p = *plan.p;
-    if (!plan.lowp || plan.q_blocks < 2 || p.seqlen_k < kBlockK) continue;
+    if (plan.few || plan.q_blocks < 2 || p.seqlen_k < kBlockK || p.is_varlen()) continue;
     plan.v_tiles = p.seqlen_k / kBlockK;
-    plan.v_t = ScratchArray<scalar_t>(static_cast<int64_t>(p.batch) * p.heads_kv * plan.v_tiles * p.head_dim * kBlockK);
+    const int64_t size = static_cast<int64_t>(p.batch) * p.heads_kv * plan.v_tiles * p.head_dim * kBlockK;
+    if (plan.lowp) {
+      plan.v_t_lowp = ScratchArray<scalar_t>(size);
+    } else {
+      plan.v_t_acc = ScratchArray<acc_t>(size);
+    }
   }
 }
 
-// The value tiles of plan.v_t: item = (batch, kv head, tile).
+// The value tiles of plan.v_t_*: item = (batch, kv head, tile), each
+// transposed as the tile loop would (the same function: the same bits).
 template <typename scalar_t, typename acc_t>
-void transpose_value_tiles(const FwdPlan<scalar_t, acc_t>& plan, int64_t item) {
+void transpose_value_tiles(FwdPlan<scalar_t, acc_t>& plan, int64_t item) {
+  const AttnFwdParams& p = *plan.p;
+  const int64_t tile = item % plan.v_tiles, bh = item / plan.v_tiles;
+  const int b = static_cast<int>(bh / p.heads_kv);
+  const scalar_t* v = static_cast<const scalar_t*>(p.v_ptr) + b * p.v_batch_stride +
+                      (bh % p.heads_kv) * p.v_head_stride + tile * kBlockK * p.v_row_stride;
+  const int64_t offset = plan.v_t_offset(b, bh % p.heads_kv) + tile * p.head_dim * kBlockK;
   if constexpr (kIsLowp<scalar_t>) {
-    const AttnFwdParams& p = *plan.p;
-    const int64_t tile = item % plan.v_tiles, bh = item / plan.v_tiles;
-    const int b = static_cast<int>(bh / p.heads_kv);
-    const SeqInfo seq(p, b);
-    if ((tile + 1) * kBlockK > seq.seqlen_k) return;  // (a varlen sequence's ragged or missing tiles: unused)
-    const scalar_t* v = static_cast<const scalar_t*>(p.v_ptr) + seq.k_offset(p.v_batch_stride, p.v_row_stride, b) +
-                        (bh % p.heads_kv) * p.v_head_stride + tile * kBlockK * p.v_row_stride;
-    scalar_t* dst = const_cast<scalar_t*>(plan.v_t_of(b, bh % p.heads_kv)) + tile * p.head_dim * kBlockK;
-    transpose_lowp(v, p.v_row_stride, kBlockK, p.head_dim, dst, kBlockK);
+    if (plan.lowp) {
+      transpose_lowp(v, p.v_row_stride, kBlockK, p.head_dim, plan.v_t_lowp.get() + offset, kBlockK);
+      return;
+    }
   }
+  load_tile_transposed(v, p.v_row_stride, kBlockK, p.head_dim, acc_t(1), plan.v_t_acc.get() + offset, kBlockK);
 }
 
 // Per-worker scratch of either path, made on first use.

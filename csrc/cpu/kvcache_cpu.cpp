@@ -3,8 +3,9 @@
 // parallel loop) on a (1, seqlen_q, heads_q, head_dim) view of q against the
 // row's visible keys [leftpad, seqlens_k) of its cache row, causal and
 // windows aligned bottom-right against them. A contiguous cache is used in
-// place (a view); a paged one is gathered row by row (the CPU path reads every visible key once either way). The
-// integer arguments are host tensors here, so their values are checked, each error naming the argument.
+// place (a view); a paged one is gathered row by row (the CPU path reads
+// every visible key once either way). The integer arguments are host tensors
+// here, so their values are checked, each error naming the argument.
 #include <torch/library.h>
 
 #include <limits>
