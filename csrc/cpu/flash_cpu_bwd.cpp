@@ -38,6 +38,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <type_traits>
 #include <utility>
@@ -104,7 +105,9 @@ struct BwdScratch {
         ds_pairs(lowp_ ? kBlockK * kBlockQ : 0),
         k_lowp(lowp_ ? kBlockK * d : 0),
         v_lowp(lowp_ ? kBlockK * d : 0),
-        k_t_lowp(lowp_ ? d * kBlockK : 0) {}
+        k_t_lowp(lowp_ ? d * kBlockK : 0),
+        k_t_masked(d * kBlockK),
+        k_t_lowp_masked(lowp_ ? d * kBlockK : 0) {}
 
   const bool lowp;
 
@@ -136,6 +139,25 @@ struct BwdScratch {
   ScratchArray<scalar_t> k_lowp;      // kBlockK x d        key tile, when k cannot be a GEMM operand in place
   ScratchArray<scalar_t> v_lowp;      // kBlockK x d        value tile, likewise
   ScratchArray<scalar_t> k_t_lowp;    // d x kBlockK        key tile, transposed
+  // One pass (dq below): K^T of a masked block, whose non-finite columns the
+  // non-finite rule zeroes (k_t / k_t_lowp then hold the key tile's K^T for
+  // all its unmasked blocks).
+  ScratchArray<acc_t> k_t_masked;          // d x kBlockK
+  ScratchArray<scalar_t> k_t_lowp_masked;  // d x kBlockK
+  ScratchArray<acc_t> dq_acc;              // one pass: DqTiles' memory
+  int64_t dq_acc_size = 0;
+};
+
+// One pass: the dQ^T accumulators of a (sequence, kv head)'s query heads,
+// d x kBlockQ per (head of the group, query tile), laid out like pass 2's.
+template <typename acc_t>
+struct DqTiles {
+  acc_t* data;
+  int64_t q_tiles;
+  int d;
+  acc_t* tile(int head_in_group, int64_t q_tile) const {
+    return data + (head_in_group * q_tiles + q_tile) * d * kBlockQ;
+  }
 };
 
 template <typename scalar_t>
@@ -299,11 +321,34 @@ void dkdv_block_lowp(const AttnBwdParams& p, const scalar_t* dout_tile, const sc
   }
 }
 
+// dQ^T += K^T dS^T for the keys `bad` of a masked block (their k rows are not
+// finite and left the product), over the queries that see each.
+template <typename scalar_t, typename acc_t>
+void add_keys_to_dq(const AttnBwdParams& p, const HeadView<scalar_t, acc_t>& head, int64_t k0, int rows, const int* bad,
+                    int num_bad, const BwdScratch<scalar_t, acc_t>& scratch, acc_t* dq_t_acc) {
+  for (int n = 0; n < num_bad; ++n) {
+    const int j = bad[n];
+    const int lo = std::min(scratch.query_lo.get()[j], rows), hi = std::max(scratch.query_hi.get()[j], lo);
+    const scalar_t* k_row = head.k + (k0 + j) * p.k_row_stride;
+    const acc_t* ds_t = scratch.dp_t.get() + j * kBlockQ;
+    for (int c = 0; c < p.head_dim; ++c) {
+      const acc_t kc = static_cast<acc_t>(k_row[c]);
+      for (int i = lo; i < hi; ++i) dq_t_acc[c * kBlockQ + i] += kc * ds_t[i];
+    }
+  }
+}
+
 // Pass 1: dK, dV of one key tile of one (sequence, kv-head); the caller
 // skips tiles past the sequence's end.
+//
+// With dq (the one-pass backward, bwd_kv_head below) it also adds each
+// block's dQ^T += K^T dS^T to dq's tile, exactly as pass 2 computes it (the
+// same products of the same operands, key tiles in ascending order): the
+// results are bitwise the same either way.
 template <typename scalar_t, typename acc_t>
 void dkdv_key_tile(const AttnBwdParams& p, const SeqInfo& seq, const AttnMask& mask, const RowStats<acc_t>& stats,
-                   int b, int h_kv, int64_t k_tile, BwdScratch<scalar_t, acc_t>& scratch) {
+                   int b, int h_kv, int64_t k_tile, BwdScratch<scalar_t, acc_t>& scratch,
+                   const DqTiles<acc_t>* dq = nullptr) {
   const int d = p.head_dim;
   const int64_t k0 = k_tile * kBlockK;
   const int cols = static_cast<int>(std::min<int64_t>(kBlockK, seq.seqlen_k - k0));
@@ -332,12 +377,16 @@ void dkdv_key_tile(const AttnBwdParams& p, const SeqInfo& seq, const AttnMask& m
       k_a = lowp_operand(group.k + k0 * p.k_row_stride, p.k_row_stride, cols, d, scratch.k_lowp.get());
       v_a = lowp_operand(group.v + k0 * p.v_row_stride, p.v_row_stride, cols, d, scratch.v_lowp.get());
     }
+    // One pass: K^T of the tile for dQ, made on first use.
+    const scalar_t* k_tile = group.k + k0 * p.k_row_stride;
+    bool have_k_t = false, have_k_t_lowp = false;
     for (int h = h_kv * ratio; h < (h_kv + 1) * ratio; ++h) {
       const HeadView<scalar_t, acc_t> head = head_view<scalar_t, acc_t>(p, seq, stats, b, h);
       for (int64_t q0 = query_begin / kBlockQ * kBlockQ; q0 < query_end; q0 += kBlockQ) {
         const int rows = static_cast<int>(std::min<int64_t>(kBlockQ, seq.seqlen_q - q0));
         const scalar_t* dout_tile = head.dout + q0 * p.do_row_stride;
         const scalar_t* q_tile = head.q + q0 * p.q_row_stride;
+        acc_t* dq_t_acc = dq ? dq->tile(h - h_kv * ratio, q0 / kBlockQ) : nullptr;
         if (lowp_tile && rows == kBlockQ) {
           pack_query_tile_pairs(p, head, q0, scratch);
           const bool masked = recompute_block_lowp(p, mask, head, k0, cols, q0, rows, k_a, v_a, scratch);
@@ -353,6 +402,24 @@ void dkdv_key_tile(const AttnBwdParams& p, const SeqInfo& seq, const AttnMask& m
           if (bad_q > 0)
             add_query_rows_over_visible_keys(scratch.bad2.get(), bad_q, q_tile, p.q_row_stride, d, scratch.dp_t.get(),
                                              cols, scratch.query_lo.get(), scratch.query_hi.get(), dk_acc);
+          if constexpr (kIsLowp<scalar_t>) {
+            if (dq_t_acc) {  // dQ^T += K^T dS^T, as in pass 2
+              scalar_t* k_t = scratch.k_t_lowp.get();
+              int bad = 0;
+              if (masked) {
+                k_t = scratch.k_t_lowp_masked.get();
+                transpose_lowp(k_tile, p.k_row_stride, cols, d, k_t, kBlockK);
+                bad = nonfinite_rows<scalar_t, acc_t>(k_tile, p.k_row_stride, cols, d, scratch.bad.get());
+                if (bad > 0) zero_columns(k_t, kBlockK, d, scratch.bad.get(), bad);
+              } else if (!have_k_t_lowp) {
+                transpose_lowp(k_tile, p.k_row_stride, cols, d, k_t, kBlockK);
+                have_k_t_lowp = true;
+              }
+              pack_pairs(scratch.dp_t.get(), kBlockQ, cols, rows, scratch.ds_pairs.get());
+              gemm_nn_lowp(d, rows, cols, k_t, kBlockK, scratch.ds_pairs.get(), dq_t_acc, kBlockQ, true);
+              add_keys_to_dq(p, head, k0, rows, scratch.bad.get(), bad, scratch, dq_t_acc);
+            }
+          }
           continue;
         }
         float_operands();
@@ -379,6 +446,20 @@ void dkdv_key_tile(const AttnBwdParams& p, const SeqInfo& seq, const AttnMask& m
         if (bad_q > 0)
           add_query_rows_over_visible_keys(scratch.bad2.get(), bad_q, q_tile, p.q_row_stride, d, scratch.dp_t.get(),
                                            cols, scratch.query_lo.get(), scratch.query_hi.get(), dk_acc);
+        if (dq_t_acc) {  // dQ^T += K^T dS^T, as in pass 2
+          acc_t* k_t = scratch.k_t.get();
+          int bad = 0;
+          if (masked) {
+            k_t = scratch.k_t_masked.get();
+            load_tile_transposed(k_tile, p.k_row_stride, cols, d, acc_t(1), k_t, kBlockK);
+            bad = take_nonfinite_columns(k_t, kBlockK, d, cols, scratch.probe.get(), scratch.bad.get());
+          } else if (!have_k_t) {
+            load_tile_transposed(k_tile, p.k_row_stride, cols, d, acc_t(1), k_t, kBlockK);
+            have_k_t = true;
+          }
+          gemm_nn(d, rows, cols, k_t, kBlockK, scratch.dp_t.get(), kBlockQ, dq_t_acc, kBlockQ, true, full_tile);
+          add_keys_to_dq(p, head, k0, rows, scratch.bad.get(), bad, scratch, dq_t_acc);
+        }
       }
     }
   }
@@ -389,23 +470,6 @@ void dkdv_key_tile(const AttnBwdParams& p, const SeqInfo& seq, const AttnMask& m
                  k0 * p.dv_row_stride + h_kv * p.dv_head_stride;
   store_tile(dk_acc, d, cols, d, static_cast<acc_t>(p.softmax_scale), dk, p.dk_row_stride);
   store_tile(dv_acc, d, cols, d, acc_t(1), dv, p.dv_row_stride);
-}
-
-// dQ^T += K^T dS^T for the keys `bad` of a masked block (their k rows are not
-// finite and left the product), over the queries that see each.
-template <typename scalar_t, typename acc_t>
-void add_keys_to_dq(const AttnBwdParams& p, const HeadView<scalar_t, acc_t>& head, int64_t k0, int rows, const int* bad,
-                    int num_bad, const BwdScratch<scalar_t, acc_t>& scratch, acc_t* dq_t_acc) {
-  for (int n = 0; n < num_bad; ++n) {
-    const int j = bad[n];
-    const int lo = std::min(scratch.query_lo.get()[j], rows), hi = std::max(scratch.query_hi.get()[j], lo);
-    const scalar_t* k_row = head.k + (k0 + j) * p.k_row_stride;
-    const acc_t* ds_t = scratch.dp_t.get() + j * kBlockQ;
-    for (int c = 0; c < p.head_dim; ++c) {
-      const acc_t kc = static_cast<acc_t>(k_row[c]);
-      for (int i = lo; i < hi; ++i) dq_t_acc[c * kBlockQ + i] += kc * ds_t[i];
-    }
-  }
 }
 
 // Pass 2: dQ of one query tile of one (sequence, q-head); the caller skips
@@ -470,6 +534,37 @@ void dq_query_tile(const AttnBwdParams& p, const SeqInfo& seq, const AttnMask& m
                         p.dq_row_stride);
 }
 
+// The one-pass backward of one (sequence, kv head): every key tile as pass 1
+// does, adding each block's dQ^T to `dq` on the way (dkdv_key_tile), then
+// dQ of the group's query heads from it. Bitwise the same as passes 1 and 2,
+// with 5 products a block instead of 7 (no recomputation for dQ) and K^T
+// made once a key tile; it has batch x kv-heads items only, so it runs when
+// they keep every thread busy (bwd below).
+template <typename scalar_t, typename acc_t>
+void bwd_kv_head(const AttnBwdParams& p, const SeqInfo& seq, const AttnMask& mask, const RowStats<acc_t>& stats, int b,
+                 int h_kv, BwdScratch<scalar_t, acc_t>& scratch) {
+  const int d = p.head_dim, ratio = p.heads_ratio();
+  const int64_t q_tiles = ceil_div(seq.seqlen_q, kBlockQ);
+  const int64_t size = ratio * q_tiles * d * kBlockQ;
+  if (scratch.dq_acc_size < size) scratch.dq_acc = ScratchArray<acc_t>(size), scratch.dq_acc_size = size;
+  const DqTiles<acc_t> dq{scratch.dq_acc.get(), q_tiles, d};
+  std::fill(dq.data, dq.data + size, acc_t(0));
+  for (int64_t k_tile = 0; k_tile * kBlockK < seq.seqlen_k; ++k_tile)
+    dkdv_key_tile<scalar_t, acc_t>(p, seq, mask, stats, b, h_kv, k_tile, scratch, &dq);
+  const acc_t* no_row_scale = nullptr;
+  for (int g = 0; g < ratio; ++g) {
+    const int h = h_kv * ratio + g;
+    for (int64_t t = 0; t < q_tiles; ++t) {
+      const int64_t q0 = t * kBlockQ;
+      const int rows = static_cast<int>(std::min<int64_t>(kBlockQ, seq.seqlen_q - q0));
+      scalar_t* dq_out = static_cast<scalar_t*>(p.dq_ptr) + seq.q_offset(p.dq_batch_stride, p.dq_row_stride, b) +
+                         q0 * p.dq_row_stride + h * p.dq_head_stride;
+      store_tile_transposed(dq.tile(g, t), kBlockQ, rows, d, static_cast<acc_t>(p.softmax_scale), no_row_scale, dq_out,
+                            p.dq_row_stride);
+    }
+  }
+}
+
 // Items run over (batch, head, tile of seqlen_q or seqlen_k): in a varlen
 // batch these are the longest sequences' lengths, and the items past a
 // shorter sequence's end do nothing.
@@ -514,6 +609,30 @@ void bwd(const AttnBwdParams& p) {
   auto release = [lowp](BwdScratch<scalar_t, acc_t>&) {
     if (lowp) lowp_gemm_release();
   };
+
+  // One pass when the (batch, kv head) items keep every thread busy and
+  // their dQ accumulators stay small; FLASHATTN_CPU_BWD_PASSES=1 / 2 forces
+  // either (the results are bitwise the same).
+  const char* passes = std::getenv("FLASHATTN_CPU_BWD_PASSES");
+  const int64_t groups = static_cast<int64_t>(p.batch) * p.heads_kv;
+  const int64_t dq_bytes = static_cast<int64_t>(p.heads_ratio()) * ceil_div(p.seqlen_q, kBlockQ) * kBlockQ *
+                           p.head_dim * static_cast<int64_t>(sizeof(acc_t));
+  bool one_pass = groups >= at::get_num_threads() && dq_bytes <= (int64_t(16) << 20);
+  if (passes && passes[0] == '1') one_pass = true;
+  if (passes && passes[0] == '2') one_pass = false;
+  if (one_pass) {
+    for_each_item_in_parallel(
+        groups, [&] { return BwdScratch<scalar_t, acc_t>(p.head_dim, lowp); },
+        [&](int64_t item, BwdScratch<scalar_t, acc_t>& scratch) {
+          const int b = static_cast<int>(item / p.heads_kv);
+          const SeqInfo seq(p, b);
+          if (seq.seqlen_q == 0 && seq.seqlen_k == 0) return;
+          bwd_kv_head<scalar_t, acc_t>(p, seq, AttnMask(p.mask, seq), stats, b, static_cast<int>(item % p.heads_kv),
+                                       scratch);
+        },
+        release);
+    return;
+  }
 
   // Pass 1: dK, dV, first key tile first (under a causal mask it is seen by
   // the most queries; heavy items first balance the dynamic schedule).
