@@ -174,33 +174,64 @@ FLASHATTN_INLINE acc_t dot(const acc_t* __restrict x, const acc_t* __restrict y,
 }
 
 #if FLASHATTN_VECTOR_EXT
-// The float dot in vector types: the 16 lanes above as two 8-float vectors,
-// the same products, sums and fold order; written out because
-// GCC kept the generic loop's lanes in memory on AVX2 once inlined into the
-// few-queries loop (callgrind: ~800 instructions a 128-long dot, 70% of a
-// decoding call; AVX-512, one register for all 16 lanes, vectorized it).
-FLASHATTN_INLINE float dot(const float* __restrict x, const float* __restrict y, int n) {
-  constexpr int W = kLanes<float>;
-  static_assert(W == 16, "two 8-float vectors");
-  Vec8f lo = {}, hi = {};
-  int i = 0;
-  for (; i + W <= n; i += W) {
-    lo += load8(x + i) * load8(y + i);
-    hi += load8(x + i + 8) * load8(y + i + 8);
-  }
-  if (i < n) {  // a head dim that is not a multiple of 16: the tail into the lanes, then fold_sum
-    float lane[W];
-    store8(lane, lo);
-    store8(lane + 8, hi);
-    for (int l = 0; i < n; ++i, ++l) lane[l] += x[i] * y[i];
-    return fold_sum<W>(lane);
-  }
-  // fold_sum's halving steps (lane l += lane l + half) in registers.
-  Vec8f v = lo + hi;
+// The float dot in vector types: the 16 lanes above as one 16-float vector
+// (one AVX-512 register, two AVX2 ones), the same products, sums and fold
+// order; written out because GCC kept the generic loop's lanes in memory on
+// AVX2 once inlined into the few-queries loop (callgrind: ~800 instructions a
+// 128-long dot, 70% of a decoding call).
+FLASHATTN_INLINE Vec16f load16(const float* p) {
+  Vec16f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+FLASHATTN_INLINE void store16(float* p, Vec16f v) { std::memcpy(p, &v, sizeof(v)); }
+
+// fold_sum<16>'s halving steps (lane l += lane l + half) in registers.
+FLASHATTN_INLINE float fold16(Vec16f v16) {
+  Vec8f v = __builtin_shufflevector(v16, v16, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(v16, v16, 8, 9, 10, 11, 12, 13, 14, 15);
   v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 4, 5, 6, 7);
   v += __builtin_shufflevector(v, v, 2, 3, 2, 3, 2, 3, 2, 3);
   v += __builtin_shufflevector(v, v, 1, 1, 1, 1, 1, 1, 1, 1);
   return v[0];
+}
+
+FLASHATTN_INLINE float dot(const float* __restrict x, const float* __restrict y, int n) {
+  constexpr int W = kLanes<float>;
+  static_assert(W == 16, "one 16-float vector");
+  Vec16f acc = {};
+  int i = 0;
+  for (; i + W <= n; i += W) acc += load16(x + i) * load16(y + i);
+  if (i < n) {  // a head dim that is not a multiple of 16: the tail into the lanes, then fold_sum
+    float lane[W];
+    store16(lane, acc);
+    for (int l = 0; i < n; ++i, ++l) lane[l] += x[i] * y[i];
+    return fold_sum<W>(lane);
+  }
+  return fold16(acc);
+}
+
+// exp_approx (fast_exp.h) on 16 lanes, the same operations.
+FLASHATTN_INLINE Vec16f exp_approx16(Vec16f x) {
+  const Vec16f min_arg = Vec16f{} - 87.3f, max_arg = Vec16f{} + 88.3f;
+  const Vec16f xc = x < min_arg ? min_arg : (x > max_arg ? max_arg : x);
+  const Vec16f n = (xc * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  Vec16f r = xc - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  Vec16f p = Vec16f{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  typedef int32_t Vec16i __attribute__((vector_size(64)));
+  const Vec16i bits = (__builtin_convertvector(n, Vec16i) + 127) << 23;  // 2^n
+  Vec16f two_to_n;
+  std::memcpy(&two_to_n, &bits, sizeof(two_to_n));
+  const Vec16f y = p * two_to_n;
+  return x < min_arg ? Vec16f{} : y;
 }
 #endif
 
@@ -216,6 +247,43 @@ FLASHATTN_INLINE acc_t max_of(const acc_t* __restrict x, int n) {
   for (int l = 0; i < n; ++i, ++l) lane[l] = std::max(lane[l], x[i]);
   return fold_lanes<W>(lane, [](acc_t a, acc_t b) { return std::max(a, b); });
 }
+
+#if FLASHATTN_VECTOR_EXT
+// max_of and exp_shifted_sum below for float in vector types, the same
+// lanes and fold order: GCC left the generic loops scalar inside the
+// few-queries loop (perf: vmaxss / scalar exp, ~15% of a decoding step).
+FLASHATTN_INLINE float max_of(const float* __restrict x, int n) {
+  constexpr int W = kLanes<float>;
+  Vec16f acc = Vec16f{} - std::numeric_limits<float>::infinity();
+  int i = 0;
+  for (; i + W <= n; i += W) {
+    const Vec16f v = load16(x + i);
+    acc = acc < v ? v : acc;  // std::max(lane, x): a NaN x leaves the lane
+  }
+  float lane[W];
+  store16(lane, acc);
+  for (int l = 0; i < n; ++i, ++l) lane[l] = std::max(lane[l], x[i]);
+  return fold_lanes<W>(lane, [](float a, float b) { return std::max(a, b); });
+}
+
+FLASHATTN_INLINE float exp_shifted_sum(float* __restrict x, int n, float shift) {
+  constexpr int W = kLanes<float>;
+  Vec16f acc = {};
+  int i = 0;
+  for (; i + W <= n; i += W) {
+    const Vec16f e = exp_approx16(load16(x + i) - shift);
+    store16(x + i, e);
+    acc += e;
+  }
+  float lane[W];
+  store16(lane, acc);
+  for (int l = 0; i < n; ++i, ++l) {
+    x[i] = exp_approx(x[i] - shift);
+    lane[l] += x[i];
+  }
+  return fold_sum<W>(lane);
+}
+#endif
 
 // x[i] = exp(x[i] - shift); returns the sum of the new x.
 template <typename acc_t>
