@@ -1,6 +1,6 @@
 """CPU timing of flashattn_ext against torch's own CPU attention.
 
-    PYTHONPATH=. python benchmarks/bench_cpu.py [--json out.json] [--reps 7] [--quick]
+    PYTHONPATH=. python benchmarks/bench_cpu.py [--json out.json] [--reps 7] [--quick] [--threads 1,4,16]
 
 Three implementations, each fed its natural layout and timed in the same run
 so that the ratios survive a noisy (shared) machine:
@@ -17,12 +17,21 @@ decode step): ours is flash_attn_with_kvcache on the (b, n, h_kv, d) cache,
 sdpa torch's SDPA on (b, h_kv, n, d) caches with enable_gqa=True, naive the
 three steps on K/V expanded to the query heads. Figures are medians over
 --reps runs after warm-up; the implementations take turns within each
-repetition; torch's default thread count is used.
+repetition; torch's default thread count is used, or each of --threads in
+turn (torch.set_num_threads, for every implementation).
+
+Every JSON row also names the machine: the CPU model and its ISA flags that
+matter here (avx2, avx512f, avx512_bf16, avx512_fp16, amx_bf16, amx_fp16,
+amx_tile: /proc/cpuinfo), the thread count, and what our CPU kernels run
+bfloat16 / float16 products on (flashattn_ext::cpu_runtime_info: brgemm on
+the matrix units, or our float32 path).
 """
 
 import argparse
 import json
 import math
+import os
+import platform
 import statistics
 import sys
 import time
@@ -32,6 +41,37 @@ import torch.nn.functional as F
 
 import flashattn_ext
 from flashattn_ext.reference import visible_mask
+
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
+
+
+def cpu_description():
+    """The CPU model and the ISA flags of ISA_FLAGS it has (Linux /proc/cpuinfo;
+    elsewhere the platform's processor string and no flags)."""
+    model, flags = None, None
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:  # the first processor's lines
+                key, _, value = (x.strip() for x in line.partition(":"))
+                if key == "model name" and model is None:
+                    model = value
+                elif key in ("flags", "Features") and flags is None:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    model, flags = model or platform.processor() or platform.machine(), flags or set()
+    return {"cpu": model, "isa": [f for f in ISA_FLAGS if f in flags], "cores": os.cpu_count()}
+
+
+def ours_runtime():
+    """flashattn_ext::cpu_runtime_info: the bf16 / fp16 product paths ('' on an older build)."""
+    try:
+        raw = torch.ops.flashattn_ext.cpu_runtime_info(False)
+    except (AttributeError, RuntimeError):
+        return {}
+    info = dict(kv.split("=", 1) for kv in raw.split(";"))
+    return {k: v for k, v in info.items() if k.endswith("_gemm")}
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -103,7 +143,9 @@ def make_step(impl, mode, dtype, b, h, n, d, causal):
 
 def bench_config(impls, mode, dtype, b, h, n, d, causal, warmup, reps, heads_kv=None):
     """Median ms per implementation. The implementations take turns within
-    each repetition, so that a change of load on a shared machine hits all."""
+    each repetition, so that a change of load on a shared machine hits all.
+    Returns the medians and the minima (the JSON keeps both: on a shared
+    machine the minimum shows what a repetition costs undisturbed)."""
     if mode == "decode":
         steps = {impl: make_decode_step(impl, dtype, b, h, heads_kv, n, d) for impl in impls}
     else:
@@ -117,7 +159,7 @@ def bench_config(impls, mode, dtype, b, h, n, d, causal, warmup, reps, heads_kv=
             t0 = time.perf_counter()
             step()
             times[impl].append((time.perf_counter() - t0) * 1e3)
-    return {impl: statistics.median(t) for impl, t in times.items()}
+    return {impl: statistics.median(t) for impl, t in times.items()}, {impl: min(t) for impl, t in times.items()}
 
 
 def main(argv=None):
@@ -136,15 +178,37 @@ def main(argv=None):
     ap.add_argument("--decode-batches", default="1,4", help="decode mode: batch sizes")
     ap.add_argument("--decode-heads", default="32,8", help="decode mode: query heads, kv heads")
     ap.add_argument("--decode-dim", type=int, default=128, help="decode mode: head dim")
+    ap.add_argument("--threads", help="thread counts to time in turn, e.g. 1,4,16 (default: torch's)")
     ap.add_argument("--quick", action="store_true", help="one seqlen (1024), fewer reps")
     args = ap.parse_args(argv)
     if args.quick:
         args.seqlens, args.reps, args.warmup = "1024", 3, 1
 
+    machine = cpu_description()
+    print(f"{machine['cpu']} ({machine['cores']} cores; {' '.join(machine['isa']) or 'no AVX2'})")
+    rows = []
+    default_threads = torch.get_num_threads()
+    for threads in [int(t) for t in args.threads.split(",")] if args.threads else [default_threads]:
+        torch.set_num_threads(threads)
+        try:
+            machine_row = dict(machine, threads=threads, **ours_runtime())
+            rows += [dict(row, **machine_row) for row in bench_grid(args)]
+        finally:
+            torch.set_num_threads(default_threads)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+        print(f"wrote {len(rows)} rows to {args.json}")
+    return 0
+
+
+def bench_grid(args):
+    """Every configuration of args at the current thread count: the JSON rows."""
     seqlens = [int(x) for x in args.seqlens.split(",")]
     impls = args.impls.split(",")
     b, h, d = args.batch, args.heads, args.head_dim
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, b{b} h{h} d{d}, median of {args.reps}")
+    print(f"ours: {ours_runtime()}")
 
     rows = []
     header = f"{'mode':8} {'dtype':9} {'causal':6} {'n':>5} " + " ".join(f"{i + ' ms':>10}" for i in impls)
@@ -158,17 +222,26 @@ def main(argv=None):
         for dtype_name in args.dtypes.split(","):
             for causal in (False, True):
                 for n in seqlens:
-                    ms = bench_config(impls, mode, DTYPES[dtype_name], b, h, n, d, causal, args.warmup, args.reps)
+                    ms, ms_min = bench_config(
+                        impls, mode, DTYPES[dtype_name], b, h, n, d, causal, args.warmup, args.reps
+                    )
                     for impl in impls:
                         rows.append(
-                            dict(impl=impl, mode=mode, dtype=dtype_name, d=d, n=n, b=b, h=h, causal=causal, ms=ms[impl])
+                            dict(
+                                impl=impl,
+                                mode=mode,
+                                dtype=dtype_name,
+                                d=d,
+                                n=n,
+                                b=b,
+                                h=h,
+                                causal=causal,
+                                ms=ms[impl],
+                                ms_min=ms_min[impl],
+                            )
                         )
                     print_row(mode, dtype_name, str(causal), n, ms, impls, ratio_cols)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-        print(f"wrote {len(rows)} rows to {args.json}")
-    return 0
+    return rows
 
 
 def print_row(mode, dtype_name, case, n, ms, impls, ratio_cols):
@@ -185,7 +258,7 @@ def bench_decode(args, impls, ratio_cols):
     for dtype_name in args.dtypes.split(","):
         for n in (int(x) for x in args.decode_caches.split(",")):
             for b in (int(x) for x in args.decode_batches.split(",")):
-                ms = bench_config(
+                ms, ms_min = bench_config(
                     impls, "decode", DTYPES[dtype_name], b, heads, n, d, False, args.warmup, args.reps, heads_kv
                 )
                 for impl in impls:
@@ -201,6 +274,7 @@ def bench_decode(args, impls, ratio_cols):
                             h_kv=heads_kv,
                             causal=False,
                             ms=ms[impl],
+                            ms_min=ms_min[impl],
                         )
                     )
                 print_row("decode", dtype_name, f"b{b}", n, ms, impls, ratio_cols)

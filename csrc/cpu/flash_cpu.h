@@ -11,6 +11,12 @@ namespace flashattn {
 // float32, float64, bfloat16, float16, accumulating in float32 (float64).
 void run_fwd_cpu(const AttnFwdParams& params);
 
+// Several independent forward calls of one dtype (the batch rows of a KV-cache
+// call) as one parallel loop: their items share the threads, and a
+// decoding-shaped call splits its keys over them (flash-decoding) counting
+// the items of all.
+void run_fwd_cpu(const AttnFwdParams* calls, int64_t num_calls);
+
 // Fills dq, dk, dv from dout, q, k, v, o, lse; deterministic.
 void run_bwd_cpu(const AttnBwdParams& params);
 

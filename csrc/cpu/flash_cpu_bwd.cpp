@@ -25,14 +25,23 @@
 // transposition of a block-sized tile (the only GEMM form is A . B, see
 // tile_gemm.h). What gets transposed while loading are d-wide tiles of
 // q, dO (pass 1, per block) and k (pass 2, per block).
+//
+// bfloat16 / float16 where the products run on brgemm (tile_gemm.h: the
+// matrix units): the full 64 x 64 blocks run all seven products on the 16-bit
+// inputs with float32 accumulation, k and v in place as A operands, q and dO
+// packed into pairs panels, P^T and dS^T rounded to the input dtype for the
+// products that take them (FlashAttention's rounding); ragged blocks take the
+// float32 path on the same accumulators.
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "attn_mask.h"
@@ -65,10 +74,12 @@ struct RowStats {
   const acc_t* dsum;
 };
 
-template <typename acc_t>
+// lowp: also the 16-bit tiles of the low-precision products (tile_gemm.h).
+template <typename scalar_t, typename acc_t>
 struct BwdScratch {
-  explicit BwdScratch(int d)
-      : q_t(d * kBlockQ),
+  BwdScratch(int d, bool lowp_)
+      : lowp(lowp_),
+        q_t(d * kBlockQ),
         do_t(d * kBlockQ),
         q(kBlockQ * d),
         dout(kBlockQ * d),
@@ -84,7 +95,21 @@ struct BwdScratch {
         query_lo(kBlockK),
         query_hi(kBlockK),
         bad(std::max(kBlockK, kBlockQ)),
-        bad2(kBlockQ) {}
+        bad2(kBlockQ),
+        q_t_pairs(lowp_ ? d * kBlockQ : 0),
+        do_t_pairs(lowp_ ? d * kBlockQ : 0),
+        q_pairs(lowp_ ? kBlockQ * d : 0),
+        do_pairs(lowp_ ? kBlockQ * d : 0),
+        p_lowp(lowp_ ? kBlockK * kBlockQ : 0),
+        ds_lowp(lowp_ ? kBlockK * kBlockQ : 0),
+        ds_pairs(lowp_ ? kBlockK * kBlockQ : 0),
+        k_lowp(lowp_ ? kBlockK * d : 0),
+        v_lowp(lowp_ ? kBlockK * d : 0),
+        k_t_lowp(lowp_ ? d * kBlockK : 0),
+        k_t_masked(d * kBlockK),
+        k_t_lowp_masked(lowp_ ? d * kBlockK : 0) {}
+
+  const bool lowp;
 
   ScratchArray<acc_t> q_t;       // d x kBlockQ        query tile, transposed
   ScratchArray<acc_t> do_t;      // d x kBlockQ        output-gradient tile, transposed
@@ -103,7 +128,49 @@ struct BwdScratch {
   ScratchArray<int> query_hi;    // kBlockK
   ScratchArray<int> bad;         // rows / keys of an operand tile that are not finite (masked blocks)
   ScratchArray<int> bad2;
+  // Low-precision products (full blocks):
+  ScratchArray<scalar_t> q_t_pairs;   // d x kBlockQ        Q^T in pairs panels (S^T = K Q^T)
+  ScratchArray<scalar_t> do_t_pairs;  // d x kBlockQ        dO^T in pairs panels (dP^T = V dO^T)
+  ScratchArray<scalar_t> q_pairs;     // kBlockQ x d        Q in pairs panels (dK += dS^T Q)
+  ScratchArray<scalar_t> do_pairs;    // kBlockQ x d        dO in pairs panels (dV += P^T dO)
+  ScratchArray<scalar_t> p_lowp;      // kBlockK x kBlockQ  P^T rounded
+  ScratchArray<scalar_t> ds_lowp;     // kBlockK x kBlockQ  dS^T rounded
+  ScratchArray<scalar_t> ds_pairs;    // kBlockK x kBlockQ  dS^T rounded, in pairs panels (dQ^T += K^T dS^T)
+  ScratchArray<scalar_t> k_lowp;      // kBlockK x d        key tile, when k cannot be a GEMM operand in place
+  ScratchArray<scalar_t> v_lowp;      // kBlockK x d        value tile, likewise
+  ScratchArray<scalar_t> k_t_lowp;    // d x kBlockK        key tile, transposed
+  // One pass (dq below): K^T of a masked block, whose non-finite columns the
+  // non-finite rule zeroes (k_t / k_t_lowp then hold the key tile's K^T for
+  // all its unmasked blocks).
+  ScratchArray<acc_t> k_t_masked;          // d x kBlockK
+  ScratchArray<scalar_t> k_t_lowp_masked;  // d x kBlockK
+  ScratchArray<acc_t> dq_acc;              // one pass: DqTiles' memory
+  int64_t dq_acc_size = 0;
 };
+
+// One pass: the dQ^T accumulators of a (sequence, kv head)'s query heads,
+// d x kBlockQ per (head of the group, query tile), laid out like pass 2's.
+template <typename acc_t>
+struct DqTiles {
+  acc_t* data;
+  int64_t q_tiles;
+  int d;
+  acc_t* tile(int head_in_group, int64_t q_tile) const {
+    return data + (head_in_group * q_tiles + q_tile) * d * kBlockQ;
+  }
+};
+
+template <typename scalar_t>
+constexpr bool kIsLowp = std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>;
+
+// A rows x d tile of a 16-bit input as the A operand of a low-precision
+// product: in place when its stride may be (tile_ops.h), else copied.
+template <typename scalar_t>
+std::pair<const scalar_t*, int64_t> lowp_operand(const scalar_t* src, int64_t ld, int rows, int d, scalar_t* buffer) {
+  if (ld >= d && ld_admitted_in_place(ld)) return {src, ld};
+  for (int r = 0; r < rows; ++r) std::copy(src + r * ld, src + r * ld + d, buffer + r * d);
+  return {buffer, d};
+}
 
 // Masked blocks and non-finite operands (tile_ops.h): rows of an input tile
 // that hold a NaN or an infinity leave the GEMM (zeroed in a copy) and their
@@ -168,16 +235,42 @@ HeadView<scalar_t, acc_t> head_view(const AttnBwdParams& p, const SeqInfo& seq, 
 // Returns whether the block is masked (then scratch.query_lo / query_hi hold
 // the visible queries of each key).
 template <typename scalar_t, typename acc_t>
+bool probs_and_dscores_block(const AttnBwdParams& p, const AttnMask& mask, const HeadView<scalar_t, acc_t>& head,
+                             int64_t k0, int cols, int64_t q0, int rows, BwdScratch<scalar_t, acc_t>& scratch);
+
+template <typename scalar_t, typename acc_t>
 bool recompute_block(const AttnBwdParams& p, const AttnMask& mask, const HeadView<scalar_t, acc_t>& head, int64_t k0,
                      int cols, int64_t q0, int rows, Operand<acc_t> k_op, Operand<acc_t> v_op,
-                     BwdScratch<acc_t>& scratch) {
+                     BwdScratch<scalar_t, acc_t>& scratch) {
   const int d = p.head_dim;
   const bool full_tile = is_full_tile(rows, cols);
   acc_t* s_t = scratch.s_t.get();
   acc_t* dp_t = scratch.dp_t.get();
   gemm_nn(cols, rows, d, k_op.ptr, k_op.ld, scratch.q_t.get(), kBlockQ, s_t, kBlockQ, false, full_tile);  // S^T = K Q^T
   gemm_nn(cols, rows, d, v_op.ptr, v_op.ld, scratch.do_t.get(), kBlockQ, dp_t, kBlockQ, false, full_tile);  // dP^T
+  return probs_and_dscores_block(p, mask, head, k0, cols, q0, rows, scratch);
+}
 
+// recompute_block on the low-precision products (a full block): k, v as A
+// operands (cols x d), Q^T and dO^T in scratch.q_t_pairs / do_t_pairs.
+template <typename scalar_t, typename acc_t>
+bool recompute_block_lowp(const AttnBwdParams& p, const AttnMask& mask, const HeadView<scalar_t, acc_t>& head,
+                          int64_t k0, int cols, int64_t q0, int rows, std::pair<const scalar_t*, int64_t> k_a,
+                          std::pair<const scalar_t*, int64_t> v_a, BwdScratch<scalar_t, acc_t>& scratch) {
+  if constexpr (kIsLowp<scalar_t>) {
+    const int d = p.head_dim;
+    gemm_nn_lowp(cols, rows, d, k_a.first, k_a.second, scratch.q_t_pairs.get(), scratch.s_t.get(), kBlockQ, false);
+    gemm_nn_lowp(cols, rows, d, v_a.first, v_a.second, scratch.do_t_pairs.get(), scratch.dp_t.get(), kBlockQ, false);
+  }
+  return probs_and_dscores_block(p, mask, head, k0, cols, q0, rows, scratch);
+}
+
+// S^T, dP^T (in scratch.s_t, dp_t) -> P^T, dS^T.
+template <typename scalar_t, typename acc_t>
+bool probs_and_dscores_block(const AttnBwdParams& p, const AttnMask& mask, const HeadView<scalar_t, acc_t>& head,
+                             int64_t k0, int cols, int64_t q0, int rows, BwdScratch<scalar_t, acc_t>& scratch) {
+  acc_t* s_t = scratch.s_t.get();
+  acc_t* dp_t = scratch.dp_t.get();
   const bool masked = mask.block_query_ranges(q0, rows, k0, cols, scratch.query_lo.get(), scratch.query_hi.get());
   const int* query_lo = masked ? scratch.query_lo.get() : nullptr;
   const int* query_hi = masked ? scratch.query_hi.get() : nullptr;
@@ -189,18 +282,73 @@ bool recompute_block(const AttnBwdParams& p, const AttnMask& mask, const HeadVie
 // Loads the transposed query and output-gradient tiles (d x rows) a block needs.
 template <typename scalar_t, typename acc_t>
 void load_query_tile_transposed(const AttnBwdParams& p, const HeadView<scalar_t, acc_t>& head, int64_t q0, int rows,
-                                BwdScratch<acc_t>& scratch) {
+                                BwdScratch<scalar_t, acc_t>& scratch) {
   load_tile_transposed(head.q + q0 * p.q_row_stride, p.q_row_stride, rows, p.head_dim, acc_t(1), scratch.q_t.get(),
                        kBlockQ);
   load_tile_transposed(head.dout + q0 * p.do_row_stride, p.do_row_stride, rows, p.head_dim, acc_t(1),
                        scratch.do_t.get(), kBlockQ);
 }
 
+// The same for the low-precision products: Q^T and dO^T in pairs panels.
+template <typename scalar_t, typename acc_t>
+void pack_query_tile_pairs(const AttnBwdParams& p, const HeadView<scalar_t, acc_t>& head, int64_t q0,
+                           BwdScratch<scalar_t, acc_t>& scratch) {
+  if constexpr (kIsLowp<scalar_t>) {
+    pack_pairs_transposed(head.q + q0 * p.q_row_stride, p.q_row_stride, p.head_dim, kBlockQ, scratch.q_t_pairs.get());
+    pack_pairs_transposed(head.dout + q0 * p.do_row_stride, p.do_row_stride, p.head_dim, kBlockQ,
+                          scratch.do_t_pairs.get());
+  }
+}
+
+// dV += P^T dO and dK += dS^T Q of a full block on the low-precision
+// products (P^T and dS^T rounded to the input dtype, as FlashAttention does);
+// the query rows `bad_do` of dO and `bad_q` of Q leave the products (tile_ops.h).
+template <typename scalar_t, typename acc_t>
+void dkdv_block_lowp(const AttnBwdParams& p, const scalar_t* dout_tile, const scalar_t* q_tile, const int* bad_do,
+                     int num_bad_do, const int* bad_q, int num_bad_q, BwdScratch<scalar_t, acc_t>& scratch) {
+  if constexpr (kIsLowp<scalar_t>) {
+    const int d = p.head_dim;
+    store_tile(scratch.s_t.get(), kBlockQ, kBlockK, kBlockQ, acc_t(1), scratch.p_lowp.get(), kBlockQ);
+    store_tile(scratch.dp_t.get(), kBlockQ, kBlockK, kBlockQ, acc_t(1), scratch.ds_lowp.get(), kBlockQ);
+    pack_pairs(dout_tile, p.do_row_stride, kBlockQ, d, scratch.do_pairs.get());
+    pack_pairs(q_tile, p.q_row_stride, kBlockQ, d, scratch.q_pairs.get());
+    zero_pairs_rows(scratch.do_pairs.get(), kBlockQ, d, bad_do, num_bad_do);
+    zero_pairs_rows(scratch.q_pairs.get(), kBlockQ, d, bad_q, num_bad_q);
+    gemm_nn_lowp(kBlockK, d, kBlockQ, scratch.p_lowp.get(), kBlockQ, scratch.do_pairs.get(), scratch.dv_acc.get(), d,
+                 true);
+    gemm_nn_lowp(kBlockK, d, kBlockQ, scratch.ds_lowp.get(), kBlockQ, scratch.q_pairs.get(), scratch.dk_acc.get(), d,
+                 true);
+  }
+}
+
+// dQ^T += K^T dS^T for the keys `bad` of a masked block (their k rows are not
+// finite and left the product), over the queries that see each.
+template <typename scalar_t, typename acc_t>
+void add_keys_to_dq(const AttnBwdParams& p, const HeadView<scalar_t, acc_t>& head, int64_t k0, int rows, const int* bad,
+                    int num_bad, const BwdScratch<scalar_t, acc_t>& scratch, acc_t* dq_t_acc) {
+  for (int n = 0; n < num_bad; ++n) {
+    const int j = bad[n];
+    const int lo = std::min(scratch.query_lo.get()[j], rows), hi = std::max(scratch.query_hi.get()[j], lo);
+    const scalar_t* k_row = head.k + (k0 + j) * p.k_row_stride;
+    const acc_t* ds_t = scratch.dp_t.get() + j * kBlockQ;
+    for (int c = 0; c < p.head_dim; ++c) {
+      const acc_t kc = static_cast<acc_t>(k_row[c]);
+      for (int i = lo; i < hi; ++i) dq_t_acc[c * kBlockQ + i] += kc * ds_t[i];
+    }
+  }
+}
+
 // Pass 1: dK, dV of one key tile of one (sequence, kv-head); the caller
 // skips tiles past the sequence's end.
+//
+// With dq (the one-pass backward, bwd_kv_head below) it also adds each
+// block's dQ^T += K^T dS^T to dq's tile, exactly as pass 2 computes it (the
+// same products of the same operands, key tiles in ascending order): the
+// results are bitwise the same either way.
 template <typename scalar_t, typename acc_t>
 void dkdv_key_tile(const AttnBwdParams& p, const SeqInfo& seq, const AttnMask& mask, const RowStats<acc_t>& stats,
-                   int b, int h_kv, int64_t k_tile, BwdScratch<acc_t>& scratch) {
+                   int b, int h_kv, int64_t k_tile, BwdScratch<scalar_t, acc_t>& scratch,
+                   const DqTiles<acc_t>* dq = nullptr) {
   const int d = p.head_dim;
   const int64_t k0 = k_tile * kBlockK;
   const int cols = static_cast<int>(std::min<int64_t>(kBlockK, seq.seqlen_k - k0));
@@ -215,17 +363,69 @@ void dkdv_key_tile(const AttnBwdParams& p, const SeqInfo& seq, const AttnMask& m
     const int ratio = p.heads_ratio();
     // The key tile serves every q-head of the GQA group.
     const HeadView<scalar_t, acc_t> group = head_view<scalar_t, acc_t>(p, seq, stats, b, h_kv * ratio);
-    const Operand<acc_t> k_op = as_operand(group.k + k0 * p.k_row_stride, p.k_row_stride, cols, d, scratch.k.get(), d);
-    const Operand<acc_t> v_op = as_operand(group.v + k0 * p.v_row_stride, p.v_row_stride, cols, d, scratch.v.get(), d);
+    // The float32 path's operands, made on first use (a key tile of the
+    // low-precision path may still meet ragged query tiles).
+    Operand<acc_t> k_op{nullptr, 0}, v_op{nullptr, 0};
+    auto float_operands = [&] {
+      if (k_op.ptr) return;
+      k_op = as_operand(group.k + k0 * p.k_row_stride, p.k_row_stride, cols, d, scratch.k.get(), d);
+      v_op = as_operand(group.v + k0 * p.v_row_stride, p.v_row_stride, cols, d, scratch.v.get(), d);
+    };
+    const bool lowp_tile = scratch.lowp && cols == kBlockK;
+    std::pair<const scalar_t*, int64_t> k_a{nullptr, 0}, v_a{nullptr, 0};
+    if (lowp_tile) {
+      k_a = lowp_operand(group.k + k0 * p.k_row_stride, p.k_row_stride, cols, d, scratch.k_lowp.get());
+      v_a = lowp_operand(group.v + k0 * p.v_row_stride, p.v_row_stride, cols, d, scratch.v_lowp.get());
+    }
+    // One pass: K^T of the tile for dQ, made on first use.
+    const scalar_t* k_tile = group.k + k0 * p.k_row_stride;
+    bool have_k_t = false, have_k_t_lowp = false;
     for (int h = h_kv * ratio; h < (h_kv + 1) * ratio; ++h) {
       const HeadView<scalar_t, acc_t> head = head_view<scalar_t, acc_t>(p, seq, stats, b, h);
       for (int64_t q0 = query_begin / kBlockQ * kBlockQ; q0 < query_end; q0 += kBlockQ) {
         const int rows = static_cast<int>(std::min<int64_t>(kBlockQ, seq.seqlen_q - q0));
+        const scalar_t* dout_tile = head.dout + q0 * p.do_row_stride;
+        const scalar_t* q_tile = head.q + q0 * p.q_row_stride;
+        acc_t* dq_t_acc = dq ? dq->tile(h - h_kv * ratio, q0 / kBlockQ) : nullptr;
+        if (lowp_tile && rows == kBlockQ) {
+          pack_query_tile_pairs(p, head, q0, scratch);
+          const bool masked = recompute_block_lowp(p, mask, head, k0, cols, q0, rows, k_a, v_a, scratch);
+          const int bad_do =
+              masked ? nonfinite_rows<scalar_t, acc_t>(dout_tile, p.do_row_stride, rows, d, scratch.bad.get()) : 0;
+          const int bad_q =
+              masked ? nonfinite_rows<scalar_t, acc_t>(q_tile, p.q_row_stride, rows, d, scratch.bad2.get()) : 0;
+          dkdv_block_lowp(p, dout_tile, q_tile, scratch.bad.get(), bad_do, scratch.bad2.get(), bad_q, scratch);
+          if (bad_do > 0)
+            add_query_rows_over_visible_keys(scratch.bad.get(), bad_do, dout_tile, p.do_row_stride, d,
+                                             scratch.s_t.get(), cols, scratch.query_lo.get(), scratch.query_hi.get(),
+                                             dv_acc);
+          if (bad_q > 0)
+            add_query_rows_over_visible_keys(scratch.bad2.get(), bad_q, q_tile, p.q_row_stride, d, scratch.dp_t.get(),
+                                             cols, scratch.query_lo.get(), scratch.query_hi.get(), dk_acc);
+          if constexpr (kIsLowp<scalar_t>) {
+            if (dq_t_acc) {  // dQ^T += K^T dS^T, as in pass 2
+              scalar_t* k_t = scratch.k_t_lowp.get();
+              int bad = 0;
+              if (masked) {
+                k_t = scratch.k_t_lowp_masked.get();
+                transpose_lowp(k_tile, p.k_row_stride, cols, d, k_t, kBlockK);
+                bad = nonfinite_rows<scalar_t, acc_t>(k_tile, p.k_row_stride, cols, d, scratch.bad.get());
+                if (bad > 0) zero_columns(k_t, kBlockK, d, scratch.bad.get(), bad);
+              } else if (!have_k_t_lowp) {
+                transpose_lowp(k_tile, p.k_row_stride, cols, d, k_t, kBlockK);
+                have_k_t_lowp = true;
+              }
+              pack_pairs(scratch.dp_t.get(), kBlockQ, cols, rows, scratch.ds_pairs.get());
+              gemm_nn_lowp(d, rows, cols, k_t, kBlockK, scratch.ds_pairs.get(), dq_t_acc, kBlockQ, true);
+              add_keys_to_dq(p, head, k0, rows, scratch.bad.get(), bad, scratch, dq_t_acc);
+            }
+          }
+          continue;
+        }
+        float_operands();
         load_query_tile_transposed(p, head, q0, rows, scratch);
         const bool masked = recompute_block(p, mask, head, k0, cols, q0, rows, k_op, v_op, scratch);
         // dV += P^T dO,  dK += dS^T Q                                       cols x d
-        const scalar_t* dout_tile = head.dout + q0 * p.do_row_stride;
-        const scalar_t* q_tile = head.q + q0 * p.q_row_stride;
         const int bad_do =
             masked ? nonfinite_rows<scalar_t, acc_t>(dout_tile, p.do_row_stride, rows, d, scratch.bad.get()) : 0;
         const int bad_q =
@@ -246,6 +446,20 @@ void dkdv_key_tile(const AttnBwdParams& p, const SeqInfo& seq, const AttnMask& m
         if (bad_q > 0)
           add_query_rows_over_visible_keys(scratch.bad2.get(), bad_q, q_tile, p.q_row_stride, d, scratch.dp_t.get(),
                                            cols, scratch.query_lo.get(), scratch.query_hi.get(), dk_acc);
+        if (dq_t_acc) {  // dQ^T += K^T dS^T, as in pass 2
+          acc_t* k_t = scratch.k_t.get();
+          int bad = 0;
+          if (masked) {
+            k_t = scratch.k_t_masked.get();
+            load_tile_transposed(k_tile, p.k_row_stride, cols, d, acc_t(1), k_t, kBlockK);
+            bad = take_nonfinite_columns(k_t, kBlockK, d, cols, scratch.probe.get(), scratch.bad.get());
+          } else if (!have_k_t) {
+            load_tile_transposed(k_tile, p.k_row_stride, cols, d, acc_t(1), k_t, kBlockK);
+            have_k_t = true;
+          }
+          gemm_nn(d, rows, cols, k_t, kBlockK, scratch.dp_t.get(), kBlockQ, dq_t_acc, kBlockQ, true, full_tile);
+          add_keys_to_dq(p, head, k0, rows, scratch.bad.get(), bad, scratch, dq_t_acc);
+        }
       }
     }
   }
@@ -262,7 +476,7 @@ void dkdv_key_tile(const AttnBwdParams& p, const SeqInfo& seq, const AttnMask& m
 // tiles past the sequence's end.
 template <typename scalar_t, typename acc_t>
 void dq_query_tile(const AttnBwdParams& p, const SeqInfo& seq, const AttnMask& mask, const RowStats<acc_t>& stats,
-                   int b, int h, int64_t q_tile, BwdScratch<acc_t>& scratch) {
+                   int b, int h, int64_t q_tile, BwdScratch<scalar_t, acc_t>& scratch) {
   const int d = p.head_dim;
   const int64_t q0 = q_tile * kBlockQ;
   const int rows = static_cast<int>(std::min<int64_t>(kBlockQ, seq.seqlen_q - q0));
@@ -273,9 +487,32 @@ void dq_query_tile(const AttnBwdParams& p, const SeqInfo& seq, const AttnMask& m
   const int64_t key_begin = mask.tile_key_begin(q0);
   const int64_t key_end = mask.tile_key_end(q0 + rows);
   if (key_begin < key_end) {
-    load_query_tile_transposed(p, head, q0, rows, scratch);
+    const bool lowp_rows = scratch.lowp && rows == kBlockQ;
+    bool have_float_tiles = false;  // the float32 path's Q^T, dO^T, loaded on first use
+    if (lowp_rows) pack_query_tile_pairs(p, head, q0, scratch);
     for (int64_t k0 = key_begin / kBlockK * kBlockK; k0 < key_end; k0 += kBlockK) {
       const int cols = static_cast<int>(std::min<int64_t>(kBlockK, seq.seqlen_k - k0));
+      if constexpr (kIsLowp<scalar_t>) {
+        if (lowp_rows && cols == kBlockK) {
+          const scalar_t* k_tile = head.k + k0 * p.k_row_stride;
+          const auto k_a = lowp_operand(k_tile, p.k_row_stride, cols, d, scratch.k_lowp.get());
+          const auto v_a = lowp_operand(head.v + k0 * p.v_row_stride, p.v_row_stride, cols, d, scratch.v_lowp.get());
+          const bool masked = recompute_block_lowp(p, mask, head, k0, cols, q0, rows, k_a, v_a, scratch);
+          // dQ^T += K^T dS^T                                               d x rows
+          transpose_lowp(k_tile, p.k_row_stride, cols, d, scratch.k_t_lowp.get(), kBlockK);
+          const int bad =
+              masked ? nonfinite_rows<scalar_t, acc_t>(k_tile, p.k_row_stride, cols, d, scratch.bad.get()) : 0;
+          if (bad > 0) zero_columns(scratch.k_t_lowp.get(), kBlockK, d, scratch.bad.get(), bad);
+          pack_pairs(scratch.dp_t.get(), kBlockQ, cols, rows, scratch.ds_pairs.get());
+          gemm_nn_lowp(d, rows, cols, scratch.k_t_lowp.get(), kBlockK, scratch.ds_pairs.get(), dq_t_acc, kBlockQ, true);
+          add_keys_to_dq(p, head, k0, rows, scratch.bad.get(), bad, scratch, dq_t_acc);
+          continue;
+        }
+      }
+      if (!have_float_tiles) {
+        load_query_tile_transposed(p, head, q0, rows, scratch);
+        have_float_tiles = true;
+      }
       const Operand<acc_t> k_op = as_operand(head.k + k0 * p.k_row_stride, p.k_row_stride, cols, d, scratch.k.get(), d);
       const Operand<acc_t> v_op = as_operand(head.v + k0 * p.v_row_stride, p.v_row_stride, cols, d, scratch.v.get(), d);
       const bool masked = recompute_block(p, mask, head, k0, cols, q0, rows, k_op, v_op, scratch);
@@ -286,17 +523,7 @@ void dq_query_tile(const AttnBwdParams& p, const SeqInfo& seq, const AttnMask& m
                  : 0;
       gemm_nn(d, rows, cols, scratch.k_t.get(), kBlockK, scratch.dp_t.get(), kBlockQ, dq_t_acc, kBlockQ, true,
               is_full_tile(rows, cols));
-      // Keys whose row is not finite, over the queries that see them.
-      for (int n = 0; n < bad; ++n) {
-        const int j = scratch.bad.get()[n];
-        const int lo = std::min(scratch.query_lo.get()[j], rows), hi = std::max(scratch.query_hi.get()[j], lo);
-        const scalar_t* k_row = head.k + (k0 + j) * p.k_row_stride;
-        const acc_t* ds_t = scratch.dp_t.get() + j * kBlockQ;
-        for (int c = 0; c < d; ++c) {
-          const acc_t kc = static_cast<acc_t>(k_row[c]);
-          for (int i = lo; i < hi; ++i) dq_t_acc[c * kBlockQ + i] += kc * ds_t[i];
-        }
-      }
+      add_keys_to_dq(p, head, k0, rows, scratch.bad.get(), bad, scratch, dq_t_acc);
     }
   }
 
@@ -305,6 +532,37 @@ void dq_query_tile(const AttnBwdParams& p, const SeqInfo& seq, const AttnMask& m
   const acc_t* no_row_scale = nullptr;
   store_tile_transposed(dq_t_acc, kBlockQ, rows, d, static_cast<acc_t>(p.softmax_scale), no_row_scale, dq,
                         p.dq_row_stride);
+}
+
+// The one-pass backward of one (sequence, kv head): every key tile as pass 1
+// does, adding each block's dQ^T to `dq` on the way (dkdv_key_tile), then
+// dQ of the group's query heads from it. Bitwise the same as passes 1 and 2,
+// with 5 products a block instead of 7 (no recomputation for dQ) and K^T
+// made once a key tile; it has batch x kv-heads items only, so it runs when
+// they keep every thread busy (bwd below).
+template <typename scalar_t, typename acc_t>
+void bwd_kv_head(const AttnBwdParams& p, const SeqInfo& seq, const AttnMask& mask, const RowStats<acc_t>& stats, int b,
+                 int h_kv, BwdScratch<scalar_t, acc_t>& scratch) {
+  const int d = p.head_dim, ratio = p.heads_ratio();
+  const int64_t q_tiles = ceil_div(seq.seqlen_q, kBlockQ);
+  const int64_t size = ratio * q_tiles * d * kBlockQ;
+  if (scratch.dq_acc_size < size) scratch.dq_acc = ScratchArray<acc_t>(size), scratch.dq_acc_size = size;
+  const DqTiles<acc_t> dq{scratch.dq_acc.get(), q_tiles, d};
+  std::fill(dq.data, dq.data + size, acc_t(0));
+  for (int64_t k_tile = 0; k_tile * kBlockK < seq.seqlen_k; ++k_tile)
+    dkdv_key_tile<scalar_t, acc_t>(p, seq, mask, stats, b, h_kv, k_tile, scratch, &dq);
+  const acc_t* no_row_scale = nullptr;
+  for (int g = 0; g < ratio; ++g) {
+    const int h = h_kv * ratio + g;
+    for (int64_t t = 0; t < q_tiles; ++t) {
+      const int64_t q0 = t * kBlockQ;
+      const int rows = static_cast<int>(std::min<int64_t>(kBlockQ, seq.seqlen_q - q0));
+      scalar_t* dq_out = static_cast<scalar_t*>(p.dq_ptr) + seq.q_offset(p.dq_batch_stride, p.dq_row_stride, b) +
+                         q0 * p.dq_row_stride + h * p.dq_head_stride;
+      store_tile_transposed(dq.tile(g, t), kBlockQ, rows, d, static_cast<acc_t>(p.softmax_scale), no_row_scale, dq_out,
+                            p.dq_row_stride);
+    }
+  }
 }
 
 // Items run over (batch, head, tile of seqlen_q or seqlen_k): in a varlen
@@ -345,31 +603,66 @@ void bwd(const AttnBwdParams& p) {
       });
   const RowStats<acc_t> stats{neg_lse.data(), dsum.data()};
 
+  // Low-precision products (tile_gemm.h) for full blocks; each worker frees
+  // the matrix units' state at its end.
+  const bool lowp = p.head_dim % 32 == 0 && lowp_gemm_enabled(p.dtype);
+  auto release = [lowp](BwdScratch<scalar_t, acc_t>&) {
+    if (lowp) lowp_gemm_release();
+  };
+
+  // One pass when the (batch, kv head) items keep every thread busy and
+  // their dQ accumulators stay small; FLASHATTN_CPU_BWD_PASSES=1 / 2 forces
+  // either (the results are bitwise the same).
+  const char* passes = std::getenv("FLASHATTN_CPU_BWD_PASSES");
+  const int64_t groups = static_cast<int64_t>(p.batch) * p.heads_kv;
+  const int64_t dq_bytes = static_cast<int64_t>(p.heads_ratio()) * ceil_div(p.seqlen_q, kBlockQ) * kBlockQ *
+                           p.head_dim * static_cast<int64_t>(sizeof(acc_t));
+  bool one_pass = groups >= at::get_num_threads() && dq_bytes <= (int64_t(16) << 20);
+  if (passes && passes[0] == '1') one_pass = true;
+  if (passes && passes[0] == '2') one_pass = false;
+  if (one_pass) {
+    for_each_item_in_parallel(
+        groups, [&] { return BwdScratch<scalar_t, acc_t>(p.head_dim, lowp); },
+        [&](int64_t item, BwdScratch<scalar_t, acc_t>& scratch) {
+          const int b = static_cast<int>(item / p.heads_kv);
+          const SeqInfo seq(p, b);
+          if (seq.seqlen_q == 0 && seq.seqlen_k == 0) return;
+          bwd_kv_head<scalar_t, acc_t>(p, seq, AttnMask(p.mask, seq), stats, b, static_cast<int>(item % p.heads_kv),
+                                       scratch);
+        },
+        release);
+    return;
+  }
+
   // Pass 1: dK, dV, first key tile first (under a causal mask it is seen by
   // the most queries; heavy items first balance the dynamic schedule).
   const int64_t k_tiles = ceil_div(p.seqlen_k, kBlockK);
   for_each_item_in_parallel(
-      static_cast<int64_t>(p.batch) * p.heads_kv * k_tiles, [&] { return BwdScratch<acc_t>(p.head_dim); },
-      [&](int64_t item, BwdScratch<acc_t>& scratch) {
+      static_cast<int64_t>(p.batch) * p.heads_kv * k_tiles,
+      [&] { return BwdScratch<scalar_t, acc_t>(p.head_dim, lowp); },
+      [&](int64_t item, BwdScratch<scalar_t, acc_t>& scratch) {
         const int64_t bh = item / k_tiles, k_tile = item % k_tiles;
         const int b = static_cast<int>(bh / p.heads_kv);
         const SeqInfo seq(p, b);
         if (k_tile * kBlockK >= seq.seqlen_k) return;
         dkdv_key_tile<scalar_t, acc_t>(p, seq, AttnMask(p.mask, seq), stats, b, static_cast<int>(bh % p.heads_kv),
                                        k_tile, scratch);
-      });
+      },
+      release);
 
   // Pass 2: dQ, last query tile first (under a causal mask it sees the most keys).
   for_each_item_in_parallel(
-      static_cast<int64_t>(p.batch) * p.heads_q * q_tiles, [&] { return BwdScratch<acc_t>(p.head_dim); },
-      [&](int64_t item, BwdScratch<acc_t>& scratch) {
+      static_cast<int64_t>(p.batch) * p.heads_q * q_tiles,
+      [&] { return BwdScratch<scalar_t, acc_t>(p.head_dim, lowp); },
+      [&](int64_t item, BwdScratch<scalar_t, acc_t>& scratch) {
         const int64_t bh = item / q_tiles, q_tile = q_tiles - 1 - item % q_tiles;
         const int b = static_cast<int>(bh / p.heads_q);
         const SeqInfo seq(p, b);
         if (q_tile * kBlockQ >= seq.seqlen_q) return;
         dq_query_tile<scalar_t, acc_t>(p, seq, AttnMask(p.mask, seq), stats, b, static_cast<int>(bh % p.heads_q),
                                        q_tile, scratch);
-      });
+      },
+      release);
 }
 
 }  // namespace

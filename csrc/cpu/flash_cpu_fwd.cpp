@@ -27,11 +27,16 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
+#include <memory>
+#include <optional>
 #include <type_traits>
+#include <vector>
 
 #include "attn_mask.h"
+#include "cpu_knobs.h"
 #include "flash_cpu.h"
 #include "scalar_dispatch.h"
 #include "tile_gemm.h"
@@ -52,10 +57,20 @@ constexpr int kBlockK = 64;
 constexpr int kMaxBlockQ = 128;
 constexpr int kMinBlockQ = 32;
 
-template <typename acc_t>
+template <typename scalar_t>
+constexpr bool kIsLowp = std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>;
+
+// Whether a call's full tiles take the low-precision products: the dtype on
+// brgemm (tile_gemm.h), and a head dim that is a whole number of AMX's
+// 32-element steps (no K tail inside a product; torch's own kernel asks 64).
+inline bool use_lowp_products(const AttnFwdParams& p) { return p.head_dim % 32 == 0 && lowp_gemm_enabled(p.dtype); }
+
+// lowp: also the 16-bit tiles of the low-precision products (tile_gemm.h).
+template <typename scalar_t, typename acc_t>
 struct FwdScratch {
-  FwdScratch(int d, int block_q_)
+  FwdScratch(int d, int block_q_, bool lowp_)
       : block_q(block_q_),
+        lowp(lowp_),
         q_t(d * block_q_),
         k(kBlockK * d),
         v_t(d * kBlockK),
@@ -68,9 +83,14 @@ struct FwdScratch {
         probe(kBlockK),
         query_lo(kBlockK),
         query_hi(kBlockK),
-        bad_keys(kBlockK) {}
+        bad_keys(kBlockK),
+        q_pairs(lowp_ ? d * block_q_ : 0),
+        k_lowp(lowp_ ? kBlockK * d : 0),
+        v_t_lowp(lowp_ ? d * kBlockK : 0),
+        p_pairs(lowp_ ? kBlockK * block_q_ : 0) {}
 
-  const int block_q;                 // queries per block (kBlockK keys per tile)
+  const int block_q;  // queries per block (kBlockK keys per tile)
+  const bool lowp;
   ScratchArray<acc_t> q_t;           // d x block_q        scale * Q^T
   ScratchArray<acc_t> k;             // kBlockK x d        key tile, when k cannot be a GEMM operand in place
   ScratchArray<acc_t> v_t;           // d x kBlockK        value tile, transposed
@@ -84,6 +104,25 @@ struct FwdScratch {
   ScratchArray<int> query_lo;        // kBlockK            queries that see each key, in block coordinates
   ScratchArray<int> query_hi;        // kBlockK
   ScratchArray<int> bad_keys;        // kBlockK            keys whose value row is not finite (masked tiles)
+  // Low-precision products:
+  ScratchArray<scalar_t> q_pairs;   // d x block_q        Q^T in pairs panels (unscaled)
+  ScratchArray<scalar_t> k_lowp;    // kBlockK x d        key tile, when k cannot be a GEMM operand in place
+  ScratchArray<scalar_t> v_t_lowp;  // d x kBlockK        value tile, transposed
+  ScratchArray<scalar_t> p_pairs;   // kBlockK x block_q  P^T rounded, in pairs panels
+};
+
+// The results of one key part of a split call (see key_parts below), per
+// (part, batch, head, query): the online softmax's m and l and the
+// unnormalized O (d wide), in the accumulation type.
+template <typename acc_t>
+struct PartialOutputs {
+  acc_t* o;
+  acc_t* m;
+  acc_t* l;
+  int batch, heads, seqlen_q, d;
+  int64_t row(int part, int b, int h, int64_t i) const {
+    return ((static_cast<int64_t>(part) * batch + b) * heads + h) * seqlen_q + i;
+  }
 };
 
 // O^T += V^T P^T for the keys `keys` of a masked tile, each over the queries
@@ -102,11 +141,36 @@ void add_keys_over_visible_queries(const int* keys, int num_keys, const scalar_t
   }
 }
 
+// The full value tiles of one (batch, kv head), transposed once for every
+// query block (FwdPlan::v_t): d x kBlockK each, in the input dtype for the
+// low-precision products or in acc_t for the float32 path; nullptr members
+// where there are none (a tile is then transposed where it is used).
+template <typename scalar_t, typename acc_t>
+struct ValueTiles {
+  const scalar_t* lowp = nullptr;
+  const acc_t* acc = nullptr;
+  int d = 0;
+  const scalar_t* lowp_tile(int64_t k0) const { return lowp ? lowp + (k0 / kBlockK) * d * kBlockK : nullptr; }
+  const acc_t* acc_tile(int64_t k0) const { return acc ? acc + (k0 / kBlockK) * d * kBlockK : nullptr; }
+};
+
 // Query block q_block of head h of sequence b (seq: its rows and lengths;
-// the caller skips blocks past the sequence's end).
+// the caller skips blocks past the sequence's end), against the keys of
+// [part_begin, part_end) it can see (a multiple of kBlockK, so that the key
+// tiles keep their grid); the result goes to o and lse, or, when `partial`,
+// unnormalized to the part's slot there (merged by merge_key_parts).
+//
+// Low precision (scratch.lowp: bfloat16 / float16 on brgemm, tile_gemm.h):
+// in a block of block_q queries, the full key tiles run both products on the
+// 16-bit inputs with float32 accumulation, as torch's CPU flash kernel and
+// FlashAttention on GPUs do: S^T = K Q^T from k in place (unscaled, the
+// scale applied in the softmax step), then P^T rounded to the input dtype
+// for O^T += V^T P^T. The ragged tiles and blocks take the float32 path
+// below, on the same online-softmax state.
 template <typename scalar_t, typename acc_t>
 void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask& mask, int b, int h, int64_t q_block,
-                     FwdScratch<acc_t>& scratch) {
+                     int64_t part_begin, int64_t part_end, const PartialOutputs<acc_t>* partial, int part,
+                     const ValueTiles<scalar_t, acc_t>& v_tiles, FwdScratch<scalar_t, acc_t>& scratch) {
   const int d = p.head_dim;
   const int block_q = scratch.block_q;
   const int64_t q0 = q_block * block_q;
@@ -132,40 +196,94 @@ void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
   std::fill(row_sum, row_sum + rows, acc_t(0));
   for (int i = 0; i < d; ++i) std::fill(o_t + i * block_q, o_t + i * block_q + rows, acc_t(0));
 
-  const int64_t key_begin = mask.tile_key_begin(q0);
-  const int64_t key_end = mask.tile_key_end(q0 + rows);
+  const int64_t key_begin = std::max(mask.tile_key_begin(q0), part_begin);
+  const int64_t key_end = std::min(mask.tile_key_end(q0 + rows), part_end);
   if (key_begin < key_end) {
-    // The softmax scale goes into Q once, so that S^T comes out scaled.
-    load_tile_transposed(q, p.q_row_stride, rows, d, static_cast<acc_t>(p.softmax_scale), scratch.q_t.get(), block_q);
+    const bool lowp_block = scratch.lowp && rows == block_q;
+    bool have_q_t = false;  // the float32 path's scale * Q^T, loaded on first use
+    if constexpr (kIsLowp<scalar_t>) {
+      if (lowp_block) pack_pairs_transposed(q, p.q_row_stride, d, block_q, scratch.q_pairs.get());
+    }
     for (int64_t k0 = key_begin / kBlockK * kBlockK; k0 < key_end; k0 += kBlockK) {
       const int cols = static_cast<int>(std::min<int64_t>(kBlockK, seq.seqlen_k - k0));
       const bool full_tile = rows == block_q && cols == kBlockK;  // see tile_gemm.h
-
-      // S^T = K (scale Q)^T                                                cols x rows
-      const Operand<acc_t> k_op = as_operand(k + k0 * p.k_row_stride, p.k_row_stride, cols, d, scratch.k.get(), d);
-      gemm_nn(cols, rows, d, k_op.ptr, k_op.ld, scratch.q_t.get(), block_q, s_t, block_q, /*accumulate=*/false,
-              full_tile);
-
       // Element mask, only where some entry of the block is hidden.
       const bool masked = mask.block_query_ranges(q0, rows, k0, cols, scratch.query_lo.get(), scratch.query_hi.get());
       const int* query_lo = masked ? scratch.query_lo.get() : nullptr;
       const int* query_hi = masked ? scratch.query_hi.get() : nullptr;
+
+      if constexpr (kIsLowp<scalar_t>) {
+        if (lowp_block && full_tile) {
+          // S^T = K Q^T                                                    cols x rows
+          const scalar_t* k_tile = k + k0 * p.k_row_stride;
+          int64_t k_ld = p.k_row_stride;
+          if (!(k_ld >= d && ld_admitted_in_place(k_ld))) {
+            for (int j = 0; j < cols; ++j)
+              std::copy(k_tile + j * k_ld, k_tile + j * k_ld + d, scratch.k_lowp.get() + j * d);
+            k_tile = scratch.k_lowp.get(), k_ld = d;
+          }
+          gemm_nn_lowp(cols, rows, d, k_tile, k_ld, scratch.q_pairs.get(), s_t, block_q, /*accumulate=*/false);
+          // S^T -> P^T (scaled here), update m and l, rescale O^T.
+          online_softmax_step(s_t, block_q, cols, rows, query_lo, query_hi, row_max, row_sum, o_t, block_q, d,
+                              scratch.softmax_work.get(), static_cast<acc_t>(p.softmax_scale));
+          // O^T += V^T P^T                                                 d x rows
+          const scalar_t* v_tile = v + k0 * p.v_row_stride;
+          const int bad =
+              masked ? nonfinite_rows<scalar_t, acc_t>(v_tile, p.v_row_stride, cols, d, scratch.bad_keys.get()) : 0;
+          const scalar_t* v_t = masked ? nullptr : v_tiles.lowp_tile(k0);
+          if (!v_t) {  // transposed here (masked tiles: the non-finite rule may zero columns)
+            transpose_lowp(v_tile, p.v_row_stride, cols, d, scratch.v_t_lowp.get(), kBlockK);
+            if (bad > 0) zero_columns(scratch.v_t_lowp.get(), kBlockK, d, scratch.bad_keys.get(), bad);
+            v_t = scratch.v_t_lowp.get();
+          }
+          pack_pairs(s_t, block_q, cols, rows, scratch.p_pairs.get());
+          gemm_nn_lowp(d, rows, cols, v_t, kBlockK, scratch.p_pairs.get(), o_t, block_q, /*accumulate=*/true);
+          if (bad > 0)
+            add_keys_over_visible_queries(scratch.bad_keys.get(), bad, v_tile, p.v_row_stride, d, s_t, block_q,
+                                          query_lo, query_hi, rows, o_t, block_q);
+          continue;
+        }
+      }
+
+      // The float32 path. The softmax scale goes into Q once, so that S^T
+      // comes out scaled.
+      if (!have_q_t) {
+        load_tile_transposed(q, p.q_row_stride, rows, d, static_cast<acc_t>(p.softmax_scale), scratch.q_t.get(),
+                             block_q);
+        have_q_t = true;
+      }
+      // S^T = K (scale Q)^T                                                cols x rows
+      const Operand<acc_t> k_op = as_operand(k + k0 * p.k_row_stride, p.k_row_stride, cols, d, scratch.k.get(), d);
+      gemm_nn(cols, rows, d, k_op.ptr, k_op.ld, scratch.q_t.get(), block_q, s_t, block_q, /*accumulate=*/false,
+              full_tile);
       // S^T -> P^T, update m and l, rescale O^T.
       online_softmax_step(s_t, block_q, cols, rows, query_lo, query_hi, row_max, row_sum, o_t, block_q, d,
-                          scratch.softmax_work.get());
+                          scratch.softmax_work.get(), acc_t(1));
 
       // O^T += V^T P^T                                                     d x rows
-      load_tile_transposed(v + k0 * p.v_row_stride, p.v_row_stride, cols, d, acc_t(1), scratch.v_t.get(), kBlockK);
+      const acc_t* v_t = masked || cols < kBlockK ? nullptr : v_tiles.acc_tile(k0);
+      if (!v_t) {  // transposed here (masked tiles: the non-finite rule may zero columns)
+        load_tile_transposed(v + k0 * p.v_row_stride, p.v_row_stride, cols, d, acc_t(1), scratch.v_t.get(), kBlockK);
+        v_t = scratch.v_t.get();
+      }
       const int bad = masked ? take_nonfinite_columns(scratch.v_t.get(), kBlockK, d, cols, scratch.probe.get(),
                                                       scratch.bad_keys.get())
                              : 0;
-      gemm_nn(d, rows, cols, scratch.v_t.get(), kBlockK, s_t, block_q, o_t, block_q, /*accumulate=*/true, full_tile);
+      gemm_nn(d, rows, cols, v_t, kBlockK, s_t, block_q, o_t, block_q, /*accumulate=*/true, full_tile);
       if (bad > 0)
         add_keys_over_visible_queries(scratch.bad_keys.get(), bad, v + k0 * p.v_row_stride, p.v_row_stride, d, s_t,
                                       block_q, query_lo, query_hi, rows, o_t, block_q);
     }
   }
 
+  if (partial) {  // m, l and O^T as they are, for the merge
+    const int64_t row0 = partial->row(part, b, h, q0);
+    std::copy(row_max, row_max + rows, partial->m + row0);
+    std::copy(row_sum, row_sum + rows, partial->l + row0);
+    store_tile_transposed(o_t, block_q, rows, d, acc_t(1), static_cast<const acc_t*>(nullptr), partial->o + row0 * d,
+                          int64_t(d));
+    return;
+  }
   // O = (O^T)^T / l and lse = m + log(l); a query that saw no key has l = 0:
   // zeros and -inf.
   acc_t* inv_sum = scratch.row_scale.get();
@@ -214,8 +332,11 @@ struct FewQueriesScratch {
 
 // Query heads [h0, h0 + heads) of batch entry b, all of kv head h0 / ratio:
 // row r of the item is query r % seqlen_q of head h0 + r / seqlen_q.
+// Keys [part_begin, part_end) only, the result to `partial` as in
+// fwd_query_block when it is given.
 template <typename scalar_t, typename acc_t>
 void fwd_few_queries(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask& mask, int b, int h0, int heads,
+                     int64_t part_begin, int64_t part_end, const PartialOutputs<acc_t>* partial, int part,
                      FewQueriesScratch<acc_t>& scratch) {
   const int d = p.head_dim;
   const int seqlen_q = seq.seqlen_q;
@@ -245,8 +366,8 @@ void fwd_few_queries(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
   }
 
   // Every head of the item has the same queries, so the key range is theirs.
-  const int64_t key_begin = mask.tile_key_begin(0);
-  const int64_t key_end = mask.tile_key_end(seqlen_q);
+  const int64_t key_begin = std::max(mask.tile_key_begin(0), part_begin);
+  const int64_t key_end = std::min(mask.tile_key_end(seqlen_q), part_end);
   for (int64_t k0 = key_begin; k0 < key_end; k0 += kFewBlockK) {
     const int cols = static_cast<int>(std::min<int64_t>(kFewBlockK, key_end - k0));
     const int* key_lo = nullptr;
@@ -265,6 +386,15 @@ void fwd_few_queries(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
                        scratch.kv_row.get());
   }
 
+  if (partial) {
+    for (int r = 0; r < rows; ++r) {
+      const int64_t row = partial->row(part, b, head_of(r), query_of(r));
+      partial->m[row] = row_max[r];
+      partial->l[row] = row_sum[r];
+      std::copy(o_acc + r * d, o_acc + (r + 1) * d, partial->o + row * d);
+    }
+    return;
+  }
   for (int r = 0; r < rows; ++r) {
     const int i = query_of(r), h = head_of(r);
     const bool empty = row_sum[r] == acc_t(0);
@@ -275,63 +405,327 @@ void fwd_few_queries(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
   }
 }
 
-// Query heads a few-queries item takes: as many of a GQA group as kFewRows
-// rows hold, fewer while that would leave some of the threads without an
-// item (a batch of one with few kv heads).
-inline int few_queries_heads_per_item(const AttnFwdParams& p) {
-  const int ratio = p.heads_ratio();
-  int heads = std::max(1, std::min(ratio, kFewRows / std::max(1, p.seqlen_q)));
-  const int64_t groups = static_cast<int64_t>(p.batch) * p.heads_kv;
-  while (heads > 1 && groups * ceil_div(ratio, heads) < 2 * at::get_num_threads()) heads = (heads + 1) / 2;
-  return heads;
+// ---------------------------------------------------------------------------
+// The work of a call, as items for the threads.
+//
+// Flash-decoding. A decoding call has few (batch, kv head) groups, 8 for one
+// sequence of a model with 8 kv heads, and would leave most of a server's
+// cores idle; a short query block against a long cache likewise. Such calls
+// split each row's keys into parts, one item each: a part runs the same
+// online softmax over its keys and leaves its m, l and unnormalized O in a
+// float32 (float64) buffer, and the item that finishes a unit's last part
+// combines them in a fixed order (merge_key_parts; no second parallel loop,
+// whose start and end would cost more than the merge on a busy machine).
+// The number of parts depends on the shapes only, never on the thread count,
+// so that the results stay bitwise identical across thread counts: enough
+// items for kWantedItems workers, parts of at least kMinPartKeys keys
+// (shorter ones would cost more in setup and merge than they spread).
+constexpr int64_t kWantedItems = 128;
+constexpr int64_t kMinPartKeys = 256;
+
+struct KeyParts {
+  int parts = 1;
+  int64_t part_len = std::numeric_limits<int64_t>::max();  // keys per part, a multiple of the granule
+  int64_t begin(int part) const { return parts == 1 ? 0 : part * part_len; }
+  int64_t end(int part) const { return parts == 1 ? part_len : (part + 1) * part_len; }
+};
+
+// units: the items of the call(s) without a split; granule: the part
+// boundaries' alignment (the tiled path's key tile grid).
+inline KeyParts key_parts(int64_t units, int64_t seqlen_k, int64_t granule) {
+  KeyParts kp;
+  if (units >= kWantedItems || seqlen_k < 2 * kMinPartKeys) return kp;
+  const int64_t parts = std::min(ceil_div(kWantedItems, units), seqlen_k / kMinPartKeys);
+  if (parts <= 1) return kp;
+  kp.part_len = ceil_div(ceil_div(seqlen_k, parts), granule) * granule;
+  kp.parts = static_cast<int>(ceil_div(seqlen_k, kp.part_len));
+  return kp;
 }
 
-// Items run over (batch, head, query block of seqlen_q): in a varlen batch
-// seqlen_q is the longest sequence's length, and the items past a shorter
-// sequence's end do nothing.
-template <typename scalar_t>
-void fwd(const AttnFwdParams& p) {
-  using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-  const int64_t batch_heads = static_cast<int64_t>(p.batch) * p.heads_q;
-  if (p.seqlen_q <= kFewQueries) {
+// How one call is cut into items: the path, its query blocks or GQA head
+// groups, its key parts, and the parts' buffers.
+template <typename scalar_t, typename acc_t>
+struct FwdPlan {
+  const AttnFwdParams* p = nullptr;
+  bool few = false;           // the few-queries path (seqlen_q <= kFewQueries)
+  int heads = 1, chunks = 1;  // few: query heads an item takes, items per (batch, kv head)
+  int block_q = 0;            // tiled path: queries per block
+  bool lowp = false;          //   its full tiles on the low-precision products
+  int64_t q_blocks = 0;       //   blocks per (batch, head)
+  int64_t units = 0;          // items of one key part
+  KeyParts split;
+  ScratchArray<acc_t> part_o, part_m, part_l;  // split.parts > 1: (parts, batch, heads_q, seqlen_q[, d])
+  PartialOutputs<acc_t> partial{};
+  std::unique_ptr<std::atomic<int>[]> parts_done;  // per unit, the parts finished
+  // Several query blocks a head (a dense batch): the full value tiles
+  // transposed once for all of them, (batch, heads_kv, v_tiles, d x kBlockK),
+  // in the input dtype (lowp) or acc_t.
+  ScratchArray<scalar_t> v_t_lowp;
+  ScratchArray<acc_t> v_t_acc;
+  int64_t v_tiles = 0;
+  int64_t v_t_offset(int b, int64_t h_kv) const {
+    return (static_cast<int64_t>(b) * p->heads_kv + h_kv) * v_tiles * p->head_dim * kBlockK;
+  }
+  ValueTiles<scalar_t, acc_t> v_t_of(int b, int64_t h_kv) const {
+    ValueTiles<scalar_t, acc_t> t;
+    t.d = p->head_dim;
+    if (v_tiles == 0) return t;
+    if (lowp)
+      t.lowp = v_t_lowp.get() + v_t_offset(b, h_kv);
+    else
+      t.acc = v_t_acc.get() + v_t_offset(b, h_kv);
+    return t;
+  }
+
+  int64_t items() const { return units * split.parts; }
+};
+
+template <typename scalar_t, typename acc_t>
+void plan_calls(const AttnFwdParams* calls, int64_t num_calls, std::vector<FwdPlan<scalar_t, acc_t>>& plans) {
+  plans.resize(num_calls);
+  // Items without a split, over every call: the calls run as one loop.
+  int64_t base_units = 0;
+  for (int64_t c = 0; c < num_calls; ++c) {
+    const AttnFwdParams& p = calls[c];
+    FwdPlan<scalar_t, acc_t>& plan = plans[c];
+    plan.p = &p;
+    plan.few = p.seqlen_q <= kFewQueries;
+    if (plan.few) {
+      plan.units = static_cast<int64_t>(p.batch) * p.heads_kv;
+    } else {
+      const int64_t batch_heads = static_cast<int64_t>(p.batch) * p.heads_q;
+      plan.block_q = query_block_size(batch_heads, p.seqlen_q, kMaxBlockQ, kMinBlockQ);
+      plan.lowp = use_lowp_products(p);
+      plan.q_blocks = ceil_div(p.seqlen_q, plan.block_q);
+      plan.units = batch_heads * plan.q_blocks;
+    }
+    base_units += plan.units;
+  }
+  // Key parts: decoding, and short query blocks against long key ranges.
+  const bool may_split = !env_flag("FLASHATTN_CPU_NO_KEY_SPLIT");
+  int64_t few_groups = 0;  // (batch, kv head, part) of the few-queries calls
+  for (auto& plan : plans) {
+    const AttnFwdParams& p = *plan.p;
+    if (!may_split) {
+      few_groups += plan.few ? plan.units : 0;
+    } else if (plan.few) {
+      plan.split = key_parts(base_units, p.seqlen_k, kFewBlockK);
+      few_groups += plan.units * plan.split.parts;
+    } else if (p.seqlen_k >= 4 * static_cast<int64_t>(p.seqlen_q)) {
+      plan.split = key_parts(base_units, p.seqlen_k, kBlockK);
+    }
+  }
+  // Query heads a few-queries item takes: as many of a GQA group as kFewRows
+  // rows hold, fewer while that would leave some of the threads without an
+  // item. (Each row's arithmetic is the same whatever it is grouped with:
+  // this may follow the thread count.)
+  for (auto& plan : plans) {
+    const AttnFwdParams& p = *plan.p;
+    if (!plan.few) continue;
     const int ratio = p.heads_ratio();
-    const int heads = few_queries_heads_per_item(p);
-    const int chunks = static_cast<int>(ceil_div(ratio, heads));  // items per (batch, kv head)
-    for_each_item_in_parallel(
-        static_cast<int64_t>(p.batch) * p.heads_kv * chunks, [&] { return FewQueriesScratch<acc_t>(p.head_dim); },
-        [&](int64_t item, FewQueriesScratch<acc_t>& scratch) {
-          const int64_t group = item / chunks;  // (batch, kv head)
-          const int b = static_cast<int>(group / p.heads_kv);
-          const int h0 = static_cast<int>(group % p.heads_kv) * ratio + static_cast<int>(item % chunks) * heads;
-          const SeqInfo seq(p, b);
-          if (seq.seqlen_q == 0) return;
-          fwd_few_queries<scalar_t, acc_t>(p, seq, AttnMask(p.mask, seq), b, h0,
-                                           std::min(heads, (h0 / ratio + 1) * ratio - h0), scratch);
-        });
+    int heads = std::max(1, std::min(ratio, kFewRows / std::max(1, p.seqlen_q)));
+    while (heads > 1 && few_groups * ceil_div(ratio, heads) < 2 * at::get_num_threads()) heads = (heads + 1) / 2;
+    plan.heads = heads;
+    plan.chunks = static_cast<int>(ceil_div(ratio, heads));
+    plan.units *= plan.chunks;
+  }
+  for (auto& plan : plans) {
+    if (plan.split.parts == 1) continue;
+    const AttnFwdParams& p = *plan.p;
+    const int64_t rows = static_cast<int64_t>(plan.split.parts) * p.batch * p.heads_q * p.seqlen_q;
+    plan.part_o = ScratchArray<acc_t>(rows * p.head_dim);
+    plan.part_m = ScratchArray<acc_t>(rows);
+    plan.part_l = ScratchArray<acc_t>(rows);
+    plan.partial = {plan.part_o.get(), plan.part_m.get(), plan.part_l.get(), p.batch,
+                    p.heads_q,         p.seqlen_q,        p.head_dim};
+    plan.parts_done.reset(new std::atomic<int>[plan.units]());
+  }
+  for (auto& plan : plans) {
+    const AttnFwdParams& p = *plan.p;
+    if (plan.few || plan.q_blocks < 2 || p.seqlen_k < kBlockK || p.is_varlen()) continue;
+    plan.v_tiles = p.seqlen_k / kBlockK;
+    const int64_t size = static_cast<int64_t>(p.batch) * p.heads_kv * plan.v_tiles * p.head_dim * kBlockK;
+    if (plan.lowp) {
+      plan.v_t_lowp = ScratchArray<scalar_t>(size);
+    } else {
+      plan.v_t_acc = ScratchArray<acc_t>(size);
+    }
+  }
+}
+
+// The value tiles of plan.v_t_*: item = (batch, kv head, tile), each
+// transposed as the tile loop would (the same function: the same bits).
+template <typename scalar_t, typename acc_t>
+void transpose_value_tiles(FwdPlan<scalar_t, acc_t>& plan, int64_t item) {
+  const AttnFwdParams& p = *plan.p;
+  const int64_t tile = item % plan.v_tiles, bh = item / plan.v_tiles;
+  const int b = static_cast<int>(bh / p.heads_kv);
+  const scalar_t* v = static_cast<const scalar_t*>(p.v_ptr) + b * p.v_batch_stride +
+                      (bh % p.heads_kv) * p.v_head_stride + tile * kBlockK * p.v_row_stride;
+  const int64_t offset = plan.v_t_offset(b, bh % p.heads_kv) + tile * p.head_dim * kBlockK;
+  if constexpr (kIsLowp<scalar_t>) {
+    if (plan.lowp) {
+      transpose_lowp(v, p.v_row_stride, kBlockK, p.head_dim, plan.v_t_lowp.get() + offset, kBlockK);
+      return;
+    }
+  }
+  load_tile_transposed(v, p.v_row_stride, kBlockK, p.head_dim, acc_t(1), plan.v_t_acc.get() + offset, kBlockK);
+}
+
+// Per-worker scratch of either path, made on first use.
+template <typename scalar_t, typename acc_t>
+struct FwdWorker {
+  std::optional<FwdScratch<scalar_t, acc_t>> tiled;
+  std::optional<FewQueriesScratch<acc_t>> few;
+  int tiled_d = 0, few_d = 0;
+  ScratchArray<acc_t> merge_row;  // d: one row of O in the merge
+  int merge_d = 0;
+
+  acc_t* merge_row_for(int d) {
+    if (merge_d < d) merge_row = ScratchArray<acc_t>(d), merge_d = d;
+    return merge_row.get();
+  }
+
+  bool used_lowp = false;  // ran low-precision products: release them at the end
+
+  FwdScratch<scalar_t, acc_t>& tiled_for(int d, int block_q, bool lowp) {
+    if (!tiled || tiled_d != d || tiled->block_q != block_q || tiled->lowp != lowp)
+      tiled.emplace(d, block_q, lowp), tiled_d = d;
+    used_lowp = used_lowp || lowp;
+    return *tiled;
+  }
+  FewQueriesScratch<acc_t>& few_for(int d) {
+    if (!few || few_d != d) few.emplace(d), few_d = d;
+    return *few;
+  }
+};
+
+// O and lse of the query rows [i0, i1) of (batch b, head h) from the key
+// parts, in the order of the parts: M = max m_p, L = sum exp(m_p - M) l_p, O = sum
+// exp(m_p - M) O_p / L, lse = M + log(L). Parts that saw no key have m = -inf
+// and l = O = 0 and drop out; a row that saw none at all gets zeros and
+// -inf, as the unsplit kernels give it. The shift is 0 when M = -inf, as in
+// online_softmax_step, so that a NaN score (l = NaN with m = -inf) still
+// reaches the output.
+template <typename scalar_t, typename acc_t>
+void merge_key_parts(const FwdPlan<scalar_t, acc_t>& plan, int b, int h, int64_t i0, int64_t i1, acc_t* o_acc) {
+  const AttnFwdParams& p = *plan.p;
+  const SeqInfo seq(p, b);
+  const int d = p.head_dim;
+  constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
+  const PartialOutputs<acc_t>& part = plan.partial;
+  scalar_t* o =
+      static_cast<scalar_t*>(p.o_ptr) + seq.q_offset(p.o_batch_stride, p.o_row_stride, b) + h * p.o_head_stride;
+  acc_t* lse = static_cast<acc_t*>(p.lse_ptr) + seq.rowvec_offset(p, b, h);
+  for (int64_t i = i0; i < i1; ++i) {
+    acc_t m_max = kNegInf;
+    for (int pt = 0; pt < plan.split.parts; ++pt) m_max = std::max(m_max, part.m[part.row(pt, b, h, i)]);
+    const acc_t shift = m_max == kNegInf ? acc_t(0) : m_max;
+    acc_t sum = 0;
+    std::fill(o_acc, o_acc + d, acc_t(0));
+    for (int pt = 0; pt < plan.split.parts; ++pt) {
+      const int64_t row = part.row(pt, b, h, i);
+      const acc_t f = std::exp(part.m[row] - shift);
+      sum += f * part.l[row];
+      const acc_t* o_p = part.o + row * d;
+      for (int c = 0; c < d; ++c) o_acc[c] += f * o_p[c];
+    }
+    const bool empty = sum == acc_t(0);
+    lse[i] = empty ? kNegInf : m_max + std::log(sum);
+    store_tile(o_acc, d, 1, d, empty ? acc_t(0) : acc_t(1) / sum, o + i * p.o_row_stride, p.o_row_stride);
+  }
+}
+
+// Whether the part just finished was the unit's last (its item merges the
+// parts then). acq_rel: the other parts' results are visible to the merge.
+template <typename scalar_t, typename acc_t>
+bool last_part_of(const FwdPlan<scalar_t, acc_t>& plan, int64_t unit) {
+  return plan.parts_done[unit].fetch_add(1, std::memory_order_acq_rel) + 1 == plan.split.parts;
+}
+
+// Item `item` of a plan. Items run over (unit, key part), the parts of a
+// unit next to each other; a unit is (batch, kv head, head chunk) on the
+// few-queries path and (batch, head, query block) on the tiled path, over
+// seqlen_q: in a varlen batch the longest sequence's, and the items past a
+// shorter sequence's end do nothing.
+template <typename scalar_t, typename acc_t>
+void run_item(const FwdPlan<scalar_t, acc_t>& plan, int64_t item, FwdWorker<scalar_t, acc_t>& worker) {
+  const AttnFwdParams& p = *plan.p;
+  const int part = static_cast<int>(item % plan.split.parts);
+  const int64_t unit = item / plan.split.parts;
+  const PartialOutputs<acc_t>* partial = plan.split.parts > 1 ? &plan.partial : nullptr;
+  if (plan.few) {
+    const int ratio = p.heads_ratio();
+    const int64_t group = unit / plan.chunks;  // (batch, kv head)
+    const int b = static_cast<int>(group / p.heads_kv);
+    const int h0 = static_cast<int>(group % p.heads_kv) * ratio + static_cast<int>(unit % plan.chunks) * plan.heads;
+    const int heads = std::min(plan.heads, (h0 / ratio + 1) * ratio - h0);
+    const SeqInfo seq(p, b);
+    if (seq.seqlen_q == 0) return;
+    fwd_few_queries<scalar_t, acc_t>(p, seq, AttnMask(p.mask, seq), b, h0, heads, plan.split.begin(part),
+                                     plan.split.end(part), partial, part, worker.few_for(p.head_dim));
+    if (partial && last_part_of(plan, unit))
+      for (int h = h0; h < h0 + heads; ++h)
+        merge_key_parts<scalar_t>(plan, b, h, 0, seq.seqlen_q, worker.merge_row_for(p.head_dim));
     return;
   }
-  const int block_q = query_block_size(batch_heads, p.seqlen_q, kMaxBlockQ, kMinBlockQ);
-  const int64_t q_blocks = ceil_div(p.seqlen_q, block_q);
+  // Last query block first: under a causal mask it is the most expensive,
+  // and the dynamic schedule balances best when big items go first.
+  const int64_t q_block = plan.q_blocks - 1 - unit % plan.q_blocks;
+  const int64_t bh = unit / plan.q_blocks;
+  const int b = static_cast<int>(bh / p.heads_q);
+  const SeqInfo seq(p, b);
+  if (q_block * plan.block_q >= seq.seqlen_q) return;
+  const int h = static_cast<int>(bh % p.heads_q);
+  fwd_query_block<scalar_t, acc_t>(p, seq, AttnMask(p.mask, seq), b, h, q_block, plan.split.begin(part),
+                                   plan.split.end(part), partial, part, plan.v_t_of(b, h / p.heads_ratio()),
+                                   worker.tiled_for(p.head_dim, plan.block_q, plan.lowp));
+  if (partial && last_part_of(plan, unit)) {
+    const int64_t q0 = q_block * plan.block_q;
+    merge_key_parts<scalar_t>(plan, b, h, q0, std::min<int64_t>(q0 + plan.block_q, seq.seqlen_q),
+                              worker.merge_row_for(p.head_dim));
+  }
+}
+
+// The calls run as one parallel loop, their items one after the other.
+template <typename scalar_t>
+void fwd(const AttnFwdParams* calls, int64_t num_calls) {
+  using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+  std::vector<FwdPlan<scalar_t, acc_t>> plans;
+  plan_calls(calls, num_calls, plans);
+  std::vector<int64_t> first_tile(num_calls + 1, 0);  // plans[c]'s value tiles to transpose first
+  for (int64_t c = 0; c < num_calls; ++c)
+    first_tile[c + 1] =
+        first_tile[c] + (plans[c].v_tiles ? int64_t(calls[c].batch) * calls[c].heads_kv * plans[c].v_tiles : 0);
+  if (first_tile.back() > 0) {
+    for_each_item_in_parallel(
+        first_tile.back(), [] { return 0; },
+        [&](int64_t item, int&) {
+          const int64_t c = std::upper_bound(first_tile.begin(), first_tile.end(), item) - first_tile.begin() - 1;
+          transpose_value_tiles(plans[c], item - first_tile[c]);
+        });
+  }
+  std::vector<int64_t> first_item(num_calls + 1, 0);  // plans[c]'s items: [first_item[c], first_item[c + 1])
+  for (int64_t c = 0; c < num_calls; ++c) first_item[c + 1] = first_item[c] + plans[c].items();
   for_each_item_in_parallel(
-      batch_heads * q_blocks, [&] { return FwdScratch<acc_t>(p.head_dim, block_q); },
-      [&](int64_t item, FwdScratch<acc_t>& scratch) {
-        // Last query block first: under a causal mask it is the most expensive,
-        // and the dynamic schedule balances best when big items go first.
-        const int64_t q_block = q_blocks - 1 - item % q_blocks;
-        const int64_t bh = item / q_blocks;
-        const int b = static_cast<int>(bh / p.heads_q);
-        const SeqInfo seq(p, b);
-        if (q_block * block_q >= seq.seqlen_q) return;
-        fwd_query_block<scalar_t, acc_t>(p, seq, AttnMask(p.mask, seq), b, static_cast<int>(bh % p.heads_q), q_block,
-                                         scratch);
+      first_item.back(), [] { return FwdWorker<scalar_t, acc_t>(); },
+      [&](int64_t item, FwdWorker<scalar_t, acc_t>& worker) {
+        const int64_t c = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
+        run_item<scalar_t, acc_t>(plans[c], item - first_item[c], worker);
+      },
+      [](FwdWorker<scalar_t, acc_t>& worker) {
+        if (worker.used_lowp) lowp_gemm_release();
       });
 }
 
 }  // namespace
 }  // namespace cpu
 
-void run_fwd_cpu(const AttnFwdParams& params) {
-  cpu::with_scalar_type(params.dtype, "forward", [&](auto elem) { cpu::fwd<decltype(elem)>(params); });
+void run_fwd_cpu(const AttnFwdParams& params) { run_fwd_cpu(&params, 1); }
+
+void run_fwd_cpu(const AttnFwdParams* calls, int64_t num_calls) {
+  if (num_calls <= 0) return;
+  cpu::with_scalar_type(calls[0].dtype, "forward", [&](auto elem) { cpu::fwd<decltype(elem)>(calls, num_calls); });
 }
 
 }  // namespace flashattn

@@ -1,15 +1,16 @@
 // CPU implementation of flashattn_ext::fwd_kvcache: each batch row is one call
-// of the tiled forward kernel (flash_cpu_fwd.cpp) on a (1, seqlen_q, heads_q,
-// head_dim) view of q against the row's visible keys [leftpad, seqlens_k) of
-// its cache row, causal and windows aligned bottom-right against them. A
-// contiguous cache is used in place (a view); a paged one is gathered row by
-// row (the CPU path reads every visible key once either way). The integer
-// arguments are host tensors here, so their values are checked, each error
-// naming the argument.
+// of the forward kernels (flash_cpu_fwd.cpp; the rows' calls run as one
+// parallel loop) on a (1, seqlen_q, heads_q, head_dim) view of q against the
+// row's visible keys [leftpad, seqlens_k) of its cache row, causal and
+// windows aligned bottom-right against them. A contiguous cache is used in
+// place (a view); a paged one is gathered row by row (the CPU path reads
+// every visible key once either way). The integer arguments are host tensors
+// here, so their values are checked, each error naming the argument.
 #include <torch/library.h>
 
 #include <limits>
 #include <optional>
+#include <vector>
 
 #include "../kvcache_api.h"
 #include "flash_cpu.h"
@@ -64,6 +65,11 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_impl(const at::Tensor& q, con
   }
   if (batch == 0 || seqlen_q == 0) return {out, lse};
 
+  // One forward call per batch row with keys, all run as one parallel loop
+  // (run_fwd_cpu splits a decoding row's keys over the threads).
+  std::vector<AttnFwdParams> calls;
+  std::vector<at::Tensor> gathered;  // the paged rows' keys and values, alive until the calls ran
+  calls.reserve(batch);
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t lp = leftpad ? lp_t.data_ptr<int32_t>()[b] : 0;
     const int64_t n = sk[b] - lp;  // visible keys
@@ -81,14 +87,17 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_impl(const at::Tensor& q, con
       const auto offs = at::remainder(pos, page);
       kb = k_cache.index({blocks, offs}).unsqueeze(0);
       vb = v_cache.index({blocks, offs}).unsqueeze(0);
+      gathered.push_back(kb);
+      gathered.push_back(vb);
     } else {
       const int64_t row = batch_idx ? idx_t.data_ptr<int32_t>()[b] : b;
       kb = k_cache.narrow(0, row, 1).narrow(1, lp, n);
       vb = v_cache.narrow(0, row, 1).narrow(1, lp, n);
     }
     const auto mask = make_mask(window_left, window_right, /*bottom_right=*/true, seqlen_q, n);
-    run_fwd_cpu(make_fwd_params(q.narrow(0, b, 1), kb, vb, out_b, lse_b, softmax_scale, mask));
+    calls.push_back(make_fwd_params(q.narrow(0, b, 1), kb, vb, out_b, lse_b, softmax_scale, mask));
   }
+  run_fwd_cpu(calls.data(), static_cast<int64_t>(calls.size()));
   return {out, lse};
 }
 

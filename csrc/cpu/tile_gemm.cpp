@@ -1,5 +1,6 @@
 #include "tile_gemm.h"
 
+#include <ATen/Context.h>
 #include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
@@ -8,6 +9,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_knobs.h"
 #include "simd_clones.h"
 
 namespace flashattn {
@@ -192,6 +194,98 @@ void gemm_nn(int64_t m, int64_t n, int64_t k, const double* a, int64_t lda, cons
              int64_t ldc, bool accumulate, bool /*full_tile*/) {
   gemm_nn_registers(m, n, k, a, lda, b, ldb, c, ldc, accumulate);
 }
+
+// ---------------------------------------------------------------------------
+// Low-precision products on brgemm.
+
+namespace {
+
+template <typename T>
+void brgemm_pairs(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, float* c, int64_t ldc,
+                  bool accumulate) {
+  const int w = lowp_panel_width(n);
+  for (int64_t j = 0; j < n; j += w)
+    at::native::cpublas::brgemm(m, w, k, lda, /*ld_b=*/w, ldc, accumulate, a, b + j * k, c + j, /*is_vnni=*/true);
+}
+
+// One product of the shapes the kernels use, from small integers (exact in
+// every format and in any order of summation), against its exact value: a
+// brgemm that throws (no kernel for the dtype on this machine) or reads B in
+// another layout (oneDNN's plain one, e.g. float16 without AMX-FP16) fails.
+template <typename T>
+bool probe_brgemm_pairs() {
+  constexpr int M = 16, N = 128, K = 64;
+  std::vector<float> a(M * K), b(K * N), expect(M * N, 0.f), got(M * N, -1.f);
+  for (int i = 0; i < M * K; ++i) a[i] = static_cast<float>((i * 7 + 3) % 9 - 4);
+  for (int i = 0; i < K * N; ++i) b[i] = static_cast<float>((i * 5 + 1) % 7 - 3);
+  for (int i = 0; i < M; ++i)
+    for (int p = 0; p < K; ++p)
+      for (int j = 0; j < N; ++j) expect[i * N + j] += a[i * K + p] * b[p * N + j];
+  std::vector<T> a_lp(M * K), b_pairs(K * N);
+  for (int i = 0; i < M * K; ++i) a_lp[i] = static_cast<T>(a[i]);
+  const int w = lowp_panel_width(N);
+  for (int p = 0; p < K; ++p)
+    for (int j = 0; j < N; ++j)
+      b_pairs[(j / w) * (K * w) + (p / 2) * 2 * w + (j % w) * 2 + p % 2] = static_cast<T>(b[p * N + j]);
+  try {
+    brgemm_pairs(M, N, K, a_lp.data(), K, b_pairs.data(), got.data(), N, /*accumulate=*/false);
+    at::native::cpublas::brgemm_release(/*is_vnni=*/true);
+  } catch (const std::exception&) {
+    return false;
+  }
+  return got == expect;
+}
+
+template <typename T>
+bool brgemm_pairs_works() {
+  static const bool works = probe_brgemm_pairs<T>();
+  return works;
+}
+
+bool brgemm_pairs_works(ScalarKind dtype) {
+  if (dtype == ScalarKind::kBFloat16) return brgemm_pairs_works<c10::BFloat16>();
+  if (dtype == ScalarKind::kFloat16) return brgemm_pairs_works<c10::Half>();
+  return false;
+}
+
+// The matrix units: oneDNN packs B for brgemm only where the dot products
+// run on AMX (could_pack: AMX for bfloat16, AMX-FP16 for float16); elsewhere
+// the brgemm of these dtypes is no faster than our float32 products (AVX512-
+// BF16 without AMX: ~0.5x of float32 brgemm, measured).
+bool has_matrix_units(ScalarKind dtype) {
+  if (dtype == ScalarKind::kBFloat16) return at::native::cpublas::could_pack(at::kBFloat16);
+  if (dtype == ScalarKind::kFloat16) return at::native::cpublas::could_pack(at::kHalf);
+  return false;
+}
+
+}  // namespace
+
+bool lowp_gemm_enabled(ScalarKind dtype) {
+  if (dtype != ScalarKind::kBFloat16 && dtype != ScalarKind::kFloat16) return false;
+  const LowpGemm choice = lowp_gemm_choice();
+  if (choice == LowpGemm::kOwn) return false;
+  if (!at::globalContext().userEnabledMkldnn()) return false;
+  if (choice == LowpGemm::kAuto && !has_matrix_units(dtype)) return false;
+  return brgemm_pairs_works(dtype);
+}
+
+std::string lowp_gemm_status(ScalarKind dtype) {
+  if (!at::globalContext().userEnabledMkldnn()) return "unavailable";
+  if (!brgemm_pairs_works(dtype)) return "unavailable";
+  return has_matrix_units(dtype) ? "brgemm" : "brgemm-available";
+}
+
+void gemm_nn_lowp(int64_t m, int64_t n, int64_t k, const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b,
+                  float* c, int64_t ldc, bool accumulate) {
+  brgemm_pairs(m, n, k, a, lda, b, c, ldc, accumulate);
+}
+
+void gemm_nn_lowp(int64_t m, int64_t n, int64_t k, const c10::Half* a, int64_t lda, const c10::Half* b, float* c,
+                  int64_t ldc, bool accumulate) {
+  brgemm_pairs(m, n, k, a, lda, b, c, ldc, accumulate);
+}
+
+void lowp_gemm_release() { at::native::cpublas::brgemm_release(/*is_vnni=*/true); }
 
 }  // namespace cpu
 }  // namespace flashattn

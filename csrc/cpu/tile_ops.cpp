@@ -11,6 +11,7 @@
 
 #include "fast_exp.h"
 #include "simd_clones.h"
+#include "tile_gemm.h"
 
 namespace flashattn {
 namespace cpu {
@@ -60,23 +61,67 @@ FLASHATTN_INLINE Vec8f load8(const c10::Half* p) {
 
 FLASHATTN_INLINE void store8(float* p, Vec8f v) { std::memcpy(p, &v, sizeof(v)); }
 
-FLASHATTN_INLINE void store8(c10::BFloat16* p, Vec8f v) {
-  // Round to nearest even, NaN to the canonical quiet NaN: c10's rule.
+// The bits of v rounded to the 16-bit type: for bfloat16 round to nearest
+// even, NaN to the canonical quiet NaN (c10's rule); float16 by c10's
+// conversion.
+FLASHATTN_INLINE Vec8u16 round8(Vec8f v, c10::BFloat16*) {
   Vec8u32 bits;
   std::memcpy(&bits, &v, sizeof(bits));
   Vec8u32 rounded = (bits + (((bits >> 16) & 1u) + 0x7FFFu)) >> 16;
   rounded = (v != v) ? Vec8u32{} + 0x7FC0u : rounded;
-  const Vec8u16 narrow = __builtin_convertvector(rounded, Vec8u16);
+  return __builtin_convertvector(rounded, Vec8u16);
+}
+
+FLASHATTN_INLINE Vec8u16 round8(Vec8f v, c10::Half*) {
+  c10::Half h[8];
+  for (int i = 0; i < 8; ++i) h[i] = static_cast<c10::Half>(v[i]);
+  Vec8u16 bits;
+  std::memcpy(&bits, h, sizeof(bits));
+  return bits;
+}
+
+template <typename lowp_t>
+FLASHATTN_INLINE void store8(lowp_t* p, Vec8f v) {
+  const Vec8u16 narrow = round8(v, static_cast<lowp_t*>(nullptr));
   std::memcpy(p, &narrow, sizeof(narrow));
 }
 
-FLASHATTN_INLINE void store8(c10::Half* p, Vec8f v) {
-  for (int i = 0; i < 8; ++i) p[i] = static_cast<c10::Half>(v[i]);
+// Eight 16-bit values as they are (their bits).
+template <typename lowp_t>
+FLASHATTN_INLINE Vec8u16 bits8(const lowp_t* p) {
+  Vec8u16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
 }
 
-// In place: row i of r becomes column i.
-FLASHATTN_INLINE void transpose8x8(Vec8f r[8]) {
-  Vec8f t[8], u[8];
+// Two 8-lane rows of 16-bit values interleaved: a0 b0 a1 b1 ... a7 b7.
+typedef uint16_t Vec16u16 __attribute__((vector_size(32)));
+FLASHATTN_INLINE Vec16u16 interleave8(Vec8u16 a, Vec8u16 b) {
+  return __builtin_shufflevector(a, b, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+}
+
+// The same 16 lanes wide, for bfloat16 (round8's rule).
+typedef uint32_t Vec16u32 __attribute__((vector_size(64)));
+typedef float Vec16f __attribute__((vector_size(64)));
+typedef uint16_t Vec32u16 __attribute__((vector_size(64)));
+FLASHATTN_INLINE Vec16u16 round16_bf16(const float* p) {
+  Vec16f v;
+  std::memcpy(&v, p, sizeof(v));
+  Vec16u32 bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  Vec16u32 rounded = (bits + (((bits >> 16) & 1u) + 0x7FFFu)) >> 16;
+  rounded = (v != v) ? Vec16u32{} + 0x7FC0u : rounded;
+  return __builtin_convertvector(rounded, Vec16u16);
+}
+FLASHATTN_INLINE Vec32u16 interleave16(Vec16u16 a, Vec16u16 b) {
+  return __builtin_shufflevector(a, b, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26, 11,
+                                 27, 12, 28, 13, 29, 14, 30, 15, 31);
+}
+
+// In place: row i of r becomes column i (pure lane moves: any 32-bit lanes).
+template <typename V8>
+FLASHATTN_INLINE void transpose8x8(V8 r[8]) {
+  V8 t[8], u[8];
   for (int i = 0; i < 8; i += 2) {  // interleave row pairs within 128-bit lanes
     t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
     t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
@@ -129,33 +174,64 @@ FLASHATTN_INLINE acc_t dot(const acc_t* __restrict x, const acc_t* __restrict y,
 }
 
 #if FLASHATTN_VECTOR_EXT
-// The float dot in vector types: the 16 lanes above as two 8-float vectors,
-// the same products, sums and fold order; written out because
-// GCC kept the generic loop's lanes in memory on AVX2 once inlined into the
-// few-queries loop (callgrind: ~800 instructions a 128-long dot, 70% of a
-// decoding call; AVX-512, one register for all 16 lanes, vectorized it).
-FLASHATTN_INLINE float dot(const float* __restrict x, const float* __restrict y, int n) {
-  constexpr int W = kLanes<float>;
-  static_assert(W == 16, "two 8-float vectors");
-  Vec8f lo = {}, hi = {};
-  int i = 0;
-  for (; i + W <= n; i += W) {
-    lo += load8(x + i) * load8(y + i);
-    hi += load8(x + i + 8) * load8(y + i + 8);
-  }
-  if (i < n) {  // a head dim that is not a multiple of 16: the tail into the lanes, then fold_sum
-    float lane[W];
-    store8(lane, lo);
-    store8(lane + 8, hi);
-    for (int l = 0; i < n; ++i, ++l) lane[l] += x[i] * y[i];
-    return fold_sum<W>(lane);
-  }
-  // fold_sum's halving steps (lane l += lane l + half) in registers.
-  Vec8f v = lo + hi;
+// The float dot in vector types: the 16 lanes above as one 16-float vector
+// (one AVX-512 register, two AVX2 ones), the same products, sums and fold
+// order; written out because GCC kept the generic loop's lanes in memory on
+// AVX2 once inlined into the few-queries loop (callgrind: ~800 instructions a
+// 128-long dot, 70% of a decoding call).
+FLASHATTN_INLINE Vec16f load16(const float* p) {
+  Vec16f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+FLASHATTN_INLINE void store16(float* p, Vec16f v) { std::memcpy(p, &v, sizeof(v)); }
+
+// fold_sum<16>'s halving steps (lane l += lane l + half) in registers.
+FLASHATTN_INLINE float fold16(Vec16f v16) {
+  Vec8f v = __builtin_shufflevector(v16, v16, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(v16, v16, 8, 9, 10, 11, 12, 13, 14, 15);
   v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 4, 5, 6, 7);
   v += __builtin_shufflevector(v, v, 2, 3, 2, 3, 2, 3, 2, 3);
   v += __builtin_shufflevector(v, v, 1, 1, 1, 1, 1, 1, 1, 1);
   return v[0];
+}
+
+FLASHATTN_INLINE float dot(const float* __restrict x, const float* __restrict y, int n) {
+  constexpr int W = kLanes<float>;
+  static_assert(W == 16, "one 16-float vector");
+  Vec16f acc = {};
+  int i = 0;
+  for (; i + W <= n; i += W) acc += load16(x + i) * load16(y + i);
+  if (i < n) {  // a head dim that is not a multiple of 16: the tail into the lanes, then fold_sum
+    float lane[W];
+    store16(lane, acc);
+    for (int l = 0; i < n; ++i, ++l) lane[l] += x[i] * y[i];
+    return fold_sum<W>(lane);
+  }
+  return fold16(acc);
+}
+
+// exp_approx (fast_exp.h) on 16 lanes, the same operations.
+FLASHATTN_INLINE Vec16f exp_approx16(Vec16f x) {
+  const Vec16f min_arg = Vec16f{} - 87.3f, max_arg = Vec16f{} + 88.3f;
+  const Vec16f xc = x < min_arg ? min_arg : (x > max_arg ? max_arg : x);
+  const Vec16f n = (xc * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  Vec16f r = xc - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  Vec16f p = Vec16f{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  typedef int32_t Vec16i __attribute__((vector_size(64)));
+  const Vec16i bits = (__builtin_convertvector(n, Vec16i) + 127) << 23;  // 2^n
+  Vec16f two_to_n;
+  std::memcpy(&two_to_n, &bits, sizeof(two_to_n));
+  const Vec16f y = p * two_to_n;
+  return x < min_arg ? Vec16f{} : y;
 }
 #endif
 
@@ -171,6 +247,43 @@ FLASHATTN_INLINE acc_t max_of(const acc_t* __restrict x, int n) {
   for (int l = 0; i < n; ++i, ++l) lane[l] = std::max(lane[l], x[i]);
   return fold_lanes<W>(lane, [](acc_t a, acc_t b) { return std::max(a, b); });
 }
+
+#if FLASHATTN_VECTOR_EXT
+// max_of and exp_shifted_sum below for float in vector types, the same
+// lanes and fold order: GCC left the generic loops scalar inside the
+// few-queries loop (perf: vmaxss / scalar exp, ~15% of a decoding step).
+FLASHATTN_INLINE float max_of(const float* __restrict x, int n) {
+  constexpr int W = kLanes<float>;
+  Vec16f acc = Vec16f{} - std::numeric_limits<float>::infinity();
+  int i = 0;
+  for (; i + W <= n; i += W) {
+    const Vec16f v = load16(x + i);
+    acc = acc < v ? v : acc;  // std::max(lane, x): a NaN x leaves the lane
+  }
+  float lane[W];
+  store16(lane, acc);
+  for (int l = 0; i < n; ++i, ++l) lane[l] = std::max(lane[l], x[i]);
+  return fold_lanes<W>(lane, [](float a, float b) { return std::max(a, b); });
+}
+
+FLASHATTN_INLINE float exp_shifted_sum(float* __restrict x, int n, float shift) {
+  constexpr int W = kLanes<float>;
+  Vec16f acc = {};
+  int i = 0;
+  for (; i + W <= n; i += W) {
+    const Vec16f e = exp_approx16(load16(x + i) - shift);
+    store16(x + i, e);
+    acc += e;
+  }
+  float lane[W];
+  store16(lane, acc);
+  for (int l = 0; i < n; ++i, ++l) {
+    x[i] = exp_approx(x[i] - shift);
+    lane[l] += x[i];
+  }
+  return fold_sum<W>(lane);
+}
+#endif
 
 // x[i] = exp(x[i] - shift); returns the sum of the new x.
 template <typename acc_t>
@@ -299,10 +412,14 @@ FLASHATTN_SIMD_CLONES void row_dot(const scalar_t* a, int64_t a_ld, const scalar
   }
 }
 
-template <typename acc_t>
-FLASHATTN_SIMD_CLONES void online_softmax_step(acc_t* s_t, int64_t ld, int keys, int queries, const int* query_lo,
-                                               const int* query_hi, acc_t* row_max, acc_t* row_sum, acc_t* o_t,
-                                               int64_t o_ld, int head_dim, acc_t* work) {
+namespace {
+
+// online_softmax_step's body; kScaled: the scores are raw products, times
+// `scale` where they are read.
+template <bool kScaled, typename acc_t>
+FLASHATTN_INLINE void online_softmax_impl(acc_t* s_t, int64_t ld, int keys, int queries, const int* query_lo,
+                                          const int* query_hi, acc_t* row_max, acc_t* row_sum, acc_t* o_t, int64_t o_ld,
+                                          int head_dim, acc_t* work, acc_t scale) {
   constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
   acc_t* __restrict alpha = work;            // queries: tile max, then exp(m_old - m_new)
   acc_t* __restrict shift = work + queries;  // queries: exponent shift, m_new or 0
@@ -321,7 +438,7 @@ FLASHATTN_SIMD_CLONES void online_softmax_step(acc_t* s_t, int64_t ld, int keys,
   fill(alpha, queries, kNegInf);
   for (int j = 0; j < keys; ++j) {
     const acc_t* __restrict s = s_t + j * ld;
-    for (int i = 0; i < queries; ++i) alpha[i] = std::max(alpha[i], s[i]);
+    for (int i = 0; i < queries; ++i) alpha[i] = std::max(alpha[i], kScaled ? s[i] * scale : s[i]);
   }
   for (int i = 0; i < queries; ++i) {
     const acc_t m_old = row_max[i];
@@ -336,15 +453,35 @@ FLASHATTN_SIMD_CLONES void online_softmax_step(acc_t* s_t, int64_t ld, int keys,
   for (int j = 0; j < keys; ++j) {
     acc_t* __restrict s = s_t + j * ld;
     for (int i = 0; i < queries; ++i) {
-      const acc_t p = exp_approx(s[i] - shift[i]);
+      const acc_t p = exp_approx((kScaled ? s[i] * scale : s[i]) - shift[i]);
       s[i] = p;
       tile_sum[i] += p;
     }
   }
   for (int i = 0; i < queries; ++i) row_sum[i] = row_sum[i] * alpha[i] + tile_sum[i];
+  // O^T *= alpha, unless every alpha is 1 (no query's max moved: most tiles
+  // once the first have been seen); x * 1 = x, so skipping changes no bit.
+  bool all_one = true;
+  for (int i = 0; i < queries; ++i) all_one &= alpha[i] == acc_t(1);
+  if (all_one) return;
   for (int d = 0; d < head_dim; ++d) {
     acc_t* __restrict o = o_t + d * o_ld;
     for (int i = 0; i < queries; ++i) o[i] *= alpha[i];
+  }
+}
+
+}  // namespace
+
+template <typename acc_t>
+FLASHATTN_SIMD_CLONES void online_softmax_step(acc_t* s_t, int64_t ld, int keys, int queries, const int* query_lo,
+                                               const int* query_hi, acc_t* row_max, acc_t* row_sum, acc_t* o_t,
+                                               int64_t o_ld, int head_dim, acc_t* work, acc_t scale) {
+  if (scale == acc_t(1)) {
+    online_softmax_impl<false>(s_t, ld, keys, queries, query_lo, query_hi, row_max, row_sum, o_t, o_ld, head_dim, work,
+                               scale);
+  } else {
+    online_softmax_impl<true>(s_t, ld, keys, queries, query_lo, query_hi, row_max, row_sum, o_t, o_ld, head_dim, work,
+                              scale);
   }
 }
 
@@ -450,6 +587,126 @@ FLASHATTN_SIMD_CLONES void attend_few_queries(const acc_t* q, int rows, int head
   }
 }
 
+// ---------------------------------------------------------------------------
+// Operands of the low-precision products (tile_gemm.h's pairs panels).
+
+namespace {
+
+template <typename lowp_t, typename src_t>
+FLASHATTN_INLINE lowp_t to_lowp(src_t x) {
+  if constexpr (std::is_same_v<src_t, lowp_t>) {
+    return x;
+  } else {
+    return static_cast<lowp_t>(x);
+  }
+}
+
+}  // namespace
+
+template <typename lowp_t, typename src_t>
+FLASHATTN_SIMD_CLONES void pack_pairs(const src_t* src, int64_t src_ld, int k, int n, lowp_t* dst) {
+  const int w = lowp_panel_width(n);
+  for (int j0 = 0; j0 < n; j0 += w) {  // one panel: k / 2 rows of w pairs
+    lowp_t* panel = dst + static_cast<int64_t>(j0) * k;
+    for (int p = 0; p < k; p += 2) {
+      const src_t* row0 = src + p * src_ld + j0;
+      const src_t* row1 = row0 + src_ld;
+      lowp_t* out = panel + p * w;
+#if FLASHATTN_VECTOR_EXT
+      if constexpr (std::is_same_v<src_t, float> && std::is_same_v<lowp_t, c10::BFloat16>) {
+        // 16 columns at a time (w is a multiple of 16): one AVX-512 register a row.
+        for (int j = 0; j < w; j += 16) {
+          const Vec32u16 both = interleave16(round16_bf16(row0 + j), round16_bf16(row1 + j));
+          std::memcpy(out + 2 * j, &both, sizeof(both));
+        }
+        continue;
+      }
+      // Rows p, p + 1 interleaved, 8 columns at a time (w is a multiple of 8).
+      for (int j = 0; j < w; j += 8) {
+        Vec8u16 a, b;
+        if constexpr (std::is_same_v<src_t, float>) {
+          a = round8(load8(row0 + j), static_cast<lowp_t*>(nullptr));
+          b = round8(load8(row1 + j), static_cast<lowp_t*>(nullptr));
+        } else {
+          a = bits8(row0 + j), b = bits8(row1 + j);
+        }
+        const Vec16u16 both = interleave8(a, b);
+        std::memcpy(out + 2 * j, &both, sizeof(both));
+      }
+#else
+      for (int j = 0; j < w; ++j) {
+        out[2 * j] = to_lowp<lowp_t>(row0[j]);
+        out[2 * j + 1] = to_lowp<lowp_t>(row1[j]);
+      }
+#endif
+    }
+  }
+}
+
+template <typename lowp_t>
+FLASHATTN_SIMD_CLONES void pack_pairs_transposed(const lowp_t* src, int64_t src_ld, int k, int n, lowp_t* dst) {
+  const int w = lowp_panel_width(n);
+  for (int j0 = 0; j0 < n; j0 += w) {
+    lowp_t* panel = dst + static_cast<int64_t>(j0) * k;
+    int p_done = 0;  // k in blocks of 16 (8 pairs) x 8 columns: a transpose of 32-bit pairs
+#if FLASHATTN_VECTOR_EXT
+    p_done = k / 16 * 16;
+    for (int j = 0; j < w; j += 8) {
+      for (int p0 = 0; p0 < p_done; p0 += 16) {
+        Vec8u32 block[8];  // block[i]: the pairs p0.. of column j0 + j + i
+        for (int i = 0; i < 8; ++i) std::memcpy(&block[i], src + (j0 + j + i) * src_ld + p0, sizeof(Vec8u32));
+        transpose8x8(block);  // block[m]: pair p0 / 2 + m of the 8 columns
+        for (int m = 0; m < 8; ++m) std::memcpy(panel + (p0 + 2 * m) * w + 2 * j, &block[m], sizeof(Vec8u32));
+      }
+    }
+#endif
+    for (int j = 0; j < w; ++j)
+      for (int p = p_done; p < k; ++p) panel[(p / 2) * 2 * w + 2 * j + p % 2] = src[(j0 + j) * src_ld + p];
+  }
+}
+
+template <typename lowp_t>
+FLASHATTN_SIMD_CLONES void transpose_lowp(const lowp_t* src, int64_t src_ld, int rows, int cols, lowp_t* dst,
+                                          int64_t dst_ld) {
+  int rows8 = 0, cols8 = 0;  // the part done in 8 x 8 blocks (the 16-bit values widened to 32-bit lanes)
+#if FLASHATTN_VECTOR_EXT
+  rows8 = rows / 8 * 8, cols8 = cols / 8 * 8;
+  for (int r0 = 0; r0 < rows8; r0 += 8) {
+    for (int c0 = 0; c0 < cols8; c0 += 8) {
+      Vec8u32 block[8];
+      for (int i = 0; i < 8; ++i) block[i] = __builtin_convertvector(bits8(src + (r0 + i) * src_ld + c0), Vec8u32);
+      transpose8x8(block);
+      for (int i = 0; i < 8; ++i) {
+        const Vec8u16 narrow = __builtin_convertvector(block[i], Vec8u16);
+        std::memcpy(dst + (c0 + i) * dst_ld + r0, &narrow, sizeof(narrow));
+      }
+    }
+  }
+#endif
+  for (int c = cols8; c < cols; ++c)
+    for (int r = 0; r < rows8; ++r) dst[c * dst_ld + r] = src[r * src_ld + c];
+  for (int c = 0; c < cols; ++c)
+    for (int r = rows8; r < rows; ++r) dst[c * dst_ld + r] = src[r * src_ld + c];
+}
+
+template <typename lowp_t>
+FLASHATTN_SIMD_CLONES void zero_pairs_rows(lowp_t* b, int k, int n, const int* rows, int num_rows) {
+  const int w = lowp_panel_width(n);
+  for (int r = 0; r < num_rows; ++r) {
+    const int p = rows[r];
+    for (int j0 = 0; j0 < n; j0 += w) {
+      lowp_t* row = b + static_cast<int64_t>(j0) * k + (p / 2) * 2 * w + p % 2;
+      for (int j = 0; j < w; ++j) row[2 * j] = lowp_t(0.f);
+    }
+  }
+}
+
+template <typename lowp_t>
+FLASHATTN_SIMD_CLONES void zero_columns(lowp_t* t, int64_t ld, int rows, const int* columns, int num_columns) {
+  for (int r = 0; r < rows; ++r)
+    for (int n = 0; n < num_columns; ++n) t[r * ld + columns[n]] = lowp_t(0.f);
+}
+
 template <typename acc_t>
 FLASHATTN_SIMD_CLONES int take_nonfinite_columns(acc_t* t, int64_t ld, int rows, int cols, acc_t* work, int* index) {
   // x * 0 is (+-)0 for a finite x and NaN otherwise.
@@ -503,7 +760,7 @@ FLASHATTN_INSTANTIATE_IO(double, double)
 
 #define FLASHATTN_INSTANTIATE_MATH(acc_t)                                                                             \
   template void online_softmax_step<acc_t>(acc_t*, int64_t, int, int, const int*, const int*, acc_t*, acc_t*, acc_t*, \
-                                           int64_t, int, acc_t*);                                                     \
+                                           int64_t, int, acc_t*, acc_t);                                              \
   template void probs_and_dscores_t<acc_t>(acc_t*, acc_t*, int64_t, int, int, acc_t, const acc_t*, const acc_t*,      \
                                            const int*, const int*);                                                   \
   template int take_nonfinite_columns<acc_t>(acc_t*, int64_t, int, int, acc_t*, int*);
@@ -511,6 +768,18 @@ FLASHATTN_INSTANTIATE_IO(double, double)
 FLASHATTN_INSTANTIATE_MATH(float)
 FLASHATTN_INSTANTIATE_MATH(double)
 #undef FLASHATTN_INSTANTIATE_MATH
+
+#define FLASHATTN_INSTANTIATE_LOWP(lowp_t)                                                  \
+  template void pack_pairs<lowp_t, float>(const float*, int64_t, int, int, lowp_t*);        \
+  template void pack_pairs<lowp_t, lowp_t>(const lowp_t*, int64_t, int, int, lowp_t*);      \
+  template void pack_pairs_transposed<lowp_t>(const lowp_t*, int64_t, int, int, lowp_t*);   \
+  template void transpose_lowp<lowp_t>(const lowp_t*, int64_t, int, int, lowp_t*, int64_t); \
+  template void zero_columns<lowp_t>(lowp_t*, int64_t, int, const int*, int);               \
+  template void zero_pairs_rows<lowp_t>(lowp_t*, int, int, const int*, int);
+
+FLASHATTN_INSTANTIATE_LOWP(c10::BFloat16)
+FLASHATTN_INSTANTIATE_LOWP(c10::Half)
+#undef FLASHATTN_INSTANTIATE_LOWP
 
 }  // namespace cpu
 }  // namespace flashattn

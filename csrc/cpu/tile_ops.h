@@ -47,8 +47,8 @@ template <typename scalar_t, typename acc_t>
 void row_dot(const scalar_t* a, int64_t a_ld, const scalar_t* b, int64_t b_ld, int rows, int cols, acc_t* out);
 
 // One step of the forward's online softmax: a key tile meets a query block.
-//   s_t       keys x queries, in: scaled scores; out: P^T = exp(s - m_new),
-//             0 where masked
+//   s_t       keys x queries, in: scores, scaled by `scale` here (1: already
+//             scaled); out: P^T = exp(scale * s - m_new), 0 where masked
 //   query_lo, query_hi  per key, the queries [lo, hi) that see it, in block
 //             coordinates; nullptr when every query sees every key
 //   row_max   per query, running max m of the scores (-inf before any key)
@@ -60,7 +60,8 @@ void row_dot(const scalar_t* a, int64_t a_ld, const scalar_t* b, int64_t b_ld, i
 // no exp(-inf - (-inf)) = NaN can arise.
 template <typename acc_t>
 void online_softmax_step(acc_t* s_t, int64_t ld, int keys, int queries, const int* query_lo, const int* query_hi,
-                         acc_t* row_max, acc_t* row_sum, acc_t* o_t, int64_t o_ld, int head_dim, acc_t* work);
+                         acc_t* row_max, acc_t* row_sum, acc_t* o_t, int64_t o_ld, int head_dim, acc_t* work,
+                         acc_t scale);
 
 // The backward's element-wise step, key-major:
 //   s_t    keys x queries, in: raw products k.q; out: P^T = exp(scale * s - lse[i])
@@ -89,6 +90,31 @@ template <typename scalar_t, typename acc_t>
 void attend_few_queries(const acc_t* q, int rows, int head_dim, const scalar_t* k, int64_t k_ld, const scalar_t* v,
                         int64_t v_ld, int cols, const int* key_lo, const int* key_hi, acc_t* row_max, acc_t* row_sum,
                         acc_t* o, acc_t* scores, acc_t* kv_row);
+
+// Operands of the low-precision products in tile_gemm.h's pairs panels
+// (lowp_t: c10::BFloat16 or c10::Half). The B side of a k x n product (k
+// even, n a multiple of lowp_panel_width(n) > 0), dst k * n elements:
+//   pack_pairs             from src[p][j] (k x n, row-major; float rounded
+//                          to lowp_t, lowp_t copied)
+//   pack_pairs_transposed  from src[j][p] (n x k, row-major)
+// The A side, row-major: transpose_lowp, dst[c][r] = src[r][c] (dst: cols x
+// rows); store_tile rounds a float tile.
+template <typename lowp_t, typename src_t>
+void pack_pairs(const src_t* src, int64_t src_ld, int k, int n, lowp_t* dst);
+
+template <typename lowp_t>
+void pack_pairs_transposed(const lowp_t* src, int64_t src_ld, int k, int n, lowp_t* dst);
+
+template <typename lowp_t>
+void transpose_lowp(const lowp_t* src, int64_t src_ld, int rows, int cols, lowp_t* dst, int64_t dst_ld);
+
+// Rows `rows` of a k x n pairs operand b (the B side above) set to 0.
+template <typename lowp_t>
+void zero_pairs_rows(lowp_t* b, int k, int n, const int* rows, int num_rows);
+
+// t[r][c] = 0 for the columns c of `columns`, every row r < rows.
+template <typename lowp_t>
+void zero_columns(lowp_t* t, int64_t ld, int rows, const int* columns, int num_columns);
 
 // Non-finite inputs on masked blocks. A masked entry has P = dS = 0 exactly,
 // but a GEMM still multiplies it with the operand row of the key (or query)

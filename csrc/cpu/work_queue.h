@@ -14,28 +14,91 @@
 namespace flashattn {
 namespace cpu {
 
+// Workers of this library's parallel loops, process-wide: the calling
+// threads of the loops that run now and the helpers they were granted.
+class WorkerBudget {
+ public:
+  // Up to `wanted` workers (the caller among them) out of `limit`: as many as
+  // are free, at least one (the caller itself, running inline). Several
+  // Python threads calling the kernels at once then share the thread count
+  // instead of each opening a team of at::get_num_threads() (oversubscribed:
+  // every team's threads would spin and preempt each other).
+  WorkerBudget(int64_t wanted, int64_t limit) {
+    int64_t busy = in_use().load(std::memory_order_relaxed);
+    do {
+      granted_ = std::max<int64_t>(1, std::min(wanted, limit - busy));
+    } while (!in_use().compare_exchange_weak(busy, busy + granted_, std::memory_order_acq_rel));
+  }
+  ~WorkerBudget() { in_use().fetch_sub(granted_, std::memory_order_acq_rel); }
+  WorkerBudget(const WorkerBudget&) = delete;
+  WorkerBudget& operator=(const WorkerBudget&) = delete;
+
+  int64_t granted() const { return granted_; }
+
+  // The most workers that ever ran at once, counted where they run (a test
+  // reads it through cpu_info.cpp); reset: start counting anew.
+  static int64_t peak_running(bool reset) { return reset ? peak().exchange(0) : peak().load(); }
+
+  // Held by each worker while it runs items.
+  class Running {
+   public:
+    Running() {
+      const int64_t now = running().fetch_add(1, std::memory_order_acq_rel) + 1;
+      int64_t seen = peak().load(std::memory_order_relaxed);
+      while (now > seen && !peak().compare_exchange_weak(seen, now)) {
+      }
+    }
+    ~Running() { running().fetch_sub(1, std::memory_order_acq_rel); }
+  };
+
+ private:
+  static std::atomic<int64_t>& in_use() {
+    static std::atomic<int64_t> n{0};
+    return n;
+  }
+  static std::atomic<int64_t>& running() {
+    static std::atomic<int64_t> n{0};
+    return n;
+  }
+  static std::atomic<int64_t>& peak() {
+    static std::atomic<int64_t> n{0};
+    return n;
+  }
+  int64_t granted_ = 1;
+};
+
 // Runs process(item, scratch) for every item of [0, num_items) on up to
-// at::get_num_threads() workers. Each worker builds one scratch with
-// make_scratch() and then pulls items from a shared counter until none is
-// left: a dynamic schedule, because items differ in cost (a causal query tile
-// near the end sees many more keys than one near the start) and the machine
-// may be shared, which a static split of the range handles badly.
+// at::get_num_threads() workers (torch.set_num_threads), fewer while other
+// calls of the kernels hold some of them (WorkerBudget). Each worker builds
+// one scratch with make_scratch() and then pulls items from a shared counter
+// until none is left: a dynamic schedule, because items differ in cost (a
+// causal query tile near the end sees many more keys than one near the
+// start) and the machine may be shared, which a static split of the range
+// handles badly. finish(scratch) runs on each worker after its last item.
 //
 // Which worker runs an item does not change its result: every item writes its
 // own outputs with a fixed order of operations, so the kernels stay bitwise
 // deterministic. Inside an outer parallel region at::parallel_for runs inline
 // and the single worker processes every item.
-template <typename MakeScratch, typename Process>
-void for_each_item_in_parallel(int64_t num_items, MakeScratch make_scratch, Process process) {
+template <typename MakeScratch, typename Process, typename Finish>
+void for_each_item_in_parallel(int64_t num_items, MakeScratch make_scratch, Process process, Finish finish) {
   if (num_items <= 0) return;
-  const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), num_items);
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const WorkerBudget budget(std::min<int64_t>(threads, num_items), threads);
   std::atomic<int64_t> next_item{0};
-  at::parallel_for(0, num_workers, /*grain_size=*/1, [&](int64_t, int64_t) {
+  at::parallel_for(0, budget.granted(), /*grain_size=*/1, [&](int64_t, int64_t) {
+    const WorkerBudget::Running running;
     auto scratch = make_scratch();
     for (int64_t item = next_item.fetch_add(1); item < num_items; item = next_item.fetch_add(1)) {
       process(item, scratch);
     }
+    finish(scratch);
   });
+}
+
+template <typename MakeScratch, typename Process>
+void for_each_item_in_parallel(int64_t num_items, MakeScratch make_scratch, Process process) {
+  for_each_item_in_parallel(num_items, make_scratch, process, [](auto&) {});
 }
 
 // A 64-byte aligned array from c10's CPU allocator, uninitialized.

@@ -1,0 +1,160 @@
+"""bfloat16 / float16 tile products on oneDNN's brgemm (csrc/cpu/tile_gemm.h).
+
+By default (FLASHATTN_CPU_LOWP_GEMM=auto) the CPU kernels run the 16-bit
+products on brgemm only where the CPU has matrix units for the dtype (AMX):
+elsewhere brgemm's bfloat16 is slower than our float32 path. These tests force
+it (FLASHATTN_CPU_LOWP_GEMM=brgemm) wherever oneDNN runs the dtype with the
+pairs layout at all (e.g. AVX512-BF16 without AMX), so that the code path is
+tested on such machines too, and skip where it cannot run (AVX2: oneDNN has no
+bfloat16 brgemm there; float16 without AMX-FP16 reads B in another layout).
+
+The results are held to the same tolerance rule, the same non-finite rule and
+the same bitwise thread invariance as the float32 path's.
+"""
+
+import pytest
+import torch
+from test_cpu_kernels import make_inputs, run_case
+from test_robustness import NONFINITE_SHAPES, _nonfinite_case
+
+fwd_op = torch.ops.flashattn_ext.fwd
+bwd_op = torch.ops.flashattn_ext.bwd
+NAMES = {torch.bfloat16: "bf16_gemm", torch.float16: "fp16_gemm"}
+
+
+def runtime_info():
+    raw = torch.ops.flashattn_ext.cpu_runtime_info(False)
+    return dict(kv.split("=", 1) for kv in raw.split(";"))
+
+
+def cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@pytest.fixture
+def seed(_seed):
+    return _seed
+
+
+@pytest.fixture(params=[torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def lowp(request, monkeypatch):
+    """The dtype, with its products forced onto brgemm (skipped where it cannot run)."""
+    dtype = request.param
+    monkeypatch.setenv("FLASHATTN_CPU_LOWP_GEMM", "brgemm")
+    info = runtime_info()[NAMES[dtype]]
+    if not info.startswith("brgemm"):
+        pytest.skip(f"no {dtype} brgemm with the pairs layout on this machine ({info})")
+    return dtype
+
+
+def _own(monkeypatch, fn):
+    with monkeypatch.context() as m:
+        m.setenv("FLASHATTN_CPU_LOWP_GEMM", "own")
+        return fn()
+
+
+def test_auto_takes_brgemm_only_with_matrix_units(monkeypatch):
+    # The default: brgemm for bfloat16 where the CPU has AMX (and oneDNN runs
+    # it), our float32 path elsewhere; float16 likewise with AMX-FP16.
+    monkeypatch.delenv("FLASHATTN_CPU_LOWP_GEMM", raising=False)
+    info, flags = runtime_info(), cpu_flags()
+    for name, flag in (("bf16_gemm", "amx_bf16"), ("fp16_gemm", "amx_fp16")):
+        used, offered = info[name].split("(")
+        if flag not in flags:
+            assert used == "float32", info
+        elif offered == "brgemm)":
+            assert used == "brgemm", info
+    monkeypatch.setenv("FLASHATTN_CPU_LOWP_GEMM", "own")
+    assert runtime_info()["bf16_gemm"].startswith("float32")
+
+
+LOWP_CASES = [
+    # (seqlen_q, seqlen_k, head_dim, heads_q, heads_kv, mask, batch)
+    (256, 300, 64, 4, 2, "causal_br", 2),  # full and ragged tiles and blocks
+    (300, 700, 128, 8, 4, "window", 2),  # 128-query blocks, the value tiles transposed once
+    (200, 70, 64, 2, 2, "causal_br", 2),  # rows without keys
+    (130, 257, 96, 6, 1, "none", 1),  # MQA; 96 = three 32-element steps
+    (65, 129, 32, 3, 3, "window_left", 2),
+]
+
+
+@pytest.mark.parametrize("case", LOWP_CASES, ids=str)
+def test_lowp_against_oracle(seed, lowp, case):
+    seqlen_q, seqlen_k, head_dim, heads_q, heads_kv, mask, batch = case
+    run_case(seed, lowp, seqlen_q, seqlen_k, head_dim, heads_q=heads_q, heads_kv=heads_kv, mask=mask, batch=batch)
+    run_case(
+        seed,
+        lowp,
+        seqlen_q,
+        seqlen_k,
+        head_dim,
+        heads_q=heads_q,
+        heads_kv=heads_kv,
+        mask=mask,
+        batch=1,
+        noncontiguous=True,
+    )
+
+
+def test_lowp_large_logits(seed, lowp):
+    run_case(seed, lowp, 130, 200, 64, mask="causal", logit_gain=100.0)
+
+
+def test_lowp_is_used_and_close_to_float32_path(seed, lowp, monkeypatch):
+    q, k, v, dout = make_inputs(1, 256, 256, 4, 2, 64, lowp)
+    args = (0.125, -1, -1, False)
+    out, lse = fwd_op(q, k, v, *args)
+    grads = bwd_op(dout, q, k, v, out, lse, *args, False)
+    out1, lse1 = _own(monkeypatch, lambda: fwd_op(q, k, v, *args))
+    grads1 = _own(monkeypatch, lambda: bwd_op(dout, q, k, v, out, lse, *args, False))
+    assert not torch.equal(out, out1), "the brgemm path did not run (P^T is rounded there, not in the float32 path)"
+    torch.testing.assert_close(lse, lse1, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, out1, atol=2e-2, rtol=2e-2)
+    for g, g1 in zip(grads, grads1):
+        torch.testing.assert_close(g, g1, atol=5e-2, rtol=5e-2)
+
+
+def test_lowp_thread_invariant(seed, lowp):
+    q, k, v, dout = make_inputs(2, 300, 333, 4, 2, 64, lowp, noncontiguous=True)
+    args = (0.125, -1, 0, True)
+
+    def run():
+        out, lse = fwd_op(q, k, v, *args)
+        return (out, lse) + tuple(bwd_op(dout, q, k, v, out, lse, *args, True))
+
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (threads, 1, 3):
+            torch.set_num_threads(n)
+            results.append(run())
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b), f"results differ between thread counts (seed {seed})"
+
+
+def test_lowp_without_mkldnn_falls_back(seed, lowp, monkeypatch):
+    # torch.backends.mkldnn.enabled = False: torch's brgemm refuses the 16-bit
+    # products; the kernels take the float32 path (bitwise), never an error.
+    q, k, v, _ = make_inputs(1, 128, 128, 2, 2, 64, lowp)
+    with torch.backends.mkldnn.flags(enabled=False):
+        out = fwd_op(q, k, v, 0.125, -1, -1, False)
+    out1 = _own(monkeypatch, lambda: fwd_op(q, k, v, 0.125, -1, -1, False))
+    assert torch.equal(out[0], out1[0])
+
+
+@pytest.mark.parametrize("shape", [s for s in NONFINITE_SHAPES if s.startswith("tiled")])
+@pytest.mark.parametrize("where", ["q", "k", "v", "v_inf", "dout", "all"])
+def test_lowp_nonfinite_reaches_only_rows_that_see_it(lowp, shape, where):
+    # test_robustness's rule at head dim 64 (the 16-bit products need a
+    # multiple of 32; its own cases use 16).
+    _nonfinite_case("cpu", lowp, shape, where, d=64)
