@@ -79,7 +79,7 @@ def test_sdpa_runs_our_kernels(active, device, dtype, shape):
     # backward adds dQ partials in no fixed order unless deterministic=True
     # (atomics, bulk reduce-adds), so there the gradients meet the oracle check
     # below instead (the H200 run of session 9 failed this bitwise check at
-    # fp16 d32 only, the mma.sync backward, whose warps add into dQ in turn).
+    # fp16 d32 only: the mma.sync backward, whose warps add into dQ with fp32 atomics).
     drop_in = flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
     assert torch.equal(out, drop_in)
     if device == "cpu":
