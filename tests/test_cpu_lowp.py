@@ -146,8 +146,12 @@ def test_lowp_without_mkldnn_falls_back(seed, lowp, monkeypatch):
     # torch.backends.mkldnn.enabled = False: torch's brgemm refuses the 16-bit
     # products; the kernels take the float32 path (bitwise), never an error.
     q, k, v, _ = make_inputs(1, 128, 128, 2, 2, 64, lowp)
-    with torch.backends.mkldnn.flags(enabled=False):
+    enabled = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False  # (flags() warns about oneDNN TF32 on restoring its settings)
+    try:
         out = fwd_op(q, k, v, 0.125, -1, -1, False)
+    finally:
+        torch.backends.mkldnn.enabled = enabled
     out1 = _own(monkeypatch, lambda: fwd_op(q, k, v, 0.125, -1, -1, False))
     assert torch.equal(out[0], out1[0])
 
