@@ -37,7 +37,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 torch.ops.flashattn_ext.cpu_runtime_info(False))" | tee "$OUT/runtime_info.txt"
 
 say tests
-timeout 90 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_cpu_lowp.py tests/test_cpu_parallel.py \
+timeout 60 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_cpu_lowp.py tests/test_cpu_parallel.py \
   tests/test_cpu_kernels.py -k "lowp or auto or split or threads or large_query_blocks or dtype_and_mask" \
   >"$OUT/tests.txt" 2>&1
 echo "pytest rc $?"
@@ -45,13 +45,13 @@ tail -3 "$OUT/tests.txt"
 
 GRID=(--batch 4 --heads 16 --head-dim 128 --impls ours,sdpa --dtypes float32,bfloat16)
 say "bench, 16 threads"
-timeout 160 "$PY" benchmarks/bench_cpu.py "${GRID[@]}" --seqlens 1024,4096 --modes fwd,fwd+bwd,decode \
+timeout 150 "$PY" benchmarks/bench_cpu.py "${GRID[@]}" --seqlens 1024,4096 --modes fwd,fwd+bwd,decode \
   --reps 5 --warmup 1 --threads 16 --json "$OUT/cpu_bench_xeon_16threads.json" >"$OUT/bench_16.txt" 2>&1
 say "bench, 4 threads"
-timeout 40 "$PY" benchmarks/bench_cpu.py "${GRID[@]}" --seqlens 1024 --modes fwd,fwd+bwd,decode \
+timeout 35 "$PY" benchmarks/bench_cpu.py "${GRID[@]}" --seqlens 1024 --modes fwd,fwd+bwd,decode \
   --reps 3 --warmup 1 --threads 4 --json "$OUT/cpu_bench_xeon_4threads.json" >"$OUT/bench_4.txt" 2>&1
 say "bench, 1 thread"
-timeout 45 "$PY" benchmarks/bench_cpu.py "${GRID[@]}" --seqlens 1024 --modes fwd,decode \
+timeout 40 "$PY" benchmarks/bench_cpu.py "${GRID[@]}" --seqlens 1024 --modes fwd,decode \
   --reps 3 --warmup 1 --threads 1 --json "$OUT/cpu_bench_xeon_1threads.json" >"$OUT/bench_1.txt" 2>&1
 say done
 for n in 16 4 1; do
