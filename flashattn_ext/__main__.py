@@ -322,6 +322,11 @@ def check_case(case, dtype, device, api="flash_attn_func"):
     except Exception as e:  # noqa: BLE001
         res["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:400]
         return res
+    return record_comparisons(res, comps)
+
+
+def record_comparisons(res, comps):
+    """res with each comparison's error, bound and verdict, and ok = all passed."""
     res["errors"] = {
         c.name: dict(
             err=c.err,
@@ -362,19 +367,7 @@ def check_decode(case, dtype, device):
     except Exception as e:  # noqa: BLE001
         res["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:400]
         return res
-    res["errors"] = {
-        c.name: dict(
-            err=c.err,
-            naive_low_precision_err=c.naive_err,
-            bound=c.bound,
-            finite=c.problem is None,
-            ok=c.ok,
-            problem=c.problem,
-        )
-        for c in comps
-    }
-    res["ok"] = all(c.ok for c in comps)
-    return res
+    return record_comparisons(res, comps)
 
 
 def compiled_head_dims(build):
