@@ -48,6 +48,27 @@ struct MaskParams {
   bool bottom_right = false;
 };
 
+// What is done to the scaled scores before the softmax, flash-attn's two
+// score modifications (both optional; with neither the kernels run their
+// plain instances, which hold no code for them):
+//   softcap > 0 : s -> softcap * tanh(s / softcap)   (s = softmax_scale * q.k)
+//   alibi_slopes: s -> s - slope(b, h) * |i + seqlen_k - seqlen_q - j|, query
+//                 i and key j of the sequence (its own lengths in a varlen
+//                 batch; the KV cache's row length in fwd_kvcache), whatever
+//                 the mask's alignment, as flash-attn defines it.
+// softcap applies first, then the ALiBi bias. The log-sum-exp the forward
+// returns is that of the modified scores; the gradients are those of the
+// modified attention (the slopes get none, as in flash-attn).
+struct ScoreMod {
+  float softcap = 0.f;                   // 0: none
+  const float* alibi_slopes = nullptr;   // float32 (heads_q,) or (batch, heads_q); nullptr: none
+  int64_t alibi_batch_stride = 0;        // 0 for (heads_q,) slopes
+  FLASHATTN_HOST_DEVICE bool has_softcap() const { return softcap > 0.f; }
+  FLASHATTN_HOST_DEVICE bool has_alibi() const { return alibi_slopes != nullptr; }
+  FLASHATTN_HOST_DEVICE bool any() const { return has_softcap() || has_alibi(); }
+  FLASHATTN_HOST_DEVICE float slope(int b, int h) const { return alibi_slopes[b * alibi_batch_stride + h]; }
+};
+
 // Where q, k, v, the output and lse are: base pointers and the strides of
 // (batch, seqlen, heads, head_dim) tensors (the head_dim stride is 1). The
 // first part of AttnFwdParams and of KvcacheParams (kvcache_params.h).
@@ -86,6 +107,7 @@ struct AttnFwdParams : QkvoParams {
   float softmax_scale_log2 = 1.f;
 
   MaskParams mask;
+  ScoreMod score_mod;
 
   // Compute capability x 10 of the device the CUDA kernels run on (90 for
   // H100/H200): picks architecture-specific kernels. 0 on the CPU.

@@ -47,6 +47,7 @@ struct KvcacheParams : QkvoParams {
 
   double softmax_scale = 1.0;
   float softmax_scale_log2 = 1.f;
+  ScoreMod score_mod;  // flash_params.h; ALiBi's i + seqlen_k - seqlen_q - j with the row's seqlens_k
 
   // CUDA only: the key range of a row is cut into num_splits parts, each
   // computed by its own CTA into the fp32 workspace (o_accum, lse_accum,
