@@ -21,11 +21,10 @@
 #include "kernel_traits.h"
 #include "mask.cuh"
 #include "nonfinite_fixup.cuh"
+#include "score_mod.cuh"
 #include "tile.cuh"
 
 namespace flashattn {
-
-constexpr float kLog2e = 1.4426950408889634f;
 
 // lse (natural log) -> log2 units; a row that saw no key (-inf) gets +inf so
 // that exp2(s - lse) is 0 there instead of inf.
@@ -179,7 +178,10 @@ __device__ __forceinline__ void copy_rowvec_async(float* smem, const float* gmem
   }
 }
 
-template <typename Kt, bool kComputeDq, bool kVarlen>
+// kScoreMod (both kernels below): the instance for calls with softcap / ALiBi
+// (score_mod.cuh): S is modified before P is recomputed from it, and dS takes
+// softcap's derivative.
+template <typename Kt, bool kComputeDq, bool kVarlen, bool kScoreMod = false>
 __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const AttnBwdParams p) {
   using T = typename Kt::Element;
   using TileQ = typename Kt::TileQ;
@@ -293,6 +295,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
     float acc_s[kMT][kQT][4];
     clear(acc_s);
     gemm_ss_nk<kMT, kQT, kHeadDim, T>(acc_s, ldsm_k, ldsm_q_b);
+    [[maybe_unused]] const ScoreModTile mod(p.score_mod, static_cast<float>(p.softmax_scale), b, hq, seq.seqlen_q,
+                                            seq.seqlen_k);
+    if constexpr (kScoreMod) apply_score_mod_cols(acc_s, mod, n0 + s_key0, m0 + s_q0, lane);
+    const float score_scale_log2 = kScoreMod ? 1.f : p.softmax_scale_log2;
 #pragma unroll
     for (int qi = 0; qi < kQT; ++qi)
 #pragma unroll
@@ -304,7 +310,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             float& x = acc_s[mi][qi][2 * h + e];
-            x = fast_exp2(x * p.softmax_scale_log2 - lse_log2);
+            x = fast_exp2(x * score_scale_log2 - lse_log2);
           }
       }
     if (mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0)) {
@@ -328,6 +334,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
             x = acc_s[mi][qi][2 * h + e] * (x - dsum);
           }
       }
+    if constexpr (kScoreMod)
+      apply_softcap_grad<true>(acc_dp, acc_s, mod, n0 + s_key0, m0 + s_q0, lane, [&](int, int, int qi, int e) {
+        const int q = s_q0 + qi * 8 + 2 * t + e;
+        return (m0 + q < seq.seqlen_q) ? lse_to_log2(sLses[q]) : INFINITY;
+      });
     // A masked dS is 0 even where dP - D is not finite (0 * NaN): non-finite
     // inputs reach only the rows that see them (README, "Errors, non-finite inputs and transforms").
     if (mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0)) {
@@ -397,7 +408,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
   store_tile<TileKV, kNThreads, Kt::kDOut>(gdV, p.dv_row_stride, sV, keys, p.head_dim, tid, d0);
 }
 
-template <typename Kt, bool kVarlen>
+template <typename Kt, bool kVarlen, bool kScoreMod = false>
 __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dq_kernel(const AttnBwdParams p) {
   using T = typename Kt::Element;
   using TileQ = typename Kt::TileQ;
@@ -448,6 +459,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dq_kernel(const At
   const BlockMask mask(p, seq);
   int n_min, n_max;
   mask.key_block_range<kBlockN>(m0, rows, n_min, n_max);
+  [[maybe_unused]] const ScoreModTile mod(p.score_mod, static_cast<float>(p.softmax_scale), b, h, seq.seqlen_q,
+                                          seq.seqlen_k);
+  const float score_scale_log2 = kScoreMod ? 1.f : p.softmax_scale_log2;
 
   float acc_dq[kMT][kDT][4];
   clear(acc_dq);
@@ -472,13 +486,14 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dq_kernel(const At
     float acc_s[kMT][kNT][4];
     clear(acc_s);
     gemm_ss_nk<kMT, kNT, kHeadDim, T>(acc_s, ldsm_q, ldsm_k);
+    if constexpr (kScoreMod) apply_score_mod_rows(acc_s, mod, m0 + warp_row0, n0, lane);
 #pragma unroll
     for (int mi = 0; mi < kMT; ++mi)
 #pragma unroll
       for (int ni = 0; ni < kNT; ++ni)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          acc_s[mi][ni][e] = fast_exp2(acc_s[mi][ni][e] * p.softmax_scale_log2 - lse_log2[mi][e / 2]);
+          acc_s[mi][ni][e] = fast_exp2(acc_s[mi][ni][e] * score_scale_log2 - lse_log2[mi][e / 2]);
     if (mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0)) apply_mask_rows(acc_s, mask, m0 + warp_row0, n0, lane, 0.f);
 
     float acc_dp[kMT][kNT][4];
@@ -490,6 +505,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dq_kernel(const At
       for (int ni = 0; ni < kNT; ++ni)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_dp[mi][ni][e] = acc_s[mi][ni][e] * (acc_dp[mi][ni][e] - dsum[mi][e / 2]);
+    if constexpr (kScoreMod)
+      apply_softcap_grad<false>(acc_dp, acc_s, mod, m0 + warp_row0, n0, lane,
+                                [&](int mi, int hh, int, int) { return lse_log2[mi][hh]; });
     // A masked dS is 0 even where dP - D is not finite (0 * NaN): non-finite
     // inputs reach only the rows that see them (README, "Errors, non-finite inputs and transforms").
     if (mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0)) apply_mask_rows(acc_dp, mask, m0 + warp_row0, n0, lane, 0.f);

@@ -28,6 +28,10 @@
 // The integer arguments are read on the device and clamped into range (a bad
 // value cannot make a read or write leave the tensors; the CPU kernel and the
 // Python API check the values where they can without a host synchronisation).
+//
+// kScoreMod: the instance for calls with softcap / ALiBi (score_mod.cuh). The
+// packed rows of a CTA belong to several heads, so each accumulator row gets
+// its own ScoreModTile (its head's slope, its query index).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -39,6 +43,7 @@
 #include "nonfinite_fixup.cuh"
 #include "pdl_launch.h"
 #include "ptx.cuh"
+#include "score_mod.cuh"
 #include "softmax.cuh"
 #include "tile.cuh"
 
@@ -124,7 +129,7 @@ __device__ __forceinline__ float merge_lse2(const float* x, int n, int stride) {
   return mx + __log2f(sum);
 }
 
-template <typename Kt>
+template <typename Kt, bool kScoreMod = false>
 __global__ void __launch_bounds__(Kt::kNThreads) flash_decode_kernel(const KvcacheParams p) {
   using T = typename Kt::Element;
   using TileQ = typename Kt::TileQ;
@@ -286,7 +291,9 @@ __global__ void __launch_bounds__(Kt::kNThreads) flash_decode_kernel(const Kvcac
   const LdsmA<TileQ> ldsm_q(sQ, 0, 0, lane);
   const LdsmB<TileKV> ldsm_k(sK, warp * Kt::kKeysPerWarp, 0, lane);  // this warp's 16 keys
   const LdsmA<TileKV> ldsm_v(sV, warp * Kt::kKeysPerWarp, 0, lane);
-  const bool positive_scale = p.softmax_scale > 0.f;
+  // With a score mod the scores reach the softmax scaled, in log2 units.
+  const bool positive_scale = kScoreMod || p.softmax_scale > 0.f;
+  const float softmax_scale_log2 = kScoreMod ? 1.f : p.softmax_scale_log2;
 
   float acc_o[kMT][kDT][4];
   clear(acc_o);
@@ -310,6 +317,24 @@ __global__ void __launch_bounds__(Kt::kNThreads) flash_decode_kernel(const Kvcac
     float acc_s[kMT][2][4];
     clear(acc_s);
     gemm_ss_nk<kMT, 2, kHeadDim, T>(acc_s, ldsm_q, ldsm_k, stage_offset);
+    if constexpr (kScoreMod) {
+#pragma unroll
+      for (int mi = 0; mi < kMT; ++mi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = mi * 16 + g + 8 * h;
+          const int packed = m0 + (r < rows ? r : 0);
+          const ScoreModTile mod(p.score_mod, static_cast<float>(p.softmax_scale), b,
+                                 h_kv * ratio + packed % ratio, p.seqlen_q, seqlen_k);
+#pragma unroll
+          for (int ni = 0; ni < 2; ++ni)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int key = n0 + warp * Kt::kKeysPerWarp + ni * 8 + 2 * t + e;
+              acc_s[mi][ni][2 * h + e] = mod.apply(acc_s[mi][ni][2 * h + e], packed / ratio, key);
+            }
+        }
+    }
     if (!(n0 >= free_lo && n0 + kBlockN <= free_hi)) {
 #pragma unroll
       for (int mi = 0; mi < kMT; ++mi)
@@ -324,9 +349,9 @@ __global__ void __launch_bounds__(Kt::kNThreads) flash_decode_kernel(const Kvcac
             }
     }
     if (positive_scale) {
-      softmax.template update<true>(acc_s, acc_o, p.softmax_scale_log2);
+      softmax.template update<true>(acc_s, acc_o, softmax_scale_log2);
     } else {
-      softmax.template update<false>(acc_s, acc_o, p.softmax_scale_log2);
+      softmax.template update<false>(acc_s, acc_o, softmax_scale_log2);
     }
     // O += P V on the same 16 keys.
     gemm_rc_kn<kMT, kDT, Kt::kKeysPerWarp, T>(acc_o, acc_s, ldsm_v, stage_offset);
@@ -344,7 +369,7 @@ __global__ void __launch_bounds__(Kt::kNThreads) flash_decode_kernel(const Kvcac
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       l_w[mi][h] = quad_sum(softmax.row_sum[mi][h]);
-      m_w[mi][h] = positive_scale ? softmax.row_max[mi][h] * p.softmax_scale_log2 : softmax.row_max[mi][h];
+      m_w[mi][h] = positive_scale ? softmax.row_max[mi][h] * softmax_scale_log2 : softmax.row_max[mi][h];
       const float lse_w = l_w[mi][h] == 0.f ? -INFINITY : m_w[mi][h] + __log2f(l_w[mi][h]);
       if (t == 0) sLse[warp * kBlockM + mi * 16 + g + 8 * h] = lse_w;
     }
@@ -490,7 +515,7 @@ cudaError_t decode_allow_smem(Kernel kernel, int bytes) {
 template <typename T, int kHeadDim, int kMT>
 cudaError_t launch_decode(const KvcacheParams& p, cudaStream_t stream) {
   using Kt = DecodeTraits<T, kHeadDim, kMT>;
-  auto kernel = &flash_decode_kernel<Kt>;
+  auto kernel = p.score_mod.any() ? &flash_decode_kernel<Kt, true> : &flash_decode_kernel<Kt, false>;
   if (cudaError_t err = decode_allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
   const int m_tiles = ceil_div(p.heads_q / p.heads_kv * p.seqlen_q, Kt::kBlockM);
   const dim3 grid(p.num_splits, p.heads_kv * m_tiles, p.batch);

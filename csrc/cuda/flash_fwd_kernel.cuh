@@ -11,18 +11,22 @@
 // statistics never leave a warp's quad of lanes. Key blocks are visited last
 // to first: the blocks that need masking (the diagonal of a causal mask, the
 // ragged end of the keys) come first and the rest run without mask code.
+//
+// kScoreMod: the instance for calls with flash-attn's softcap / ALiBi
+// (score_mod.cuh): each S tile is modified (in log2 units) before the mask.
 #pragma once
 
 #include "../flash_params.h"
 #include "kernel_traits.h"
 #include "mask.cuh"
 #include "nonfinite_fixup.cuh"
+#include "score_mod.cuh"
 #include "softmax.cuh"
 #include "tile.cuh"
 
 namespace flashattn {
 
-template <typename Kt, bool kVarlen>
+template <typename Kt, bool kVarlen, bool kScoreMod = false>
 __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_kernel(const AttnFwdParams p) {
   using T = typename Kt::Element;
   using TileQ = typename Kt::TileQ;
@@ -70,7 +74,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
   const LdsmA<TileQ> ldsm_q(sQ, warp_row0, 0, lane);
   const LdsmB<TileKV> ldsm_k(sK, 0, 0, lane);
   const LdsmA<TileKV> ldsm_v(sV, 0, 0, lane);
-  const bool positive_scale = p.softmax_scale > 0.f;
+  // With a score mod the scores reach the softmax scaled, in log2 units.
+  const bool positive_scale = kScoreMod || p.softmax_scale > 0.f;
+  const float softmax_scale_log2 = kScoreMod ? 1.f : p.softmax_scale_log2;
 
   auto load_k = [&](int n_block, int stage) {
     copy_tile_async<TileKV, kNThreads>(sK + stage * Kt::kStageElems, gK + int64_t(n_block) * kBlockN * p.k_row_stride,
@@ -115,14 +121,18 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
     } else {
       gemm_ss_nk<kMT, kNT, kHeadDim, T>(acc_s, ldsm_q, ldsm_k, stage * Kt::kStageBytes);
     }
+    if constexpr (kScoreMod) {
+      const ScoreModTile mod(p.score_mod, static_cast<float>(p.softmax_scale), b, h, seq.seqlen_q, seqlen_k);
+      apply_score_mod_rows(acc_s, mod, m0 + warp_row0, n0, lane);
+    }
     if (mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0)) apply_mask_rows(acc_s, mask, m0 + warp_row0, n0, lane);
   };
   // P = online softmax of S (rescaling O), then O += P V.
   auto accumulate = [&](float(&acc_s)[kMT][kNT][4], int stage) {
     if (positive_scale) {
-      softmax.template update<true>(acc_s, acc_o, p.softmax_scale_log2);
+      softmax.template update<true>(acc_s, acc_o, softmax_scale_log2);
     } else {
-      softmax.template update<false>(acc_s, acc_o, p.softmax_scale_log2);
+      softmax.template update<false>(acc_s, acc_o, softmax_scale_log2);
     }
     gemm_rc_kn<kMT, kDT, kBlockN, T>(acc_o, acc_s, ldsm_v, stage * Kt::kStageBytes);
   };
@@ -166,7 +176,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
   // store is 16 bytes per lane, and write lse.
   float row_lse[kMT][2];
   cp_async_wait<0>();  // only empty groups can remain
-  softmax.finalize(acc_o, p.softmax_scale_log2, positive_scale, row_lse);
+  softmax.finalize(acc_o, softmax_scale_log2, positive_scale, row_lse);
   const bool bad = nonfinite::any_bad(acc_o);
   store_acc<TileQ>(sQ, acc_o, warp_row0, 0, lane);
   if (t == 0) {

@@ -52,7 +52,9 @@ inline int sm_count() {
 // rejects a launch of zero blocks).
 template <typename Kt>
 cudaError_t launch_fwd(const AttnFwdParams& p, cudaStream_t stream) {
-  auto kernel = p.is_varlen() ? &flash_fwd_kernel<Kt, true> : &flash_fwd_kernel<Kt, false>;
+  const bool mod = p.score_mod.any();
+  auto kernel = p.is_varlen() ? (mod ? &flash_fwd_kernel<Kt, true, true> : &flash_fwd_kernel<Kt, true, false>)
+                              : (mod ? &flash_fwd_kernel<Kt, false, true> : &flash_fwd_kernel<Kt, false, false>);
   if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
   const int64_t blocks = int64_t(ceil_div(p.seqlen_q, Kt::kBlockM)) * p.batch * p.heads_q;
   if (blocks == 0) return cudaSuccess;
@@ -85,9 +87,13 @@ cudaError_t launch_fwd_sm90(const AttnFwdParams& p, cudaStream_t stream) {
 // keeps the dense tensor maps (batch entries of seqlen_q / seqlen_k rows, the
 // cache's capacity) and runs the kVarlen instance, whose SeqInfo gives each
 // entry its own key count and diagonal.
-template <typename Kt>
+//
+// kScoreModInstances = false: Kt gets no softcap / ALiBi instances (fewer to
+// compile; a call with a score mod is then declined, *launched = false).
+template <typename Kt, bool kScoreModInstances = true>
 cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool* launched) {
   *launched = false;
+  if (!kScoreModInstances && p.score_mod.any()) return cudaSuccess;
   constexpr bool kBf16 = std::is_same_v<typename Kt::Element, __nv_bfloat16>;
   const bool varlen = p.is_varlen();
   if (varlen && (p.total_q == 0 || p.total_k == 0)) return cudaSuccess;
@@ -103,7 +109,11 @@ cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool
                          make_tensor_map_bshd(&maps.o, p.o_ptr, kBf16, batch, rows_q, p.heads_q, p.head_dim,
                                               p.o_batch_stride, p.o_row_stride, p.o_head_stride, Kt::kOStoreRows);
   if (!described) return cudaSuccess;
-  auto kernel = p.per_sequence() ? &flash_fwd_sm90_ws_kernel<Kt, true> : &flash_fwd_sm90_ws_kernel<Kt, false>;
+  constexpr bool kMod = kScoreModInstances;
+  const bool mod = p.score_mod.any();
+  auto kernel = p.per_sequence()
+                    ? (mod ? &flash_fwd_sm90_ws_kernel<Kt, true, kMod> : &flash_fwd_sm90_ws_kernel<Kt, true, false>)
+                    : (mod ? &flash_fwd_sm90_ws_kernel<Kt, false, kMod> : &flash_fwd_sm90_ws_kernel<Kt, false, false>);
   if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
   FwdSchedule sched = FwdSchedule::make(p, Kt::kBlockM, sm_count());
   sched.paired = sched.paired && p.fwd_pair_masked_tiles;
@@ -151,19 +161,26 @@ cudaError_t launch_bwd(const AttnBwdParams& p, cudaStream_t stream) {
   if (cudaError_t err = launch_bwd_preprocess<T>(p, stream); err != cudaSuccess) return err;
 
   const int64_t dkdv_blocks = int64_t(ceil_div(p.seqlen_k, Kt::kBlockN)) * Kt::kDSplit * p.heads_kv * p.batch;
+  // (Calls with softcap / ALiBi: the kScoreMod instances, flash_bwd_kernel.cuh.)
+  const bool mod = p.score_mod.any();
   if (!p.deterministic) {
-    auto kernel = p.is_varlen() ? &flash_bwd_dkdv_kernel<Kt, true, true> : &flash_bwd_dkdv_kernel<Kt, true, false>;
+    auto kernel = p.is_varlen()
+                      ? (mod ? &flash_bwd_dkdv_kernel<Kt, true, true, true> : &flash_bwd_dkdv_kernel<Kt, true, true>)
+                      : (mod ? &flash_bwd_dkdv_kernel<Kt, true, false, true> : &flash_bwd_dkdv_kernel<Kt, true, false>);
     if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
     if (dkdv_blocks > 0) kernel<<<static_cast<unsigned>(dkdv_blocks), Kt::kNThreads, Kt::kSmemBytes, stream>>>(p);
     if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
     return launch_convert_dq<T>(p, stream);
   }
 
-  auto dkdv = p.is_varlen() ? &flash_bwd_dkdv_kernel<Kt, false, true> : &flash_bwd_dkdv_kernel<Kt, false, false>;
+  auto dkdv = p.is_varlen()
+                  ? (mod ? &flash_bwd_dkdv_kernel<Kt, false, true, true> : &flash_bwd_dkdv_kernel<Kt, false, true>)
+                  : (mod ? &flash_bwd_dkdv_kernel<Kt, false, false, true> : &flash_bwd_dkdv_kernel<Kt, false, false>);
   if (cudaError_t err = allow_smem(dkdv, Kt::kSmemBytes); err != cudaSuccess) return err;
   if (dkdv_blocks > 0) dkdv<<<static_cast<unsigned>(dkdv_blocks), Kt::kNThreads, Kt::kSmemBytes, stream>>>(p);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  auto dq = p.is_varlen() ? &flash_bwd_dq_kernel<KtDq, true> : &flash_bwd_dq_kernel<KtDq, false>;
+  auto dq = p.is_varlen() ? (mod ? &flash_bwd_dq_kernel<KtDq, true, true> : &flash_bwd_dq_kernel<KtDq, true>)
+                          : (mod ? &flash_bwd_dq_kernel<KtDq, false, true> : &flash_bwd_dq_kernel<KtDq, false>);
   if (cudaError_t err = allow_smem(dq, KtDq::kSmemBytes); err != cudaSuccess) return err;
   const int64_t dq_blocks = int64_t(ceil_div(p.seqlen_q, KtDq::kBlockM)) * p.batch * p.heads_q;
   if (dq_blocks > 0) dq<<<static_cast<unsigned>(dq_blocks), KtDq::kNThreads, KtDq::kSmemBytes, stream>>>(p);
@@ -196,11 +213,13 @@ cudaError_t launch_bwd_sm90(const AttnBwdParams& p, cudaStream_t stream) {
 // for dense batches, varlen_bwd_cuda) and convert_dq_frag_kernel's varlen
 // instance. A packed tensor without rows (total_q or total_k 0) has no tensor
 // map: the kernels after this one in run_bwd take the batch.
-template <typename Kt>
+// kScoreModInstances as for launch_fwd_sm90_ws.
+template <typename Kt, bool kScoreModInstances = true>
 cudaError_t launch_bwd_sm90_ws(const AttnBwdParams& p, cudaStream_t stream, bool* launched) {
   using T = typename Kt::Element;
   static_assert(kBwdBlockM % Kt::kBlockM == 0, "the dQ accumulator is padded to kBwdBlockM rows");
   *launched = false;
+  if (!kScoreModInstances && p.score_mod.any()) return cudaSuccess;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   const bool varlen = p.is_varlen();
   if (varlen && (p.total_q == 0 || p.total_k == 0)) return cudaSuccess;
@@ -216,11 +235,15 @@ cudaError_t launch_bwd_sm90_ws(const AttnBwdParams& p, cudaStream_t stream, bool
                          make_tensor_map_bshd(&maps.v, p.v_ptr, kBf16, batch, rows_k, p.heads_kv, p.head_dim,
                                               p.v_batch_stride, p.v_row_stride, p.v_head_stride, Kt::kBlockN);
   if (!described) return cudaSuccess;
-  auto kernel = [varlen] {
+  constexpr bool kMod = kScoreModInstances;
+  auto kernel = [varlen, mod = p.score_mod.any()] {
     if constexpr (Kt::kSplitHeadDim)
-      return varlen ? &flash_bwd_sm90_ws_split_kernel<Kt, true> : &flash_bwd_sm90_ws_split_kernel<Kt, false>;
+      return varlen ? (mod ? &flash_bwd_sm90_ws_split_kernel<Kt, true, kMod> : &flash_bwd_sm90_ws_split_kernel<Kt, true>)
+                    : (mod ? &flash_bwd_sm90_ws_split_kernel<Kt, false, kMod>
+                           : &flash_bwd_sm90_ws_split_kernel<Kt, false>);
     else
-      return varlen ? &flash_bwd_sm90_ws_kernel<Kt, true> : &flash_bwd_sm90_ws_kernel<Kt, false>;
+      return varlen ? (mod ? &flash_bwd_sm90_ws_kernel<Kt, true, kMod> : &flash_bwd_sm90_ws_kernel<Kt, true>)
+                    : (mod ? &flash_bwd_sm90_ws_kernel<Kt, false, kMod> : &flash_bwd_sm90_ws_kernel<Kt, false>);
   }();
   if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
   // The kernel adds whole tiles (padding rows and columns included) in its own
@@ -308,7 +331,8 @@ cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
       cudaError_t err = cudaSuccess;
       if constexpr (HasFwdSm90WsMasked<Cfg>::value) {
         if (p.mask.window_right >= 0 && p.seqlen_q <= 8192) {  // (varlen: max_seqlen_q)
-          err = launch_fwd_sm90_ws<typename Cfg::FwdSm90WsMasked>(p, stream, &launched);
+          // (No score-mod instances: such calls take FwdSm90Ws below.)
+          err = launch_fwd_sm90_ws<typename Cfg::FwdSm90WsMasked, false>(p, stream, &launched);
           if (launched || err != cudaSuccess) return err;
         }
       }
@@ -320,8 +344,9 @@ cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
 #endif
   if (p.seqused_k != nullptr) return cudaErrorNotSupported;  // the TMA kernel did not run it (above)
 #ifdef FLASHATTN_SM90
+  // (The cp.async wgmma kernels have no score-mod instance: such calls run the mma.sync kernels.)
   if constexpr (HasFwdSm90<KernelConfig<kHeadDim, T>>::value) {
-    if (p.device_arch == 90) {
+    if (p.device_arch == 90 && !p.score_mod.any()) {
 #ifdef FLASHATTN_TUNING
       return run_variant(typename TuneVariants<kHeadDim, T>::FwdSm90{}, "FLASHATTN_FWD_VARIANT",
                          [&](auto kt) { return launch_fwd_sm90<decltype(kt)>(p, stream); });
@@ -367,8 +392,10 @@ cudaError_t run_bwd(const AttnBwdParams& p, cudaStream_t stream) {
       bool launched = false;
       cudaError_t err;
       if constexpr (HasBwdSm90WsShortSteps<Cfg>::value) {
-        err = p.bwd_long_steps ? launch_bwd_sm90_ws<typename Cfg::BwdSm90Ws>(p, stream, &launched)
-                               : launch_bwd_sm90_ws<typename Cfg::BwdSm90WsShortSteps>(p, stream, &launched);
+        // (The short steps have no score-mod instances: such calls take the long ones.)
+        err = p.bwd_long_steps || p.score_mod.any()
+                  ? launch_bwd_sm90_ws<typename Cfg::BwdSm90Ws>(p, stream, &launched)
+                  : launch_bwd_sm90_ws<typename Cfg::BwdSm90WsShortSteps, false>(p, stream, &launched);
       } else {
         err = launch_bwd_sm90_ws<typename Cfg::BwdSm90Ws>(p, stream, &launched);
       }
@@ -376,7 +403,7 @@ cudaError_t run_bwd(const AttnBwdParams& p, cudaStream_t stream) {
     }
   }
   if constexpr (HasBwdSm90<Cfg>::value) {
-    if (p.device_arch == 90 && !p.deterministic) {
+    if (p.device_arch == 90 && !p.deterministic && !p.score_mod.any()) {
 #ifdef FLASHATTN_TUNING
       return run_variant(typename TuneVariants<kHeadDim, T>::BwdSm90{}, "FLASHATTN_BWD_VARIANT",
                          [&](auto kt) { return launch_bwd_sm90<decltype(kt)>(p, stream); });

@@ -115,6 +115,7 @@ cudaError_t run_prefill(const KvcacheParams& kp, cudaStream_t stream) {
   p.mask.window_left = kp.window_left;
   p.mask.window_right = kp.window_right;
   p.mask.bottom_right = true;  // per entry: seqused_k[b] - seqlen_q (SeqInfo)
+  p.score_mod = kp.score_mod;  // ALiBi's distance per entry too: SeqInfo's seqused_k[b] - seqlen_q
   p.device_arch = 90;
   p.allow_tma = !env_flag("FLASHATTN_DISABLE_TMA");
   p.fwd_pair_masked_tiles = !env_flag("FLASHATTN_FWD_SINGLE_TILES");

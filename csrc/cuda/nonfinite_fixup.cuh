@@ -31,6 +31,7 @@
 #include "../kvcache_params.h"
 #include "mask.cuh"
 #include "ptx.cuh"
+#include "score_mod.cuh"
 
 #ifndef FLASHATTN_NONFINITE_SLOW
 #define FLASHATTN_NONFINITE_SLOW __noinline__
@@ -105,8 +106,9 @@ __device__ __forceinline__ bool tile_row_bad(T* tile, int r, int c_lo, int c_hi,
 // torch.softmax; a NaN or infinity in a visible v reaches its column). A row
 // that sees no key: 0 and -inf. Two passes (max, then sum) so that fmaxf, which
 // drops NaN, is never asked about one.
-template <int kPer, typename T, typename KRow, typename VRow>
-__device__ __forceinline__ float attend_row(float (&o)[kPer], const T* q_row, int d, float scale, int lo, int hi,
+// score(qk, j): the (scaled, modified) score of key j, natural-log units.
+template <int kPer, typename T, typename Score, typename KRow, typename VRow>
+__device__ __forceinline__ float attend_row(float (&o)[kPer], const T* q_row, int d, Score&& score, int lo, int hi,
                                             KRow&& k_row, VRow&& v_row, int lane) {
   float q[kPer];
   load_row(q, q_row, d, lane);
@@ -118,7 +120,7 @@ __device__ __forceinline__ float attend_row(float (&o)[kPer], const T* q_row, in
   for (int j = lo; j < hi; ++j) {
     float k[kPer];
     load_row(k, k_row(j), d, lane);
-    const float s = scale * dot(q, k);
+    const float s = score(dot(q, k), j);
     nan |= isnan(s);
     mx = fmaxf(mx, s);
   }
@@ -132,7 +134,7 @@ __device__ __forceinline__ float attend_row(float (&o)[kPer], const T* q_row, in
     float k[kPer], v[kPer];
     load_row(k, k_row(j), d, lane);
     load_row(v, v_row(j), d, lane);
-    const float pj = expf(scale * dot(q, k) - mx);  // mx = +-inf: NaN, as torch.softmax
+    const float pj = expf(score(dot(q, k), j) - mx);  // mx = +-inf: NaN, as torch.softmax
     l += pj;
 #pragma unroll
     for (int u = 0; u < kPer; ++u) o[u] += pj * v[u];
@@ -155,7 +157,21 @@ struct FixupArgs {
   BlockMask mask;
   int head_dim, ratio;
   float scale;
+  // flash-attn's softcap / ALiBi (kernels' kScoreMod instances; none otherwise) and the batch entry (its slopes).
+  ScoreMod mod;
+  int b;
 };
+
+// The score of query i, key j of head h from q.k, natural-log units; *dmod:
+// d score / d (scale q.k) (softcap's 1 - t^2; 1 otherwise).
+__device__ __forceinline__ float fixup_score(const FixupArgs& a, float qk, int h, int i, int j, float* dmod) {
+  if (!a.mod.any()) {
+    *dmod = 1.f;
+    return a.scale * qk;
+  }
+  const ScoreModTile m(a.mod, a.scale, a.b, h, a.mask.seqlen_q, a.mask.seqlen_k);
+  return m.apply(qk, i, j, dmod) * kLn2;
+}
 
 __device__ __forceinline__ FixupArgs fixup_args(const AttnFwdParams& p, const SeqInfo& seq, int b) {
   FixupArgs a(BlockMask(p, seq));
@@ -172,6 +188,8 @@ __device__ __forceinline__ FixupArgs fixup_args(const AttnFwdParams& p, const Se
   a.vec_head = seq.rowvec_head_stride(p);
   a.head_dim = p.head_dim, a.ratio = p.heads_ratio();
   a.scale = static_cast<float>(p.softmax_scale);
+  a.mod = p.score_mod;
+  a.b = b;
   return a;
 }
 
@@ -222,8 +240,9 @@ __device__ __forceinline__ void grad_key_row(float (&dk)[kPer], float (&dv)[kPer
       float q[kPer], dout[kPer];
       load_row(q, q_row<T>(a, hq, i), d, lane);
       load_row(dout, do_row<T>(a, hq, i), d, lane);
-      const float pij = prob(a.scale * dot(q, k), a.lse[hq * a.vec_head + i]);
-      const float ds = pij * (dot(dout, v) - a.dsum[hq * a.vec_head + i]);
+      float dmod;
+      const float pij = prob(fixup_score(a, dot(q, k), hq, i, j, &dmod), a.lse[hq * a.vec_head + i]);
+      const float ds = pij * (dot(dout, v) - a.dsum[hq * a.vec_head + i]) * dmod;
 #pragma unroll
       for (int u = 0; u < kPer; ++u) dv[u] += pij * dout[u], dk[u] += ds * q[u];
     }
@@ -246,8 +265,9 @@ __device__ __forceinline__ void grad_query_row(float (&dq)[kPer], const FixupArg
     float k[kPer], v[kPer];
     load_row(k, k_row<T>(a, h_kv, j), d, lane);
     load_row(v, v_row<T>(a, h_kv, j), d, lane);
-    const float pij = prob(a.scale * dot(q, k), lse);
-    const float ds = pij * (dot(dout, v) - dsum);
+    float dmod;
+    const float pij = prob(fixup_score(a, dot(q, k), h, i, j, &dmod), lse);
+    const float ds = pij * (dot(dout, v) - dsum) * dmod;
 #pragma unroll
     for (int u = 0; u < kPer; ++u) dq[u] += ds * k[u];
   }
@@ -271,7 +291,12 @@ __device__ FLASHATTN_NONFINITE_SLOW void fix_fwd_rows(FixupArgs a, int h, int m0
     const int i = m0 + r;
     float o[kPer];
     const float lse = attend_row(
-        o, q_row<T>(a, h, i), d, a.scale, a.mask.key_lo(i), a.mask.key_hi(i),
+        o, q_row<T>(a, h, i), d,
+        [&](float qk, int j) {
+          float dmod;
+          return fixup_score(a, qk, h, i, j, &dmod);
+        },
+        a.mask.key_lo(i), a.mask.key_hi(i),
         [&](int j) { return k_row<T>(a, h_kv, j); }, [&](int j) { return v_row<T>(a, h_kv, j); }, lane);
 #pragma unroll
     for (int u = 0; u < kPer; ++u)
@@ -355,6 +380,7 @@ struct DecodeFixupArgs {
   int64_t q_batch, q_row, q_head, k_batch, k_row, k_head, v_batch, v_row, v_head, o_batch, o_row, o_head, table_batch;
   int heads_q, heads_kv, seqlen_q, head_dim, capacity, cache_rows, page_size, window_left, window_right;
   float scale;
+  ScoreMod mod;
 };
 
 __device__ __forceinline__ DecodeFixupArgs decode_fixup_args(const KvcacheParams& p) {
@@ -370,6 +396,7 @@ __device__ __forceinline__ DecodeFixupArgs decode_fixup_args(const KvcacheParams
   a.capacity = p.capacity, a.cache_rows = p.cache_rows, a.page_size = p.page_size;
   a.window_left = p.window_left, a.window_right = p.window_right;
   a.scale = static_cast<float>(p.softmax_scale);
+  a.mod = p.score_mod;
   return a;
 }
 
@@ -406,9 +433,12 @@ __device__ FLASHATTN_NONFINITE_SLOW void fix_decode_row(DecodeFixupArgs a, int b
     const int64_t page = clamp_to(table[j / a.page_size], 0, a.cache_rows - 1);
     return page * batch + int64_t(j % a.page_size) * row;
   };
+  // ALiBi's distance uses the row's key count (its keys [0, seqlen_k), query qi at seqlen_k - seqlen_q + qi).
+  const ScoreModTile mod(a.mod, a.scale, b, head, a.seqlen_q, seqlen_k);
+  auto score = [&](float qk, int j) { return a.mod.any() ? mod.apply(qk, qi, j) * kLn2 : a.scale * qk; };
   float o[kPer];
   const float lse = attend_row(
-      o, static_cast<const T*>(a.q) + b * a.q_batch + int64_t(qi) * a.q_row + head * a.q_head, d, a.scale, lo, hi,
+      o, static_cast<const T*>(a.q) + b * a.q_batch + int64_t(qi) * a.q_row + head * a.q_head, d, score, lo, hi,
       [&](int j) { return k_base + slot(j, a.k_batch, a.k_row); },
       [&](int j) { return v_base + slot(j, a.v_batch, a.v_row); }, lane);
 #pragma unroll

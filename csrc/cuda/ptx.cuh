@@ -109,6 +109,12 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+__device__ __forceinline__ float fast_log2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // 2^x on the FMA pipe, for x <= 0 (softmax exponents after the max shift),
 // so that a kernel can move part of its exponentials off the MUFU unit (16
 // results a clock an SM on Hopper: at head dim 64 the forward's exponentials
@@ -178,5 +184,9 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 }
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// exp(x) = exp2(x * kLog2e): the kernels keep scores in log2 units.
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
 
 }  // namespace flashattn

@@ -79,6 +79,7 @@
 #include "../../flash_params.h"
 #include "../flash_bwd_kernel.cuh"
 #include "../nonfinite_fixup.cuh"
+#include "../score_mod.cuh"
 #include "bwd_sm90_common.cuh"
 #include "flash_bwd_sm90_ws_kernel.cuh"
 #include "tma.cuh"
@@ -94,7 +95,11 @@ struct PFragLayout {
   __device__ __forceinline__ static int offset(int i, int wg_tid) { return (i * 128 + wg_tid) * 4; }
 };
 
-template <typename Kt, bool kVarlen>
+// kScoreMod: the instance for calls with softcap / ALiBi (../score_mod.cuh):
+// consumer 0 modifies S^T before recomputing P^T, and hands consumer 1
+// P^T * (1 - t^2) (softcap's derivative) in fp32 for its dS^T, P^T itself in
+// 16 bits for dV.
+template <typename Kt, bool kVarlen, bool kScoreMod = false>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
     flash_bwd_sm90_ws_split_kernel(const __grid_constant__ AttnBwdParams p, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -381,11 +386,17 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         wgmma_wait<0>();
         pin_registers(acc_x[0]);
         const float* sLses = sLse + s * kBlockM;
-        probs_t(acc_x[0], p.softmax_scale_log2, t, [&](int q) { return sLses[q]; });
+        [[maybe_unused]] const ScoreModTile mod(p.score_mod, static_cast<float>(p.softmax_scale), b, hq,
+                                                mask.seqlen_q, mask.seqlen_k);
+        if constexpr (kScoreMod) apply_score_mod_cols(acc_x, mod, n0 + warp_key0, m0, lane);
+        probs_t(acc_x[0], kScoreMod ? 1.f : p.softmax_scale_log2, t, [&](int q) { return sLses[q]; });
         if (needs_mask) apply_mask_cols(acc_x, mask, n0 + warp_key0, m0, lane, 0.f);
         uint32_t a_p[kQSteps][4];
 #pragma unroll
         for (int kk = 0; kk < kQSteps; ++kk) acc_to_a<T>(a_p[kk], acc_x[0], kk);
+        if constexpr (kScoreMod)  // P^T (1 - t^2) in place (a_p keeps P^T for dV)
+          apply_softcap_grad<true>(acc_x, acc_x, mod, n0 + warp_key0, m0, lane,
+                                   [&](int, int, int qi, int e) { return sLses[qi * 8 + 2 * t + e]; });
 
         // P^T to consumer 1: fp32 for its dS, 16-bit for its dV.
         mbar_wait(empty_p, (uint32_t(it) & 1) ^ 1);

@@ -64,6 +64,10 @@
 //     on the stage, session 6). Non-finite values there go through the exact
 //     recompute above (slow only when such values are present).
 //
+// kScoreMod: the instance for calls with flash-attn's softcap / ALiBi
+// (../score_mod.cuh): softmax_step modifies S (into scaled log2 units) before
+// the mask; the plain instances hold no such code.
+//
 // Dense batches with seqused_k (per-entry key lengths; the KV-cache prefill of
 // flash_attn_with_kvcache) run the kVarlen instance over the dense tensor
 // maps: SeqInfo gives entry b seqused_k[b] keys, its bottom-right diagonal and
@@ -78,6 +82,7 @@
 #include "../../flash_params.h"
 #include "../mask.cuh"
 #include "../nonfinite_fixup.cuh"
+#include "../score_mod.cuh"
 #include "../softmax.cuh"
 #include "../tile.cuh"
 #include "tile_scheduler.cuh"
@@ -94,7 +99,7 @@ struct FwdTmaMaps {
   CUtensorMap q, k, v, o;
 };
 
-template <typename Kt, bool kVarlen>
+template <typename Kt, bool kVarlen, bool kScoreMod = false>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
     flash_fwd_sm90_ws_kernel(const __grid_constant__ AttnFwdParams p, const __grid_constant__ FwdTmaMaps maps,
                              const FwdSchedule sched) {
@@ -239,7 +244,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       Wgmma<kHeadDim, T>::template rs<1>(acc_o[0], a_p[kk], desc_add(dv, kk * 2048), 1);
     wgmma_commit();
   };
-  const bool positive_scale = p.softmax_scale > 0.f;
+  // With a score mod the scores reach the softmax scaled, in log2 units.
+  const bool positive_scale = kScoreMod || p.softmax_scale > 0.f;
+  const float softmax_scale_log2 = kScoreMod ? 1.f : p.softmax_scale_log2;
 
   if (cwg == kConsumers - 1) named_barrier_arrive(kPingPongBar, kPingPongThreads);
   int it0 = 0, q_iter = 0;
@@ -261,11 +268,16 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     OnlineSoftmax<1> softmax;
     auto softmax_step = [&](float(&acc_s)[1][kNT][4], int j, float(&correction)[1][2]) {
       const int n0 = (n_max - 1 - j) * kBlockN;
+      if constexpr (kScoreMod) {
+        const ScoreModTile mod(p.score_mod, static_cast<float>(p.softmax_scale), tl.b, tl.h, tmask.seqlen_q,
+                               tmask.seqlen_k);
+        apply_score_mod_rows(acc_s, mod, m0 + warp_row0, n0, lane);
+      }
       if (tmask.tile_needs_mask<kBlockM, kBlockN>(m0, n0)) apply_mask_rows(acc_s, tmask, m0 + warp_row0, n0, lane);
       if (positive_scale) {
-        softmax.template softmax_rows<true, Kt::kPolyExpEvery>(acc_s, p.softmax_scale_log2, correction);
+        softmax.template softmax_rows<true, Kt::kPolyExpEvery>(acc_s, softmax_scale_log2, correction);
       } else {
-        softmax.template softmax_rows<false, Kt::kPolyExpEvery>(acc_s, p.softmax_scale_log2, correction);
+        softmax.template softmax_rows<false, Kt::kPolyExpEvery>(acc_s, softmax_scale_log2, correction);
       }
     };
     // After S_j has completed: the last S of the tile frees Q for the next tile.
@@ -332,7 +344,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     // (ptxas -v: 40 bytes; none in the loop this way). Dense: the same tile.
     const Tile et = kVarlen ? Tile(p, sched, tile) : tl;
     float row_lse[1][2];
-    softmax.finalize(acc_o, p.softmax_scale_log2, positive_scale, row_lse);
+    softmax.finalize(acc_o, softmax_scale_log2, positive_scale, row_lse);
     const bool bad = nonfinite::any_bad(acc_o);
     if (Kt::kSeparateO) {
       // This consumer's previous O store must have finished reading its rows of sO.
