@@ -140,7 +140,13 @@ __device__ __forceinline__ void fix_dq_chunks(const AttnBwdParams& p, bool valid
     const SeqInfo seq(p, b);
     T* dq = static_cast<T*>(p.dq_ptr) + seq.q_offset(p.dq_batch_stride, p.dq_row_stride, b) +
             int64_t(i) * p.dq_row_stride + h * p.dq_head_stride;
-    nonfinite::fix_dq_row_global<8, T>(nonfinite::fixup_args(p, seq, b), h, i, dq, c_lo, c_hi, lane);
+    // (One conversion kernel serves both instances: the score mod is a runtime property here.)
+    if (p.score_mod.any()) {
+      nonfinite::fix_dq_row_global<8, T>(nonfinite::fixup_args(p, seq, b), h, i, dq, c_lo, c_hi, lane,
+                                         nonfinite::ModScore{p.score_mod, b});
+    } else {
+      nonfinite::fix_dq_row_global<8, T>(nonfinite::fixup_args(p, seq, b), h, i, dq, c_lo, c_hi, lane);
+    }
   }
 }
 
@@ -401,7 +407,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
   // here, so the vote is the CTA's; the warps then share the rows.
   if (__syncthreads_or(bad)) {
     nonfinite::fix_key_rows<TileKV, (kHeadDim + 31) / 32>(nonfinite::fixup_args(p, seq, b), h_kv, n0, warp, kBlockN,
-                                                          kNThreads / 32, keys, sK, sV, d0, d0 + Kt::kDOut, lane);
+                                                          kNThreads / 32, keys, sK, sV, d0, d0 + Kt::kDOut, lane,
+                                                          nonfinite::score_policy<kScoreMod>(p, b));
     __syncthreads();
   }
   store_tile<TileKV, kNThreads, Kt::kDOut>(gdK, p.dk_row_stride, sK, keys, p.head_dim, tid, d0);
@@ -525,7 +532,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dq_kernel(const At
   // The non-finite rule (nonfinite_fixup.cuh): this warp's rows, exactly, if one holds a NaN / inf.
   if (__any_sync(0xffffffffu, bad))
     nonfinite::fix_dq_rows<TileQ, (kHeadDim + 31) / 32>(nonfinite::fixup_args(p, seq, b), h, m0, warp_row0,
-                                                        Kt::kRowsPerWarp, rows, sQ, lane);
+                                                        Kt::kRowsPerWarp, rows, sQ, lane,
+                                                        nonfinite::score_policy<kScoreMod>(p, b));
   __syncthreads();
   store_tile<TileQ, kNThreads>(gdQ, p.dq_row_stride, sQ, rows, p.head_dim, tid);
 }

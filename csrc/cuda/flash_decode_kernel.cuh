@@ -293,7 +293,6 @@ __global__ void __launch_bounds__(Kt::kNThreads) flash_decode_kernel(const Kvcac
   const LdsmA<TileKV> ldsm_v(sV, warp * Kt::kKeysPerWarp, 0, lane);
   // With a score mod the scores reach the softmax scaled, in log2 units.
   const bool positive_scale = kScoreMod || p.softmax_scale > 0.f;
-  const float softmax_scale_log2 = kScoreMod ? 1.f : p.softmax_scale_log2;
 
   float acc_o[kMT][kDT][4];
   clear(acc_o);
@@ -349,9 +348,9 @@ __global__ void __launch_bounds__(Kt::kNThreads) flash_decode_kernel(const Kvcac
             }
     }
     if (positive_scale) {
-      softmax.template update<true>(acc_s, acc_o, softmax_scale_log2);
+      softmax.template update<true>(acc_s, acc_o, kScoreMod ? 1.f : p.softmax_scale_log2);
     } else {
-      softmax.template update<false>(acc_s, acc_o, softmax_scale_log2);
+      softmax.template update<false>(acc_s, acc_o, kScoreMod ? 1.f : p.softmax_scale_log2);
     }
     // O += P V on the same 16 keys.
     gemm_rc_kn<kMT, kDT, Kt::kKeysPerWarp, T>(acc_o, acc_s, ldsm_v, stage_offset);
@@ -369,7 +368,7 @@ __global__ void __launch_bounds__(Kt::kNThreads) flash_decode_kernel(const Kvcac
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       l_w[mi][h] = quad_sum(softmax.row_sum[mi][h]);
-      m_w[mi][h] = positive_scale ? softmax.row_max[mi][h] * softmax_scale_log2 : softmax.row_max[mi][h];
+      m_w[mi][h] = positive_scale ? softmax.row_max[mi][h] * (kScoreMod ? 1.f : p.softmax_scale_log2) : softmax.row_max[mi][h];
       const float lse_w = l_w[mi][h] == 0.f ? -INFINITY : m_w[mi][h] + __log2f(l_w[mi][h]);
       if (t == 0) sLse[warp * kBlockM + mi * 16 + g + 8 * h] = lse_w;
     }
@@ -442,7 +441,13 @@ __global__ void __launch_bounds__(Kt::kNThreads) flash_decode_kernel(const Kvcac
     const nonfinite::DecodeFixupArgs args = nonfinite::decode_fixup_args(p);
     for (int r = warp; r < rows; r += kNWarps) {
       const int packed = m0 + r;
-      nonfinite::fix_decode_row<(kHeadDim + 31) / 32, T>(args, b, h_kv * ratio + packed % ratio, packed / ratio, lane);
+      if constexpr (kScoreMod) {
+        nonfinite::fix_decode_row<(kHeadDim + 31) / 32, T>(args, b, h_kv * ratio + packed % ratio, packed / ratio, lane,
+                                                           nonfinite::DecodeModScore{p.score_mod});
+      } else {
+        nonfinite::fix_decode_row<(kHeadDim + 31) / 32, T>(args, b, h_kv * ratio + packed % ratio, packed / ratio,
+                                                           lane);
+      }
     }
   }
 }
@@ -503,7 +508,15 @@ __global__ void __launch_bounds__(128, 8) flash_decode_combine_kernel(const Kvca
   if (lane == 0) static_cast<float*>(p.lse_ptr)[row] = lse * 0.6931471805599453f;
   // The non-finite rule (nonfinite_fixup.cuh): a row with a NaN / inf is
   // recomputed exactly over its visible keys (after its stores above, same warp).
-  if (__any_sync(0xffffffffu, bad)) nonfinite::fix_decode_row<8, T>(nonfinite::decode_fixup_args(p), b, head, qi, lane);
+  // (Its score mod, if any, is a runtime property here: one combine kernel serves both instances.)
+  if (__any_sync(0xffffffffu, bad)) {
+    if (p.score_mod.any()) {
+      nonfinite::fix_decode_row<8, T>(nonfinite::decode_fixup_args(p), b, head, qi, lane,
+                                      nonfinite::DecodeModScore{p.score_mod});
+    } else {
+      nonfinite::fix_decode_row<8, T>(nonfinite::decode_fixup_args(p), b, head, qi, lane);
+    }
+  }
 }
 
 template <typename Kernel>

@@ -76,7 +76,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
   const LdsmA<TileKV> ldsm_v(sV, 0, 0, lane);
   // With a score mod the scores reach the softmax scaled, in log2 units.
   const bool positive_scale = kScoreMod || p.softmax_scale > 0.f;
-  const float softmax_scale_log2 = kScoreMod ? 1.f : p.softmax_scale_log2;
 
   auto load_k = [&](int n_block, int stage) {
     copy_tile_async<TileKV, kNThreads>(sK + stage * Kt::kStageElems, gK + int64_t(n_block) * kBlockN * p.k_row_stride,
@@ -130,9 +129,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
   // P = online softmax of S (rescaling O), then O += P V.
   auto accumulate = [&](float(&acc_s)[kMT][kNT][4], int stage) {
     if (positive_scale) {
-      softmax.template update<true>(acc_s, acc_o, softmax_scale_log2);
+      softmax.template update<true>(acc_s, acc_o, kScoreMod ? 1.f : p.softmax_scale_log2);
     } else {
-      softmax.template update<false>(acc_s, acc_o, softmax_scale_log2);
+      softmax.template update<false>(acc_s, acc_o, kScoreMod ? 1.f : p.softmax_scale_log2);
     }
     gemm_rc_kn<kMT, kDT, kBlockN, T>(acc_o, acc_s, ldsm_v, stage * Kt::kStageBytes);
   };
@@ -176,7 +175,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
   // store is 16 bytes per lane, and write lse.
   float row_lse[kMT][2];
   cp_async_wait<0>();  // only empty groups can remain
-  softmax.finalize(acc_o, softmax_scale_log2, positive_scale, row_lse);
+  softmax.finalize(acc_o, kScoreMod ? 1.f : p.softmax_scale_log2, positive_scale, row_lse);
   const bool bad = nonfinite::any_bad(acc_o);
   store_acc<TileQ>(sQ, acc_o, warp_row0, 0, lane);
   if (t == 0) {
@@ -191,7 +190,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
   // The non-finite rule (nonfinite_fixup.cuh): this warp's rows, exactly, if one holds a NaN / inf.
   if (__any_sync(0xffffffffu, bad))
     nonfinite::fix_fwd_rows<TileQ, (kHeadDim + 31) / 32>(nonfinite::fixup_args(p, seq, b), h, m0, warp_row0,
-                                                         Kt::kRowsPerWarp, rows, sQ, lane);
+                                                         Kt::kRowsPerWarp, rows, sQ, lane,
+                                                         nonfinite::score_policy<kScoreMod>(p, b));
   __syncthreads();
   store_tile<TileQ, kNThreads>(gO, p.o_row_stride, sQ, rows, p.head_dim, tid);
 }

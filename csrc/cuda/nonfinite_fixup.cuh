@@ -157,20 +157,35 @@ struct FixupArgs {
   BlockMask mask;
   int head_dim, ratio;
   float scale;
-  // flash-attn's softcap / ALiBi (kernels' kScoreMod instances; none otherwise) and the batch entry (its slopes).
-  ScoreMod mod;
-  int b;
 };
 
-// The score of query i, key j of head h from q.k, natural-log units; *dmod:
-// d score / d (scale q.k) (softcap's 1 - t^2; 1 otherwise).
-__device__ __forceinline__ float fixup_score(const FixupArgs& a, float qk, int h, int i, int j, float* dmod) {
-  if (!a.mod.any()) {
+// The score of query i, key j of head h from q.k (natural-log units) and
+// *dmod = d score / d (scale q.k), the slow paths' one rule, as a policy: the
+// plain kernels pass PlainScore (an empty argument: their slow paths compile as
+// before the score mods existed), the kScoreMod instances ModScore.
+struct PlainScore {
+  __device__ __forceinline__ float operator()(const FixupArgs& a, float qk, int, int, int, float* dmod) const {
     *dmod = 1.f;
     return a.scale * qk;
   }
-  const ScoreModTile m(a.mod, a.scale, a.b, h, a.mask.seqlen_q, a.mask.seqlen_k);
-  return m.apply(qk, i, j, dmod) * kLn2;
+};
+struct ModScore {
+  ScoreMod mod;
+  int b;  // the batch entry (its slopes)
+  __device__ __forceinline__ float operator()(const FixupArgs& a, float qk, int h, int i, int j, float* dmod) const {
+    const ScoreModTile m(mod, a.scale, b, h, a.mask.seqlen_q, a.mask.seqlen_k);
+    return m.apply(qk, i, j, dmod) * kLn2;
+  }
+};
+
+// The score policy of a kernel instance (kScoreMod: the call's softcap / ALiBi).
+template <bool kScoreMod>
+__device__ __forceinline__ auto score_policy(const AttnFwdParams& p, int b) {
+  if constexpr (kScoreMod) {
+    return ModScore{p.score_mod, b};
+  } else {
+    return PlainScore{};
+  }
 }
 
 __device__ __forceinline__ FixupArgs fixup_args(const AttnFwdParams& p, const SeqInfo& seq, int b) {
@@ -188,8 +203,6 @@ __device__ __forceinline__ FixupArgs fixup_args(const AttnFwdParams& p, const Se
   a.vec_head = seq.rowvec_head_stride(p);
   a.head_dim = p.head_dim, a.ratio = p.heads_ratio();
   a.scale = static_cast<float>(p.softmax_scale);
-  a.mod = p.score_mod;
-  a.b = b;
   return a;
 }
 
@@ -223,9 +236,9 @@ __device__ __forceinline__ float prob(float s, float lse) { return lse == -INFIN
 
 // dK_j (scaled) and dV_j of key j of kv head h_kv: sums over the query heads of
 // its GQA group and the queries that see j.
-template <int kPer, typename T>
+template <int kPer, typename T, typename Score>
 __device__ __forceinline__ void grad_key_row(float (&dk)[kPer], float (&dv)[kPer], const FixupArgs& a, int h_kv, int j,
-                                             int lane) {
+                                             const Score& score, int lane) {
   const int d = a.head_dim;
   float k[kPer], v[kPer];
   load_row(k, k_row<T>(a, h_kv, j), d, lane);
@@ -241,7 +254,7 @@ __device__ __forceinline__ void grad_key_row(float (&dk)[kPer], float (&dv)[kPer
       load_row(q, q_row<T>(a, hq, i), d, lane);
       load_row(dout, do_row<T>(a, hq, i), d, lane);
       float dmod;
-      const float pij = prob(fixup_score(a, dot(q, k), hq, i, j, &dmod), a.lse[hq * a.vec_head + i]);
+      const float pij = prob(score(a, dot(q, k), hq, i, j, &dmod), a.lse[hq * a.vec_head + i]);
       const float ds = pij * (dot(dout, v) - a.dsum[hq * a.vec_head + i]) * dmod;
 #pragma unroll
       for (int u = 0; u < kPer; ++u) dv[u] += pij * dout[u], dk[u] += ds * q[u];
@@ -251,8 +264,9 @@ __device__ __forceinline__ void grad_key_row(float (&dk)[kPer], float (&dv)[kPer
 }
 
 // dQ_i (scaled) of query i of head h: a sum over the keys i sees.
-template <int kPer, typename T>
-__device__ __forceinline__ void grad_query_row(float (&dq)[kPer], const FixupArgs& a, int h, int i, int lane) {
+template <int kPer, typename T, typename Score>
+__device__ __forceinline__ void grad_query_row(float (&dq)[kPer], const FixupArgs& a, int h, int i, const Score& score,
+                                               int lane) {
   const int d = a.head_dim, h_kv = h / a.ratio;
   float q[kPer], dout[kPer];
   load_row(q, q_row<T>(a, h, i), d, lane);
@@ -266,7 +280,7 @@ __device__ __forceinline__ void grad_query_row(float (&dq)[kPer], const FixupArg
     load_row(k, k_row<T>(a, h_kv, j), d, lane);
     load_row(v, v_row<T>(a, h_kv, j), d, lane);
     float dmod;
-    const float pij = prob(fixup_score(a, dot(q, k), h, i, j, &dmod), lse);
+    const float pij = prob(score(a, dot(q, k), h, i, j, &dmod), lse);
     const float ds = pij * (dot(dout, v) - dsum) * dmod;
 #pragma unroll
     for (int u = 0; u < kPer; ++u) dq[u] += ds * k[u];
@@ -281,9 +295,9 @@ __device__ __forceinline__ void grad_query_row(float (&dq)[kPer], const FixupArg
 // query m0 of head h, staged as T in `tile`: every row holding a non-finite value
 // is recomputed there, and its lse in global memory (after the kernel's own
 // write of it by this warp). Whole warp; the caller has written the rows.
-template <typename Tile, int kPer, typename T>
+template <typename Tile, int kPer, typename T, typename Score = PlainScore>
 __device__ FLASHATTN_NONFINITE_SLOW void fix_fwd_rows(FixupArgs a, int h, int m0, int r0, int nrows, int rows_valid,
-                                                      T* tile, int lane) {
+                                                      T* tile, int lane, Score score = {}) {
   __syncwarp();
   const int d = a.head_dim, h_kv = h / a.ratio;
   for (int r = r0; r < r0 + nrows && r < rows_valid; ++r) {
@@ -294,7 +308,7 @@ __device__ FLASHATTN_NONFINITE_SLOW void fix_fwd_rows(FixupArgs a, int h, int m0
         o, q_row<T>(a, h, i), d,
         [&](float qk, int j) {
           float dmod;
-          return fixup_score(a, qk, h, i, j, &dmod);
+          return score(a, qk, h, i, j, &dmod);
         },
         a.mask.key_lo(i), a.mask.key_hi(i),
         [&](int j) { return k_row<T>(a, h_kv, j); }, [&](int j) { return v_row<T>(a, h_kv, j); }, lane);
@@ -310,17 +324,17 @@ __device__ FLASHATTN_NONFINITE_SLOW void fix_fwd_rows(FixupArgs a, int h, int m0
 // starting at key n0 of kv head h_kv, staged as T (dK scaled) in tile_dk /
 // tile_dv over the columns [c_lo, c_hi) (the CTA's head-dim slice): a row
 // with a non-finite value in either is recomputed in both.
-template <typename Tile, int kPer, typename T>
+template <typename Tile, int kPer, typename T, typename Score = PlainScore>
 __device__ FLASHATTN_NONFINITE_SLOW void fix_key_rows(FixupArgs a, int h_kv, int n0, int r0, int r_end, int step,
                                                       int keys_valid, T* tile_dk, T* tile_dv, int c_lo, int c_hi,
-                                                      int lane) {
+                                                      int lane, Score score = {}) {
   __syncwarp();
   c_hi = min(c_hi, a.head_dim);
   for (int r = r0; r < r_end && r < keys_valid; r += step) {
     if (!tile_row_bad<Tile>(tile_dk, r, c_lo, c_hi, lane) && !tile_row_bad<Tile>(tile_dv, r, c_lo, c_hi, lane))
       continue;
     float dk[kPer], dv[kPer];
-    grad_key_row<kPer, T>(dk, dv, a, h_kv, n0 + r, lane);
+    grad_key_row<kPer, T>(dk, dv, a, h_kv, n0 + r, score, lane);
 #pragma unroll
     for (int u = 0; u < kPer; ++u) {
       const int c = lane + 32 * u;
@@ -335,15 +349,15 @@ __device__ FLASHATTN_NONFINITE_SLOW void fix_key_rows(FixupArgs a, int h_kv, int
 
 // Backward dQ staged in a tile (the deterministic mma.sync dQ kernel): rows
 // [r0, r0 + nrows) (< rows_valid) of the query block at m0 of head h.
-template <typename Tile, int kPer, typename T>
+template <typename Tile, int kPer, typename T, typename Score = PlainScore>
 __device__ FLASHATTN_NONFINITE_SLOW void fix_dq_rows(FixupArgs a, int h, int m0, int r0, int nrows, int rows_valid,
-                                                     T* tile, int lane) {
+                                                     T* tile, int lane, Score score = {}) {
   __syncwarp();
   const int d = a.head_dim;
   for (int r = r0; r < r0 + nrows && r < rows_valid; ++r) {
     if (!tile_row_bad<Tile>(tile, r, 0, d, lane)) continue;
     float dq[kPer];
-    grad_query_row<kPer, T>(dq, a, h, m0 + r, lane);
+    grad_query_row<kPer, T>(dq, a, h, m0 + r, score, lane);
 #pragma unroll
     for (int u = 0; u < kPer; ++u)
       if (lane + 32 * u < d) tile_at<Tile>(tile, r, lane + 32 * u) = from_float<T>(dq[u]);
@@ -354,12 +368,12 @@ __device__ FLASHATTN_NONFINITE_SLOW void fix_dq_rows(FixupArgs a, int h, int m0,
 // Backward dQ written straight to global memory (the fp32 accumulator's
 // conversion kernels): query i of head h, columns [c_lo, c_hi), at dq_row
 // (column 0). Called by the whole warp after its own normal writes of them.
-template <int kPer, typename T>
+template <int kPer, typename T, typename Score = PlainScore>
 __device__ FLASHATTN_NONFINITE_SLOW void fix_dq_row_global(FixupArgs a, int h, int i, T* dq_row, int c_lo, int c_hi,
-                                                           int lane) {
+                                                           int lane, Score score = {}) {
   __syncwarp();
   float dq[kPer];
-  grad_query_row<kPer, T>(dq, a, h, i, lane);
+  grad_query_row<kPer, T>(dq, a, h, i, score, lane);
   c_hi = min(c_hi, a.head_dim);
 #pragma unroll
   for (int u = 0; u < kPer; ++u) {
@@ -380,7 +394,6 @@ struct DecodeFixupArgs {
   int64_t q_batch, q_row, q_head, k_batch, k_row, k_head, v_batch, v_row, v_head, o_batch, o_row, o_head, table_batch;
   int heads_q, heads_kv, seqlen_q, head_dim, capacity, cache_rows, page_size, window_left, window_right;
   float scale;
-  ScoreMod mod;
 };
 
 __device__ __forceinline__ DecodeFixupArgs decode_fixup_args(const KvcacheParams& p) {
@@ -396,7 +409,6 @@ __device__ __forceinline__ DecodeFixupArgs decode_fixup_args(const KvcacheParams
   a.capacity = p.capacity, a.cache_rows = p.cache_rows, a.page_size = p.page_size;
   a.window_left = p.window_left, a.window_right = p.window_right;
   a.scale = static_cast<float>(p.softmax_scale);
-  a.mod = p.score_mod;
   return a;
 }
 
@@ -409,8 +421,24 @@ __device__ __forceinline__ int clamp_to(int64_t x, int lo, int hi) {
 // kernel's (cache_seqlens and cache_leftpad clamped as it clamps them, the
 // window aligned bottom-right), read through the page table or cache_batch_idx
 // as the kernel reads them. Whole warp, after the row's normal store.
-template <int kPer, typename T>
-__device__ FLASHATTN_NONFINITE_SLOW void fix_decode_row(DecodeFixupArgs a, int b, int head, int qi, int lane) {
+// The decode kernel's score policies (as PlainScore / ModScore above): the
+// score of query qi, key j of (b, head), the row holding seqlen_k keys.
+struct DecodePlainScore {
+  __device__ __forceinline__ float operator()(const DecodeFixupArgs& a, float qk, int, int, int, int, int) const {
+    return a.scale * qk;
+  }
+};
+struct DecodeModScore {
+  ScoreMod mod;
+  __device__ __forceinline__ float operator()(const DecodeFixupArgs& a, float qk, int b, int head, int qi, int j,
+                                              int seqlen_k) const {
+    return ScoreModTile(mod, a.scale, b, head, a.seqlen_q, seqlen_k).apply(qk, qi, j) * kLn2;
+  }
+};
+
+template <int kPer, typename T, typename Score = DecodePlainScore>
+__device__ FLASHATTN_NONFINITE_SLOW void fix_decode_row(DecodeFixupArgs a, int b, int head, int qi, int lane,
+                                                        Score score_of = {}) {
   __syncwarp();
   const int d = a.head_dim;
   T* out = static_cast<T*>(a.o) + b * a.o_batch + int64_t(qi) * a.o_row + head * a.o_head;
@@ -434,8 +462,7 @@ __device__ FLASHATTN_NONFINITE_SLOW void fix_decode_row(DecodeFixupArgs a, int b
     return page * batch + int64_t(j % a.page_size) * row;
   };
   // ALiBi's distance uses the row's key count (its keys [0, seqlen_k), query qi at seqlen_k - seqlen_q + qi).
-  const ScoreModTile mod(a.mod, a.scale, b, head, a.seqlen_q, seqlen_k);
-  auto score = [&](float qk, int j) { return a.mod.any() ? mod.apply(qk, qi, j) * kLn2 : a.scale * qk; };
+  auto score = [&](float qk, int j) { return score_of(a, qk, b, head, qi, j, seqlen_k); };
   float o[kPer];
   const float lse = attend_row(
       o, static_cast<const T*>(a.q) + b * a.q_batch + int64_t(qi) * a.q_row + head * a.q_head, d, score, lo, hi,

@@ -613,7 +613,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   // The non-finite rule (../nonfinite_fixup.cuh): this warp's 16 keys, exactly, if one holds a NaN / inf.
   if (__any_sync(0xffffffffu, bad))
     nonfinite::fix_key_rows<TileKV, (kHeadDim + 31) / 32>(nonfinite::fixup_args(p, eseq, b), h_kv, n0, warp_key0,
-                                                          warp_key0 + 16, 1, keys, sK, sV, 0, kHeadDim, lane);
+                                                          warp_key0 + 16, 1, keys, sK, sV, 0, kHeadDim, lane,
+                                                          nonfinite::score_policy<kScoreMod>(p, b));
   named_barrier_sync(kEpilogueBar, kConsumerThreads);
   T* gdK = static_cast<T*>(p.dk_ptr) + eseq.k_offset(p.dk_batch_stride, p.dk_row_stride, b) + h_kv * p.dk_head_stride +
            n0 * p.dk_row_stride;
@@ -658,8 +659,14 @@ __device__ FLASHATTN_NONFINITE_SLOW void fix_dq_frag_rows(AttnBwdParams p, const
       if (!__any_sync(0xffffffffu, bad && lane / 8 == q) || row >= seq.seqlen_q) continue;
       T* dq = static_cast<T*>(p.dq_ptr) + seq.q_offset(p.dq_batch_stride, p.dq_row_stride, b) + h * p.dq_head_stride +
               int64_t(row) * p.dq_row_stride;
-      nonfinite::fix_dq_row_global<(Kt::kHeadDim + 31) / 32, T>(nonfinite::fixup_args(p, seq, b), h, row, dq, c_lo,
-                                                                c_lo + 64, lane);
+      // (One conversion kernel serves both instances: the score mod is a runtime property here.)
+      if (p.score_mod.any()) {
+        nonfinite::fix_dq_row_global<(Kt::kHeadDim + 31) / 32, T>(nonfinite::fixup_args(p, seq, b), h, row, dq, c_lo,
+                                                                  c_lo + 64, lane, nonfinite::ModScore{p.score_mod, b});
+      } else {
+        nonfinite::fix_dq_row_global<(Kt::kHeadDim + 31) / 32, T>(nonfinite::fixup_args(p, seq, b), h, row, dq, c_lo,
+                                                                  c_lo + 64, lane);
+      }
     }
   }
 }

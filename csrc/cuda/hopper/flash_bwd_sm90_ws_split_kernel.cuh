@@ -500,7 +500,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   const int col0 = cwg * kCols0, cols = cwg == 0 ? kCols0 : kCols1;
   if (__any_sync(0xffffffffu, bad))
     nonfinite::fix_key_rows<TileKV, (Kt::kHeadDim + 31) / 32>(nonfinite::fixup_args(p, eseq, b), h_kv, n0, warp_key0,
-                                                              warp_key0 + 16, 1, keys, sK, sV, col0, col0 + cols, lane);
+                                                              warp_key0 + 16, 1, keys, sK, sV, col0, col0 + cols, lane,
+                                                              nonfinite::score_policy<kScoreMod>(p, b));
   named_barrier_sync(kEpilogueBar, kConsumerThreads);
 
   T* gdK = static_cast<T*>(p.dk_ptr) + eseq.k_offset(p.dk_batch_stride, p.dk_row_stride, b) + h_kv * p.dk_head_stride +

@@ -366,7 +366,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     // staged O, exactly, if one holds a NaN / inf (before the TMA store reads them).
     if (__any_sync(0xffffffffu, bad))
       nonfinite::fix_fwd_rows<TileQ, (kHeadDim + 31) / 32>(nonfinite::fixup_args(p, et.seq, et.b), et.h, m0, warp_row0,
-                                                           16, et.rows, sO, lane);
+                                                           16, et.rows, sO, lane,
+                                                           nonfinite::score_policy<kScoreMod>(p, et.b));
     fence_proxy_async_smem();  // the TMA store (async proxy) reads what st.shared wrote
     named_barrier_sync(kEpilogueBar + cwg, 128);
     // Varlen: this consumer's rows of the sequence (its box is rows 64 cwg .. 64 cwg + 63 of the tile).
