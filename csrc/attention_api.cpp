@@ -184,6 +184,28 @@ void check_bwd_extras(const at::Tensor& dout, const at::Tensor& q, const at::Ten
   check_bwd_tensors(dout, q, out, lse, {q.size(0), q.size(2), q.size(1)}, "(batch, heads_q, seqlen_q)");
 }
 
+ScoreMod make_score_mod(double softcap, const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& q,
+                        int64_t batch, int64_t heads_q) {
+  ScoreMod mod;
+  TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0,
+                    "flashattn_ext: softcap must be a finite number >= 0 (0: no softcapping), got ", softcap);
+  mod.softcap = static_cast<float>(softcap);
+  if (!alibi_slopes.has_value() || !alibi_slopes->defined()) return mod;
+  const at::Tensor& s = *alibi_slopes;
+  TORCH_CHECK_VALUE(s.scalar_type() == at::kFloat, "flashattn_ext: alibi_slopes must be float32, got ", s.scalar_type(),
+                    "; pass alibi_slopes.float()");
+  check_same_device(s, "alibi_slopes", q);
+  const bool per_head = s.dim() == 1 && s.size(0) == heads_q;
+  const bool per_batch = s.dim() == 2 && s.size(0) == batch && s.size(1) == heads_q;
+  TORCH_CHECK_VALUE(per_head || per_batch, "flashattn_ext: alibi_slopes must have shape (nheads,) = (", heads_q,
+                    ",) or (batch, nheads) = (", batch, ", ", heads_q, "), got ", s.sizes());
+  TORCH_CHECK_VALUE(heads_q <= 1 || s.stride(-1) == 1,
+                    "flashattn_ext: alibi_slopes must have a unit stride on the heads; pass alibi_slopes.contiguous()");
+  mod.alibi_slopes = s.data_ptr<float>();
+  mod.alibi_batch_stride = per_batch && batch > 1 ? s.stride(0) : 0;
+  return mod;
+}
+
 MaskParams make_mask(int64_t window_left, int64_t window_right, bool bottom_right, int64_t seqlen_q, int64_t seqlen_k) {
   TORCH_CHECK_VALUE(window_left >= -1 && window_right >= -1, "flashattn_ext: window sizes must be -1 (unbounded) or ",
                     ">= 0, got window_left=", window_left, ", window_right=", window_right);

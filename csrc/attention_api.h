@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -43,6 +44,14 @@ void check_bwd_extras(const at::Tensor& dout, const at::Tensor& q, const at::Ten
 
 // Validates the scalar arguments and builds the mask description.
 MaskParams make_mask(int64_t window_left, int64_t window_right, bool bottom_right, int64_t seqlen_q, int64_t seqlen_k);
+
+// Validates flash-attn's score modifications and describes them (the slopes'
+// pointer: alibi_slopes must outlive the call). softcap: finite, >= 0 (0:
+// none). alibi_slopes: float32, (heads_q,) or (batch, heads_q), unit stride on
+// the heads, on q's device. `batch` / `heads_q` are the call's (varlen: the
+// number of sequences).
+ScoreMod make_score_mod(double softcap, const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& q,
+                        int64_t batch, int64_t heads_q);
 
 // Accumulation dtype of lse (float64 for float64 inputs, float32 otherwise).
 at::ScalarType lse_dtype(at::ScalarType input);

@@ -58,25 +58,29 @@ using torch::autograd::Node;
 using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 
+// (Every op ends with flash-attn's score modifications: double softcap, Tensor? alibi_slopes.)
+using OptTensor = std::optional<at::Tensor>;
 using FwdSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                                                  int64_t, int64_t, bool);
+                                                  int64_t, int64_t, bool, double, const OptTensor&);
 using AttnSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                                                   int64_t, int64_t, bool, bool, bool);
+                                                   int64_t, int64_t, bool, bool, bool, double, const OptTensor&);
 using BwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                               const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                              double, int64_t, int64_t, bool, bool);
+                                                              double, int64_t, int64_t, bool, bool, double,
+                                                              const OptTensor&);
 
 using VarlenFwdSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                         const at::Tensor&, const at::Tensor&, int64_t, int64_t, double,
-                                                        int64_t, int64_t, bool);
+                                                        int64_t, int64_t, bool, double, const OptTensor&);
 using VarlenAttnSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                          const at::Tensor&, const at::Tensor&, int64_t, int64_t, double,
-                                                         int64_t, int64_t, bool, bool);
+                                                         int64_t, int64_t, bool, bool, double, const OptTensor&);
 using VarlenBwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                                     const at::Tensor&, const at::Tensor&,
                                                                     const at::Tensor&, const at::Tensor&,
                                                                     const at::Tensor&, const at::Tensor&, int64_t,
-                                                                    int64_t, double, int64_t, int64_t, bool, bool);
+                                                                    int64_t, double, int64_t, int64_t, bool, bool, double,
+                                                                    const OptTensor&);
 
 // The arguments the varlen ops share after the tensors they differ in.
 struct VarlenArgs {
@@ -85,6 +89,8 @@ struct VarlenArgs {
   double scale = 0;
   int64_t window_left = -1, window_right = -1;
   bool bottom_right = false;
+  double softcap = 0;
+  OptTensor alibi_slopes;
 };
 
 std::tuple<at::Tensor, at::Tensor> call_varlen_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -92,7 +98,7 @@ std::tuple<at::Tensor, at::Tensor> call_varlen_fwd(const at::Tensor& q, const at
   static auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::varlen_fwd", "").typed<VarlenFwdSig>();
   return op.call(q, k, v, a.cu_seqlens_q, a.cu_seqlens_k, a.max_seqlen_q, a.max_seqlen_k, a.scale, a.window_left,
-                 a.window_right, a.bottom_right);
+                 a.window_right, a.bottom_right, a.softcap, a.alibi_slopes);
 }
 
 std::tuple<at::Tensor, at::Tensor> call_varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -100,7 +106,7 @@ std::tuple<at::Tensor, at::Tensor> call_varlen_attention(const at::Tensor& q, co
   static auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::varlen_attention", "").typed<VarlenAttnSig>();
   return op.call(q, k, v, a.cu_seqlens_q, a.cu_seqlens_k, a.max_seqlen_q, a.max_seqlen_k, a.scale, a.window_left,
-                 a.window_right, a.bottom_right, deterministic);
+                 a.window_right, a.bottom_right, deterministic, a.softcap, a.alibi_slopes);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> call_varlen_bwd(const at::Tensor& dout, const at::Tensor& q,
@@ -110,34 +116,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> call_varlen_bwd(const at::Tensor&
   static auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::varlen_bwd", "").typed<VarlenBwdSig>();
   return op.call(dout, q, k, v, out, lse, a.cu_seqlens_q, a.cu_seqlens_k, a.max_seqlen_q, a.max_seqlen_k, a.scale,
-                 a.window_left, a.window_right, a.bottom_right, deterministic);
+                 a.window_left, a.window_right, a.bottom_right, deterministic, a.softcap, a.alibi_slopes);
 }
 
 std::tuple<at::Tensor, at::Tensor> call_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                                            int64_t window_left, int64_t window_right, bool bottom_right) {
+                                            int64_t window_left, int64_t window_right, bool bottom_right,
+                                            double softcap, const OptTensor& alibi_slopes) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::fwd", "").typed<FwdSig>();
-  return op.call(q, k, v, scale, window_left, window_right, bottom_right);
+  return op.call(q, k, v, scale, window_left, window_right, bottom_right, softcap, alibi_slopes);
 }
 
 using KvcacheSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                       const at::Tensor&, const std::optional<at::Tensor>&,
                                                       const std::optional<at::Tensor>&,
                                                       const std::optional<at::Tensor>&, double, int64_t, int64_t,
-                                                      int64_t, bool);
+                                                      int64_t, bool, double, const OptTensor&);
 
 std::tuple<at::Tensor, at::Tensor> call_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                   double scale, int64_t window_left, int64_t window_right,
-                                                  bool bottom_right, bool deterministic, bool bhsd) {
+                                                  bool bottom_right, bool deterministic, bool bhsd, double softcap,
+                                                  const OptTensor& alibi_slopes) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::attention", "").typed<AttnSig>();
-  return op.call(q, k, v, scale, window_left, window_right, bottom_right, deterministic, bhsd);
+  return op.call(q, k, v, scale, window_left, window_right, bottom_right, deterministic, bhsd, softcap, alibi_slopes);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> call_bwd(const at::Tensor& dout, const at::Tensor& q,
                                                         const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                                                         const at::Tensor& lse, double scale, int64_t window_left,
-                                                        int64_t window_right, bool bottom_right, bool deterministic) {
+                                                        int64_t window_right, bool bottom_right, bool deterministic,
+                                                        double softcap, const OptTensor& alibi_slopes) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::bwd", "").typed<BwdSig>();
-  return op.call(dout, q, k, v, out, lse, scale, window_left, window_right, bottom_right, deterministic);
+  return op.call(dout, q, k, v, out, lse, scale, window_left, window_right, bottom_right, deterministic, softcap,
+                 alibi_slopes);
 }
 
 // The kernels need stride 1 on head_dim; copy only when it is not already so
@@ -227,13 +237,15 @@ struct FlashAttnBackward : public AttentionBackwardNode {
     const at::Tensor out = out_.unpack(getptr()), lse = lse_.unpack();
     auto [dq, dk, dv] =
         call_bwd(kernel_layout(dout, bhsd), kernel_layout(q, bhsd), kernel_layout(k, bhsd), kernel_layout(v, bhsd),
-                 kernel_layout(out, bhsd), lse, scale, window_left, window_right, bottom_right, deterministic);
+                 kernel_layout(out, bhsd), lse, scale, window_left, window_right, bottom_right, deterministic, softcap,
+                 alibi_slopes);
     return {caller_layout(dq, bhsd), caller_layout(dk, bhsd), caller_layout(dv, bhsd)};
   }
   std::string name() const override { return "FlashAttnBackward"; }
   void release_variables() override {
     std::lock_guard<std::mutex> lock(mutex_);
     reset_saved();
+    alibi_slopes.reset();
   }
 
   // The saved q, k, v are the caller's tensors (the kernels' views are remade
@@ -242,24 +254,29 @@ struct FlashAttnBackward : public AttentionBackwardNode {
   double scale = 0;
   int64_t window_left = -1, window_right = -1;
   bool bottom_right = false, deterministic = false, bhsd = false;
+  double softcap = 0;
+  OptTensor alibi_slopes;  // not differentiable (flash-attn gives the slopes no gradient): a plain tensor
 };
 
 std::tuple<at::Tensor, at::Tensor> attention_below_autograd(const at::Tensor& q, const at::Tensor& k,
                                                             const at::Tensor& v, double scale, int64_t window_left,
-                                                            int64_t window_right, bool bottom_right, bool bhsd) {
+                                                            int64_t window_right, bool bottom_right, bool bhsd,
+                                                            double softcap, const OptTensor& alibi_slopes) {
   auto [out, lse] = call_fwd(kernel_layout(q, bhsd), kernel_layout(k, bhsd), kernel_layout(v, bhsd), scale, window_left,
-                             window_right, bottom_right);
+                             window_right, bottom_right, softcap, alibi_slopes);
   return {caller_layout(out, bhsd), lse};
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                       double scale, int64_t window_left, int64_t window_right,
-                                                      bool bottom_right, bool deterministic, bool bhsd) {
+                                                      bool bottom_right, bool deterministic, bool bhsd, double softcap,
+                                                      const OptTensor& alibi_slopes) {
   check_no_forward_ad("attention", q, k, v);
   at::Tensor out, lse;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    std::tie(out, lse) = attention_below_autograd(q, k, v, scale, window_left, window_right, bottom_right, bhsd);
+    std::tie(out, lse) = attention_below_autograd(q, k, v, scale, window_left, window_right, bottom_right, bhsd,
+                                                  softcap, alibi_slopes);
   }
   if (torch::autograd::compute_requires_grad(q, k, v)) {
     auto node = make_node<FlashAttnBackward>();
@@ -269,6 +286,8 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& q, const
     node->bottom_right = bottom_right;
     node->deterministic = deterministic;
     node->bhsd = bhsd;
+    node->softcap = softcap;
+    node->alibi_slopes = alibi_slopes;
     AttentionBackwardNode::attach(node, q, k, v, out, lse);
   }
   return {out, lse};
@@ -292,6 +311,7 @@ struct VarlenFlashAttnBackward : public AttentionBackwardNode {
     reset_saved();
     args.cu_seqlens_q.reset();
     args.cu_seqlens_k.reset();
+    args.alibi_slopes.reset();
   }
 
   VarlenArgs args;
@@ -300,8 +320,9 @@ struct VarlenFlashAttnBackward : public AttentionBackwardNode {
 
 VarlenArgs varlen_args(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
                        int64_t max_seqlen_k, double scale, int64_t window_left, int64_t window_right,
-                       bool bottom_right) {
-  return {cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left, window_right, bottom_right};
+                       bool bottom_right, double softcap, const OptTensor& alibi_slopes) {
+  return {cu_seqlens_q,  cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+          window_left,   window_right, bottom_right, softcap,      alibi_slopes};
 }
 
 // Below autograd: the kernels take a unit head_dim stride (copied only when not so).
@@ -315,10 +336,11 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention_autograd(const at::Tensor& q
                                                              const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
                                                              int64_t max_seqlen_k, double scale, int64_t window_left,
                                                              int64_t window_right, bool bottom_right,
-                                                             bool deterministic) {
+                                                             bool deterministic, double softcap,
+                                                             const OptTensor& alibi_slopes) {
   check_no_forward_ad("varlen_attention", q, k, v);
   const VarlenArgs args = varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
-                                      window_right, bottom_right);
+                                      window_right, bottom_right, softcap, alibi_slopes);
   at::Tensor out, lse;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
@@ -357,12 +379,12 @@ constexpr const char* kNoDoubleBackward =
 
 std::tuple<at::Tensor, at::Tensor> fwd_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                 double scale, int64_t window_left, int64_t window_right,
-                                                bool bottom_right) {
+                                                bool bottom_right, double softcap, const OptTensor& alibi_slopes) {
   check_no_forward_ad("fwd", q, k, v);
   at::Tensor out, lse;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    std::tie(out, lse) = call_fwd(q, k, v, scale, window_left, window_right, bottom_right);
+    std::tie(out, lse) = call_fwd(q, k, v, scale, window_left, window_right, bottom_right, softcap, alibi_slopes);
   }
   attach_error({out}, kFwdNotDifferentiable, q, k, v);
   return {out, lse};
@@ -372,13 +394,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_autograd(const at::Tensor& do
                                                             const at::Tensor& k, const at::Tensor& v,
                                                             const at::Tensor& out, const at::Tensor& lse, double scale,
                                                             int64_t window_left, int64_t window_right,
-                                                            bool bottom_right, bool deterministic) {
+                                                            bool bottom_right, bool deterministic, double softcap,
+                                                            const OptTensor& alibi_slopes) {
   check_no_forward_ad("bwd", dout, q, k, v, out, lse);
   at::Tensor dq, dk, dv;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    std::tie(dq, dk, dv) =
-        call_bwd(dout, q, k, v, out, lse, scale, window_left, window_right, bottom_right, deterministic);
+    std::tie(dq, dk, dv) = call_bwd(dout, q, k, v, out, lse, scale, window_left, window_right, bottom_right,
+                                    deterministic, softcap, alibi_slopes);
   }
   attach_error({dq, dk, dv}, kNoDoubleBackward, dout, q, k, v, out, lse);
   return {dq, dk, dv};
@@ -387,14 +410,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_autograd(const at::Tensor& do
 std::tuple<at::Tensor, at::Tensor> varlen_fwd_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                        const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                                        int64_t max_seqlen_q, int64_t max_seqlen_k, double scale,
-                                                       int64_t window_left, int64_t window_right, bool bottom_right) {
+                                                       int64_t window_left, int64_t window_right, bool bottom_right,
+                                                       double softcap, const OptTensor& alibi_slopes) {
   check_no_forward_ad("varlen_fwd", q, k, v);
   at::Tensor out, lse;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     std::tie(out, lse) = call_varlen_fwd(q, k, v,
                                          varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-                                                     window_left, window_right, bottom_right));
+                                                     window_left, window_right, bottom_right, softcap, alibi_slopes));
   }
   attach_error({out}, kFwdNotDifferentiable, q, k, v);
   return {out, lse};
@@ -404,14 +428,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_autograd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
     int64_t max_seqlen_k, double scale, int64_t window_left, int64_t window_right, bool bottom_right,
-    bool deterministic) {
+    bool deterministic, double softcap, const OptTensor& alibi_slopes) {
   check_no_forward_ad("varlen_bwd", dout, q, k, v, out, lse);
   at::Tensor dq, dk, dv;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     std::tie(dq, dk, dv) = call_varlen_bwd(dout, q, k, v, out, lse,
                                            varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-                                                       window_left, window_right, bottom_right),
+                                                       window_left, window_right, bottom_right, softcap, alibi_slopes),
                                            deterministic);
   }
   attach_error({dq, dk, dv}, kNoDoubleBackward, dout, q, k, v, out, lse);
@@ -430,14 +454,14 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_autograd(const at::Tensor& q, con
                                                         const std::optional<at::Tensor>& leftpad,
                                                         const std::optional<at::Tensor>& block_table, double scale,
                                                         int64_t window_left, int64_t window_right, int64_t num_splits,
-                                                        bool bhsd) {
+                                                        bool bhsd, double softcap, const OptTensor& alibi_slopes) {
   check_no_forward_ad("fwd_kvcache", q, k_cache, v_cache);
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::fwd_kvcache", "").typed<KvcacheSig>();
   at::Tensor out, lse;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     std::tie(out, lse) = op.call(q, k_cache, v_cache, seqlens_k, batch_idx, leftpad, block_table, scale, window_left,
-                                 window_right, num_splits, bhsd);
+                                 window_right, num_splits, bhsd, softcap, alibi_slopes);
   }
   attach_error({out}, kKvcacheNotDifferentiable, q, k_cache, v_cache);
   return {out, lse};
@@ -454,19 +478,20 @@ at::Tensor autocast_arg(const at::Tensor& t) {
 template <c10::DeviceType device_type>
 std::tuple<at::Tensor, at::Tensor> attention_autocast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                       double scale, int64_t window_left, int64_t window_right,
-                                                      bool bottom_right, bool deterministic, bool bhsd) {
+                                                      bool bottom_right, bool deterministic, bool bhsd, double softcap,
+                                                      const OptTensor& alibi_slopes) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
   return call_attention(autocast_arg<device_type>(q), autocast_arg<device_type>(k), autocast_arg<device_type>(v), scale,
-                        window_left, window_right, bottom_right, deterministic, bhsd);
+                        window_left, window_right, bottom_right, deterministic, bhsd, softcap, alibi_slopes);
 }
 
 template <c10::DeviceType device_type>
 std::tuple<at::Tensor, at::Tensor> fwd_autocast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                 double scale, int64_t window_left, int64_t window_right,
-                                                bool bottom_right) {
+                                                bool bottom_right, double softcap, const OptTensor& alibi_slopes) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
   return call_fwd(autocast_arg<device_type>(q), autocast_arg<device_type>(k), autocast_arg<device_type>(v), scale,
-                  window_left, window_right, bottom_right);
+                  window_left, window_right, bottom_right, softcap, alibi_slopes);
 }
 
 template <c10::DeviceType device_type>
@@ -475,11 +500,12 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention_autocast(const at::Tensor& q
                                                              const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
                                                              int64_t max_seqlen_k, double scale, int64_t window_left,
                                                              int64_t window_right, bool bottom_right,
-                                                             bool deterministic) {
+                                                             bool deterministic, double softcap,
+                                                             const OptTensor& alibi_slopes) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
   return call_varlen_attention(autocast_arg<device_type>(q), autocast_arg<device_type>(k), autocast_arg<device_type>(v),
                                varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
-                                           window_right, bottom_right),
+                                           window_right, bottom_right, softcap, alibi_slopes),
                                deterministic);
 }
 
@@ -487,11 +513,12 @@ template <c10::DeviceType device_type>
 std::tuple<at::Tensor, at::Tensor> varlen_fwd_autocast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                        const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                                        int64_t max_seqlen_q, int64_t max_seqlen_k, double scale,
-                                                       int64_t window_left, int64_t window_right, bool bottom_right) {
+                                                       int64_t window_left, int64_t window_right, bool bottom_right,
+                                                       double softcap, const OptTensor& alibi_slopes) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
   return call_varlen_fwd(autocast_arg<device_type>(q), autocast_arg<device_type>(k), autocast_arg<device_type>(v),
                          varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
-                                     window_right, bottom_right));
+                                     window_right, bottom_right, softcap, alibi_slopes));
 }
 
 // ---------------------------------------------------------------------------
@@ -500,19 +527,19 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_autocast(const at::Tensor& q, cons
 std::tuple<at::Tensor, at::Tensor> attention_composite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                        double scale, int64_t window_left, int64_t window_right,
                                                        bool bottom_right, bool /*deterministic: for the backward*/,
-                                                       bool bhsd) {
-  return attention_below_autograd(q, k, v, scale, window_left, window_right, bottom_right, bhsd);
+                                                       bool bhsd, double softcap, const OptTensor& alibi_slopes) {
+  return attention_below_autograd(q, k, v, scale, window_left, window_right, bottom_right, bhsd, softcap, alibi_slopes);
 }
 
 std::tuple<at::Tensor, at::Tensor> fwd_unsupported(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                   double, int64_t, int64_t, bool) {
+                                                   double, int64_t, int64_t, bool, double, const OptTensor&) {
   flashattn::reject_backend({{&q, "q"}, {&k, "k"}, {&v, "v"}});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_unsupported(const at::Tensor& dout, const at::Tensor& q,
                                                                const at::Tensor& k, const at::Tensor& v,
                                                                const at::Tensor& out, const at::Tensor& lse, double,
-                                                               int64_t, int64_t, bool, bool) {
+                                                               int64_t, int64_t, bool, bool, double, const OptTensor&) {
   flashattn::reject_backend({{&q, "q"}, {&k, "k"}, {&v, "v"}, {&dout, "dout"}, {&out, "out"}, {&lse, "lse"}});
 }
 
@@ -521,16 +548,17 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention_composite(const at::Tensor& 
                                                               const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
                                                               int64_t max_seqlen_k, double scale, int64_t window_left,
                                                               int64_t window_right, bool bottom_right,
-                                                              bool /*deterministic: for the backward*/) {
+                                                              bool /*deterministic: for the backward*/, double softcap,
+                                                              const OptTensor& alibi_slopes) {
   return varlen_attention_below_autograd(q, k, v,
                                          varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-                                                     window_left, window_right, bottom_right));
+                                                     window_left, window_right, bottom_right, softcap, alibi_slopes));
 }
 
 std::tuple<at::Tensor, at::Tensor> varlen_fwd_unsupported(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                           const at::Tensor& cu_seqlens_q,
                                                           const at::Tensor& cu_seqlens_k, int64_t, int64_t, double,
-                                                          int64_t, int64_t, bool) {
+                                                          int64_t, int64_t, bool, double, const OptTensor&) {
   flashattn::reject_backend(
       {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&cu_seqlens_q, "cu_seqlens_q"}, {&cu_seqlens_k, "cu_seqlens_k"}});
 }
@@ -540,7 +568,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_unsupported(const at::
                                                                       const at::Tensor& out, const at::Tensor& lse,
                                                                       const at::Tensor& cu_seqlens_q,
                                                                       const at::Tensor& cu_seqlens_k, int64_t, int64_t,
-                                                                      double, int64_t, int64_t, bool, bool) {
+                                                                      double, int64_t, int64_t, bool, bool, double,
+                                                                      const OptTensor&) {
   flashattn::reject_backend({{&q, "q"},
                              {&k, "k"},
                              {&v, "v"},
@@ -556,7 +585,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_unsupported(const at::Tensor& q, 
                                                            const std::optional<at::Tensor>& batch_idx,
                                                            const std::optional<at::Tensor>& leftpad,
                                                            const std::optional<at::Tensor>& block_table, double,
-                                                           int64_t, int64_t, int64_t, bool) {
+                                                           int64_t, int64_t, int64_t, bool, double, const OptTensor&) {
   const at::Tensor none;
   flashattn::reject_backend({{&q, "q"},
                              {&k_cache, "k_cache"},

@@ -130,6 +130,7 @@ KvcacheParams make_kvcache_params(const KvcacheInputs& in, const at::Tensor& out
   p.window_right = window_right >= reach ? -1 : static_cast<int>(window_right);
   p.softmax_scale = softmax_scale;
   p.softmax_scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
+  p.score_mod = make_score_mod(in.softcap, in.alibi_slopes, q, q.size(0), q.size(2));
   return p;
 }
 

@@ -24,6 +24,9 @@ struct KvcacheInputs {
   const std::optional<at::Tensor>& batch_idx;
   const std::optional<at::Tensor>& leftpad;
   const std::optional<at::Tensor>& block_table;
+  // flash-attn's score modifications (make_score_mod, attention_api.h).
+  double softcap;
+  const std::optional<at::Tensor>& alibi_slopes;
 };
 
 // Validates everything but the integer tensors' values, and the scalars.
@@ -53,10 +56,12 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_entry(const at::Tensor& q, const 
                                                      const std::optional<at::Tensor>& leftpad,
                                                      const std::optional<at::Tensor>& block_table, double softmax_scale,
                                                      int64_t window_left, int64_t window_right, int64_t num_splits,
-                                                     bool bhsd) {
+                                                     bool bhsd, double softcap,
+                                                     const std::optional<at::Tensor>& alibi_slopes) {
   check_bhsd(bhsd, block_table);
   auto [out, lse] = Impl(kernel_layout(q, bhsd), kernel_layout(k_cache, bhsd), kernel_layout(v_cache, bhsd), seqlens_k,
-                         batch_idx, leftpad, block_table, softmax_scale, window_left, window_right, num_splits);
+                         batch_idx, leftpad, block_table, softmax_scale, window_left, window_right, num_splits, softcap,
+                         alibi_slopes);
   return {kernel_layout(out, bhsd), lse};
 }
 

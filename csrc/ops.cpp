@@ -47,6 +47,10 @@ TORCH_LIBRARY(flashattn_ext, m) {
   // scaled scores, lse (batch, heads_q, seqlen_q) in float32 (float64 for float64
   // inputs); -inf on rows that see no key.
   // window_left / window_right: -1 unbounded; causal is window_right = 0.
+  // softcap, alibi_slopes: flash-attn's score modifications (ScoreMod in
+  // flash_params.h: softcap * tanh(s / softcap), then minus slope * |i + seqlen_k
+  // - seqlen_q - j|; slopes float32 (heads_q,) or (batch, heads_q), no gradient).
+  // Every op takes them, last, defaulting to none; bwd needs the forward's.
   // bottom_right: align the diagonal to the last key (FlashAttention) instead of
   // the first (torch SDPA).
   //
@@ -60,18 +64,20 @@ TORCH_LIBRARY(flashattn_ext, m) {
   // (batch, heads_q, seqlen_q) either way.
   m.def(
       "attention(Tensor q, Tensor k, Tensor v, float softmax_scale, int window_left, int window_right, "
-      "bool bottom_right, bool deterministic, bool bhsd=False) -> (Tensor out, Tensor lse)");
+      "bool bottom_right, bool deterministic, bool bhsd=False, float softcap=0., Tensor? alibi_slopes=None) "
+      "-> (Tensor out, Tensor lse)");
   // The forward kernels alone. Not differentiable: backpropagating through it
   // raises (use attention).
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, int window_left, int window_right, "
-      "bool bottom_right) -> (Tensor out, Tensor lse)");
+      "bool bottom_right, float softcap=0., Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)");
   // Recomputes the probabilities tile by tile from lse; returns gradients with
   // the shapes of q, k, v. Not differentiable (no double backward): its
   // gradients, when something asks for them, raise.
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float softmax_scale, "
-      "int window_left, int window_right, bool bottom_right, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "int window_left, int window_right, bool bottom_right, bool deterministic, float softcap=0., "
+      "Tensor? alibi_slopes=None) -> (Tensor dq, Tensor dk, Tensor dv)");
   // Variable-length batches (flash_attn_varlen_func), FlashAttention-2's varlen
   // layout: the sequences packed along dimension 0, q (total_q, heads_q,
   // head_dim), k, v (total_k, heads_kv, head_dim); cu_seqlens_q / cu_seqlens_k
@@ -87,15 +93,16 @@ TORCH_LIBRARY(flashattn_ext, m) {
   m.def(
       "varlen_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
       "int max_seqlen_k, float softmax_scale, int window_left, int window_right, bool bottom_right, "
-      "bool deterministic) -> (Tensor out, Tensor lse)");
+      "bool deterministic, float softcap=0., Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)");
   m.def(
       "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
-      "int max_seqlen_k, float softmax_scale, int window_left, int window_right, bool bottom_right) "
-      "-> (Tensor out, Tensor lse)");
+      "int max_seqlen_k, float softmax_scale, int window_left, int window_right, bool bottom_right, "
+      "float softcap=0., Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)");
   m.def(
       "varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, "
       "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, int window_left, "
-      "int window_right, bool bottom_right, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "int window_right, bool bottom_right, bool deterministic, float softcap=0., Tensor? alibi_slopes=None) "
+      "-> (Tensor dq, Tensor dk, Tensor dv)");
 
   // Attention of q (batch, seqlen_q, heads_q, head_dim) against a KV cache, for
   // inference (flash_attn_with_kvcache calls it after appending the new keys):
@@ -115,7 +122,7 @@ TORCH_LIBRARY(flashattn_ext, m) {
   m.def(
       "fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens_k, Tensor? cache_batch_idx, "
       "Tensor? cache_leftpad, Tensor? block_table, float softmax_scale, int window_left, int window_right, "
-      "int num_splits, bool bhsd=False) -> (Tensor out, Tensor lse)");
+      "int num_splits, bool bhsd=False, float softcap=0., Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)");
   // What this build holds, as "key=value;..." (cuda, archs, head dims).
   m.def("build_info() -> str", []() -> std::string { return build_info(); });
 }

@@ -289,12 +289,14 @@ def _fwd_fake_impl(q, k, v, softmax_scale, window_left, window_right, unit_strid
 
 
 @torch.library.register_fake("flashattn_ext::fwd")
-def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, bottom_right):
+def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap=0.0, alibi_slopes=None):
     return _fwd_fake_impl(q, k, v, softmax_scale, window_left, window_right)
 
 
 @torch.library.register_fake("flashattn_ext::attention")
-def _attention_fake(q, k, v, softmax_scale, window_left, window_right, bottom_right, deterministic, bhsd=False):
+def _attention_fake(
+    q, k, v, softmax_scale, window_left, window_right, bottom_right, deterministic, bhsd=False, softcap=0.0, alibi=None
+):
     if bhsd:  # csrc/autograd.cpp kernel_layout / caller_layout
         q, k, v = (x.transpose(1, 2) if x.dim() == 4 else x for x in (q, k, v))
     out, lse = _fwd_fake_impl(q, k, v, softmax_scale, window_left, window_right, unit_stride=False)
@@ -302,7 +304,21 @@ def _attention_fake(q, k, v, softmax_scale, window_left, window_right, bottom_ri
 
 
 @torch.library.register_fake("flashattn_ext::bwd")
-def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, bottom_right, deterministic):
+def _bwd_fake(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    softmax_scale,
+    window_left,
+    window_right,
+    bottom_right,
+    deterministic,
+    softcap=0.0,
+    alibi=None,
+):
     check_qkv(q, k, v)
     check_bwd_extras(dout, q, out, lse)
     check_scalars(softmax_scale, window_left, window_right)
@@ -402,7 +418,20 @@ def check_kvcache(q, k_cache, v_cache, seqlens_k, batch_idx, leftpad, block_tabl
 
 @torch.library.register_fake("flashattn_ext::fwd_kvcache")
 def _fwd_kvcache_fake(
-    q, k_cache, v_cache, seqlens_k, batch_idx, leftpad, block_table, softmax_scale, wl, wr, splits, bhsd=False
+    q,
+    k_cache,
+    v_cache,
+    seqlens_k,
+    batch_idx,
+    leftpad,
+    block_table,
+    softmax_scale,
+    wl,
+    wr,
+    splits,
+    bhsd=False,
+    softcap=0.0,
+    alibi_slopes=None,
 ):
     if bhsd:  # csrc/kvcache_api.cpp check_bhsd / kernel_layout
         if block_table is not None:
@@ -558,20 +587,51 @@ def _varlen_fwd_fake_impl(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, wind
 
 
 @torch.library.register_fake("flashattn_ext::varlen_fwd")
-def _varlen_fwd_fake(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, bottom_right):
+def _varlen_fwd_fake(
+    q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, bottom_right, softcap=0.0, alibi=None
+):
     return _varlen_fwd_fake_impl(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, True)
 
 
 @torch.library.register_fake("flashattn_ext::varlen_attention")
 def _varlen_attention_fake(
-    q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, bottom_right, deterministic
+    q,
+    k,
+    v,
+    cu_q,
+    cu_k,
+    max_q,
+    max_k,
+    softmax_scale,
+    window_left,
+    window_right,
+    bottom_right,
+    deterministic,
+    softcap=0.0,
+    alibi_slopes=None,
 ):
     return _varlen_fwd_fake_impl(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, False)
 
 
 @torch.library.register_fake("flashattn_ext::varlen_bwd")
 def _varlen_bwd_fake(
-    dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, bottom_right, det
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cu_q,
+    cu_k,
+    max_q,
+    max_k,
+    softmax_scale,
+    window_left,
+    window_right,
+    bottom_right,
+    det,
+    softcap=0.0,
+    alibi_slopes=None,
 ):
     check_varlen_qkv(q, k, v, cu_q, cu_k, max_q, max_k)
     check_varlen_bwd_extras(dout, q, out, lse)

@@ -186,6 +186,35 @@ def _reject_nested(names: tuple, values: tuple) -> None:
             )
 
 
+def _score_mods(fn, softcap, alibi_slopes):
+    """flash-attn's score modifications as the ops take them: () when there are
+    none (the ops' defaults: the plain kernels), else (softcap, alibi_slopes).
+    softcap: a real number >= 0 (0: none); alibi_slopes: None or a float32
+    tensor (heads_q,) or (batch, heads_q) on q's device, which the op checks."""
+    if softcap is None or (type(softcap) is float and softcap == 0.0):
+        softcap = 0.0
+    else:
+        softcap = _real(fn, "softcap", softcap)
+        if not (math.isfinite(softcap) and softcap >= 0.0):
+            raise ValueError(f"{fn}: softcap must be a finite number >= 0 (0: no softcapping), got {softcap}")
+    if alibi_slopes is not None and not isinstance(alibi_slopes, Tensor):
+        raise TypeError(
+            f"{fn}: alibi_slopes must be None or a float32 torch.Tensor of shape (nheads,) or (batch, nheads), "
+            f"got {_type_name(alibi_slopes)}"
+        )
+    if softcap == 0.0 and alibi_slopes is None:
+        return ()
+    return (softcap, alibi_slopes)
+
+
+def _no_dropout_with_score_mods(fn, p, mods):
+    if p > 0.0 and mods:
+        raise NotImplementedError(
+            f"{fn}: dropout_p > 0 together with softcap or alibi_slopes is not supported by flashattn_ext (dropout "
+            "runs through torch's SDPA, which has neither); pass dropout_p=0.0"
+        )
+
+
 # --------------------------------------------------------------------------
 # flash_attn_func
 
@@ -223,10 +252,16 @@ def flash_attn_func(
     A NaN or infinity in q, k or v reaches exactly the output rows that see it
     (README, "Errors, non-finite inputs and transforms").
 
-    Not supported: softcap, alibi_slopes, return_attn_probs (NotImplementedError);
-    double backward (raises when attempted). dropout_p in (0, 1] is computed by
-    torch's scaled_dot_product_attention with an explicit mask (one-time
-    FlashAttnFallbackWarning; O(seqlen_q * seqlen_k) memory).
+    softcap > 0: the scaled scores s become softcap * tanh(s / softcap) (Gemma 2's
+    attention logit softcapping); alibi_slopes, float32 (heads_q,) or (batch,
+    heads_q): minus slope * |i + seqlen_k - seqlen_q - j| is added to them (after
+    the softcap), query i, key j, as flash-attn defines it; the slopes get no
+    gradient. lse is that of the modified scores.
+
+    Not supported: return_attn_probs (NotImplementedError); double backward
+    (raises when attempted); dropout together with softcap or ALiBi. dropout_p in
+    (0, 1] is computed by torch's scaled_dot_product_attention with an explicit
+    mask (one-time FlashAttnFallbackWarning; O(seqlen_q * seqlen_k) memory).
     """
     fn = "flash_attn_func"
     if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
@@ -245,11 +280,11 @@ def flash_attn_func(
                 f"{fn}: return_attn_probs=True is not supported by flashattn_ext (the kernels never "
                 "materialize the probabilities); use return_lse=True for the log-sum-exp"
             )
-    if softcap is not None and not (type(softcap) is float and softcap == 0.0):
-        if _real(fn, "softcap", softcap) != 0.0:
-            raise NotImplementedError(f"{fn}: softcap={softcap} is not supported by flashattn_ext; pass softcap=0.0")
-    if alibi_slopes is not None:
-        raise NotImplementedError(f"{fn}: alibi_slopes is not supported by flashattn_ext; pass alibi_slopes=None")
+    mods = (
+        ()
+        if alibi_slopes is None and type(softcap) is float and softcap == 0.0
+        else _score_mods(fn, softcap, alibi_slopes)
+    )
     if (
         type(window_size) is tuple
         and len(window_size) == 2
@@ -270,10 +305,20 @@ def flash_attn_func(
     else:
         scale = _real(fn, "softmax_scale", softmax_scale)
     if not (type(dropout_p) is float and dropout_p == 0.0) and _dropout_p(fn, dropout_p) > 0.0:
+        _no_dropout_with_score_mods(fn, 1.0, mods)
         return _flash_attn_dropout_fallback(q, k, v, float(dropout_p), scale, window_left, window_right, return_lse)
     # The op takes any strides (it copies a strided head_dim, nothing else).
     out, lse = _ops.attention(
-        q, k, v, scale, window_left, window_right, True, deterministic or torch.are_deterministic_algorithms_enabled()
+        q,
+        k,
+        v,
+        scale,
+        window_left,
+        window_right,
+        True,
+        deterministic or torch.are_deterministic_algorithms_enabled(),
+        False,
+        *mods,
     )
     return (out, lse) if return_lse else out
 
@@ -740,7 +785,8 @@ def _common_args(
     return_lse,
 ):
     """flash_attn_func's argument checks, under the name ``fn``. Returns
-    (dropout_p, scale, window_left, window_right, deterministic, return_lse)."""
+    (dropout_p, scale, window_left, window_right, deterministic, return_lse, mods),
+    mods the score modifications as the ops take them (_score_mods)."""
     if type(causal) is not bool:
         causal = _require_bool(fn, "causal", causal)
     if type(deterministic) is not bool:
@@ -752,11 +798,7 @@ def _common_args(
             f"{fn}: return_attn_probs=True is not supported by flashattn_ext (the kernels never "
             "materialize the probabilities); use return_lse=True for the log-sum-exp"
         )
-    if softcap is not None and not (type(softcap) is float and softcap == 0.0):
-        if _real(fn, "softcap", softcap) != 0.0:
-            raise NotImplementedError(f"{fn}: softcap={softcap} is not supported by flashattn_ext; pass softcap=0.0")
-    if alibi_slopes is not None:
-        raise NotImplementedError(f"{fn}: alibi_slopes is not supported by flashattn_ext; pass alibi_slopes=None")
+    mods = _score_mods(fn, softcap, alibi_slopes)
     try:
         window_left, window_right = _window_size(window_size)
     except (TypeError, ValueError) as e:  # its messages name flash_attn_func
@@ -771,7 +813,8 @@ def _common_args(
             raise ValueError(f"{fn}: softmax_scale must be finite, got {scale}")
     p = 0.0 if type(dropout_p) is float and dropout_p == 0.0 else _dropout_p(fn, dropout_p)
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
-    return p, scale, window_left, window_right, deterministic, return_lse
+    _no_dropout_with_score_mods(fn, p, mods)
+    return p, scale, window_left, window_right, deterministic, return_lse, mods
 
 
 def _check_cu_seqlens(fn, name, cu, q, max_name, max_seqlen):
@@ -861,8 +904,10 @@ def flash_attn_varlen_func(
     only; on CUDA, as in flash-attn, they are trusted (reading them would
     synchronise): wrong values give wrong rows (never an access outside the
     tensors), a max_seqlen below a sequence's length cuts that sequence.
-    Not supported: softcap, alibi_slopes, return_attn_probs, block_table (paged
-    KV) raise NotImplementedError. dropout_p > 0 is computed per sequence by
+    softcap and alibi_slopes as in ``flash_attn_func`` (ALiBi's distance with
+    each sequence's own lengths; (batch, heads_q) slopes: one row a sequence).
+    Not supported: return_attn_probs, block_table (paged KV) raise
+    NotImplementedError. dropout_p > 0 is computed per sequence by
     torch's scaled_dot_product_attention, as ``flash_attn_func`` does (one-time
     FlashAttnFallbackWarning).
     """
@@ -875,7 +920,7 @@ def flash_attn_varlen_func(
             "(total_k, heads_kv, head_dim) with block_table=None, or use flash_attn_with_kvcache, which takes block_table"
         )
     _check_varlen_qkv(fn, q, k, v)
-    p, scale, wl, wr, deterministic, return_lse = _common_args(
+    p, scale, wl, wr, deterministic, return_lse, mods = _common_args(
         fn,
         q,
         dropout_p,
@@ -899,7 +944,7 @@ def flash_attn_varlen_func(
         return _varlen_dropout_fallback(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, p, scale, wl, wr, return_lse)
     # The op takes any strides (it copies a strided head_dim, nothing else).
     out, lse = _ops.varlen_attention(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, wl, wr, True, deterministic
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, wl, wr, True, deterministic, *mods
     )
     return (out, lse) if return_lse else out
 
@@ -1250,8 +1295,9 @@ def flash_attn_with_kvcache(
     variable FLASHATTN_KVCACHE_CHECK=1 (a host sync per call); unchecked
     out-of-range values are clamped (no access outside the tensors) and give
     unspecified results, as in flash-attn. Runs under torch.no_grad() (no
-    autograd; inputs may require grad). Not supported: softcap != 0 and
-    alibi_slopes (NotImplementedError).
+    autograd; inputs may require grad). softcap and alibi_slopes as in
+    ``flash_attn_func``: ALiBi's distance with row b's key count (query i at key
+    cache_seqlens[b] - seqlen_q + i, after the append).
     """
     # The common call (no append, no rotary, plain scalars) is handed straight to
     # the op, whose checks (csrc/kvcache_api.cpp; on the CPU also the values)
@@ -1449,7 +1495,7 @@ def _flash_attn_with_kvcache_checked(
     if num_splits < 0:
         raise ValueError(f"{fn}: num_splits must be >= 0 (0: automatic), got {num_splits}")
     rotary_interleaved = _require_bool(fn, "rotary_interleaved", rotary_interleaved)
-    _, scale, wl, wr, _, return_lse = _common_args(
+    _, scale, wl, wr, _, return_lse, mods = _common_args(
         fn, q, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False, False, return_softmax_lse
     )
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)) + (
@@ -1642,5 +1688,7 @@ def _flash_attn_with_kvcache_checked(
             wl,
             wr,
             num_splits,
+            False,
+            *mods,
         )
     return (out, lse) if return_lse else out

@@ -93,14 +93,29 @@ def visible_mask(seqlen_q, seqlen_k, window_left=-1, window_right=-1, diag_offse
     return mask
 
 
-def _attention_core(q, k, v, scale, keep=None, bias=None, dtype=None, return_lse=False):
+def alibi_bias(alibi_slopes, seqlen_q, seqlen_k, device=None):
+    """flash-attn's ALiBi bias, -slope * |i + seqlen_k - seqlen_q - j| for query
+    i and key j, as (1 or batch, heads, seqlen_q, seqlen_k) float32 from slopes
+    (heads,) or (batch, heads)."""
+    i = torch.arange(seqlen_q, device=device).view(-1, 1)
+    j = torch.arange(seqlen_k, device=device).view(1, -1)
+    dist = (i + seqlen_k - seqlen_q - j).abs().float()
+    slopes = alibi_slopes.float().view(-1 if alibi_slopes.dim() == 2 else 1, alibi_slopes.shape[-1], 1, 1)
+    return -slopes * dist
+
+
+def _attention_core(q, k, v, scale, keep=None, bias=None, dtype=None, return_lse=False, softcap=0.0):
     """q (..., H, L, E), k (..., H, S, E), v (..., H, S, Ev), heads already matched.
 
     keep: bool mask broadcastable to (..., H, L, S), True = attend.
-    bias: float mask broadcastable to (..., H, L, S), added to the scaled scores."""
+    bias: float mask broadcastable to (..., H, L, S), added to the scaled scores
+    (after the softcap).
+    softcap > 0: the scaled scores s become softcap * tanh(s / softcap) (flash-attn's)."""
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     # Step 1: scores, masked with -inf.
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
     if bias is not None:
         scores = scores + bias.to(dtype)
     if keep is not None:
@@ -143,8 +158,11 @@ def attention_ref(
     upcast=True,
     layout="bshd",
     return_lse=False,
+    softcap=0.0,
+    alibi_slopes=None,
 ):
-    """Naive attention with flash_attn_func's arguments.
+    """Naive attention with flash_attn_func's arguments (softcap and
+    alibi_slopes included: softcap first, then the ALiBi bias, alibi_bias).
 
     layout "bshd": q (batch, seqlen_q, heads_q, d), k/v (batch, seqlen_k, heads_kv, d);
     layout "bhsd": q (batch, heads_q, seqlen_q, d), k/v (batch, heads_kv, seqlen_k, d).
@@ -166,7 +184,18 @@ def attention_ref(
             seqlen_q, seqlen_k, window_left, window_right, seqlen_k - seqlen_q if bottom_right else 0, q.device
         )
     k, v = _repeat_kv(k, q.shape[1], 1), _repeat_kv(v, q.shape[1], 1)
-    res = _attention_core(q, k, v, scale, keep=keep, dtype=compute_dtype(q.dtype, upcast), return_lse=return_lse)
+    bias = None if alibi_slopes is None else alibi_bias(alibi_slopes, seqlen_q, seqlen_k, q.device)
+    res = _attention_core(
+        q,
+        k,
+        v,
+        scale,
+        keep=keep,
+        bias=bias,
+        dtype=compute_dtype(q.dtype, upcast),
+        return_lse=return_lse,
+        softcap=softcap or 0.0,
+    )
     out, lse = res if return_lse else (res, None)
     if layout == "bshd":
         out = out.transpose(1, 2)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .reference import attention_ref, compute_dtype, visible_mask
+from .reference import alibi_bias, attention_ref, compute_dtype, visible_mask
 
 __all__ = [
     "OUT_FACTOR",
@@ -204,7 +204,7 @@ def oracle_and_naive(q, k, v, dout=None, **kw):
     (:func:`flashattn_ext.reference.attention_ref` twice) on q, k, v.
 
     kw: attention_ref's arguments (softmax_scale, causal, window_size,
-    bottom_right, layout). Returns two dicts {"out", "lse"[, "dq", "dk", "dv"]}
+    bottom_right, layout, softcap, alibi_slopes). Returns two dicts {"out", "lse"[, "dq", "dk", "dv"]}
     (gradients when dout is given), each in its compute dtype."""
     res = []
     for upcast in (True, False):
@@ -218,7 +218,7 @@ def oracle_and_naive(q, k, v, dout=None, **kw):
     return res
 
 
-def recomputation_terms(q, k, v, dout, out, scale, visible):
+def recomputation_terms(q, k, v, dout, out, scale, visible, softcap=0.0, alibi_slopes=None):
     """Two error terms no naive baseline has, computed exactly in float64.
 
     Returns (max |logit|, {"dq": e, "dk": e}):
@@ -235,6 +235,10 @@ def recomputation_terms(q, k, v, dout, out, scale, visible):
     kd, vd = kd.repeat_interleave(group, dim=2), vd.repeat_interleave(group, dim=2)
     logits = torch.einsum("bqhd,bkhd->bhqk", qd, kd) * scale
     max_logit = logits.abs().max().item() if logits.numel() else 0.0
+    if softcap > 0:  # the scores the softmax sees (the kernels' rounding is that of the raw logits above)
+        logits = softcap * torch.tanh(logits / softcap)
+    if alibi_slopes is not None:
+        logits = logits + alibi_bias(alibi_slopes, logits.shape[-2], logits.shape[-1], logits.device).double()
     p = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
     exact_out = torch.einsum("bhqk,bkhd->bqhd", p, vd)
     d_err = (dod * (od - exact_out)).sum(-1).transpose(1, 2)  # (b, h, n_q): D from the rounded output
@@ -257,6 +261,8 @@ def check_attention(
     causal=False,
     bottom_right=True,
     grad_factor=GRAD_FACTOR,
+    softcap=0.0,
+    alibi_slopes=None,
 ):
     """One attention call of ours against the oracle, with the rule.
 
@@ -264,7 +270,8 @@ def check_attention(
     dtype, any device); out (like q) and lse (b, h_q, n_q, or None) its results;
     with ``dout`` (like q), ``grads`` = its (dq, dk, dv) for that output gradient.
     The mask arguments are flash_attn_func's (causal sets window_right to 0),
-    plus ``bottom_right`` (False: torch SDPA's top-left diagonal).
+    plus ``bottom_right`` (False: torch SDPA's top-left diagonal), ``softcap`` and
+    ``alibi_slopes`` (flash-attn's score modifications).
 
     Returns [Comparison] for out, lse (when given) and dq, dk, dv (when given):
     all(c.ok for c in result) is the verdict, c.message() says why."""
@@ -281,10 +288,14 @@ def check_attention(
             softmax_scale=scale,
             window_size=(window_left, window_right),
             bottom_right=bottom_right,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
         )
     n_q, n_k = q.shape[1], k.shape[1]
     visible = visible_mask(n_q, n_k, window_left, window_right, n_k - n_q if bottom_right else 0, q.device)
-    max_logit, recompute_err = recomputation_terms(q, k, v, dout if dout is not None else out, out, scale, visible)
+    max_logit, recompute_err = recomputation_terms(
+        q, k, v, dout if dout is not None else out, out, scale, visible, softcap, alibi_slopes
+    )
     floor = floor_for(q.dtype, max_logit)
     result = [compare("out", out, oracle["out"], naive["out"], OUT_FACTOR, floor=floor)]
     if lse is not None:

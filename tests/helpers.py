@@ -75,7 +75,9 @@ def check_flash(q, k, v, dout=None, grad_factor=3.0, **kw):
         for name, g, x in zip(("dq", "dk", "dv"), grads, (q, k, v)):
             assert g.shape == x.shape and g.dtype == x.dtype, name
             res[name] = g
-    ref_kw = {key: kw[key] for key in ("softmax_scale", "causal", "window_size") if key in kw}
+    ref_kw = {
+        key: kw[key] for key in ("softmax_scale", "causal", "window_size", "softcap", "alibi_slopes") if key in kw
+    }
     assert_all(check_attention(q, k, v, out, lse, dout, grads, grad_factor=grad_factor, **ref_kw))
     return res
 

@@ -10,13 +10,24 @@ namespace {
 
 const BackendSpec kCpuSpec{"CPU", {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}, ""};
 
+// The CPU kernels' score modifications (softcap, ALiBi).
+ScoreMod cpu_score_mod(double softcap, const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& q, int64_t batch,
+                       int64_t heads_q) {
+  const ScoreMod mod = make_score_mod(softcap, alibi_slopes, q, batch, heads_q);
+  TORCH_CHECK_NOT_IMPLEMENTED(!mod.any(), "flashattn_ext: softcap / alibi_slopes are not implemented on the CPU yet");
+  return mod;
+}
+
 std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                            double softmax_scale, int64_t window_left, int64_t window_right,
-                                           bool bottom_right) {
+                                           bool bottom_right, double softcap,
+                                           const std::optional<at::Tensor>& alibi_slopes) {
   check_qkv(q, k, v, kCpuSpec);
   auto mask = make_mask(window_left, window_right, bottom_right, q.size(1), k.size(1));
   auto [out, lse] = alloc_fwd_outputs(q);
-  run_fwd_cpu(make_fwd_params(q, k, v, out, lse, softmax_scale, mask));
+  auto params = make_fwd_params(q, k, v, out, lse, softmax_scale, mask);
+  params.score_mod = cpu_score_mod(softcap, alibi_slopes, q, q.size(0), q.size(2));
+  run_fwd_cpu(params);
   return {out, lse};
 }
 
@@ -24,14 +35,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dout, c
                                                        const at::Tensor& v, const at::Tensor& out,
                                                        const at::Tensor& lse, double softmax_scale, int64_t window_left,
                                                        int64_t window_right, bool bottom_right,
-                                                       bool deterministic /*the CPU backward always is*/) {
+                                                       bool deterministic /*the CPU backward always is*/,
+                                                       double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   check_qkv(q, k, v, kCpuSpec);
   check_bwd_extras(dout, q, out, lse);
   auto mask = make_mask(window_left, window_right, bottom_right, q.size(1), k.size(1));
   auto dq = at::empty(q.sizes(), q.options());
   auto dk = at::empty(k.sizes(), k.options());
   auto dv = at::empty(v.sizes(), v.options());
-  run_bwd_cpu(make_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, mask, deterministic));
+  auto params = make_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, mask, deterministic);
+  params.score_mod = cpu_score_mod(softcap, alibi_slopes, q, q.size(0), q.size(2));
+  run_bwd_cpu(params);
   return {dq, dk, dv};
 }
 
@@ -54,13 +68,16 @@ VarlenLengths check_varlen_cpu(const at::Tensor& q, const at::Tensor& k, const a
 std::tuple<at::Tensor, at::Tensor> varlen_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                   const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                                   int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
-                                                  int64_t window_left, int64_t window_right, bool bottom_right) {
+                                                  int64_t window_left, int64_t window_right, bool bottom_right,
+                                                  double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   const auto len = check_varlen_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   const auto mask = make_mask(window_left, window_right, bottom_right, len.max_q, len.max_k);
   auto out = at::empty(q.sizes(), q.options());
   auto lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(lse_dtype(q.scalar_type())));
-  run_fwd_cpu(make_varlen_fwd_params(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse,
-                                     cu_seqlens_q, cu_seqlens_k, len.max_q, len.max_k, softmax_scale, mask));
+  auto params = make_varlen_fwd_params(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse,
+                                       cu_seqlens_q, cu_seqlens_k, len.max_q, len.max_k, softmax_scale, mask);
+  params.score_mod = cpu_score_mod(softcap, alibi_slopes, q, cu_seqlens_q.size(0) - 1, q.size(1));
+  run_fwd_cpu(params);
   return {out, lse};
 }
 
@@ -68,17 +85,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
     int64_t max_seqlen_k, double softmax_scale, int64_t window_left, int64_t window_right, bool bottom_right,
-    bool deterministic /*the CPU backward always is*/) {
+    bool deterministic /*the CPU backward always is*/, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   const auto len = check_varlen_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   check_varlen_bwd_extras(dout, q, out, lse);
   const auto mask = make_mask(window_left, window_right, bottom_right, len.max_q, len.max_k);
   auto dq = at::empty(q.sizes(), q.options());
   auto dk = at::empty(k.sizes(), k.options());
   auto dv = at::empty(v.sizes(), v.options());
-  run_bwd_cpu(make_varlen_bwd_params(dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-                                     out.unsqueeze(0), lse, dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0),
-                                     cu_seqlens_q, cu_seqlens_k, len.max_q, len.max_k, softmax_scale, mask,
-                                     deterministic));
+  auto params = make_varlen_bwd_params(dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                       out.unsqueeze(0), lse, dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0),
+                                       cu_seqlens_q, cu_seqlens_k, len.max_q, len.max_k, softmax_scale, mask,
+                                       deterministic);
+  params.score_mod = cpu_score_mod(softcap, alibi_slopes, q, cu_seqlens_q.size(0) - 1, q.size(1));
+  run_bwd_cpu(params);
   return {dq, dk, dv};
 }
 

@@ -26,8 +26,11 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_impl(const at::Tensor& q, con
                                                         const std::optional<at::Tensor>& leftpad,
                                                         const std::optional<at::Tensor>& block_table,
                                                         double softmax_scale, int64_t window_left, int64_t window_right,
-                                                        int64_t num_splits /*a CUDA performance hint*/) {
-  const KvcacheInputs in{q, k_cache, v_cache, seqlens_k, batch_idx, leftpad, block_table};
+                                                        int64_t num_splits /*a CUDA performance hint*/, double softcap,
+                                                        const std::optional<at::Tensor>& alibi_slopes) {
+  const KvcacheInputs in{q, k_cache, v_cache, seqlens_k, batch_idx, leftpad, block_table, softcap, alibi_slopes};
+  TORCH_CHECK_NOT_IMPLEMENTED(!make_score_mod(softcap, alibi_slopes, q, q.size(0), q.size(2)).any(),
+                              "flashattn_ext: softcap / alibi_slopes are not implemented on the CPU yet");
   check_kvcache(in, softmax_scale, window_left, window_right, num_splits, kCpuSpec);
   const int64_t batch = q.size(0), seqlen_q = q.size(1), capacity = kvcache_capacity(in);
   const int64_t cache_rows = k_cache.size(0), page = k_cache.size(1);

@@ -80,7 +80,8 @@ bool tries_sm90_ws(const AttnBwdParams& params, int kdim, const at::Tensor& q) {
 
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                             double softmax_scale, int64_t window_left, int64_t window_right,
-                                            bool bottom_right) {
+                                            bool bottom_right, double softcap,
+                                            const std::optional<at::Tensor>& alibi_slopes) {
   check_qkv(q_in, k_in, v_in, kCudaSpec);
   check_device(q_in);
   const c10::cuda::CUDAGuard guard(q_in.device());
@@ -91,6 +92,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   auto [out, lse] = alloc_fwd_outputs(q);
   check_grid((q.size(1) + 63) / 64 * q.size(0) * q.size(2), "forward");
   auto params = make_fwd_params(q, k, v, out, lse, softmax_scale, mask);
+  params.score_mod = make_score_mod(softcap, alibi_slopes, q, q.size(0), q.size(2));
   params.device_arch = device_arch(q);
   params.allow_tma = !env_flag("FLASHATTN_DISABLE_TMA");
   params.fwd_pair_masked_tiles = !env_flag("FLASHATTN_FWD_SINGLE_TILES");
@@ -102,7 +104,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_i
                                                         const at::Tensor& k_in, const at::Tensor& v_in,
                                                         const at::Tensor& out_in, const at::Tensor& lse,
                                                         double softmax_scale, int64_t window_left, int64_t window_right,
-                                                        bool bottom_right, bool deterministic) {
+                                                        bool bottom_right, bool deterministic, double softcap,
+                                                        const std::optional<at::Tensor>& alibi_slopes) {
   check_qkv(q_in, k_in, v_in, kCudaSpec);
   check_bwd_extras(dout_in, q_in, out_in, lse);
   check_device(q_in);
@@ -123,6 +126,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_i
   check_grid((seqlen_q + 63) / 64 * batch * heads_q, "backward");
 
   auto params = make_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, mask, deterministic);
+  params.score_mod = make_score_mod(softcap, alibi_slopes, q, batch, heads_q);
   params.dsum_ptr = dsum.data_ptr();
   params.device_arch = device_arch(q);
   params.allow_tma = !env_flag("FLASHATTN_DISABLE_TMA");
@@ -173,7 +177,8 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(const at::Tensor& q_in, const
                                                    const at::Tensor& v_in, const at::Tensor& cu_seqlens_q,
                                                    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
                                                    int64_t max_seqlen_k, double softmax_scale, int64_t window_left,
-                                                   int64_t window_right, bool bottom_right) {
+                                                   int64_t window_right, bool bottom_right, double softcap,
+                                                   const std::optional<at::Tensor>& alibi_slopes) {
   check_varlen_qkv(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kCudaSpec);
   check_device(q_in);
   const c10::cuda::CUDAGuard guard(q_in.device());
@@ -188,6 +193,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(const at::Tensor& q_in, const
   check_grid((max_seqlen_q + 63) / 64 * batch * q.size(2), "forward");
   auto params = make_varlen_fwd_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                        softmax_scale, mask);
+  params.score_mod = make_score_mod(softcap, alibi_slopes, q, batch, q.size(2));
   params.device_arch = device_arch(q);
   // The warp-specialized TMA forward runs varlen batches too: the same switches as fwd_cuda's.
   params.allow_tma = !env_flag("FLASHATTN_DISABLE_TMA");
@@ -200,7 +206,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
     int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale, int64_t window_left, int64_t window_right,
-    bool bottom_right, bool deterministic) {
+    bool bottom_right, bool deterministic, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   check_varlen_qkv(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kCudaSpec);
   check_varlen_bwd_extras(dout_in, q_in, out_in, lse);
   check_device(q_in);
@@ -223,6 +229,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
 
   auto params = make_varlen_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                        max_seqlen_k, softmax_scale, mask, deterministic);
+  params.score_mod = make_score_mod(softcap, alibi_slopes, q, batch, heads_q);
   params.dsum_ptr = dsum.data_ptr();
   params.device_arch = device_arch(q);
   // The warp-specialized TMA backward runs varlen batches too: the same switches as bwd_cuda's.

@@ -129,9 +129,11 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_impl(const at::Tensor& q_in,
                                                          const std::optional<at::Tensor>& leftpad_in,
                                                          const std::optional<at::Tensor>& block_table_in,
                                                          double softmax_scale, int64_t window_left,
-                                                         int64_t window_right, int64_t num_splits) {
-  check_kvcache({q_in, k_cache_in, v_cache_in, seqlens_k_in, batch_idx_in, leftpad_in, block_table_in}, softmax_scale,
-                window_left, window_right, num_splits, kCudaSpec);
+                                                         int64_t window_right, int64_t num_splits, double softcap,
+                                                         const std::optional<at::Tensor>& alibi_slopes) {
+  check_kvcache({q_in, k_cache_in, v_cache_in, seqlens_k_in, batch_idx_in, leftpad_in, block_table_in, softcap,
+                 alibi_slopes},
+                softmax_scale, window_left, window_right, num_splits, kCudaSpec);
   check_device(q_in);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const int64_t head_dim = q_in.size(3);
@@ -150,7 +152,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_impl(const at::Tensor& q_in,
   if (block_table && block_table->size(1) > 1 && block_table->stride(1) != 1) block_table = block_table->contiguous();
 
   auto [out, lse] = alloc_kvcache_outputs(q);
-  const KvcacheInputs in{q, k_cache, v_cache, seqlens_k, batch_idx, leftpad, block_table};
+  const KvcacheInputs in{q, k_cache, v_cache, seqlens_k, batch_idx, leftpad, block_table, softcap, alibi_slopes};
   const int64_t batch = q.size(0), seqlen_q = q.size(1), heads_q = q.size(2), heads_kv = k_cache.size(2);
   const int64_t capacity = kvcache_capacity(in);
   if (out.numel() == 0) return {unpad(out, head_dim), lse};
