@@ -80,19 +80,12 @@
 #include "../nonfinite_fixup.cuh"
 #include "../softmax.cuh"
 #include "../tile.cuh"
+#include "fwd_sm90_common.cuh"
 #include "tile_scheduler.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
 
 namespace flashattn {
-
-// The tensor maps of one forward call (built on the host, tma_host.h): q, k,
-// v are read and o written as 4-D (head_dim, heads, seqlen, batch) tensors
-// through boxes of 64 columns (one 128-byte swizzled panel) x rows; a varlen
-// batch as (head_dim, heads, total rows, 1).
-struct FwdTmaMaps {
-  CUtensorMap q, k, v, o;
-};
 
 template <typename Kt, bool kVarlen>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
@@ -115,17 +108,17 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   constexpr int kEpilogueBar = 1 + kConsumers;
 
   extern __shared__ char smem_raw[];
-  char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
-  T* sQ = reinterpret_cast<T*>(smem);
-  T* sO = Kt::kSeparateO ? sQ + TileQ::kElems : sQ;
-  T* sK = sQ + (Kt::kSeparateO ? 2 : 1) * TileQ::kElems;  // [kStages]
-  T* sV = sK + kStages * TileKV::kElems;                  // [kStages]
-  uint64_t* full_k = reinterpret_cast<uint64_t*>(sV + kStages * TileKV::kElems);
-  uint64_t* empty_k = full_k + kStages;
-  uint64_t* full_v = empty_k + kStages;
-  uint64_t* empty_v = full_v + kStages;
-  uint64_t* full_q = empty_v + kStages;
-  uint64_t* empty_q = full_q + 1;
+  const FwdSm90Smem<Kt> sm(smem_raw);
+  T* const sQ = sm.sQ;
+  T* const sO = sm.sO;
+  T* const sK = sm.sK;
+  T* const sV = sm.sV;
+  uint64_t* const full_k = sm.full_k;
+  uint64_t* const empty_k = sm.empty_k;
+  uint64_t* const full_v = sm.full_v;
+  uint64_t* const empty_v = sm.empty_v;
+  uint64_t* const full_q = sm.full_q;
+  uint64_t* const empty_q = sm.empty_q;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
   const int wg = warp / 4;
