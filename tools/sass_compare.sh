@@ -6,8 +6,9 @@
 # and diffs baseline against current; also compares ptxas -v's register /
 # spill / stack lines of those functions.
 #
-#   tools/sass_compare.sh [-b REF] [-f REGEX] FILE.cu ...
+#   tools/sass_compare.sh [-b REF] [-c REF] [-f REGEX] FILE.cu ...
 #     -b REF    the baseline (default HEAD: compare uncommitted edits)
+#     -c REF    compare this commit instead of the working tree
 #     -f REGEX  which functions (grep -E on the mangled name; default
 #               flash_fwd_sm90_ws_kernel, the warp-specialized Hopper forward)
 #     FILE.cu   instantiation files, e.g. fwd_hdim64_bf16.cu (looked up in
@@ -24,12 +25,13 @@
 # takes tens of seconds.
 set -euo pipefail
 ref=HEAD
+cur_ref=
 fun=flash_fwd_sm90_ws_kernel
-while getopts "b:f:" o; do
-  case $o in b) ref=$OPTARG ;; f) fun=$OPTARG ;; *) exit 2 ;; esac
+while getopts "b:c:f:" o; do
+  case $o in b) ref=$OPTARG ;; c) cur_ref=$OPTARG ;; f) fun=$OPTARG ;; *) exit 2 ;; esac
 done
 shift $((OPTIND - 1))
-[ $# -gt 0 ] || { sed -n '2,25p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,26p' "$0"; exit 2; }
 root=$(git rev-parse --show-toplevel)
 NVCC=${NVCC:-nvcc}
 CUOBJDUMP=${CUOBJDUMP:-$(command -v cuobjdump || echo /work/cudatools/x/nvidia/cu13/bin/cuobjdump)}
@@ -66,8 +68,12 @@ for f in "$@"; do
     rm -rf "$tmp"
   fi
   cur=$(mktemp -d)
-  echo "current  $f..." >&2
-  dump "$root" "$f" "$cur/$f"
+  src=$root
+  if [ -n "$cur_ref" ]; then
+    src=$cur/tree && mkdir -p "$src" && git -C "$root" archive "$cur_ref" csrc | tar -x -C "$src"
+  fi
+  echo "current  $f${cur_ref:+ ($cur_ref)}..." >&2
+  dump "$src" "$f" "$cur/$f"
   n=$(grep -c 'Function : ' "$cur/$f.sass" || true)
   if [ "$n" = 0 ]; then echo "$f: no function matches /$fun/" ; status=1; continue; fi
   if diff -q "$cache/$f.sass" "$cur/$f.sass" > /dev/null && diff -q "$cache/$f.regs" "$cur/$f.regs" > /dev/null; then
