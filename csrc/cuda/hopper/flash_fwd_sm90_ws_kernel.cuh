@@ -64,10 +64,6 @@
 //     on the stage, session 6). Non-finite values there go through the exact
 //     recompute above (slow only when such values are present).
 //
-// kScoreMod: the instance for calls with flash-attn's softcap / ALiBi
-// (../score_mod.cuh): softmax_step modifies S (into scaled log2 units) before
-// the mask; the plain instances hold no such code.
-//
 // Dense batches with seqused_k (per-entry key lengths; the KV-cache prefill of
 // flash_attn_with_kvcache) run the kVarlen instance over the dense tensor
 // maps: SeqInfo gives entry b seqused_k[b] keys, its bottom-right diagonal and
@@ -78,27 +74,36 @@
 // the recompute, as above), and lse keeps the dense (batch, heads_q, seqlen_q)
 // layout.
 #pragma once
+//
+// The roles, each in its own header (this file composes them: the barrier
+// set-up, the role split, the consumers' tile and key-block loops):
+//   fwd_sm90_common.cuh    the tensor maps, the shared-memory carve-up, a
+//                          tile's TMA coordinates, the ring's stage / parity
+//   fwd_sm90_producer.cuh  the producer (TMA loads of Q, K, V; mbarriers)
+//   fwd_sm90_mainloop.cuh  the S / P V GEMM issue and the ping-pong turns
+//                          (FwdSm90Mainloop), and FwdSm90ScoreStep, the score
+//                          processing of one key block (mask, softmax step):
+//                          the hook for compile-time score modifications
+//   tile_scheduler.cuh     the persistent tile order
+// Each step of this split was checked SASS-identical (tools/sass_compare.sh).
 
 #include "../../flash_params.h"
 #include "../mask.cuh"
 #include "../nonfinite_fixup.cuh"
-#include "../score_mod.cuh"
 #include "../softmax.cuh"
 #include "../tile.cuh"
+#include "fwd_sm90_common.cuh"
+#include "fwd_sm90_mainloop.cuh"
+#include "fwd_sm90_producer.cuh"
 #include "tile_scheduler.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
 
 namespace flashattn {
 
-// The tensor maps of one forward call (built on the host, tma_host.h): q, k,
-// v are read and o written as 4-D (head_dim, heads, seqlen, batch) tensors
-// through boxes of 64 columns (one 128-byte swizzled panel) x rows; a varlen
-// batch as (head_dim, heads, total rows, 1).
-struct FwdTmaMaps {
-  CUtensorMap q, k, v, o;
-};
-
+// kScoreMod: the instance for calls with flash-attn's softcap / ALiBi
+// (FwdSm90ScoreStep; the epilogue's lse is then in the modified scores' units
+// and the non-finite recompute applies the score mod too).
 template <typename Kt, bool kVarlen, bool kScoreMod = false>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
     flash_fwd_sm90_ws_kernel(const __grid_constant__ AttnFwdParams p, const __grid_constant__ FwdTmaMaps maps,
@@ -108,29 +113,24 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   using TileQ = typename Kt::TileQ;
   using TileKV = typename Kt::TileKV;
   using Tile = FwdTile<Kt::kBlockM, kVarlen>;
+  using C = FwdSm90Coords<Kt, kVarlen>;
   constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
   constexpr int kStages = Kt::kStages, kConsumers = Kt::kConsumers;
+  constexpr int kEpilogueBar = 1 + kConsumers;
   constexpr int kNT = kBlockN / 8;             // n-tiles of a row of S
   constexpr int kDT = kHeadDim / 8;            // n-tiles of a row of O
-  constexpr int kPanelQ = TileQ::kRows * 128;  // bytes of one 64-column panel
-  constexpr int kPanelKV = TileKV::kRows * 128;
-  constexpr uint32_t kSbo = 1024;
   constexpr int kPingPongThreads = 256;  // one warpgroup syncs, the previous one arrives
   constexpr int kPingPongBar = 1;        // named barriers 1 .. kConsumers
-  constexpr int kEpilogueBar = 1 + kConsumers;
 
   extern __shared__ char smem_raw[];
-  char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
-  T* sQ = reinterpret_cast<T*>(smem);
-  T* sO = Kt::kSeparateO ? sQ + TileQ::kElems : sQ;
-  T* sK = sQ + (Kt::kSeparateO ? 2 : 1) * TileQ::kElems;  // [kStages]
-  T* sV = sK + kStages * TileKV::kElems;                  // [kStages]
-  uint64_t* full_k = reinterpret_cast<uint64_t*>(sV + kStages * TileKV::kElems);
-  uint64_t* empty_k = full_k + kStages;
-  uint64_t* full_v = empty_k + kStages;
-  uint64_t* empty_v = full_v + kStages;
-  uint64_t* full_q = empty_v + kStages;
-  uint64_t* empty_q = full_q + 1;
+  const FwdSm90Smem<Kt> sm(smem_raw);
+  T* const sO = sm.sO;
+  uint64_t* const full_k = sm.full_k;
+  uint64_t* const empty_k = sm.empty_k;
+  uint64_t* const full_v = sm.full_v;
+  uint64_t* const empty_v = sm.empty_v;
+  uint64_t* const full_q = sm.full_q;
+  uint64_t* const empty_q = sm.empty_q;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
   const int wg = warp / 4;
@@ -146,9 +146,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   // TMA coordinates of a tile's rows: (row in the sequence, batch b), or
   // (row in the packed tensor, batch 0) when varlen (seqused_k: start rows 0,
   // batch b).
-  auto q_row_of = [](const Tile& tl) { return kVarlen ? tl.seq.q_start + tl.m0 : tl.m0; };
-  auto k_row_of = [](const Tile& tl, int n0) { return kVarlen ? tl.seq.k_start + n0 : n0; };
-  auto batch_of = [&](const Tile& tl) { return kVarlen && p.is_varlen() ? 0 : tl.b; };
   // Use n of ring slot s (n counts the K or V blocks loaded so far) waits for parity n & 1.
   auto stage = [](int it) { return it % kStages; };
   auto parity = [](int it) { return uint32_t(it / kStages) & 1; };
@@ -169,44 +166,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   if (wg == 0) {
     // ---- producer -------------------------------------------------------
     warpgroup_reg_dealloc<Kt::kProducerRegs>();
-    if (warp == 0 && lane == 0) {
-      prefetch_tensor_map(&maps.q);
-      prefetch_tensor_map(&maps.k);
-      prefetch_tensor_map(&maps.v);
-      int it0 = 0, q_iter = 0;
-      for (int round = 0; round < sched.rounds; ++round) {
-        const int tile = fwd_tile_of_round(sched, round, blockIdx.x, gridDim.x);
-        if (tile >= sched.num_tiles) continue;
-        const Tile tl(p, sched, tile);
-        if (kVarlen && tl.rows <= 0) continue;  // past its sequence's query blocks: the consumers skip it too
-        int n_min, n_max;
-        mask_of(tl).template key_block_range<kBlockN>(tl.m0, tl.rows, n_min, n_max);
-        if (n_max <= n_min) continue;
-        const int blocks = n_max - n_min;
-        auto load = [&](const CUtensorMap* map, T* ring, uint64_t* full, uint64_t* empty, int j) {
-          const int s = stage(it0 + j), row0 = k_row_of(tl, (n_max - 1 - j) * kBlockN);
-          mbar_wait(&empty[s], parity(it0 + j) ^ 1);
-          mbar_arrive_expect_tx(&full[s], Kt::kBytesKV);
-#pragma unroll
-          for (int pn = 0; pn < Kt::kPanels; ++pn)
-            tma_load_4d(ring + s * TileKV::kElems + pn * TileKV::kRows * 64, map, &full[s], pn * 64, tl.h_kv, row0,
-                        batch_of(tl));
-        };
-        load(&maps.k, sK, full_k, empty_k, 0);
-        mbar_wait(empty_q, (q_iter & 1) ^ 1);  // the previous tile's last S GEMM (or O store) is done with sQ
-        mbar_arrive_expect_tx(full_q, Kt::kBytesQ);
-#pragma unroll
-        for (int pn = 0; pn < Kt::kPanels; ++pn)
-          tma_load_4d(sQ + pn * TileQ::kRows * 64, &maps.q, full_q, pn * 64, tl.h, q_row_of(tl), batch_of(tl));
-        // K one block ahead of V: S_{j+1} is issued together with P_j V_j.
-        for (int j = 0; j < blocks; ++j) {
-          if (j + 1 < blocks) load(&maps.k, sK, full_k, empty_k, j + 1);
-          load(&maps.v, sV, full_v, empty_v, j);
-        }
-        it0 += blocks;
-        ++q_iter;
-      }
-    }
+    if (warp == 0 && lane == 0) fwd_sm90_producer<Kt, kVarlen>(p, maps, sched, mask, sm);
     return;
   }
 
@@ -218,35 +178,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   const int g = lane >> 2, t = lane & 3;
   const bool elected = (warp % 4 == 0) && lane == 0;  // issues this consumer's stores and releases
 
-  // Ping-pong: consumer c issues its GEMMs after syncing on barrier c, then
-  // lets consumer c + 1 go. The last consumer opens the first turn, and
-  // consumer 0 takes the one turn left open at the end.
-  auto turn_begin = [&]() { named_barrier_sync(kPingPongBar + cwg, kPingPongThreads); };
-  auto turn_end = [&]() { named_barrier_arrive(kPingPongBar + (cwg + 1) % kConsumers, kPingPongThreads); };
-
-  // Q: A of S, K-major, this consumer's 64 rows. K: B of S, K-major.
-  // V: B of P V, N-major (keys are the contraction, 16 rows = 2048 bytes a step).
-  const uint64_t desc_q = smem_desc(smem_u32(sQ) + cwg * 64 * 128, 16, kSbo);
-
-  auto issue_scores = [&](float(&acc_s)[1][kNT][4], int it) {
-    const uint64_t dk = smem_desc(smem_u32(sK + stage(it) * TileKV::kElems), 16, kSbo);
-#pragma unroll
-    for (int ks = 0; ks < kHeadDim / 16; ++ks)
-      Wgmma<kBlockN, T>::template ss<0, 0>(acc_s[0], desc_add(desc_q, kmajor_step(ks, kPanelQ)),
-                                           desc_add(dk, kmajor_step(ks, kPanelKV)), ks > 0);
-    wgmma_commit();
-  };
+  using Mainloop = FwdSm90Mainloop<Kt, kVarlen>;
+  const uint64_t desc_q = Mainloop::q_descriptor(sm, cwg);
   float acc_o[1][kDT][4];
-  auto issue_pv = [&](const uint32_t(&a_p)[kBlockN / 16][4], int it) {
-    const uint64_t dv = smem_desc(smem_u32(sV + stage(it) * TileKV::kElems), kPanelKV, kSbo);
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk)
-      Wgmma<kHeadDim, T>::template rs<1>(acc_o[0], a_p[kk], desc_add(dv, kk * 2048), 1);
-    wgmma_commit();
-  };
+  const Mainloop mainloop{sm, cwg, desc_q, acc_o};
   // With a score mod the scores reach the softmax scaled, in log2 units.
   const bool positive_scale = kScoreMod || p.softmax_scale > 0.f;
-  const float softmax_scale_log2 = kScoreMod ? 1.f : p.softmax_scale_log2;
 
   if (cwg == kConsumers - 1) named_barrier_arrive(kPingPongBar, kPingPongThreads);
   int it0 = 0, q_iter = 0;
@@ -266,20 +203,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const int blocks = n_max - n_min;  // step j visits key block n_max - 1 - j
 
     OnlineSoftmax<1> softmax;
-    auto softmax_step = [&](float(&acc_s)[1][kNT][4], int j, float(&correction)[1][2]) {
-      const int n0 = (n_max - 1 - j) * kBlockN;
-      if constexpr (kScoreMod) {
-        const ScoreModTile mod(p.score_mod, static_cast<float>(p.softmax_scale), tl.b, tl.h, tmask.seqlen_q,
-                               tmask.seqlen_k);
-        apply_score_mod_rows(acc_s, mod, m0 + warp_row0, n0, lane);
-      }
-      if (tmask.tile_needs_mask<kBlockM, kBlockN>(m0, n0)) apply_mask_rows(acc_s, tmask, m0 + warp_row0, n0, lane);
-      if (positive_scale) {
-        softmax.template softmax_rows<true, Kt::kPolyExpEvery>(acc_s, softmax_scale_log2, correction);
-      } else {
-        softmax.template softmax_rows<false, Kt::kPolyExpEvery>(acc_s, softmax_scale_log2, correction);
-      }
-    };
+    const FwdSm90ScoreStep<Kt, kScoreMod> softmax_step{p,         tmask, softmax,        m0,   n_max,
+                                                       warp_row0, lane,  positive_scale, tl.b, tl.h};
     // After S_j has completed: the last S of the tile frees Q for the next tile.
     auto scores_done = [&](int j) {
       mbar_arrive(&empty_k[stage(it0 + j)]);
@@ -293,10 +218,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 
     // S_0 and its softmax (O is zero: no rescale).
     mbar_wait(&full_k[stage(it0)], parity(it0));
-    turn_begin();
+    mainloop.turn_begin();
     wgmma_fence();
-    issue_scores(acc_s, it0);
-    turn_end();
+    mainloop.issue_scores(acc_s, it0);
+    mainloop.turn_end();
     wgmma_wait<0>();
     pin_registers(acc_s[0]);
     scores_done(0);
@@ -309,11 +234,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a<T>(a_p[kk], acc_s[0], kk);
       mbar_wait(&full_k[stage(it0 + j + 1)], parity(it0 + j + 1));
       mbar_wait(&full_v[stage(it0 + j)], parity(it0 + j));
-      turn_begin();
+      mainloop.turn_begin();
       wgmma_fence();
-      issue_scores(acc_s, it0 + j + 1);
-      issue_pv(a_p, it0 + j);
-      turn_end();
+      mainloop.issue_scores(acc_s, it0 + j + 1);
+      mainloop.issue_pv(a_p, it0 + j);
+      mainloop.turn_end();
       wgmma_wait<1>();
       pin_registers(acc_s[0]);
       scores_done(j + 1);
@@ -328,10 +253,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a<T>(a_p[kk], acc_s[0], kk);
       mbar_wait(&full_v[stage(it0 + blocks - 1)], parity(it0 + blocks - 1));
-      turn_begin();
+      mainloop.turn_begin();
       wgmma_fence();
-      issue_pv(a_p, it0 + blocks - 1);
-      turn_end();
+      mainloop.issue_pv(a_p, it0 + blocks - 1);
+      mainloop.turn_end();
       wgmma_wait<0>();
       pin_registers(acc_o[0]);
       mbar_arrive(&empty_v[stage(it0 + blocks - 1)]);
@@ -344,7 +269,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     // (ptxas -v: 40 bytes; none in the loop this way). Dense: the same tile.
     const Tile et = kVarlen ? Tile(p, sched, tile) : tl;
     float row_lse[1][2];
-    softmax.finalize(acc_o, softmax_scale_log2, positive_scale, row_lse);
+    softmax.finalize(acc_o, kScoreMod ? 1.f : p.softmax_scale_log2, positive_scale, row_lse);
     const bool bad = nonfinite::any_bad(acc_o);
     if (Kt::kSeparateO) {
       // This consumer's previous O store must have finished reading its rows of sO.
@@ -377,8 +302,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       if (elected) {
 #pragma unroll
         for (int pn = 0; pn < Kt::kPanels; ++pn)
-          tma_store_4d(&maps.o, sO + pn * TileQ::kRows * 64 + cwg * 64 * 64, pn * 64, et.h, q_row_of(et) + cwg * 64,
-                       batch_of(et));
+          tma_store_4d(&maps.o, sO + pn * TileQ::kRows * 64 + cwg * 64 * 64, pn * 64, et.h, C::q_row_of(et) + cwg * 64,
+                       C::batch_of(p, et));
         tma_store_commit();
         if (!Kt::kSeparateO) {
           tma_store_wait_read();
@@ -413,7 +338,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     it0 += blocks;
     ++q_iter;
   }
-  if (cwg == 0) turn_begin();  // the last consumer's final arrive
+  if (cwg == 0) mainloop.turn_begin();  // the last consumer's final arrive
   if (elected) tma_store_wait_all();
 #endif
 }

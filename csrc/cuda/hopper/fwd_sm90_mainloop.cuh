@@ -1,0 +1,107 @@
+// The consumers' key-block loop of the warp-specialized Hopper forward
+// (flash_fwd_sm90_ws_kernel.cuh): the S and P V GEMM issue, the ping-pong
+// turns that order it between consumer warpgroups, and the score processing
+// of a key block (mask, online softmax step). The kernel's key-block loop
+// composes them (left there: as a function of this struct it compiled to
+// different register allocation, see tools/sass_compare.sh).
+#pragma once
+
+#include "../score_mod.cuh"
+#include "../softmax.cuh"
+#include "../tile.cuh"
+#include "fwd_sm90_common.cuh"
+#include "wgmma.cuh"
+
+namespace flashattn {
+
+// The score processing of one key block, S in registers with known (row, key)
+// coordinates: the element mask where the block needs it, then the online
+// softmax step (which yields the correction of O). This is the hook for
+// per-element score modifications (a compile-time policy such as softcap or
+// ALiBi, masks, bias, dropout): they go here, between the S GEMM and the
+// softmax. kScoreMod: flash-attn's softcap / ALiBi (../score_mod.cuh), S
+// modified into scaled log2 units before the mask (the softmax then runs its
+// positive-scale path with scale 1; the plain instance holds no such code).
+template <typename Kt, bool kScoreMod = false>
+struct FwdSm90ScoreStep {
+  static constexpr int kNT = Kt::kBlockN / 8;  // n-tiles of a row of S
+  const AttnFwdParams& p;
+  const BlockMask& tmask;
+  OnlineSoftmax<1>& softmax;
+  const int& m0;
+  const int& n_max;
+  const int& warp_row0;
+  const int& lane;
+  const bool& positive_scale;
+  int b, h;  // the tile's batch entry and query head (the score mod's slope)
+
+  // Step j visits key block n_max - 1 - j.
+  __device__ __forceinline__ void operator()(float (&acc_s)[1][kNT][4], int j, float (&correction)[1][2]) const {
+    const int n0 = (n_max - 1 - j) * Kt::kBlockN;
+    if constexpr (kScoreMod) {
+      const ScoreModTile mod(p.score_mod, static_cast<float>(p.softmax_scale), b, h, tmask.seqlen_q, tmask.seqlen_k);
+      apply_score_mod_rows(acc_s, mod, m0 + warp_row0, n0, lane);
+    }
+    if (tmask.template tile_needs_mask<Kt::kBlockM, Kt::kBlockN>(m0, n0))
+      apply_mask_rows(acc_s, tmask, m0 + warp_row0, n0, lane);
+    if (positive_scale) {
+      softmax.template softmax_rows<true, Kt::kPolyExpEvery>(acc_s, kScoreMod ? 1.f : p.softmax_scale_log2,
+                                                             correction);
+    } else {
+      softmax.template softmax_rows<false, Kt::kPolyExpEvery>(acc_s, kScoreMod ? 1.f : p.softmax_scale_log2,
+                                                              correction);
+    }
+  }
+};
+
+template <typename Kt, bool kVarlen>
+struct FwdSm90Mainloop {
+  using T = typename Kt::Element;
+  using TileQ = typename Kt::TileQ;
+  using TileKV = typename Kt::TileKV;
+  using C = FwdSm90Coords<Kt, kVarlen>;
+  static constexpr int kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim, kConsumers = Kt::kConsumers;
+  static constexpr int kNT = kBlockN / 8;             // n-tiles of a row of S
+  static constexpr int kDT = kHeadDim / 8;            // n-tiles of a row of O
+  static constexpr int kPanelQ = TileQ::kRows * 128;  // bytes of one 64-column panel
+  static constexpr int kPanelKV = TileKV::kRows * 128;
+  static constexpr uint32_t kSbo = 1024;
+  static constexpr int kPingPongThreads = 256;  // one warpgroup syncs, the previous one arrives
+  static constexpr int kPingPongBar = 1;        // named barriers 1 .. kConsumers
+
+  const FwdSm90Smem<Kt>& sm;
+  const int& cwg;
+  const uint64_t& desc_q;
+  float (&acc_o)[1][kDT][4];
+
+  // Ping-pong: consumer c issues its GEMMs after syncing on barrier c, then
+  // lets consumer c + 1 go. The last consumer opens the first turn, and
+  // consumer 0 takes the one turn left open at the end.
+  __device__ __forceinline__ void turn_begin() const { named_barrier_sync(kPingPongBar + cwg, kPingPongThreads); }
+  __device__ __forceinline__ void turn_end() const {
+    named_barrier_arrive(kPingPongBar + (cwg + 1) % kConsumers, kPingPongThreads);
+  }
+
+  // Q: A of S, K-major, this consumer's 64 rows. K: B of S, K-major.
+  // V: B of P V, N-major (keys are the contraction, 16 rows = 2048 bytes a step).
+  static __device__ __forceinline__ uint64_t q_descriptor(const FwdSm90Smem<Kt>& sm, int cwg) {
+    return smem_desc(smem_u32(sm.sQ) + cwg * 64 * 128, 16, kSbo);
+  }
+  __device__ __forceinline__ void issue_scores(float (&acc_s)[1][kNT][4], int it) const {
+    const uint64_t dk = smem_desc(smem_u32(sm.sK + C::stage(it) * TileKV::kElems), 16, kSbo);
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks)
+      Wgmma<kBlockN, T>::template ss<0, 0>(acc_s[0], desc_add(desc_q, kmajor_step(ks, kPanelQ)),
+                                           desc_add(dk, kmajor_step(ks, kPanelKV)), ks > 0);
+    wgmma_commit();
+  }
+  __device__ __forceinline__ void issue_pv(const uint32_t (&a_p)[kBlockN / 16][4], int it) const {
+    const uint64_t dv = smem_desc(smem_u32(sm.sV + C::stage(it) * TileKV::kElems), kPanelKV, kSbo);
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
+      Wgmma<kHeadDim, T>::template rs<1>(acc_o[0], a_p[kk], desc_add(dv, kk * 2048), 1);
+    wgmma_commit();
+  }
+};
+
+}  // namespace flashattn
