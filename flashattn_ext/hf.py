@@ -36,8 +36,10 @@ flashattn_ext's functions in place of flash-attn's:
 * a value head dim different from the query's (MLA) is zero-padded and the output cropped;
 * a dense 4-D mask (a model that builds its own): flashattn_ext.scaled_dot_product_attention
   with ``attn_mask``, i.e. torch's SDPA with a one-time warning (the kernels take no mask);
-* softcap, attention sinks (``s_aux``) and paged caches (``block_table``) raise, naming
-  the argument: the kernels do not have them.
+* ``softcap`` (Gemma 2's attention logit softcapping) as flash_attn_func's softcap (not
+  with a dense 4-D mask, which only torch's SDPA takes: that raises);
+* attention sinks (``s_aux``) and paged caches (``block_table``) raise, naming the
+  argument: the kernels do not have them.
 """
 
 from __future__ import annotations
@@ -148,11 +150,6 @@ def attention_forward(
     key/value (batch, heads_kv, kv_len, head_dim); returns ((batch, q_len, heads_q,
     head_dim_v), None) -- no attention weights, as every flash integration."""
     fn = "flashattn_ext.hf.attention_forward"
-    if softcap is not None:
-        raise NotImplementedError(
-            f"{fn}: softcap={softcap} (e.g. Gemma 2) is not supported by flashattn_ext's kernels; "
-            "use attn_implementation='eager' or 'sdpa' for this model"
-        )
     if s_aux is not None:
         raise NotImplementedError(
             f"{fn}: s_aux (attention sinks) is not supported by flashattn_ext's kernels; "
@@ -180,7 +177,12 @@ def attention_forward(
     v_head_dim = value.shape[-1]
 
     if attention_mask is not None and attention_mask.dim() == 4:
-        # A dense mask the model built itself: only torch's SDPA takes it.
+        # A dense mask the model built itself: only torch's SDPA takes it (and it has no softcap).
+        if softcap:
+            raise NotImplementedError(
+                f"{fn}: softcap={softcap} together with a dense 4-D attention mask is not supported "
+                "(the mask goes to torch's SDPA, which has no softcap); use attn_implementation='eager'"
+            )
         out = interface.scaled_dot_product_attention(
             query,
             key,
@@ -206,6 +208,7 @@ def attention_forward(
         causal=bool(is_causal),
         window_size=window,
         deterministic=deterministic,
+        softcap=float(softcap) if softcap else 0.0,
     )
 
     if attention_mask is not None:

@@ -207,6 +207,23 @@ def _score_mods(fn, softcap, alibi_slopes):
     return (softcap, alibi_slopes)
 
 
+def _check_alibi_slopes(fn, alibi_slopes, batch, heads_q, device):
+    """The op's checks of alibi_slopes (csrc/attention_api.cpp make_score_mod),
+    for the paths that must refuse before they write anything (the KV-cache append)."""
+    if alibi_slopes is None:
+        return
+    if alibi_slopes.dtype != torch.float32:
+        raise ValueError(f"{fn}: alibi_slopes must be float32, got {alibi_slopes.dtype}; pass alibi_slopes.float()")
+    if alibi_slopes.device != device:
+        raise ValueError(f"{fn}: alibi_slopes is on {alibi_slopes.device} but q is on {device}; move it to q's device")
+    shape = tuple(alibi_slopes.shape)
+    if shape not in ((heads_q,), (batch, heads_q)):
+        raise ValueError(
+            f"{fn}: alibi_slopes must have shape (nheads,) = ({heads_q},) or (batch, nheads) = ({batch}, {heads_q}), "
+            f"got {shape}"
+        )
+
+
 def _no_dropout_with_score_mods(fn, p, mods):
     if p > 0.0 and mods:
         raise NotImplementedError(
@@ -308,18 +325,11 @@ def flash_attn_func(
         _no_dropout_with_score_mods(fn, 1.0, mods)
         return _flash_attn_dropout_fallback(q, k, v, float(dropout_p), scale, window_left, window_right, return_lse)
     # The op takes any strides (it copies a strided head_dim, nothing else).
-    out, lse = _ops.attention(
-        q,
-        k,
-        v,
-        scale,
-        window_left,
-        window_right,
-        True,
-        deterministic or torch.are_deterministic_algorithms_enabled(),
-        False,
-        *mods,
-    )
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
+    if mods:
+        out, lse = _ops.attention(q, k, v, scale, window_left, window_right, True, deterministic, False, *mods)
+    else:  # the plain call, the op's defaults (no score-mod arguments to convert)
+        out, lse = _ops.attention(q, k, v, scale, window_left, window_right, True, deterministic)
     return (out, lse) if return_lse else out
 
 
@@ -1498,6 +1508,8 @@ def _flash_attn_with_kvcache_checked(
     _, scale, wl, wr, _, return_lse, mods = _common_args(
         fn, q, 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False, False, return_softmax_lse
     )
+    if q.dim() == 4:
+        _check_alibi_slopes(fn, alibi_slopes, q.shape[0], q.shape[2], q.device)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)) + (
         (("k", k), ("v", v)) if k is not None else ()
     ):

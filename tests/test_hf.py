@@ -161,8 +161,8 @@ def test_errors():
     q = torch.randn(1, 4, 3, 16)
     k = torch.randn(1, 2, 3, 16)
     module = torch.nn.Module()
-    with pytest.raises(NotImplementedError, match="softcap=50.0"):
-        flashattn_ext.hf.attention_forward(module, q, k, k, None, softcap=50.0)
+    with pytest.raises(NotImplementedError, match="softcap=50.0 together with a dense 4-D attention mask"):
+        flashattn_ext.hf.attention_forward(module, q, k, k, torch.zeros(1, 1, 3, 3), softcap=50.0)
     with pytest.raises(NotImplementedError, match="s_aux"):
         flashattn_ext.hf.attention_forward(module, q, k, k, None, s_aux=torch.zeros(4))
     with pytest.raises(NotImplementedError, match="block_table"):

@@ -730,11 +730,11 @@ VARLEN_ERRORS = {
     "head_dim": (lambda a, d: dict(k=a["k"][..., :8]), ValueError, r"head_dim differs: q 16, k 8"),
     "dtype": (lambda a, d: dict(k=a["k"].double()), TypeError, r"k has dtype Double but q"),
     "k-device": (lambda a, d: dict(k=a["k"].to("meta")), ValueError, r"k is on meta"),
-    "softcap": (lambda a, d: dict(softcap=30.0), NotImplementedError, r"softcap"),
+    "softcap": (lambda a, d: dict(softcap=float("nan")), ValueError, r"softcap must be a finite number >= 0"),
     "alibi_slopes": (
-        lambda a, d: dict(alibi_slopes=torch.ones(4, device=d)),
-        NotImplementedError,
-        r"alibi_slopes",
+        lambda a, d: dict(alibi_slopes=torch.ones(3, device=d)),
+        ValueError,
+        r"alibi_slopes must have shape \(nheads,\)",
     ),
     "return_attn_probs": (lambda a, d: dict(return_attn_probs=True), NotImplementedError, r"return_attn_probs"),
     "block_table": (
@@ -841,7 +841,7 @@ def test_packed_errors(device):
         flash_attn_varlen_kvpacked_func(qkv[0, :, 0], qkv[0], cu([5], device), cu([5], device), 5, 5)
     with pytest.raises(TypeError, match="qkv must be a torch.Tensor"):
         flash_attn_qkvpacked_func(qkv.tolist())
-    for kw, name in ((dict(softcap=1.0), "softcap"), (dict(return_attn_probs=True), "return_attn_probs")):
+    for kw, name in ((dict(return_attn_probs=True), "return_attn_probs"),):
         with pytest.raises(NotImplementedError, match=name):
             flash_attn_qkvpacked_func(qkv, **kw)
         with pytest.raises(NotImplementedError, match=name):
