@@ -72,6 +72,10 @@ def make_flex(variant, h, n, device):
     except Exception as e:  # noqa: BLE001
         return None, f"flex_attention: {type(e).__name__}: {e}"
     if "compiled" not in _FLEX:
+        # One compiled kernel per (score_mod, mask, shape, mode): the default cache of 8
+        # overflows in this sweep and flex then runs unfused (a 50x slower number).
+        torch._dynamo.config.cache_size_limit = 256
+        torch._dynamo.config.accumulated_cache_size_limit = 4096
         _FLEX["compiled"] = torch.compile(flex_attention, dynamic=False)
     flex = _FLEX["compiled"]
     slopes = alibi_slopes(h, device)

@@ -189,12 +189,13 @@ ScoreMod make_score_mod(double softcap, const std::optional<at::Tensor>& alibi_s
   ScoreMod mod;
   TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0,
                     "flashattn_ext: softcap must be a finite number >= 0 (0: no softcapping), got ", softcap);
-  mod.softcap = static_cast<float>(softcap);
+  mod.softcap = softcap;
   if (!alibi_slopes.has_value() || !alibi_slopes->defined()) return mod;
   const at::Tensor& s = *alibi_slopes;
-  TORCH_CHECK_VALUE(s.scalar_type() == at::kFloat, "flashattn_ext: alibi_slopes must be float32, got ", s.scalar_type(),
-                    "; pass alibi_slopes.float()");
-  check_same_device(s, "alibi_slopes", q);
+  TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat, "flashattn_ext: alibi_slopes must have dtype torch.float32, got ",
+                   s.scalar_type(), "; pass alibi_slopes.float()");
+  TORCH_CHECK_VALUE(s.device() == q.device(), "flashattn_ext: alibi_slopes is on ", s.device(), " but q is on ",
+                    q.device(), "; pass alibi_slopes.to(q.device)");
   const bool per_head = s.dim() == 1 && s.size(0) == heads_q;
   const bool per_batch = s.dim() == 2 && s.size(0) == batch && s.size(1) == heads_q;
   TORCH_CHECK_VALUE(per_head || per_batch, "flashattn_ext: alibi_slopes must have shape (nheads,) = (", heads_q,

@@ -282,6 +282,32 @@ def _empty_like_each(*tensors):
 # ----------------------------------------------------------------------------- fake kernels
 
 
+def check_score_mod(q, softcap, alibi_slopes, batch, heads_q):
+    """csrc/attention_api.cpp make_score_mod's checks (same order, same words)."""
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"flashattn_ext: softcap must be a finite number >= 0 (0: no softcapping), got {softcap}")
+    if alibi_slopes is None:
+        return
+    s = alibi_slopes
+    if s.dtype != torch.float32:
+        raise TypeError(
+            f"flashattn_ext: alibi_slopes must have dtype torch.float32, got {_c10(s.dtype)}; pass alibi_slopes.float()"
+        )
+    if s.device != q.device:
+        raise ValueError(
+            f"flashattn_ext: alibi_slopes is on {s.device} but q is on {q.device}; pass alibi_slopes.to(q.device)"
+        )
+    if tuple(s.shape) not in ((heads_q,), (batch, heads_q)):
+        raise ValueError(
+            f"flashattn_ext: alibi_slopes must have shape (nheads,) = ({heads_q},) or (batch, nheads) = ({batch}, "
+            f"{heads_q}), got {list(s.shape)}"
+        )
+    if heads_q > 1 and s.stride(-1) != 1:
+        raise ValueError(
+            "flashattn_ext: alibi_slopes must have a unit stride on the heads; pass alibi_slopes.contiguous()"
+        )
+
+
 def _fwd_fake_impl(q, k, v, softmax_scale, window_left, window_right, unit_stride=True):
     check_qkv(q, k, v, unit_stride)
     check_scalars(softmax_scale, window_left, window_right)
@@ -290,7 +316,9 @@ def _fwd_fake_impl(q, k, v, softmax_scale, window_left, window_right, unit_strid
 
 @torch.library.register_fake("flashattn_ext::fwd")
 def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap=0.0, alibi_slopes=None):
-    return _fwd_fake_impl(q, k, v, softmax_scale, window_left, window_right)
+    res = _fwd_fake_impl(q, k, v, softmax_scale, window_left, window_right)
+    check_score_mod(q, softcap, alibi_slopes, q.shape[0], q.shape[2])
+    return res
 
 
 @torch.library.register_fake("flashattn_ext::attention")
@@ -300,6 +328,7 @@ def _attention_fake(
     if bhsd:  # csrc/autograd.cpp kernel_layout / caller_layout
         q, k, v = (x.transpose(1, 2) if x.dim() == 4 else x for x in (q, k, v))
     out, lse = _fwd_fake_impl(q, k, v, softmax_scale, window_left, window_right, unit_stride=False)
+    check_score_mod(q, softcap, alibi, q.shape[0], q.shape[2])
     return (out.transpose(1, 2) if bhsd else out), lse
 
 
@@ -322,6 +351,7 @@ def _bwd_fake(
     check_qkv(q, k, v)
     check_bwd_extras(dout, q, out, lse)
     check_scalars(softmax_scale, window_left, window_right)
+    check_score_mod(q, softcap, alibi, q.shape[0], q.shape[2])
     return _empty_like_each(q, k, v)
 
 
@@ -441,6 +471,7 @@ def _fwd_kvcache_fake(
             )
         q, k_cache, v_cache = (x.transpose(1, 2) if x.dim() == 4 else x for x in (q, k_cache, v_cache))
     check_kvcache(q, k_cache, v_cache, seqlens_k, batch_idx, leftpad, block_table, softmax_scale, wl, wr, splits)
+    check_score_mod(q, softcap, alibi_slopes, q.shape[0], q.shape[2])
     out, lse = _fwd_outputs(q, (q.shape[0], q.shape[2], q.shape[1]))
     return (out.transpose(1, 2) if bhsd else out), lse
 
@@ -590,7 +621,9 @@ def _varlen_fwd_fake_impl(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, wind
 def _varlen_fwd_fake(
     q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, bottom_right, softcap=0.0, alibi=None
 ):
-    return _varlen_fwd_fake_impl(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, True)
+    res = _varlen_fwd_fake_impl(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, True)
+    check_score_mod(q, softcap, alibi, cu_q.shape[0] - 1, q.shape[1])
+    return res
 
 
 @torch.library.register_fake("flashattn_ext::varlen_attention")
@@ -610,7 +643,9 @@ def _varlen_attention_fake(
     softcap=0.0,
     alibi_slopes=None,
 ):
-    return _varlen_fwd_fake_impl(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, False)
+    res = _varlen_fwd_fake_impl(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, False)
+    check_score_mod(q, softcap, alibi_slopes, cu_q.shape[0] - 1, q.shape[1])
+    return res
 
 
 @torch.library.register_fake("flashattn_ext::varlen_bwd")
@@ -636,6 +671,7 @@ def _varlen_bwd_fake(
     check_varlen_qkv(q, k, v, cu_q, cu_k, max_q, max_k)
     check_varlen_bwd_extras(dout, q, out, lse)
     check_scalars(softmax_scale, window_left, window_right)
+    check_score_mod(q, softcap, alibi_slopes, cu_q.shape[0] - 1, q.shape[1])
     return _empty_like_each(q, k, v)
 
 

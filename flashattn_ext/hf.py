@@ -180,7 +180,7 @@ def attention_forward(
         # A dense mask the model built itself: only torch's SDPA takes it (and it has no softcap).
         if softcap:
             raise NotImplementedError(
-                f"{fn}: softcap={softcap} together with a dense 4-D attention mask is not supported "
+                f"{fn}: softcap={softcap} with a dense 4-D attention mask is not supported "
                 "(the mask goes to torch's SDPA, which has no softcap); use attn_implementation='eager'"
             )
         out = interface.scaled_dot_product_attention(

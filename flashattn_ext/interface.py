@@ -213,9 +213,13 @@ def _check_alibi_slopes(fn, alibi_slopes, batch, heads_q, device):
     if alibi_slopes is None:
         return
     if alibi_slopes.dtype != torch.float32:
-        raise ValueError(f"{fn}: alibi_slopes must be float32, got {alibi_slopes.dtype}; pass alibi_slopes.float()")
+        raise TypeError(
+            f"{fn}: alibi_slopes must have dtype torch.float32, got {alibi_slopes.dtype}; pass alibi_slopes.float()"
+        )
     if alibi_slopes.device != device:
-        raise ValueError(f"{fn}: alibi_slopes is on {alibi_slopes.device} but q is on {device}; move it to q's device")
+        raise ValueError(
+            f"{fn}: alibi_slopes is on {alibi_slopes.device} but q is on {device}; pass alibi_slopes.to(q.device)"
+        )
     shape = tuple(alibi_slopes.shape)
     if shape not in ((heads_q,), (batch, heads_q)):
         raise ValueError(

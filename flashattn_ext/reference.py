@@ -57,7 +57,7 @@ import math
 
 import torch
 
-__all__ = ["attention_ref", "sdpa_ref", "visible_mask", "compute_dtype", "attention_flops"]
+__all__ = ["attention_ref", "sdpa_ref", "visible_mask", "alibi_bias", "compute_dtype", "attention_flops"]
 
 
 def compute_dtype(dtype: torch.dtype, upcast=True) -> torch.dtype:
@@ -95,13 +95,12 @@ def visible_mask(seqlen_q, seqlen_k, window_left=-1, window_right=-1, diag_offse
 
 def alibi_bias(alibi_slopes, seqlen_q, seqlen_k, device=None):
     """flash-attn's ALiBi bias, -slope * |i + seqlen_k - seqlen_q - j| for query
-    i and key j, as (1 or batch, heads, seqlen_q, seqlen_k) float32 from slopes
-    (heads,) or (batch, heads)."""
-    i = torch.arange(seqlen_q, device=device).view(-1, 1)
-    j = torch.arange(seqlen_k, device=device).view(1, -1)
-    dist = (i + seqlen_k - seqlen_q - j).abs().float()
-    slopes = alibi_slopes.float().view(-1 if alibi_slopes.dim() == 2 else 1, alibi_slopes.shape[-1], 1, 1)
-    return -slopes * dist
+    i and key j: (heads, L, S) for (heads,) slopes, (batch, heads, L, S) for
+    (batch, heads) ones; float64 (exact for the float64 oracle), no gradient to the slopes."""
+    i = torch.arange(seqlen_q, device=device).unsqueeze(1)
+    j = torch.arange(seqlen_k, device=device).unsqueeze(0)
+    dist = (i + seqlen_k - seqlen_q - j).abs().to(torch.float64)  # (L, S)
+    return -alibi_slopes.detach().to(device=device, dtype=torch.float64)[..., None, None] * dist
 
 
 def _attention_core(q, k, v, scale, keep=None, bias=None, dtype=None, return_lse=False, softcap=0.0):

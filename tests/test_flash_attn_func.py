@@ -310,3 +310,141 @@ def test_big_grid():
     # and along batch
     q, k, v, dout = (x.reshape(70000, 16, 1, 32) for x in (q, k, v, dout))
     check_flash(q, k, v, dout=dout)
+
+
+# ----------------------------------------------------------------------------- softcap, ALiBi
+# flash-attn's score modifications (csrc/flash_params.h ScoreMod) against the
+# oracle (reference.attention_ref), forward and backward under the one rule.
+
+
+def _slopes(shape, device):
+    return (torch.rand(shape, dtype=torch.float32) * 0.4 + 0.05).to(device)
+
+
+def _score_mod(mod, b, h, device):
+    return {
+        "softcap": lambda: dict(softcap=1.5),
+        "alibi-h": lambda: dict(alibi_slopes=_slopes((h,), device)),
+        "alibi-bh": lambda: dict(alibi_slopes=_slopes((b, h), device)),
+        "both-h": lambda: dict(softcap=2.0, alibi_slopes=_slopes((h,), device)),
+        "both-bh": lambda: dict(softcap=0.7, alibi_slopes=_slopes((b, h), device)),
+    }[mod]()
+
+
+# (seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, mask kwargs): both
+# alignments of unequal lengths, GQA / MQA, windows, a decoding shape (one query,
+# many keys: the key split) and blocks of 64+ rows (the brgemm path's full tiles).
+SCORE_MOD_SHAPES = {
+    "q37k70-causal-gqa": (37, 70, 4, 2, 64, dict(causal=True)),
+    "q70k37-full": (70, 37, 2, 2, 32, {}),
+    "q37k70-full-mqa": (37, 70, 4, 1, 64, {}),
+    "q130k200-window": (130, 200, 2, 1, 64, dict(window_size=(32, 16))),
+    "q129k129-causal-window": (129, 129, 2, 2, 128, dict(causal=True, window_size=(40, -1))),
+    "q1k300-decode": (1, 300, 4, 1, 64, dict(causal=True)),
+    "q5k300-decode-full": (5, 300, 2, 2, 64, {}),
+}
+
+
+@pytest.mark.dtypes(torch.float32, torch.bfloat16)
+@pytest.mark.parametrize("mod", ["softcap", "alibi-h", "alibi-bh", "both-h", "both-bh"])
+@pytest.mark.parametrize("shape", list(SCORE_MOD_SHAPES))
+def test_score_mod(device, dtype, shape, mod):
+    sq, sk, hq, hkv, d, kw = SCORE_MOD_SHAPES[shape]
+    q, k, v = (
+        randn((2, sq, hq, d), dtype, device),
+        randn((2, sk, hkv, d), dtype, device),
+        randn((2, sk, hkv, d), dtype, device),
+    )
+    dout = randn((2, sq, hq, d), dtype, device)
+    check_flash(q, k, v, dout, **kw, **_score_mod(mod, 2, hq, device))
+
+
+@pytest.mark.parametrize("mod", ["softcap", "both-bh"])
+def test_score_mod_dtypes(device, dtype, mod):
+    q, k, v = (randn((2, s, 2, 64), dtype, device) for s in (45, 77, 77))
+    check_flash(q, k, v, randn((2, 45, 2, 64), dtype, device), causal=True, **_score_mod(mod, 2, 2, device))
+
+
+@pytest.mark.dtypes(torch.float32, torch.bfloat16)
+def test_softcap_large_logits(device, dtype):
+    # Logits far beyond the cap: tanh saturates, the scores stay within +-softcap.
+    q, k, v = (randn((1, s, 2, 64), dtype, device, scale=4.0) for s in (50, 90, 90))
+    check_flash(q, k, v, randn((1, 50, 2, 64), dtype, device), softcap=3.0)
+
+
+@pytest.mark.dtypes(torch.float32)
+def test_score_mod_oracle_can_fail(device, dtype):
+    # The mods change the answer: the plain oracle rejects them, and each one matters.
+    q, k, v = (randn((2, s, 2, 32), dtype, device) for s in (20, 30, 30))
+    slopes = _slopes((2, 2), device)
+    out, lse = flashattn_ext.flash_attn_func(q, k, v, softcap=0.5, alibi_slopes=slopes, return_lse=True)
+    from flashattn_ext.tolerance import check_attention
+
+    assert all(c.ok for c in check_attention(q, k, v, out, lse, softcap=0.5, alibi_slopes=slopes))
+    assert not all(c.ok for c in check_attention(q, k, v, out, lse))
+    assert not all(c.ok for c in check_attention(q, k, v, out, lse, softcap=0.5))
+    assert not all(c.ok for c in check_attention(q, k, v, out, lse, alibi_slopes=slopes))
+    assert not all(c.ok for c in check_attention(q, k, v, out, lse, softcap=0.5, alibi_slopes=slopes[0]))
+
+
+@pytest.mark.dtypes(torch.float32)
+def test_score_mod_slopes_get_no_gradient(device, dtype):
+    q, k, v = (randn((2, 9, 2, 16), dtype, device).requires_grad_() for _ in range(3))
+    slopes = _slopes((2,), device).requires_grad_()
+    flashattn_ext.flash_attn_func(q, k, v, alibi_slopes=slopes, softcap=1.0).sum().backward()
+    assert slopes.grad is None
+    assert q.grad is not None and k.grad is not None and v.grad is not None
+
+
+@pytest.mark.dtypes(torch.float32)
+def test_score_mod_packed_functions(device, dtype):
+    qkv = randn((2, 19, 3, 2, 32), dtype, device)
+    slopes = _slopes((2, 2), device)
+    out = flashattn_ext.flash_attn_qkvpacked_func(qkv, causal=True, softcap=1.0, alibi_slopes=slopes)
+    q, k, v = qkv.unbind(2)
+    ref = flashattn_ext.flash_attn_func(q, k, v, causal=True, softcap=1.0, alibi_slopes=slopes)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    kv = torch.stack((k, v), dim=2)
+    out = flashattn_ext.flash_attn_kvpacked_func(q, kv, causal=True, softcap=1.0, alibi_slopes=slopes)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@pytest.mark.dtypes(torch.float32)
+def test_score_mod_opcheck(device, dtype):
+    # Schema, fake kernel (the meta validation), autograd registration with the new arguments.
+    q, k, v = (randn((1, s, 2, 16), dtype, device).requires_grad_() for s in (7, 11, 11))
+    slopes = _slopes((1, 2), device)
+    args = (q, k, v, 0.25, -1, 0, True, False, False, 1.5, slopes)
+    torch.library.opcheck(
+        _ops.attention, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration")
+    )
+
+
+_SCORE_MOD_ERRORS = [
+    (dict(softcap=-1.0), ValueError, "softcap must be a finite number >= 0"),
+    (dict(softcap=float("nan")), ValueError, "softcap"),
+    (dict(softcap=float("inf")), ValueError, "softcap"),
+    (dict(alibi_slopes=[0.1, 0.2]), TypeError, "alibi_slopes"),
+    (dict(alibi_slopes=torch.ones(2, dtype=torch.float16)), TypeError, r"alibi_slopes must have dtype torch.float32"),
+    (dict(alibi_slopes=torch.ones(2, dtype=torch.float64)), TypeError, r"alibi_slopes.float\(\)"),
+    (dict(alibi_slopes=torch.ones(3)), ValueError, r"alibi_slopes must have shape \(nheads,\) = \(2,\)"),
+    (dict(alibi_slopes=torch.ones(3, 2)), ValueError, r"\(batch, nheads\) = \(2, 2\)"),
+    (dict(alibi_slopes=torch.ones(2, 2, 1)), ValueError, "alibi_slopes must have shape"),
+    (dict(alibi_slopes=torch.ones(2, 4)[:, ::2]), ValueError, r"alibi_slopes.contiguous\(\)"),
+]
+
+
+@pytest.mark.parametrize("kw, exc, match", _SCORE_MOD_ERRORS, ids=lambda x: None)
+def test_score_mod_errors(device, kw, exc, match):
+    q, k, v = (randn((2, 5, 2, 16), torch.float32 if device == "cpu" else torch.float16, device) for _ in range(3))
+    kw = {key: (x.to(device) if isinstance(x, torch.Tensor) else x) for key, x in kw.items()}
+    with pytest.raises(exc, match=match):
+        flashattn_ext.flash_attn_func(q, k, v, **kw)
+
+
+def test_score_mod_errors_device_and_dropout(device):
+    q, k, v = (randn((2, 5, 2, 16), torch.float32 if device == "cpu" else torch.float16, device) for _ in range(3))
+    with pytest.raises(ValueError, match=r"alibi_slopes is on meta.*alibi_slopes.to\(q.device\)"):
+        flashattn_ext.flash_attn_func(q, k, v, alibi_slopes=torch.ones(2, device="meta"))
+    with pytest.raises(NotImplementedError, match="dropout_p > 0 together with softcap or alibi_slopes"):
+        flashattn_ext.flash_attn_func(q, k, v, dropout_p=0.1, softcap=1.0)

@@ -155,14 +155,82 @@ def test_packed_sequences_position_ids(device, dtype, calls, _seed):
     assert c.ok, c.message()
 
 
+def _tiny_gemma2(device, dtype, seed, sliding_window):
+    """A randomly initialized Gemma 2 built in code (nothing downloaded): attention logit
+    softcapping, alternating sliding / full layers, GQA 2:1."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    cfg = Gemma2Config(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        sliding_window=sliding_window,
+        # Small enough a cap that the softcap changes the scores (Gemma 2's is 50 on
+        # real logits); the random weights give logits of a few units.
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=None,
+        query_pre_attn_scalar=16,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    model = Gemma2ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 3.0 / p.shape[1] ** 0.5)  # larger logits: the cap matters
+    return cfg, model.to(device=device, dtype=dtype).eval()
+
+
+@pytest.mark.dtypes(torch.float32, torch.bfloat16)
+@pytest.mark.parametrize("lengths", [[19], [20, 7, 13]], ids=["batch1", "left_padded"])
+def test_gemma2_softcap_agrees_with_eager(device, dtype, lengths, calls, _seed):
+    """Gemma 2 (softcap = attn_logit_softcapping, sliding window 8 < the prompts) through our
+    kernels against transformers' eager attention: the logits of every real token."""
+    cfg, model = _tiny_gemma2(device, dtype, _seed, sliding_window=8)
+    ids, mask = hf_generate.make_prompts(
+        lengths, cfg.vocab_size, torch.device(device), torch.Generator().manual_seed(_seed)
+    )
+    logits = {}
+    for impl in ("eager", IMPL):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            logits[impl] = model(ids, attention_mask=mask).logits.float()
+    real = mask.bool()
+    ours, ref = logits[IMPL][real], logits["eager"][real]
+    # As hf_generate.compare_generation: a float64 copy (eager) is the oracle, this
+    # dtype's eager run the naive baseline of the rule.
+    model64 = copy.deepcopy(model).to(torch.float64)
+    model64.set_attn_implementation("eager")
+    with torch.no_grad():
+        oracle = model64(ids, attention_mask=mask).logits[real]
+    c = tolerance.compare("logits", ours, oracle, ref)
+    assert c.ok, c.message()
+    assert calls["flash_attn_func"] + calls["flash_attn_varlen_func"] == cfg.num_hidden_layers, dict(calls)
+    assert calls["scaled_dot_product_attention"] == 0
+    # The cap matters here: without it the kernels' logits are farther off.
+    model.set_attn_implementation(IMPL)
+    for layer in model.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    with torch.no_grad():
+        uncapped = model(ids, attention_mask=mask).logits.float()[real]
+    assert tolerance.max_err(uncapped, oracle) > 4 * tolerance.max_err(ours, oracle)
+
+
 def test_errors():
     with pytest.raises(ValueError, match="name='my_flash'.*choose another"):
         flashattn_ext.hf.register("my_flash")
     q = torch.randn(1, 4, 3, 16)
     k = torch.randn(1, 2, 3, 16)
     module = torch.nn.Module()
-    with pytest.raises(NotImplementedError, match="softcap=50.0 together with a dense 4-D attention mask"):
-        flashattn_ext.hf.attention_forward(module, q, k, k, torch.zeros(1, 1, 3, 3), softcap=50.0)
+    with pytest.raises(NotImplementedError, match="softcap=50.0 with a dense 4-D attention mask"):
+        flashattn_ext.hf.attention_forward(module, q, k, k, torch.ones(1, 1, 3, 3, dtype=torch.bool), softcap=50.0)
     with pytest.raises(NotImplementedError, match="s_aux"):
         flashattn_ext.hf.attention_forward(module, q, k, k, None, s_aux=torch.zeros(4))
     with pytest.raises(NotImplementedError, match="block_table"):

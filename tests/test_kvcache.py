@@ -72,10 +72,15 @@ def oracle(q, kc, vc, k, v, seqlens, leftpad, cos=None, sin=None, interleaved=Tr
     return kc, vc, rows
 
 
-def check_rows(out, lse, rows, **kw):
-    """Failure messages of every batch row against the oracle (empty: all pass)."""
+def check_rows(out, lse, rows, alibi_slopes=None, **kw):
+    """Failure messages of every batch row against the oracle (empty: all pass).
+    alibi_slopes: (heads,) or (batch, heads), row b's slopes given to its check;
+    the row's keys are [cache_leftpad, cache_seqlens + seqlen_new), so the oracle's
+    distance i + n_keys - seqlen_q - j is flash-attn's with the row's length."""
     bad = []
     for b, (qb, kb, vb) in enumerate(rows):
+        if alibi_slopes is not None:
+            kw["alibi_slopes"] = alibi_slopes[b] if alibi_slopes.dim() == 2 else alibi_slopes
         if kb.shape[0] == 0:  # no visible key: zeros, lse -inf
             if not (torch.equal(out[b], torch.zeros_like(out[b])) and torch.isneginf(lse[b]).all()):
                 bad.append(f"row {b}: sees no key but out != 0 or lse != -inf")
@@ -175,11 +180,14 @@ def logical_rows(kc, vc, args, meta):
     return kc, vc
 
 
-def run_and_check(case, dtype, device, paged, expect_ok=True, **oracle_overrides):
+def run_and_check(case, dtype, device, paged, expect_ok=True, score_mod=None, **oracle_overrides):
+    """score_mod: flash_attn_with_kvcache's softcap / alibi_slopes, or a function
+    (batch, heads_q) -> that dict."""
     q, kc, vc, args, meta = setup(case, dtype, device, paged)
+    score_mod = score_mod(q.shape[0], q.shape[2]) if callable(score_mod) else dict(score_mod or {})
     kc0, vc0 = kc.clone(), vc.clone()
     lk0, lv0 = logical_rows(kc0, vc0, args, meta)
-    out, lse = flash_attn_with_kvcache(q, kc, vc, return_softmax_lse=True, **args)
+    out, lse = flash_attn_with_kvcache(q, kc, vc, return_softmax_lse=True, **args, **score_mod)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1])
     assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
@@ -190,7 +198,7 @@ def run_and_check(case, dtype, device, paged, expect_ok=True, **oracle_overrides
     okw.update(oracle_overrides)
     ek, ev, rows = oracle(q, lk0, lv0, args["k"], args["v"], meta["seqlens"], meta["leftpad"], **okw)
     check_kw = {key: okw[key] for key in ("causal", "window_size", "softmax_scale") if key in okw}
-    bad = check_rows(out, lse, rows, **check_kw)
+    bad = check_rows(out, lse, rows, **check_kw, **score_mod)
     if not expect_ok:
         return bad
     assert not bad, "; ".join(bad)
@@ -225,6 +233,62 @@ def test_kvcache_against_oracle(device, dtype, case, paged):
     if paged and "batch_idx" in CASES[case][-1]:
         pytest.skip("cache_batch_idx is not combined with block_table (as in flash-attn)")
     run_and_check(case, dtype, device, paged)
+
+
+# flash-attn's softcap and ALiBi (csrc/flash_params.h ScoreMod) against the
+# oracle: ALiBi's query i sits at key cache_seqlens[b] + seqlen_new - seqlen_q + i.
+def _slopes(shape, device):
+    return (torch.rand(shape, dtype=torch.float32) * 0.4 + 0.05).to(device)
+
+
+KV_SCORE_MODS = {
+    "softcap": lambda b, h, dev: dict(softcap=1.5),
+    "alibi-h": lambda b, h, dev: dict(alibi_slopes=_slopes((h,), dev)),
+    "alibi-bh": lambda b, h, dev: dict(alibi_slopes=_slopes((b, h), dev)),
+    "both-bh": lambda b, h, dev: dict(softcap=2.0, alibi_slopes=_slopes((b, h), dev)),
+}
+
+
+@pytest.mark.dtypes(torch.float32, torch.bfloat16)
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("mod", list(KV_SCORE_MODS))
+@pytest.mark.parametrize(
+    "case",
+    ["decode-append-1-gqa", "decode-no-append-mqa", "spec-4-append-4-causal", "window-two-sided", "leftpad"],
+)
+def test_kvcache_score_mod(device, dtype, case, mod, paged):
+    run_and_check(case, dtype, device, paged, score_mod=lambda b, h: KV_SCORE_MODS[mod](b, h, device))
+
+
+@pytest.mark.dtypes(torch.float32)
+def test_kvcache_score_mod_oracle_can_fail(device, dtype):
+    # The check sees the mod: the plain oracle rejects a softcapped, ALiBi'd call.
+    q, kc, vc, args, meta = setup("spec-4-append-4-causal", dtype, device, False)
+    lk0, lv0 = logical_rows(kc.clone(), vc.clone(), args, meta)
+    slopes = _slopes((q.shape[2],), device)
+    out, lse = flash_attn_with_kvcache(q, kc, vc, return_softmax_lse=True, softcap=0.5, alibi_slopes=slopes, **args)
+    _, _, rows = oracle(q, lk0, lv0, args["k"], args["v"], meta["seqlens"], meta["leftpad"], causal=True)
+    assert check_rows(out, lse, rows, causal=True)
+    assert not check_rows(out, lse, rows, causal=True, softcap=0.5, alibi_slopes=slopes)
+
+
+@pytest.mark.parametrize(
+    "kw, exc, match",
+    [
+        (dict(softcap=-1.0), ValueError, "softcap"),
+        (dict(alibi_slopes="slopes"), TypeError, "alibi_slopes"),
+        (dict(alibi_slopes=torch.ones(4, dtype=torch.float16)), TypeError, "alibi_slopes.*float32"),
+        (dict(alibi_slopes=torch.ones(5)), ValueError, r"alibi_slopes must have shape \(nheads,\)"),
+    ],
+    ids=["negative-softcap", "not-a-tensor", "float16", "shape"],
+)
+def test_kvcache_score_mod_errors_before_the_append(device, kw, exc, match):
+    q, kc, vc, args, meta = setup("spec-4-append-4-causal", torch.float32, device, False)
+    kw = {key: (x.to(device) if isinstance(x, torch.Tensor) else x) for key, x in kw.items()}
+    kc0 = kc.clone()
+    with pytest.raises(exc, match=match):
+        flash_attn_with_kvcache(q, kc, vc, **args, **kw)
+    assert torch.equal(kc, kc0)  # nothing appended
 
 
 @pytest.mark.dtypes(torch.float32)
@@ -383,8 +447,8 @@ ERRORS = {
     "softcap": (lambda a, dev: a.update(softcap=-5.0), ValueError, "softcap must be a finite number >= 0"),
     "alibi": (
         lambda a, dev: a.update(alibi_slopes=torch.ones(4, dtype=torch.float64, device=dev)),
-        ValueError,
-        "alibi_slopes must be float32",
+        TypeError,
+        "alibi_slopes must have dtype torch.float32",
     ),
     "window": (lambda a, dev: a.update(window_size=(-2, 0)), ValueError, "flash_attn_with_kvcache: window_size"),
     "num-splits": (lambda a, dev: a.update(num_splits=-1), ValueError, "num_splits must be >= 0"),

@@ -92,6 +92,9 @@ def check_varlen(q, k, v, lens_q, lens_k, with_grads=True, bottom_right=True, op
                 assert torch.equal(dq[sq:eq], torch.zeros_like(dq[sq:eq])), f"sequence {i}: dq"
             continue
         sl_q, sl_k = slice(sq, eq), slice(sk, ek)
+        seq_kw = dict(kw)
+        if seq_kw.get("alibi_slopes") is not None and seq_kw["alibi_slopes"].dim() == 2:
+            seq_kw["alibi_slopes"] = seq_kw["alibi_slopes"][i]  # (batch, heads): per sequence
         g = None
         if grads is not None:
             g = (dq[sl_q][None], dk[sl_k][None], dv[sl_k][None])
@@ -104,7 +107,7 @@ def check_varlen(q, k, v, lens_q, lens_k, with_grads=True, bottom_right=True, op
             dout[sl_q][None] if dout is not None else None,
             g,
             bottom_right=bottom_right,
-            **kw,
+            **seq_kw,
         )
         bad += [f"sequence {i} (len_q {n_q}, len_k {n_k}): {c.message()}" for c in res if not c.ok]
     return bad
@@ -137,6 +140,31 @@ def test_varlen_against_oracle(device, dtype, case):
 
 
 @pytest.mark.dtypes(torch.float32)
+def _slopes(shape, device):
+    return (torch.rand(shape, dtype=torch.float32) * 0.4 + 0.05).to(device)
+
+
+# flash-attn's softcap and ALiBi (csrc/flash_params.h ScoreMod), forward and
+# backward, each sequence's ALiBi distance from its own lengths.
+@pytest.mark.dtypes(torch.float32, torch.bfloat16)
+@pytest.mark.parametrize("mod", ["softcap", "alibi-h", "alibi-bh", "both-bh"])
+@pytest.mark.parametrize(
+    "case", ["equal-causal", "q-shorter-causal-gqa", "q-longer-noncausal", "window", "long-causal-gqa"]
+)
+def test_varlen_score_mod(device, dtype, case, mod):
+    lens_q, lens_k, hq, hkv, d, kw = CASES[case]
+    q, k, v = make_varlen(lens_q, lens_k, hq, hkv, d, dtype, device)
+    b = len(lens_q)
+    mods = {
+        "softcap": dict(softcap=1.5),
+        "alibi-h": dict(alibi_slopes=_slopes((hq,), device)),
+        "alibi-bh": dict(alibi_slopes=_slopes((b, hq), device)),
+        "both-bh": dict(softcap=2.0, alibi_slopes=_slopes((b, hq), device)),
+    }
+    bad = check_varlen(q, k, v, lens_q, lens_k, **kw, **mods[mod])
+    assert not bad, "; ".join(bad)
+
+
 def test_alignment_is_per_sequence_bottom_right(device, dtype):
     """The check can fail: the same outputs judged against a top-left diagonal
     (or against one offset for the whole batch) are wrong."""

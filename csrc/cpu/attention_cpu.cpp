@@ -10,12 +10,10 @@ namespace {
 
 const BackendSpec kCpuSpec{"CPU", {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}, ""};
 
-// The CPU kernels' score modifications (softcap, ALiBi).
+// The CPU kernels' score modifications (softcap, ALiBi; score_mod.h).
 ScoreMod cpu_score_mod(double softcap, const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& q, int64_t batch,
                        int64_t heads_q) {
-  const ScoreMod mod = make_score_mod(softcap, alibi_slopes, q, batch, heads_q);
-  TORCH_CHECK_NOT_IMPLEMENTED(!mod.any(), "flashattn_ext: softcap / alibi_slopes are not implemented on the CPU yet");
-  return mod;
+  return make_score_mod(softcap, alibi_slopes, q, batch, heads_q);
 }
 
 std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -47,6 +47,7 @@
 #include "attn_mask.h"
 #include "flash_cpu.h"
 #include "scalar_dispatch.h"
+#include "score_mod.h"
 #include "tile_gemm.h"
 #include "tile_ops.h"
 #include "work_queue.h"
@@ -88,6 +89,7 @@ struct BwdScratch {
         v(kBlockK * d),
         s_t(kBlockK * kBlockQ),
         dp_t(kBlockK * kBlockQ),
+        dtanh_t(kBlockK * kBlockQ),
         dk_acc(kBlockK * d),
         dv_acc(kBlockK * d),
         dq_t_acc(d * kBlockQ),
@@ -120,6 +122,7 @@ struct BwdScratch {
   ScratchArray<acc_t> v;         // kBlockK x d        value tile, when v cannot be used in place
   ScratchArray<acc_t> s_t;       // kBlockK x kBlockQ  S^T, then P^T
   ScratchArray<acc_t> dp_t;      // kBlockK x kBlockQ  dP^T, then dS^T
+  ScratchArray<acc_t> dtanh_t;   // kBlockK x kBlockQ  softcap: 1 - tanh^2 of the block's scores
   ScratchArray<acc_t> dk_acc;    // kBlockK x d        pass 1
   ScratchArray<acc_t> dv_acc;    // kBlockK x d        pass 1
   ScratchArray<acc_t> dq_t_acc;  // d x kBlockQ        pass 2
@@ -210,6 +213,7 @@ struct HeadView {
   const scalar_t* k;
   const scalar_t* v;
   RowStats<acc_t> stats;
+  TileScoreMod<acc_t> mod;  // softcap / ALiBi of (b, h)
 };
 
 template <typename scalar_t, typename acc_t>
@@ -225,7 +229,8 @@ HeadView<scalar_t, acc_t> head_view(const AttnBwdParams& p, const SeqInfo& seq, 
           h_kv * p.k_head_stride,
       static_cast<const scalar_t*>(p.v_ptr) + seq.k_offset(p.v_batch_stride, p.v_row_stride, b) +
           h_kv * p.v_head_stride,
-      {stats.neg_lse + row0, stats.dsum + row0}};
+      {stats.neg_lse + row0, stats.dsum + row0},
+      TileScoreMod<acc_t>(p.score_mod, b, h, seq.seqlen_q, seq.seqlen_k)};
 }
 
 // The part both passes share: for keys [k0, k0 + cols) and queries
@@ -274,8 +279,18 @@ bool probs_and_dscores_block(const AttnBwdParams& p, const AttnMask& mask, const
   const bool masked = mask.block_query_ranges(q0, rows, k0, cols, scratch.query_lo.get(), scratch.query_hi.get());
   const int* query_lo = masked ? scratch.query_lo.get() : nullptr;
   const int* query_hi = masked ? scratch.query_hi.get() : nullptr;
-  probs_and_dscores_t(s_t, dp_t, kBlockQ, cols, rows, static_cast<acc_t>(p.softmax_scale), head.stats.neg_lse + q0,
-                      head.stats.dsum + q0, query_lo, query_hi);
+  acc_t scale = static_cast<acc_t>(p.softmax_scale);
+  // softcap / ALiBi: P recomputed from the modified scores as the forward
+  // formed them; dS then goes through tanh (ALiBi's bias has derivative 1).
+  const bool has_mod = head.mod.any();
+  acc_t* dtanh = has_mod && head.mod.softcap > 0 ? scratch.dtanh_t.get() : nullptr;
+  if (has_mod) head.mod.apply(s_t, kBlockQ, cols, rows, scale, k0, q0, dtanh), scale = acc_t(1);
+  probs_and_dscores_t(s_t, dp_t, kBlockQ, cols, rows, scale, head.stats.neg_lse + q0, head.stats.dsum + q0, query_lo,
+                      query_hi);
+  if (dtanh) {
+    for (int r = 0; r < cols; ++r)
+      for (int c = 0; c < rows; ++c) dp_t[r * kBlockQ + c] *= dtanh[r * kBlockQ + c];
+  }
   return masked;
 }
 

@@ -39,6 +39,7 @@
 #include "cpu_knobs.h"
 #include "flash_cpu.h"
 #include "scalar_dispatch.h"
+#include "score_mod.h"
 #include "tile_gemm.h"
 #include "tile_ops.h"
 #include "work_queue.h"
@@ -198,6 +199,9 @@ void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
 
   const int64_t key_begin = std::max(mask.tile_key_begin(q0), part_begin);
   const int64_t key_end = std::min(mask.tile_key_end(q0 + rows), part_end);
+  // softcap / ALiBi (score_mod.h): asked once per tile, the plain path untouched.
+  const TileScoreMod<acc_t> mod(p.score_mod, b, h, seq.seqlen_q, seq.seqlen_k);
+  const bool has_mod = mod.any();
   if (key_begin < key_end) {
     const bool lowp_block = scratch.lowp && rows == block_q;
     bool have_q_t = false;  // the float32 path's scale * Q^T, loaded on first use
@@ -223,9 +227,11 @@ void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
             k_tile = scratch.k_lowp.get(), k_ld = d;
           }
           gemm_nn_lowp(cols, rows, d, k_tile, k_ld, scratch.q_pairs.get(), s_t, block_q, /*accumulate=*/false);
-          // S^T -> P^T (scaled here), update m and l, rescale O^T.
+          // S^T -> P^T (scaled here, or by the score mod), update m and l, rescale O^T.
+          acc_t step_scale = static_cast<acc_t>(p.softmax_scale);
+          if (has_mod) mod.apply(s_t, block_q, cols, rows, step_scale, k0, q0, nullptr), step_scale = acc_t(1);
           online_softmax_step(s_t, block_q, cols, rows, query_lo, query_hi, row_max, row_sum, o_t, block_q, d,
-                              scratch.softmax_work.get(), static_cast<acc_t>(p.softmax_scale));
+                              scratch.softmax_work.get(), step_scale);
           // O^T += V^T P^T                                                 d x rows
           const scalar_t* v_tile = v + k0 * p.v_row_stride;
           const int bad =
@@ -257,6 +263,7 @@ void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
       gemm_nn(cols, rows, d, k_op.ptr, k_op.ld, scratch.q_t.get(), block_q, s_t, block_q, /*accumulate=*/false,
               full_tile);
       // S^T -> P^T, update m and l, rescale O^T.
+      if (has_mod) mod.apply(s_t, block_q, cols, rows, acc_t(1), k0, q0, nullptr);
       online_softmax_step(s_t, block_q, cols, rows, query_lo, query_hi, row_max, row_sum, o_t, block_q, d,
                           scratch.softmax_work.get(), acc_t(1));
 
@@ -489,7 +496,10 @@ void plan_calls(const AttnFwdParams* calls, int64_t num_calls, std::vector<FwdPl
     const AttnFwdParams& p = calls[c];
     FwdPlan<scalar_t, acc_t>& plan = plans[c];
     plan.p = &p;
-    plan.few = p.seqlen_q <= kFewQueries;
+    // The few-queries path (attend_few_queries) forms its scores row by row
+    // inside tile_ops.cpp and has no score mod: softcap / ALiBi calls take
+    // the tiled path (key split included), which has.
+    plan.few = p.seqlen_q <= kFewQueries && !p.score_mod.any();
     if (plan.few) {
       plan.units = static_cast<int64_t>(p.batch) * p.heads_kv;
     } else {

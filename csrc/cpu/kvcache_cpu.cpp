@@ -29,8 +29,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_impl(const at::Tensor& q, con
                                                         int64_t num_splits /*a CUDA performance hint*/, double softcap,
                                                         const std::optional<at::Tensor>& alibi_slopes) {
   const KvcacheInputs in{q, k_cache, v_cache, seqlens_k, batch_idx, leftpad, block_table, softcap, alibi_slopes};
-  TORCH_CHECK_NOT_IMPLEMENTED(!make_score_mod(softcap, alibi_slopes, q, q.size(0), q.size(2)).any(),
-                              "flashattn_ext: softcap / alibi_slopes are not implemented on the CPU yet");
+  const ScoreMod score_mod = make_score_mod(softcap, alibi_slopes, q, q.size(0), q.size(2));
   check_kvcache(in, softmax_scale, window_left, window_right, num_splits, kCpuSpec);
   const int64_t batch = q.size(0), seqlen_q = q.size(1), capacity = kvcache_capacity(in);
   const int64_t cache_rows = k_cache.size(0), page = k_cache.size(1);
@@ -99,6 +98,12 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_impl(const at::Tensor& q, con
     }
     const auto mask = make_mask(window_left, window_right, /*bottom_right=*/true, seqlen_q, n);
     calls.push_back(make_fwd_params(q.narrow(0, b, 1), kb, vb, out_b, lse_b, softmax_scale, mask));
+    // The row's call is a batch of one whose keys are [lp, seqlens_k): its
+    // ALiBi distance i + n - seqlen_q - (j - lp) is the row's
+    // i + seqlens_k[b] - seqlen_q - j, and its slopes are row b's.
+    ScoreMod& row_mod = calls.back().score_mod;
+    row_mod = score_mod;
+    if (row_mod.has_alibi()) row_mod.alibi_slopes += b * score_mod.alibi_batch_stride, row_mod.alibi_batch_stride = 0;
   }
   run_fwd_cpu(calls.data(), static_cast<int64_t>(calls.size()));
   return {out, lse};

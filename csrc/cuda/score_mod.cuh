@@ -43,8 +43,8 @@ struct ScoreModTile {
 
   __host__ __device__ __forceinline__ ScoreModTile(const ScoreMod& m, float softmax_scale, int b, int h, int seqlen_q,
                                                    int seqlen_k)
-      : in_scale(m.has_softcap() ? softmax_scale / m.softcap : softmax_scale * kLog2e),
-        cap_log2(m.softcap * kLog2e),
+      : in_scale(m.has_softcap() ? softmax_scale / static_cast<float>(m.softcap) : softmax_scale * kLog2e),
+        cap_log2(static_cast<float>(m.softcap) * kLog2e),
         slope_log2(m.has_alibi() ? m.slope(b, h) * kLog2e : 0.f),
         alibi_offset(seqlen_k - seqlen_q),
         softcap(m.has_softcap()),

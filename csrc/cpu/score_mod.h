@@ -1,0 +1,63 @@
+// flash_params.h's ScoreMod (softcap, ALiBi) on the CPU kernels' key-major
+// score tiles (row = key, column = query, as in tile_ops.h). The kernels ask
+// any() once per tile and call apply() only then, so the plain path keeps its
+// code and its speed; apply() branches once per tile on which mods are on.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "../flash_params.h"
+
+namespace flashattn {
+namespace cpu {
+
+// The modification for one (sequence b, query head h).
+template <typename acc_t>
+struct TileScoreMod {
+  acc_t softcap = 0;      // 0: none
+  acc_t inv_softcap = 0;  // 1 / softcap
+  acc_t slope = 0;
+  bool alibi = false;
+  int64_t diag = 0;  // seqlen_k - seqlen_q of the sequence: query i sits at key i + diag (ALiBi's distance)
+
+  TileScoreMod() = default;
+  TileScoreMod(const ScoreMod& m, int b, int h, int64_t seqlen_q, int64_t seqlen_k) {
+    if (m.has_softcap()) softcap = static_cast<acc_t>(m.softcap), inv_softcap = acc_t(1) / softcap;
+    if (m.has_alibi()) alibi = true, slope = static_cast<acc_t>(m.slope(b, h));
+    diag = seqlen_k - seqlen_q;
+  }
+
+  bool any() const { return softcap > 0 || alibi; }
+
+  // s_t: keys x queries (key k0 + r, query q0 + c), leading dimension ld.
+  // In: scores to be multiplied by `scale`; out: the modified scaled scores,
+  //   softcap * tanh(scale * s / softcap) - slope * |q0 + c + diag - k0 - r|.
+  // dtanh (nullptr: not wanted; else ld like s_t): 1 - tanh^2, the softcap's
+  // derivative that the backward multiplies dS by (1 without softcap: not written).
+  void apply(acc_t* s_t, int64_t ld, int keys, int queries, acc_t scale, int64_t k0, int64_t q0, acc_t* dtanh) const {
+    for (int r = 0; r < keys; ++r) {
+      acc_t* s = s_t + r * ld;
+      if (softcap > 0) {
+        acc_t* g = dtanh ? dtanh + r * ld : nullptr;
+        for (int c = 0; c < queries; ++c) {
+          const acc_t t = std::tanh(scale * s[c] * inv_softcap);
+          s[c] = softcap * t;
+          if (g) g[c] = acc_t(1) - t * t;
+        }
+      } else if (scale != acc_t(1)) {
+        for (int c = 0; c < queries; ++c) s[c] *= scale;
+      }
+      if (alibi) {
+        const int64_t d0 = q0 + diag - k0 - r;  // the distance at c = 0
+        for (int c = 0; c < queries; ++c) {
+          const int64_t dist = d0 + c;
+          s[c] -= slope * static_cast<acc_t>(dist < 0 ? -dist : dist);
+        }
+      }
+    }
+  }
+};
+
+}  // namespace cpu
+}  // namespace flashattn
