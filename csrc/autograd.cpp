@@ -79,8 +79,8 @@ using VarlenBwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Te
                                                                     const at::Tensor&, const at::Tensor&,
                                                                     const at::Tensor&, const at::Tensor&,
                                                                     const at::Tensor&, const at::Tensor&, int64_t,
-                                                                    int64_t, double, int64_t, int64_t, bool, bool, double,
-                                                                    const OptTensor&);
+                                                                    int64_t, double, int64_t, int64_t, bool, bool,
+                                                                    double, const OptTensor&);
 
 // The arguments the varlen ops share after the tensors they differ in.
 struct VarlenArgs {
@@ -235,10 +235,9 @@ struct FlashAttnBackward : public AttentionBackwardNode {
     if (!dout.defined()) return variable_list(3);
     const at::Tensor q = q_.unpack(), k = k_.unpack(), v = v_.unpack();
     const at::Tensor out = out_.unpack(getptr()), lse = lse_.unpack();
-    auto [dq, dk, dv] =
-        call_bwd(kernel_layout(dout, bhsd), kernel_layout(q, bhsd), kernel_layout(k, bhsd), kernel_layout(v, bhsd),
-                 kernel_layout(out, bhsd), lse, scale, window_left, window_right, bottom_right, deterministic, softcap,
-                 alibi_slopes);
+    auto [dq, dk, dv] = call_bwd(kernel_layout(dout, bhsd), kernel_layout(q, bhsd), kernel_layout(k, bhsd),
+                                 kernel_layout(v, bhsd), kernel_layout(out, bhsd), lse, scale, window_left,
+                                 window_right, bottom_right, deterministic, softcap, alibi_slopes);
     return {caller_layout(dq, bhsd), caller_layout(dk, bhsd), caller_layout(dv, bhsd)};
   }
   std::string name() const override { return "FlashAttnBackward"; }
@@ -275,8 +274,8 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& q, const
   at::Tensor out, lse;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    std::tie(out, lse) = attention_below_autograd(q, k, v, scale, window_left, window_right, bottom_right, bhsd,
-                                                  softcap, alibi_slopes);
+    std::tie(out, lse) =
+        attention_below_autograd(q, k, v, scale, window_left, window_right, bottom_right, bhsd, softcap, alibi_slopes);
   }
   if (torch::autograd::compute_requires_grad(q, k, v)) {
     auto node = make_node<FlashAttnBackward>();
@@ -319,10 +318,10 @@ struct VarlenFlashAttnBackward : public AttentionBackwardNode {
 };
 
 VarlenArgs varlen_args(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
-                       int64_t max_seqlen_k, double scale, int64_t window_left, int64_t window_right,
-                       bool bottom_right, double softcap, const OptTensor& alibi_slopes) {
-  return {cu_seqlens_q,  cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-          window_left,   window_right, bottom_right, softcap,      alibi_slopes};
+                       int64_t max_seqlen_k, double scale, int64_t window_left, int64_t window_right, bool bottom_right,
+                       double softcap, const OptTensor& alibi_slopes) {
+  return {cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+          window_left,  window_right, bottom_right, softcap,      alibi_slopes};
 }
 
 // Below autograd: the kernels take a unit head_dim stride (copied only when not so).
@@ -331,13 +330,10 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention_below_autograd(const at::Ten
   return call_varlen_fwd(kernel_layout(q, false), kernel_layout(k, false), kernel_layout(v, false), a);
 }
 
-std::tuple<at::Tensor, at::Tensor> varlen_attention_autograd(const at::Tensor& q, const at::Tensor& k,
-                                                             const at::Tensor& v, const at::Tensor& cu_seqlens_q,
-                                                             const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
-                                                             int64_t max_seqlen_k, double scale, int64_t window_left,
-                                                             int64_t window_right, bool bottom_right,
-                                                             bool deterministic, double softcap,
-                                                             const OptTensor& alibi_slopes) {
+std::tuple<at::Tensor, at::Tensor> varlen_attention_autograd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double scale, int64_t window_left,
+    int64_t window_right, bool bottom_right, bool deterministic, double softcap, const OptTensor& alibi_slopes) {
   check_no_forward_ad("varlen_attention", q, k, v);
   const VarlenArgs args = varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
                                       window_right, bottom_right, softcap, alibi_slopes);
@@ -495,13 +491,10 @@ std::tuple<at::Tensor, at::Tensor> fwd_autocast(const at::Tensor& q, const at::T
 }
 
 template <c10::DeviceType device_type>
-std::tuple<at::Tensor, at::Tensor> varlen_attention_autocast(const at::Tensor& q, const at::Tensor& k,
-                                                             const at::Tensor& v, const at::Tensor& cu_seqlens_q,
-                                                             const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
-                                                             int64_t max_seqlen_k, double scale, int64_t window_left,
-                                                             int64_t window_right, bool bottom_right,
-                                                             bool deterministic, double softcap,
-                                                             const OptTensor& alibi_slopes) {
+std::tuple<at::Tensor, at::Tensor> varlen_attention_autocast(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double scale, int64_t window_left,
+    int64_t window_right, bool bottom_right, bool deterministic, double softcap, const OptTensor& alibi_slopes) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
   return call_varlen_attention(autocast_arg<device_type>(q), autocast_arg<device_type>(k), autocast_arg<device_type>(v),
                                varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
@@ -563,13 +556,10 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_unsupported(const at::Tensor& q, c
       {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&cu_seqlens_q, "cu_seqlens_q"}, {&cu_seqlens_k, "cu_seqlens_k"}});
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_unsupported(const at::Tensor& dout, const at::Tensor& q,
-                                                                      const at::Tensor& k, const at::Tensor& v,
-                                                                      const at::Tensor& out, const at::Tensor& lse,
-                                                                      const at::Tensor& cu_seqlens_q,
-                                                                      const at::Tensor& cu_seqlens_k, int64_t, int64_t,
-                                                                      double, int64_t, int64_t, bool, bool, double,
-                                                                      const OptTensor&) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_unsupported(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t, int64_t, double,
+    int64_t, int64_t, bool, bool, double, const OptTensor&) {
   flashattn::reject_backend({{&q, "q"},
                              {&k, "k"},
                              {&v, "v"},

@@ -60,9 +60,9 @@ struct MaskParams {
 // returns is that of the modified scores; the gradients are those of the
 // modified attention (the slopes get none, as in flash-attn).
 struct ScoreMod {
-  double softcap = 0.0;                  // 0: none (double: the float64 CPU path uses it exactly)
-  const float* alibi_slopes = nullptr;   // float32 (heads_q,) or (batch, heads_q); nullptr: none
-  int64_t alibi_batch_stride = 0;        // 0 for (heads_q,) slopes
+  double softcap = 0.0;                 // 0: none (double: the float64 CPU path uses it exactly)
+  const float* alibi_slopes = nullptr;  // float32 (heads_q,) or (batch, heads_q); nullptr: none
+  int64_t alibi_batch_stride = 0;       // 0 for (heads_q,) slopes
   FLASHATTN_HOST_DEVICE bool has_softcap() const { return softcap > 0.0; }
   FLASHATTN_HOST_DEVICE bool has_alibi() const { return alibi_slopes != nullptr; }
   FLASHATTN_HOST_DEVICE bool any() const { return has_softcap() || has_alibi(); }

@@ -50,18 +50,15 @@ void check_bhsd(bool bhsd, const std::optional<at::Tensor>& block_table);
 // op's arguments but bhsd, kernel layout) with the bhsd flag applied around it:
 // the inputs as kernel-layout views, the output back as a view (see ops.cpp).
 template <auto Impl>
-std::tuple<at::Tensor, at::Tensor> fwd_kvcache_entry(const at::Tensor& q, const at::Tensor& k_cache,
-                                                     const at::Tensor& v_cache, const at::Tensor& seqlens_k,
-                                                     const std::optional<at::Tensor>& batch_idx,
-                                                     const std::optional<at::Tensor>& leftpad,
-                                                     const std::optional<at::Tensor>& block_table, double softmax_scale,
-                                                     int64_t window_left, int64_t window_right, int64_t num_splits,
-                                                     bool bhsd, double softcap,
-                                                     const std::optional<at::Tensor>& alibi_slopes) {
+std::tuple<at::Tensor, at::Tensor> fwd_kvcache_entry(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& seqlens_k,
+    const std::optional<at::Tensor>& batch_idx, const std::optional<at::Tensor>& leftpad,
+    const std::optional<at::Tensor>& block_table, double softmax_scale, int64_t window_left, int64_t window_right,
+    int64_t num_splits, bool bhsd, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   check_bhsd(bhsd, block_table);
-  auto [out, lse] = Impl(kernel_layout(q, bhsd), kernel_layout(k_cache, bhsd), kernel_layout(v_cache, bhsd), seqlens_k,
-                         batch_idx, leftpad, block_table, softmax_scale, window_left, window_right, num_splits, softcap,
-                         alibi_slopes);
+  auto [out, lse] =
+      Impl(kernel_layout(q, bhsd), kernel_layout(k_cache, bhsd), kernel_layout(v_cache, bhsd), seqlens_k, batch_idx,
+           leftpad, block_table, softmax_scale, window_left, window_right, num_splits, softcap, alibi_slopes);
   return {kernel_layout(out, bhsd), lse};
 }
 

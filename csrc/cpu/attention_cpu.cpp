@@ -11,8 +11,8 @@ namespace {
 const BackendSpec kCpuSpec{"CPU", {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}, ""};
 
 // The CPU kernels' score modifications (softcap, ALiBi; score_mod.h).
-ScoreMod cpu_score_mod(double softcap, const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& q, int64_t batch,
-                       int64_t heads_q) {
+ScoreMod cpu_score_mod(double softcap, const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& q,
+                       int64_t batch, int64_t heads_q) {
   return make_score_mod(softcap, alibi_slopes, q, batch, heads_q);
 }
 
@@ -90,10 +90,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
   auto dq = at::empty(q.sizes(), q.options());
   auto dk = at::empty(k.sizes(), k.options());
   auto dv = at::empty(v.sizes(), v.options());
-  auto params = make_varlen_bwd_params(dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-                                       out.unsqueeze(0), lse, dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0),
-                                       cu_seqlens_q, cu_seqlens_k, len.max_q, len.max_k, softmax_scale, mask,
-                                       deterministic);
+  auto params =
+      make_varlen_bwd_params(dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse,
+                             dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0), cu_seqlens_q, cu_seqlens_k, len.max_q,
+                             len.max_k, softmax_scale, mask, deterministic);
   params.score_mod = cpu_score_mod(softcap, alibi_slopes, q, cu_seqlens_q.size(0) - 1, q.size(1));
   run_bwd_cpu(params);
   return {dq, dk, dv};

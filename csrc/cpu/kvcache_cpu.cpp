@@ -20,14 +20,11 @@ namespace {
 
 const BackendSpec kCpuSpec{"CPU", {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}, ""};
 
-std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_impl(const at::Tensor& q, const at::Tensor& k_cache,
-                                                        const at::Tensor& v_cache, const at::Tensor& seqlens_k,
-                                                        const std::optional<at::Tensor>& batch_idx,
-                                                        const std::optional<at::Tensor>& leftpad,
-                                                        const std::optional<at::Tensor>& block_table,
-                                                        double softmax_scale, int64_t window_left, int64_t window_right,
-                                                        int64_t num_splits /*a CUDA performance hint*/, double softcap,
-                                                        const std::optional<at::Tensor>& alibi_slopes) {
+std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_impl(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& seqlens_k,
+    const std::optional<at::Tensor>& batch_idx, const std::optional<at::Tensor>& leftpad,
+    const std::optional<at::Tensor>& block_table, double softmax_scale, int64_t window_left, int64_t window_right,
+    int64_t num_splits /*a CUDA performance hint*/, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   const KvcacheInputs in{q, k_cache, v_cache, seqlens_k, batch_idx, leftpad, block_table, softcap, alibi_slopes};
   const ScoreMod score_mod = make_score_mod(softcap, alibi_slopes, q, q.size(0), q.size(2));
   check_kvcache(in, softmax_scale, window_left, window_right, num_splits, kCpuSpec);

@@ -323,8 +323,8 @@ __global__ void __launch_bounds__(Kt::kNThreads) flash_decode_kernel(const Kvcac
         for (int h = 0; h < 2; ++h) {
           const int r = mi * 16 + g + 8 * h;
           const int packed = m0 + (r < rows ? r : 0);
-          const ScoreModTile mod(p.score_mod, static_cast<float>(p.softmax_scale), b,
-                                 h_kv * ratio + packed % ratio, p.seqlen_q, seqlen_k);
+          const ScoreModTile mod(p.score_mod, static_cast<float>(p.softmax_scale), b, h_kv * ratio + packed % ratio,
+                                 p.seqlen_q, seqlen_k);
 #pragma unroll
           for (int ni = 0; ni < 2; ++ni)
 #pragma unroll
@@ -368,7 +368,8 @@ __global__ void __launch_bounds__(Kt::kNThreads) flash_decode_kernel(const Kvcac
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       l_w[mi][h] = quad_sum(softmax.row_sum[mi][h]);
-      m_w[mi][h] = positive_scale ? softmax.row_max[mi][h] * (kScoreMod ? 1.f : p.softmax_scale_log2) : softmax.row_max[mi][h];
+      m_w[mi][h] =
+          positive_scale ? softmax.row_max[mi][h] * (kScoreMod ? 1.f : p.softmax_scale_log2) : softmax.row_max[mi][h];
       const float lse_w = l_w[mi][h] == 0.f ? -INFINITY : m_w[mi][h] + __log2f(l_w[mi][h]);
       if (t == 0) sLse[warp * kBlockM + mi * 16 + g + 8 * h] = lse_w;
     }

@@ -238,9 +238,10 @@ cudaError_t launch_bwd_sm90_ws(const AttnBwdParams& p, cudaStream_t stream, bool
   constexpr bool kMod = kScoreModInstances;
   auto kernel = [varlen, mod = p.score_mod.any()] {
     if constexpr (Kt::kSplitHeadDim)
-      return varlen ? (mod ? &flash_bwd_sm90_ws_split_kernel<Kt, true, kMod> : &flash_bwd_sm90_ws_split_kernel<Kt, true>)
-                    : (mod ? &flash_bwd_sm90_ws_split_kernel<Kt, false, kMod>
-                           : &flash_bwd_sm90_ws_split_kernel<Kt, false>);
+      return varlen
+                 ? (mod ? &flash_bwd_sm90_ws_split_kernel<Kt, true, kMod> : &flash_bwd_sm90_ws_split_kernel<Kt, true>)
+                 : (mod ? &flash_bwd_sm90_ws_split_kernel<Kt, false, kMod>
+                        : &flash_bwd_sm90_ws_split_kernel<Kt, false>);
     else
       return varlen ? (mod ? &flash_bwd_sm90_ws_kernel<Kt, true, kMod> : &flash_bwd_sm90_ws_kernel<Kt, true>)
                     : (mod ? &flash_bwd_sm90_ws_kernel<Kt, false, kMod> : &flash_bwd_sm90_ws_kernel<Kt, false>);

@@ -123,17 +123,14 @@ cudaError_t run_prefill(const KvcacheParams& kp, cudaStream_t stream) {
   return run_fwd<T, kHeadDim>(p, stream);
 }
 
-std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_impl(const at::Tensor& q_in, const at::Tensor& k_cache_in,
-                                                         const at::Tensor& v_cache_in, const at::Tensor& seqlens_k_in,
-                                                         const std::optional<at::Tensor>& batch_idx_in,
-                                                         const std::optional<at::Tensor>& leftpad_in,
-                                                         const std::optional<at::Tensor>& block_table_in,
-                                                         double softmax_scale, int64_t window_left,
-                                                         int64_t window_right, int64_t num_splits, double softcap,
-                                                         const std::optional<at::Tensor>& alibi_slopes) {
-  check_kvcache({q_in, k_cache_in, v_cache_in, seqlens_k_in, batch_idx_in, leftpad_in, block_table_in, softcap,
-                 alibi_slopes},
-                softmax_scale, window_left, window_right, num_splits, kCudaSpec);
+std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_impl(
+    const at::Tensor& q_in, const at::Tensor& k_cache_in, const at::Tensor& v_cache_in, const at::Tensor& seqlens_k_in,
+    const std::optional<at::Tensor>& batch_idx_in, const std::optional<at::Tensor>& leftpad_in,
+    const std::optional<at::Tensor>& block_table_in, double softmax_scale, int64_t window_left, int64_t window_right,
+    int64_t num_splits, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+  check_kvcache(
+      {q_in, k_cache_in, v_cache_in, seqlens_k_in, batch_idx_in, leftpad_in, block_table_in, softcap, alibi_slopes},
+      softmax_scale, window_left, window_right, num_splits, kCudaSpec);
   check_device(q_in);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const int64_t head_dim = q_in.size(3);

@@ -310,8 +310,8 @@ __device__ FLASHATTN_NONFINITE_SLOW void fix_fwd_rows(FixupArgs a, int h, int m0
           float dmod;
           return score(a, qk, h, i, j, &dmod);
         },
-        a.mask.key_lo(i), a.mask.key_hi(i),
-        [&](int j) { return k_row<T>(a, h_kv, j); }, [&](int j) { return v_row<T>(a, h_kv, j); }, lane);
+        a.mask.key_lo(i), a.mask.key_hi(i), [&](int j) { return k_row<T>(a, h_kv, j); },
+        [&](int j) { return v_row<T>(a, h_kv, j); }, lane);
 #pragma unroll
     for (int u = 0; u < kPer; ++u)
       if (lane + 32 * u < d) tile_at<Tile>(tile, r, lane + 32 * u) = from_float<T>(o[u]);

@@ -81,7 +81,8 @@ __device__ __forceinline__ void apply_tile(float (&s)[kMT][kNT][4], const ScoreM
     for (int h = 0; h < 2; ++h) {
       const int r = row0 + mi * 16 + g + 8 * h;
       // |query + off - key| = |base + sign * c| for the element's column offset c.
-      const float base = kTransposed ? float(col0 + 2 * t + m.alibi_offset - r) : float(r + m.alibi_offset - col0 - 2 * t);
+      const float base =
+          kTransposed ? float(col0 + 2 * t + m.alibi_offset - r) : float(r + m.alibi_offset - col0 - 2 * t);
 #pragma unroll
       for (int ni = 0; ni < kNT; ++ni)
 #pragma unroll
@@ -144,7 +145,8 @@ __device__ __forceinline__ void apply_softcap_grad(float (&ds)[kMT][kNT][4], con
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = row0 + mi * 16 + g + 8 * h;
-      const float base = kTransposed ? float(col0 + 2 * t + m.alibi_offset - r) : float(r + m.alibi_offset - col0 - 2 * t);
+      const float base =
+          kTransposed ? float(col0 + 2 * t + m.alibi_offset - r) : float(r + m.alibi_offset - col0 - 2 * t);
 #pragma unroll
       for (int ni = 0; ni < kNT; ++ni)
 #pragma unroll

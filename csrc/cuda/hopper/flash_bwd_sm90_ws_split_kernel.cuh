@@ -386,8 +386,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         wgmma_wait<0>();
         pin_registers(acc_x[0]);
         const float* sLses = sLse + s * kBlockM;
-        [[maybe_unused]] const ScoreModTile mod(p.score_mod, static_cast<float>(p.softmax_scale), b, hq,
-                                                mask.seqlen_q, mask.seqlen_k);
+        [[maybe_unused]] const ScoreModTile mod(p.score_mod, static_cast<float>(p.softmax_scale), b, hq, mask.seqlen_q,
+                                                mask.seqlen_k);
         if constexpr (kScoreMod) apply_score_mod_cols(acc_x, mod, n0 + warp_key0, m0, lane);
         probs_t(acc_x[0], kScoreMod ? 1.f : p.softmax_scale_log2, t, [&](int q) { return sLses[q]; });
         if (needs_mask) apply_mask_cols(acc_x, mask, n0 + warp_key0, m0, lane, 0.f);

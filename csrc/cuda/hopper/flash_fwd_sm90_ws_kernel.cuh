@@ -114,11 +114,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   using TileKV = typename Kt::TileKV;
   using Tile = FwdTile<Kt::kBlockM, kVarlen>;
   using C = FwdSm90Coords<Kt, kVarlen>;
-  constexpr int kBlockM = Kt::kBlockM, kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
+  constexpr int kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
   constexpr int kStages = Kt::kStages, kConsumers = Kt::kConsumers;
   constexpr int kEpilogueBar = 1 + kConsumers;
-  constexpr int kNT = kBlockN / 8;             // n-tiles of a row of S
-  constexpr int kDT = kHeadDim / 8;            // n-tiles of a row of O
+  constexpr int kNT = kBlockN / 8;       // n-tiles of a row of S
+  constexpr int kDT = kHeadDim / 8;      // n-tiles of a row of O
   constexpr int kPingPongThreads = 256;  // one warpgroup syncs, the previous one arrives
   constexpr int kPingPongBar = 1;        // named barriers 1 .. kConsumers
 

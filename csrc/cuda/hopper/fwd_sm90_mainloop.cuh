@@ -45,8 +45,7 @@ struct FwdSm90ScoreStep {
     if (tmask.template tile_needs_mask<Kt::kBlockM, Kt::kBlockN>(m0, n0))
       apply_mask_rows(acc_s, tmask, m0 + warp_row0, n0, lane);
     if (positive_scale) {
-      softmax.template softmax_rows<true, Kt::kPolyExpEvery>(acc_s, kScoreMod ? 1.f : p.softmax_scale_log2,
-                                                             correction);
+      softmax.template softmax_rows<true, Kt::kPolyExpEvery>(acc_s, kScoreMod ? 1.f : p.softmax_scale_log2, correction);
     } else {
       softmax.template softmax_rows<false, Kt::kPolyExpEvery>(acc_s, kScoreMod ? 1.f : p.softmax_scale_log2,
                                                               correction);
