@@ -430,14 +430,17 @@ _SCORE_MOD_ERRORS = [
     (dict(alibi_slopes=torch.ones(3)), ValueError, r"alibi_slopes must have shape \(nheads,\) = \(2,\)"),
     (dict(alibi_slopes=torch.ones(3, 2)), ValueError, r"\(batch, nheads\) = \(2, 2\)"),
     (dict(alibi_slopes=torch.ones(2, 2, 1)), ValueError, "alibi_slopes must have shape"),
-    (dict(alibi_slopes=torch.ones(2, 4)[:, ::2]), ValueError, r"alibi_slopes.contiguous\(\)"),
+    # (made on the device: .to() of a strided CPU tensor would be contiguous)
+    (dict(alibi_slopes=lambda dev: torch.ones(2, 4, device=dev)[:, ::2]), ValueError, r"alibi_slopes.contiguous\(\)"),
 ]
 
 
 @pytest.mark.parametrize("kw, exc, match", _SCORE_MOD_ERRORS, ids=lambda x: None)
 def test_score_mod_errors(device, kw, exc, match):
     q, k, v = (randn((2, 5, 2, 16), torch.float32 if device == "cpu" else torch.float16, device) for _ in range(3))
-    kw = {key: (x.to(device) if isinstance(x, torch.Tensor) else x) for key, x in kw.items()}
+    kw = {
+        key: (x.to(device) if isinstance(x, torch.Tensor) else x(device) if callable(x) else x) for key, x in kw.items()
+    }
     with pytest.raises(exc, match=match):
         flashattn_ext.flash_attn_func(q, k, v, **kw)
 
