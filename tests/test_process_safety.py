@@ -12,7 +12,8 @@ import torch, flashattn_ext
 q = torch.randn(2, 5, 16, device="{dev}", dtype=torch.float16)   # rank 3: invalid
 k = torch.randn(2, 7, 2, 16, device="{dev}", dtype=torch.float16)
 op = torch.ops.flashattn_ext.fwd.default
-extra = (False,) * (len(op._schema.arguments) - 7)  # (deterministic, where the schema still has it)
+# (deterministic, where the schema still has it; the arguments with defaults are left to them)
+extra = (False,) * sum(1 for a in op._schema.arguments[7:] if not a.has_default_value())
 try:
     op(q, k, k, 0.25, -1, -1, True, *extra)
 except ValueError as e:
