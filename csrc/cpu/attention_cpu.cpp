@@ -10,12 +10,6 @@ namespace {
 
 const BackendSpec kCpuSpec{"CPU", {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}, ""};
 
-// The CPU kernels' score modifications (softcap, ALiBi; score_mod.h).
-ScoreMod cpu_score_mod(double softcap, const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& q,
-                       int64_t batch, int64_t heads_q) {
-  return make_score_mod(softcap, alibi_slopes, q, batch, heads_q);
-}
-
 std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                            double softmax_scale, int64_t window_left, int64_t window_right,
                                            bool bottom_right, double softcap,
@@ -24,7 +18,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at::Tensor
   auto mask = make_mask(window_left, window_right, bottom_right, q.size(1), k.size(1));
   auto [out, lse] = alloc_fwd_outputs(q);
   auto params = make_fwd_params(q, k, v, out, lse, softmax_scale, mask);
-  params.score_mod = cpu_score_mod(softcap, alibi_slopes, q, q.size(0), q.size(2));
+  params.score_mod = make_score_mod(softcap, alibi_slopes, q, q.size(0), q.size(2));
   run_fwd_cpu(params);
   return {out, lse};
 }
@@ -42,7 +36,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dout, c
   auto dk = at::empty(k.sizes(), k.options());
   auto dv = at::empty(v.sizes(), v.options());
   auto params = make_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, mask, deterministic);
-  params.score_mod = cpu_score_mod(softcap, alibi_slopes, q, q.size(0), q.size(2));
+  params.score_mod = make_score_mod(softcap, alibi_slopes, q, q.size(0), q.size(2));
   run_bwd_cpu(params);
   return {dq, dk, dv};
 }
@@ -74,7 +68,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cpu(const at::Tensor& q, const at:
   auto lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(lse_dtype(q.scalar_type())));
   auto params = make_varlen_fwd_params(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse,
                                        cu_seqlens_q, cu_seqlens_k, len.max_q, len.max_k, softmax_scale, mask);
-  params.score_mod = cpu_score_mod(softcap, alibi_slopes, q, cu_seqlens_q.size(0) - 1, q.size(1));
+  params.score_mod = make_score_mod(softcap, alibi_slopes, q, cu_seqlens_q.size(0) - 1, q.size(1));
   run_fwd_cpu(params);
   return {out, lse};
 }
@@ -94,7 +88,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
       make_varlen_bwd_params(dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse,
                              dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0), cu_seqlens_q, cu_seqlens_k, len.max_q,
                              len.max_k, softmax_scale, mask, deterministic);
-  params.score_mod = cpu_score_mod(softcap, alibi_slopes, q, cu_seqlens_q.size(0) - 1, q.size(1));
+  params.score_mod = make_score_mod(softcap, alibi_slopes, q, cu_seqlens_q.size(0) - 1, q.size(1));
   run_bwd_cpu(params);
   return {dq, dk, dv};
 }
