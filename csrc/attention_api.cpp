@@ -207,6 +207,44 @@ ScoreMod make_score_mod(double softcap, const std::optional<at::Tensor>& alibi_s
   return mod;
 }
 
+void add_attn_mask(ScoreMod& mod, const std::optional<at::Tensor>& attn_mask, const at::Tensor& q,
+                   const at::Tensor& k) {
+  if (!attn_mask.has_value() || !attn_mask->defined()) return;
+  const at::Tensor& m = *attn_mask;
+  TORCH_CHECK_VALUE(!mod.has_softcap() && !mod.has_alibi(),
+                    "flashattn_ext: attn_mask cannot be combined with softcap or alibi_slopes; add them to the mask");
+  const auto dt = m.scalar_type();
+  TORCH_CHECK_TYPE(dt == at::kBool || dt == at::kFloat || dt == q.scalar_type(),
+                   "flashattn_ext: attn_mask must be bool, float32 or the dtype of q (", q.scalar_type(), "), got ",
+                   dt, "; pass attn_mask.to(q.dtype)");
+  TORCH_CHECK_VALUE(m.device() == q.device(), "flashattn_ext: attn_mask is on ", m.device(), " but q is on ",
+                    q.device(), "; pass attn_mask.to(q.device)");
+  TORCH_CHECK_VALUE(!m.is_nested() && m.layout() == at::kStrided, "flashattn_ext: attn_mask must be a dense tensor");
+  const int64_t full[4] = {q.size(0), q.size(2), q.size(1), k.size(1)};  // (batch, heads_q, seqlen_q, seqlen_k)
+  const int64_t rank = m.dim();
+  TORCH_CHECK_VALUE(rank >= 2 && rank <= 4, "flashattn_ext: attn_mask must have 2 to 4 dimensions that broadcast to ",
+                    "(batch, heads, seqlen_q, seqlen_k) = (", full[0], ", ", full[1], ", ", full[2], ", ", full[3],
+                    "), got shape ", m.sizes());
+  int64_t stride[4] = {0, 0, 0, 0};
+  for (int64_t d = 0; d < rank; ++d) {
+    const int64_t dim = 4 - rank + d, size = m.size(d);
+    TORCH_CHECK_VALUE(size == full[dim] || size == 1, "flashattn_ext: attn_mask of shape ", m.sizes(),
+                      " does not broadcast to (batch, heads, seqlen_q, seqlen_k) = (", full[0], ", ", full[1], ", ",
+                      full[2], ", ", full[3], ")");
+    stride[dim] = size == 1 ? 0 : m.stride(d);
+  }
+  AttnBias& b = mod.bias;
+  b.ptr = m.data_ptr();
+  switch (dt) {
+    case at::kBool: b.kind = BiasKind::kBool; break;
+    case at::kHalf: b.kind = BiasKind::kFloat16; break;
+    case at::kBFloat16: b.kind = BiasKind::kBFloat16; break;
+    case at::kFloat: b.kind = BiasKind::kFloat32; break;
+    default: b.kind = BiasKind::kFloat64; break;  // float64 q (the CPU kernels)
+  }
+  b.batch_stride = stride[0], b.head_stride = stride[1], b.row_stride = stride[2], b.col_stride = stride[3];
+}
+
 MaskParams make_mask(int64_t window_left, int64_t window_right, bool bottom_right, int64_t seqlen_q, int64_t seqlen_k) {
   TORCH_CHECK_VALUE(window_left >= -1 && window_right >= -1, "flashattn_ext: window sizes must be -1 (unbounded) or ",
                     ">= 0, got window_left=", window_left, ", window_right=", window_right);

@@ -53,6 +53,15 @@ MaskParams make_mask(int64_t window_left, int64_t window_right, bool bottom_righ
 ScoreMod make_score_mod(double softcap, const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& q,
                         int64_t batch, int64_t heads_q);
 
+// Adds torch SDPA's attn_mask (AttnBias in flash_params.h) to a dense call's
+// ScoreMod: bool, or float32 / q's dtype (float64 for float64 q), on q's
+// device, of rank 2 to 4 and a shape that broadcasts to (batch, heads_q,
+// seqlen_q, seqlen_k) (q, k in (batch, seqlen, heads, head_dim)); read
+// through its strides, broadcast dimensions at stride 0. Not with softcap or
+// ALiBi. No-op when attn_mask is absent.
+void add_attn_mask(ScoreMod& mod, const std::optional<at::Tensor>& attn_mask, const at::Tensor& q,
+                   const at::Tensor& k);
+
 // Accumulation dtype of lse (float64 for float64 inputs, float32 otherwise).
 at::ScalarType lse_dtype(at::ScalarType input);
 

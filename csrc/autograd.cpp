@@ -60,14 +60,16 @@ using torch::autograd::variable_list;
 
 // (Every op ends with flash-attn's score modifications: double softcap, Tensor? alibi_slopes.)
 using OptTensor = std::optional<at::Tensor>;
+// (The dense ops, fwd / bwd / attention, then take torch SDPA's Tensor? attn_mask.)
 using FwdSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                                                  int64_t, int64_t, bool, double, const OptTensor&);
+                                                  int64_t, int64_t, bool, double, const OptTensor&, const OptTensor&);
 using AttnSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                                                   int64_t, int64_t, bool, bool, bool, double, const OptTensor&);
+                                                   int64_t, int64_t, bool, bool, bool, double, const OptTensor&,
+                                                   const OptTensor&);
 using BwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                               const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                               double, int64_t, int64_t, bool, bool, double,
-                                                              const OptTensor&);
+                                                              const OptTensor&, const OptTensor&);
 
 using VarlenFwdSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                         const at::Tensor&, const at::Tensor&, int64_t, int64_t, double,
@@ -121,9 +123,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> call_varlen_bwd(const at::Tensor&
 
 std::tuple<at::Tensor, at::Tensor> call_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                                             int64_t window_left, int64_t window_right, bool bottom_right,
-                                            double softcap, const OptTensor& alibi_slopes) {
+                                            double softcap, const OptTensor& alibi_slopes,
+                                            const OptTensor& attn_mask) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::fwd", "").typed<FwdSig>();
-  return op.call(q, k, v, scale, window_left, window_right, bottom_right, softcap, alibi_slopes);
+  return op.call(q, k, v, scale, window_left, window_right, bottom_right, softcap, alibi_slopes, attn_mask);
 }
 
 using KvcacheSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -135,19 +138,21 @@ using KvcacheSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const a
 std::tuple<at::Tensor, at::Tensor> call_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                   double scale, int64_t window_left, int64_t window_right,
                                                   bool bottom_right, bool deterministic, bool bhsd, double softcap,
-                                                  const OptTensor& alibi_slopes) {
+                                                  const OptTensor& alibi_slopes, const OptTensor& attn_mask) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::attention", "").typed<AttnSig>();
-  return op.call(q, k, v, scale, window_left, window_right, bottom_right, deterministic, bhsd, softcap, alibi_slopes);
+  return op.call(q, k, v, scale, window_left, window_right, bottom_right, deterministic, bhsd, softcap, alibi_slopes,
+                 attn_mask);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> call_bwd(const at::Tensor& dout, const at::Tensor& q,
                                                         const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                                                         const at::Tensor& lse, double scale, int64_t window_left,
                                                         int64_t window_right, bool bottom_right, bool deterministic,
-                                                        double softcap, const OptTensor& alibi_slopes) {
+                                                        double softcap, const OptTensor& alibi_slopes,
+                                                        const OptTensor& attn_mask) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::bwd", "").typed<BwdSig>();
   return op.call(dout, q, k, v, out, lse, scale, window_left, window_right, bottom_right, deterministic, softcap,
-                 alibi_slopes);
+                 alibi_slopes, attn_mask);
 }
 
 // The kernels need stride 1 on head_dim; copy only when it is not already so
@@ -237,7 +242,7 @@ struct FlashAttnBackward : public AttentionBackwardNode {
     const at::Tensor out = out_.unpack(getptr()), lse = lse_.unpack();
     auto [dq, dk, dv] = call_bwd(kernel_layout(dout, bhsd), kernel_layout(q, bhsd), kernel_layout(k, bhsd),
                                  kernel_layout(v, bhsd), kernel_layout(out, bhsd), lse, scale, window_left,
-                                 window_right, bottom_right, deterministic, softcap, alibi_slopes);
+                                 window_right, bottom_right, deterministic, softcap, alibi_slopes, attn_mask);
     return {caller_layout(dq, bhsd), caller_layout(dk, bhsd), caller_layout(dv, bhsd)};
   }
   std::string name() const override { return "FlashAttnBackward"; }
@@ -245,6 +250,7 @@ struct FlashAttnBackward : public AttentionBackwardNode {
     std::lock_guard<std::mutex> lock(mutex_);
     reset_saved();
     alibi_slopes.reset();
+    attn_mask.reset();
   }
 
   // The saved q, k, v are the caller's tensors (the kernels' views are remade
@@ -255,27 +261,35 @@ struct FlashAttnBackward : public AttentionBackwardNode {
   bool bottom_right = false, deterministic = false, bhsd = false;
   double softcap = 0;
   OptTensor alibi_slopes;  // not differentiable (flash-attn gives the slopes no gradient): a plain tensor
+  OptTensor attn_mask;     // likewise (attention refuses a mask that requires grad)
 };
 
 std::tuple<at::Tensor, at::Tensor> attention_below_autograd(const at::Tensor& q, const at::Tensor& k,
                                                             const at::Tensor& v, double scale, int64_t window_left,
                                                             int64_t window_right, bool bottom_right, bool bhsd,
-                                                            double softcap, const OptTensor& alibi_slopes) {
+                                                            double softcap, const OptTensor& alibi_slopes,
+                                                            const OptTensor& attn_mask) {
   auto [out, lse] = call_fwd(kernel_layout(q, bhsd), kernel_layout(k, bhsd), kernel_layout(v, bhsd), scale, window_left,
-                             window_right, bottom_right, softcap, alibi_slopes);
+                             window_right, bottom_right, softcap, alibi_slopes, attn_mask);
   return {caller_layout(out, bhsd), lse};
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                       double scale, int64_t window_left, int64_t window_right,
                                                       bool bottom_right, bool deterministic, bool bhsd, double softcap,
-                                                      const OptTensor& alibi_slopes) {
+                                                      const OptTensor& alibi_slopes, const OptTensor& attn_mask) {
   check_no_forward_ad("attention", q, k, v);
+  // The kernels compute no gradient for the mask (issue 21's bias gradient):
+  // refuse rather than return none for it.
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      !(attn_mask.has_value() && attn_mask->defined() && attn_mask->requires_grad() && at::GradMode::is_enabled()),
+      "flashattn_ext: attn_mask requires grad, and the kernels compute no gradient for the mask; pass "
+      "attn_mask.detach(), or call torch.nn.functional.scaled_dot_product_attention for the bias gradient");
   at::Tensor out, lse;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    std::tie(out, lse) =
-        attention_below_autograd(q, k, v, scale, window_left, window_right, bottom_right, bhsd, softcap, alibi_slopes);
+    std::tie(out, lse) = attention_below_autograd(q, k, v, scale, window_left, window_right, bottom_right, bhsd, softcap,
+                                                  alibi_slopes, attn_mask);
   }
   if (torch::autograd::compute_requires_grad(q, k, v)) {
     auto node = make_node<FlashAttnBackward>();
@@ -287,6 +301,7 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& q, const
     node->bhsd = bhsd;
     node->softcap = softcap;
     node->alibi_slopes = alibi_slopes;
+    node->attn_mask = attn_mask;
     AttentionBackwardNode::attach(node, q, k, v, out, lse);
   }
   return {out, lse};
@@ -375,12 +390,14 @@ constexpr const char* kNoDoubleBackward =
 
 std::tuple<at::Tensor, at::Tensor> fwd_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                 double scale, int64_t window_left, int64_t window_right,
-                                                bool bottom_right, double softcap, const OptTensor& alibi_slopes) {
+                                                bool bottom_right, double softcap, const OptTensor& alibi_slopes,
+                                                const OptTensor& attn_mask) {
   check_no_forward_ad("fwd", q, k, v);
   at::Tensor out, lse;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    std::tie(out, lse) = call_fwd(q, k, v, scale, window_left, window_right, bottom_right, softcap, alibi_slopes);
+    std::tie(out, lse) =
+        call_fwd(q, k, v, scale, window_left, window_right, bottom_right, softcap, alibi_slopes, attn_mask);
   }
   attach_error({out}, kFwdNotDifferentiable, q, k, v);
   return {out, lse};
@@ -391,13 +408,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_autograd(const at::Tensor& do
                                                             const at::Tensor& out, const at::Tensor& lse, double scale,
                                                             int64_t window_left, int64_t window_right,
                                                             bool bottom_right, bool deterministic, double softcap,
-                                                            const OptTensor& alibi_slopes) {
+                                                            const OptTensor& alibi_slopes, const OptTensor& attn_mask) {
   check_no_forward_ad("bwd", dout, q, k, v, out, lse);
   at::Tensor dq, dk, dv;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     std::tie(dq, dk, dv) = call_bwd(dout, q, k, v, out, lse, scale, window_left, window_right, bottom_right,
-                                    deterministic, softcap, alibi_slopes);
+                                    deterministic, softcap, alibi_slopes, attn_mask);
   }
   attach_error({dq, dk, dv}, kNoDoubleBackward, dout, q, k, v, out, lse);
   return {dq, dk, dv};
@@ -471,23 +488,33 @@ at::Tensor autocast_arg(const at::Tensor& t) {
   return at::autocast::cached_cast(at::autocast::get_autocast_dtype(device_type), t, device_type);
 }
 
+// A float attn_mask is cast with q, k, v, as torch's autocast casts every
+// floating argument of its scaled_dot_product_attention (a bool mask stays).
+template <c10::DeviceType device_type>
+OptTensor autocast_mask(const OptTensor& m) {
+  if (!m.has_value() || !m->defined()) return m;
+  return autocast_arg<device_type>(*m);
+}
+
 template <c10::DeviceType device_type>
 std::tuple<at::Tensor, at::Tensor> attention_autocast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                       double scale, int64_t window_left, int64_t window_right,
                                                       bool bottom_right, bool deterministic, bool bhsd, double softcap,
-                                                      const OptTensor& alibi_slopes) {
+                                                      const OptTensor& alibi_slopes, const OptTensor& attn_mask) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
   return call_attention(autocast_arg<device_type>(q), autocast_arg<device_type>(k), autocast_arg<device_type>(v), scale,
-                        window_left, window_right, bottom_right, deterministic, bhsd, softcap, alibi_slopes);
+                        window_left, window_right, bottom_right, deterministic, bhsd, softcap, alibi_slopes,
+                        autocast_mask<device_type>(attn_mask));
 }
 
 template <c10::DeviceType device_type>
 std::tuple<at::Tensor, at::Tensor> fwd_autocast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                 double scale, int64_t window_left, int64_t window_right,
-                                                bool bottom_right, double softcap, const OptTensor& alibi_slopes) {
+                                                bool bottom_right, double softcap, const OptTensor& alibi_slopes,
+                                                const OptTensor& attn_mask) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
   return call_fwd(autocast_arg<device_type>(q), autocast_arg<device_type>(k), autocast_arg<device_type>(v), scale,
-                  window_left, window_right, bottom_right, softcap, alibi_slopes);
+                  window_left, window_right, bottom_right, softcap, alibi_slopes, autocast_mask<device_type>(attn_mask));
 }
 
 template <c10::DeviceType device_type>
@@ -520,19 +547,23 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_autocast(const at::Tensor& q, cons
 std::tuple<at::Tensor, at::Tensor> attention_composite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                        double scale, int64_t window_left, int64_t window_right,
                                                        bool bottom_right, bool /*deterministic: for the backward*/,
-                                                       bool bhsd, double softcap, const OptTensor& alibi_slopes) {
-  return attention_below_autograd(q, k, v, scale, window_left, window_right, bottom_right, bhsd, softcap, alibi_slopes);
+                                                       bool bhsd, double softcap, const OptTensor& alibi_slopes,
+                                                       const OptTensor& attn_mask) {
+  return attention_below_autograd(q, k, v, scale, window_left, window_right, bottom_right, bhsd, softcap, alibi_slopes,
+                                  attn_mask);
 }
 
 std::tuple<at::Tensor, at::Tensor> fwd_unsupported(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                   double, int64_t, int64_t, bool, double, const OptTensor&) {
+                                                   double, int64_t, int64_t, bool, double, const OptTensor&,
+                                                   const OptTensor&) {
   flashattn::reject_backend({{&q, "q"}, {&k, "k"}, {&v, "v"}});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_unsupported(const at::Tensor& dout, const at::Tensor& q,
                                                                const at::Tensor& k, const at::Tensor& v,
                                                                const at::Tensor& out, const at::Tensor& lse, double,
-                                                               int64_t, int64_t, bool, bool, double, const OptTensor&) {
+                                                               int64_t, int64_t, bool, bool, double, const OptTensor&,
+                                                               const OptTensor&) {
   flashattn::reject_backend({{&q, "q"}, {&k, "k"}, {&v, "v"}, {&dout, "dout"}, {&out, "out"}, {&lse, "lse"}});
 }
 

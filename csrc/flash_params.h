@@ -59,13 +59,34 @@ struct MaskParams {
 // softcap applies first, then the ALiBi bias. The log-sum-exp the forward
 // returns is that of the modified scores; the gradients are those of the
 // modified attention (the slopes get none, as in flash-attn).
+//
+// A third modification is torch SDPA's attn_mask (AttnBias, dense batches
+// only; never together with softcap or ALiBi, which come from flash-attn's
+// API, where there is no attn_mask):
+//   bool mask : s -> s where attn_mask[b, h, i, j], else -inf (True = attend)
+//   float mask: s -> s + attn_mask[b, h, i, j]   (on the scaled scores)
+// read in its own dtype through its strides over (batch, heads_q, seqlen_q,
+// seqlen_k), 0 on a broadcast dimension (no copy, no expanded tensor). A row
+// a mask hides entirely gets zeros and lse -inf, as a window does (torch's
+// SDPA gives zeros too). The mask gets no gradient.
+enum class BiasKind : int8_t { kNone = 0, kBool, kFloat16, kBFloat16, kFloat32, kFloat64 };
+
+struct AttnBias {
+  const void* ptr = nullptr;  // nullptr: no attn_mask
+  BiasKind kind = BiasKind::kNone;
+  int64_t batch_stride = 0, head_stride = 0, row_stride = 0, col_stride = 0;  // elements; 0: broadcast
+  FLASHATTN_HOST_DEVICE int64_t offset(int b, int h) const { return b * batch_stride + h * head_stride; }
+};
+
 struct ScoreMod {
   double softcap = 0.0;                 // 0: none (double: the float64 CPU path uses it exactly)
   const float* alibi_slopes = nullptr;  // float32 (heads_q,) or (batch, heads_q); nullptr: none
   int64_t alibi_batch_stride = 0;       // 0 for (heads_q,) slopes
   FLASHATTN_HOST_DEVICE bool has_softcap() const { return softcap > 0.0; }
   FLASHATTN_HOST_DEVICE bool has_alibi() const { return alibi_slopes != nullptr; }
-  FLASHATTN_HOST_DEVICE bool any() const { return has_softcap() || has_alibi(); }
+  AttnBias bias;                        // torch SDPA's attn_mask
+  FLASHATTN_HOST_DEVICE bool has_bias() const { return bias.ptr != nullptr; }
+  FLASHATTN_HOST_DEVICE bool any() const { return has_softcap() || has_alibi() || has_bias(); }
   FLASHATTN_HOST_DEVICE float slope(int b, int h) const { return alibi_slopes[b * alibi_batch_stride + h]; }
 };
 

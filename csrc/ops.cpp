@@ -51,6 +51,10 @@ TORCH_LIBRARY(flashattn_ext, m) {
   // flash_params.h: softcap * tanh(s / softcap), then minus slope * |i + seqlen_k
   // - seqlen_q - j|; slopes float32 (heads_q,) or (batch, heads_q), no gradient).
   // Every op takes them, last, defaulting to none; bwd needs the forward's.
+  // attn_mask (attention, fwd, bwd): torch SDPA's, bool (True = attend) or
+  // float32 / q's dtype added to the scaled scores, broadcastable to (batch,
+  // heads_q, seqlen_q, seqlen_k) and read through its strides (AttnBias in
+  // flash_params.h); no gradient; not with softcap / ALiBi.
   // bottom_right: align the diagonal to the last key (FlashAttention) instead of
   // the first (torch SDPA).
   //
@@ -64,20 +68,21 @@ TORCH_LIBRARY(flashattn_ext, m) {
   // (batch, heads_q, seqlen_q) either way.
   m.def(
       "attention(Tensor q, Tensor k, Tensor v, float softmax_scale, int window_left, int window_right, "
-      "bool bottom_right, bool deterministic, bool bhsd=False, float softcap=0., Tensor? alibi_slopes=None) "
-      "-> (Tensor out, Tensor lse)");
+      "bool bottom_right, bool deterministic, bool bhsd=False, float softcap=0., Tensor? alibi_slopes=None, "
+      "Tensor? attn_mask=None) -> (Tensor out, Tensor lse)");
   // The forward kernels alone. Not differentiable: backpropagating through it
   // raises (use attention).
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, int window_left, int window_right, "
-      "bool bottom_right, float softcap=0., Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)");
+      "bool bottom_right, float softcap=0., Tensor? alibi_slopes=None, Tensor? attn_mask=None) "
+      "-> (Tensor out, Tensor lse)");
   // Recomputes the probabilities tile by tile from lse; returns gradients with
   // the shapes of q, k, v. Not differentiable (no double backward): its
   // gradients, when something asks for them, raise.
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float softmax_scale, "
       "int window_left, int window_right, bool bottom_right, bool deterministic, float softcap=0., "
-      "Tensor? alibi_slopes=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "Tensor? alibi_slopes=None, Tensor? attn_mask=None) -> (Tensor dq, Tensor dk, Tensor dv)");
   // Variable-length batches (flash_attn_varlen_func), FlashAttention-2's varlen
   // layout: the sequences packed along dimension 0, q (total_q, heads_q,
   // head_dim), k, v (total_k, heads_kv, head_dim); cu_seqlens_q / cu_seqlens_k

@@ -308,6 +308,36 @@ def check_score_mod(q, softcap, alibi_slopes, batch, heads_q):
         )
 
 
+def check_attn_mask(q, k, attn_mask, softcap, alibi_slopes):
+    """csrc/attention_api.cpp add_attn_mask's checks (same order, same words); q, k (batch, seqlen, heads, dim)."""
+    if attn_mask is None:
+        return
+    m = attn_mask
+    if softcap != 0.0 or alibi_slopes is not None:
+        raise ValueError(
+            "flashattn_ext: attn_mask cannot be combined with softcap or alibi_slopes; add them to the mask"
+        )
+    if m.dtype not in (torch.bool, torch.float32, q.dtype):
+        raise TypeError(
+            f"flashattn_ext: attn_mask must be bool, float32 or the dtype of q ({_c10(q.dtype)}), got {_c10(m.dtype)}; "
+            "pass attn_mask.to(q.dtype)"
+        )
+    if m.device != q.device:
+        raise ValueError(f"flashattn_ext: attn_mask is on {m.device} but q is on {q.device}; pass attn_mask.to(q.device)")
+    full = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+    if not 2 <= m.dim() <= 4:
+        raise ValueError(
+            "flashattn_ext: attn_mask must have 2 to 4 dimensions that broadcast to (batch, heads, seqlen_q, "
+            f"seqlen_k) = ({full[0]}, {full[1]}, {full[2]}, {full[3]}), got shape {list(m.shape)}"
+        )
+    for size, want in zip(m.shape, full[4 - m.dim() :]):
+        if size != want and size != 1:
+            raise ValueError(
+                f"flashattn_ext: attn_mask of shape {list(m.shape)} does not broadcast to (batch, heads, seqlen_q, "
+                f"seqlen_k) = ({full[0]}, {full[1]}, {full[2]}, {full[3]})"
+            )
+
+
 def _fwd_fake_impl(q, k, v, softmax_scale, window_left, window_right, unit_stride=True):
     check_qkv(q, k, v, unit_stride)
     check_scalars(softmax_scale, window_left, window_right)
@@ -315,20 +345,35 @@ def _fwd_fake_impl(q, k, v, softmax_scale, window_left, window_right, unit_strid
 
 
 @torch.library.register_fake("flashattn_ext::fwd")
-def _fwd_fake(q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap=0.0, alibi_slopes=None):
+def _fwd_fake(
+    q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap=0.0, alibi_slopes=None, attn_mask=None
+):
     res = _fwd_fake_impl(q, k, v, softmax_scale, window_left, window_right)
     check_score_mod(q, softcap, alibi_slopes, q.shape[0], q.shape[2])
+    check_attn_mask(q, k, attn_mask, softcap, alibi_slopes)
     return res
 
 
 @torch.library.register_fake("flashattn_ext::attention")
 def _attention_fake(
-    q, k, v, softmax_scale, window_left, window_right, bottom_right, deterministic, bhsd=False, softcap=0.0, alibi=None
+    q,
+    k,
+    v,
+    softmax_scale,
+    window_left,
+    window_right,
+    bottom_right,
+    deterministic,
+    bhsd=False,
+    softcap=0.0,
+    alibi=None,
+    attn_mask=None,
 ):
     if bhsd:  # csrc/autograd.cpp kernel_layout / caller_layout
         q, k, v = (x.transpose(1, 2) if x.dim() == 4 else x for x in (q, k, v))
     out, lse = _fwd_fake_impl(q, k, v, softmax_scale, window_left, window_right, unit_stride=False)
     check_score_mod(q, softcap, alibi, q.shape[0], q.shape[2])
+    check_attn_mask(q, k, attn_mask, softcap, alibi)
     return (out.transpose(1, 2) if bhsd else out), lse
 
 
@@ -347,11 +392,13 @@ def _bwd_fake(
     deterministic,
     softcap=0.0,
     alibi=None,
+    attn_mask=None,
 ):
     check_qkv(q, k, v)
     check_bwd_extras(dout, q, out, lse)
     check_scalars(softmax_scale, window_left, window_right)
     check_score_mod(q, softcap, alibi, q.shape[0], q.shape[2])
+    check_attn_mask(q, k, attn_mask, softcap, alibi)
     return _empty_like_each(q, k, v)
 
 
@@ -495,30 +542,50 @@ def _unfold(x, size):
     return x.unflatten(0, (size, x.shape[0] // size))
 
 
-def _fwd_vmap_impl(op, info, in_dims, q, k, v, *scalars):
+def _fold_mask(scalars, in_dims, n, batch, index):
+    """The attn_mask (scalars[index], when passed) of a vmapped dense op, folded
+    as q is: (n, batch, ...) -> (n * batch, ...), broadcast dimensions expanded
+    where the fold needs them (a mask not vmapped over keeps its batch of 1)."""
+    scalars = list(scalars)
+    if len(scalars) <= index:
+        return scalars
+    m, bdim = scalars[index], in_dims[len(in_dims) - len(scalars) + index]
+    if m is None or (bdim is None and (m.dim() < 4 or m.shape[0] == 1)):
+        return scalars
+    m = _to_front(m, bdim, n)  # (n, *mask)
+    while m.dim() < 5:
+        m = m.unsqueeze(1)
+    m = m.expand(n, batch, *m.shape[2:])
+    scalars[index] = m.reshape(n * batch, *m.shape[2:])
+    return scalars
+
+
+def _fwd_vmap_impl(op, mask_index, info, in_dims, q, k, v, *scalars):
     n = info.batch_size
+    batch = q.shape[0 if in_dims[0] != 0 else 1]  # q's own batch, its vmapped dimension left out
     q, k, v = (_fold(x, d, n) for x, d in zip((q, k, v), in_dims[:3]))
-    out, lse = op(q, k, v, *scalars)
+    out, lse = op(q, k, v, *_fold_mask(scalars, in_dims, n, batch, mask_index))
     return (_unfold(out, n), _unfold(lse, n)), (0, 0)
 
 
 @torch.library.register_vmap("flashattn_ext::attention")
 def _attention_vmap(info, in_dims, q, k, v, *scalars):
-    return _fwd_vmap_impl(attention, info, in_dims, q, k, v, *scalars)
+    return _fwd_vmap_impl(attention, 8, info, in_dims, q, k, v, *scalars)
 
 
 @torch.library.register_vmap("flashattn_ext::fwd")
 def _fwd_vmap(info, in_dims, q, k, v, *scalars):
-    return _fwd_vmap_impl(fwd_op, info, in_dims, q, k, v, *scalars)
+    return _fwd_vmap_impl(fwd_op, 6, info, in_dims, q, k, v, *scalars)
 
 
 @torch.library.register_vmap("flashattn_ext::bwd")
 def _bwd_vmap(info, in_dims, dout, q, k, v, out, lse, *scalars):
     n = info.batch_size
+    batch = q.shape[0 if in_dims[1] != 0 else 1]
     tensors = [_fold(x, d, n) for x, d in zip((dout, q, k, v, out, lse), in_dims[:6])]
     # lse must be contiguous (batch, heads, seqlen): folding keeps it so unless it was expanded.
     tensors[5] = tensors[5].contiguous()
-    dq, dk, dv = bwd(*tensors, *scalars)
+    dq, dk, dv = bwd(*tensors, *_fold_mask(scalars, in_dims, n, batch, 7))
     return (_unfold(dq, n), _unfold(dk, n), _unfold(dv, n)), (0, 0, 0)
 
 

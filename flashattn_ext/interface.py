@@ -600,7 +600,9 @@ def _sdpa_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     if dtype not in _DTYPES[dev.type]:
         return "dtype", f"dtype {dtype} is not supported by the {dev.type} kernels (they take {_DTYPES[dev.type]})"
     if attn_mask is not None:
-        return "attn_mask", "attn_mask is given (the kernels support no mask or is_causal only)"
+        reason = _mask_refusal(attn_mask, query, key, dtype, is_causal)
+        if reason is not None:
+            return "attn_mask", reason
     if dropout_p != 0.0:
         return (
             "dropout",
@@ -630,6 +632,32 @@ def _sdpa_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     if dev.type == "cuda" and e > _CUDA_MAX_HEAD_DIM:
         return "head_dim", f"head dim {e} is larger than the largest compiled CUDA head dim {_CUDA_MAX_HEAD_DIM}"
     return None, None
+
+
+def _mask_refusal(attn_mask, query, key, dtype, is_causal):
+    """Why the kernels cannot take this attn_mask (None: they read it in place).
+    They take torch's masks as they are: bool (True = attend) or float32 / the
+    query's dtype, added to the scaled scores, of any shape that broadcasts to
+    (batch, heads, L, S) and any strides (csrc/attention_api.cpp add_attn_mask);
+    what torch would reject is left to torch, which raises its own error."""
+    if not isinstance(attn_mask, Tensor):
+        return f"attn_mask of type {_type_name(attn_mask)}"
+    if attn_mask.layout != torch.strided or attn_mask.is_nested:
+        return f"attn_mask is not a dense strided tensor (layout {attn_mask.layout})"
+    if is_causal:
+        return "attn_mask together with is_causal=True"
+    if attn_mask.dtype not in (torch.bool, torch.float32, dtype):
+        return f"attn_mask has dtype {attn_mask.dtype} (torch takes bool, float32 or the query's dtype)"
+    if attn_mask.device != query.device:
+        return f"attn_mask is on {attn_mask.device}, the query on {query.device}"
+    b, h, lq, _ = _dims(query)
+    full = (b, h, lq, key.shape[-2])
+    m = attn_mask.unsqueeze(1) if query.dim() == 3 and attn_mask.dim() == 3 else attn_mask  # rank 3: (B, L, S)
+    if not 2 <= m.dim() <= 4 or any(s != f and s != 1 for s, f in zip(m.shape, full[4 - m.dim() :])):
+        return f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (batch, heads, L, S) = {full}"
+    if attn_mask.requires_grad and torch.is_grad_enabled():
+        return "attn_mask requires grad (the kernels compute no gradient for the mask)"
+    return None
 
 
 def _check_invalid_for_torch(query, key, value, attn_mask, dropout_p=0.0):
@@ -689,20 +717,25 @@ def sdpa_fallback_reason(
     return _sdpa_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)[1]
 
 
-def _sdpa_kernels(query, key, value, is_causal, scale):
+def _sdpa_kernels(query, key, value, is_causal, scale, attn_mask=None):
     """The kernel path. The op takes the (B, H, L, E) tensors as they are (bhsd=True:
     it reads them through (B, L, H, E) views, copying only a strided head_dim) and
-    returns a (B, H, L, E) view of a (B, L, H, E) buffer."""
+    returns a (B, H, L, E) view of a (B, L, H, E) buffer. attn_mask goes to the
+    kernels as it is (no expansion, no copy)."""
     if query.dim() == 3:
-        return _sdpa_kernels(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), is_causal, scale).squeeze(1)
+        if attn_mask is not None and attn_mask.dim() == 3:
+            attn_mask = attn_mask.unsqueeze(1)  # (B, L, S) -> (B, 1, L, S)
+        q4, k4, v4 = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        return _sdpa_kernels(q4, k4, v4, is_causal, scale, attn_mask).squeeze(1)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     elif type(scale) is not float:
         scale = float(scale)
     wr = 0 if is_causal else -1
-    return _ops.attention(query, key, value, scale, -1, wr, False, torch.are_deterministic_algorithms_enabled(), True)[
-        0
-    ]
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    if attn_mask is None:
+        return _ops.attention(query, key, value, scale, -1, wr, False, deterministic, True)[0]
+    return _ops.attention(query, key, value, scale, -1, wr, False, deterministic, True, 0.0, None, attn_mask)[0]
 
 
 def scaled_dot_product_attention(
@@ -721,8 +754,10 @@ def scaled_dot_product_attention(
     sees keys 0..i), default scale 1 / sqrt(E), GQA only with enable_gqa=True
     (a single key/value head broadcasts, as in torch), the inputs cast to the
     autocast dtype under torch.autocast. The flashattn_ext kernels run for
-    rank-3/4 inputs without attn_mask and dropout whose dtype/device they
-    support; the output is then a (B, H, L, E)-shaped view of a (B, L, H, E)
+    rank-3/4 inputs without dropout whose dtype/device they support, with or
+    without an attn_mask (bool or float32 / the query's dtype, any broadcast
+    shape and strides, read in place; not together with is_causal, not one that
+    requires grad); a row the mask hides entirely is zero; the output is then a (B, H, L, E)-shaped view of a (B, L, H, E)
     buffer, like torch's flash backend returns. A short query against many keys
     (a decode step) runs on the split-KV decoding kernel of
     ``flash_attn_with_kvcache`` when the result is the same (``decode_route``:
@@ -757,7 +792,7 @@ def scaled_dot_product_attention(
     _check_invalid_for_torch(query, key, value, attn_mask, dropout_p)
     key_name, reason = _sdpa_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if reason is None:
-        return _sdpa_kernels(query, key, value, is_causal, scale)
+        return _sdpa_kernels(query, key, value, is_causal, scale, attn_mask)
     kwargs = {"enable_gqa": enable_gqa} if enable_gqa is not False else {}
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kwargs

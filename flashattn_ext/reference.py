@@ -159,9 +159,13 @@ def attention_ref(
     return_lse=False,
     softcap=0.0,
     alibi_slopes=None,
+    attn_mask=None,
 ):
     """Naive attention with flash_attn_func's arguments (softcap and
-    alibi_slopes included: softcap first, then the ALiBi bias, alibi_bias).
+    alibi_slopes included: softcap first, then the ALiBi bias, alibi_bias),
+    and torch SDPA's attn_mask (bool: True = attend, or float: added to the
+    scaled scores; broadcastable to (batch, heads_q, seqlen_q, seqlen_k)
+    whatever the layout), which combines with the window (both must allow a key).
 
     layout "bshd": q (batch, seqlen_q, heads_q, d), k/v (batch, seqlen_k, heads_kv, d);
     layout "bhsd": q (batch, heads_q, seqlen_q, d), k/v (batch, heads_kv, seqlen_k, d).
@@ -184,6 +188,10 @@ def attention_ref(
         )
     k, v = _repeat_kv(k, q.shape[1], 1), _repeat_kv(v, q.shape[1], 1)
     bias = None if alibi_slopes is None else alibi_bias(alibi_slopes, seqlen_q, seqlen_k, q.device)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        keep = attn_mask if keep is None else keep & attn_mask
+    elif attn_mask is not None:
+        bias = attn_mask.detach() if bias is None else bias + attn_mask.detach()
     res = _attention_core(
         q,
         k,

@@ -218,7 +218,7 @@ def oracle_and_naive(q, k, v, dout=None, **kw):
     return res
 
 
-def recomputation_terms(q, k, v, dout, out, scale, visible, softcap=0.0, alibi_slopes=None):
+def recomputation_terms(q, k, v, dout, out, scale, visible, softcap=0.0, alibi_slopes=None, attn_mask=None):
     """Two error terms no naive baseline has, computed exactly in float64.
 
     Returns (max |logit|, {"dq": e, "dk": e}):
@@ -228,7 +228,8 @@ def recomputation_terms(q, k, v, dout, out, scale, visible, softcap=0.0, alibi_s
     - the dq/dk error of a recomputation backward: it needs D = rowsum(dO * O)
       and can only form it from the output as returned, rounded to the input
       dtype; dS = P (dP - D) then inherits P * dD, which this computes.
-    q, out, dout: (b, n_q, h_q, d); k, v: (b, n_k, h_kv, d); visible: (n_q, n_k) bool."""
+    q, out, dout: (b, n_q, h_q, d); k, v: (b, n_k, h_kv, d); visible: (n_q, n_k) bool;
+    attn_mask: torch SDPA's, as attention_ref takes it."""
     qd, kd, vd, dod, od = (x.detach().double() for x in (q, k, v, dout, out))
     b, n_k, h_kv, d = kd.shape
     group = qd.shape[2] // h_kv
@@ -239,6 +240,10 @@ def recomputation_terms(q, k, v, dout, out, scale, visible, softcap=0.0, alibi_s
         logits = softcap * torch.tanh(logits / softcap)
     if alibi_slopes is not None:
         logits = logits + alibi_bias(alibi_slopes, logits.shape[-2], logits.shape[-1], logits.device).double()
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        visible = visible & attn_mask
+    elif attn_mask is not None:
+        logits = logits + attn_mask.detach().double()
     p = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
     exact_out = torch.einsum("bhqk,bkhd->bqhd", p, vd)
     d_err = (dod * (od - exact_out)).sum(-1).transpose(1, 2)  # (b, h, n_q): D from the rounded output
@@ -263,6 +268,7 @@ def check_attention(
     grad_factor=GRAD_FACTOR,
     softcap=0.0,
     alibi_slopes=None,
+    attn_mask=None,
 ):
     """One attention call of ours against the oracle, with the rule.
 
@@ -271,7 +277,8 @@ def check_attention(
     with ``dout`` (like q), ``grads`` = its (dq, dk, dv) for that output gradient.
     The mask arguments are flash_attn_func's (causal sets window_right to 0),
     plus ``bottom_right`` (False: torch SDPA's top-left diagonal), ``softcap`` and
-    ``alibi_slopes`` (flash-attn's score modifications).
+    ``alibi_slopes`` (flash-attn's score modifications) and torch SDPA's ``attn_mask``
+    (broadcastable to (b, h_q, n_q, n_k)).
 
     Returns [Comparison] for out, lse (when given) and dq, dk, dv (when given):
     all(c.ok for c in result) is the verdict, c.message() says why."""
@@ -290,11 +297,12 @@ def check_attention(
             bottom_right=bottom_right,
             softcap=softcap,
             alibi_slopes=alibi_slopes,
+            attn_mask=attn_mask,
         )
     n_q, n_k = q.shape[1], k.shape[1]
     visible = visible_mask(n_q, n_k, window_left, window_right, n_k - n_q if bottom_right else 0, q.device)
     max_logit, recompute_err = recomputation_terms(
-        q, k, v, dout if dout is not None else out, out, scale, visible, softcap, alibi_slopes
+        q, k, v, dout if dout is not None else out, out, scale, visible, softcap, alibi_slopes, attn_mask
     )
     floor = floor_for(q.dtype, max_logit)
     result = [compare("out", out, oracle["out"], naive["out"], OUT_FACTOR, floor=floor)]

@@ -148,6 +148,129 @@ def test_deterministic_follows_torch_setting(device, dtype, monkeypatch):
     assert seen == [False, True]
 
 
+# ----------------------------------------------------------------------------- attn_mask in the kernels
+
+
+def _masks(kind, b, h, lq, lk, dtype, device):
+    """torch SDPA masks of every form the kernels read in place."""
+    if kind == "bool_padding":  # (B, 1, 1, S): a key padding mask, one sequence of no keys
+        m = torch.rand(b, 1, 1, lk, device=device) > 0.3
+        m[-1] = False
+        return m
+    if kind == "bool_full":  # (B, H, L, S), some rows fully masked
+        m = torch.rand(b, h, lq, lk, device=device) > 0.5
+        m[:, :, lq // 2] = False
+        return m
+    if kind == "bool_2d":
+        return torch.rand(lq, lk, device=device) > 0.2
+    if kind == "float_heads":  # (1, H, L, S) in the query's dtype (a relative position bias)
+        return randn((1, h, lq, lk), dtype, device)
+    if kind == "float32_batch":  # (B, 1, L, S) float32 for any query dtype
+        return randn((b, 1, lq, lk), torch.float32, device) * 2
+    if kind == "float_minus_inf":  # -inf hides keys, and whole rows
+        m = randn((b, h, lq, lk), dtype, device)
+        m = m.masked_fill(torch.rand(b, h, lq, lk, device=device) > 0.6, float("-inf"))
+        m[:, :, 0] = float("-inf")
+        return m
+    if kind == "finfo_min":  # Hugging Face's additive form (every row sees key 0)
+        m = torch.zeros(b, 1, lq, lk, dtype=dtype, device=device)
+        m = m.masked_fill(torch.rand(b, 1, lq, lk, device=device) > 0.5, torch.finfo(dtype).min)
+        m[..., 0] = 0
+        return m
+    if kind == "transposed":  # a (S, L) buffer read through strides
+        return randn((b, h, lk, lq), dtype, device).transpose(-1, -2)
+    if kind == "expanded":  # stride 0 on batch, heads and queries
+        return (torch.rand(1, 1, 1, lk, device=device) > 0.3).expand(b, h, lq, lk)
+    raise ValueError(kind)
+
+
+MASK_KINDS = [
+    "bool_padding",
+    "bool_full",
+    "bool_2d",
+    "float_heads",
+    "float32_batch",
+    "float_minus_inf",
+    "finfo_min",
+    "transposed",
+    "expanded",
+]
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("lens", [(1, 1), (17, 113), (113, 17), (130, 200)], ids=lambda s: f"L{s[0]}S{s[1]}")
+def test_attn_mask_matches_oracle(device, dtype, kind, lens):
+    L, S = lens
+    b, h, e = 2, 3, 32
+    mask = _masks(kind, b, h, L, S, dtype, device)
+    if mask.dtype.is_floating_point and mask.dtype not in (torch.float32, dtype):
+        pytest.skip("torch takes a float mask of the query's dtype or float32")
+    q, k, v = randn((b, h, L, e), dtype, device), randn((b, h, S, e), dtype, device), randn((b, h, S, e), dtype, device)
+    assert flashattn_ext.sdpa_fallback_reason(q, k, v, attn_mask=mask) is None
+    check_sdpa(q, k, v, dout=randn(q.shape, dtype, device), attn_mask=mask)
+
+
+def test_attn_mask_row_hidden_by_finfo_min_averages_its_keys(device, dtype):
+    # torch's arithmetic absorbs the scores into finfo.min: the row is the mean
+    # of its values (its gradient is not exact: the README's limitations).
+    q, k, v = randn((1, 2, 6, 16), dtype, device), randn((1, 2, 9, 16), dtype, device), randn((1, 2, 9, 16), dtype, device)
+    mask = torch.zeros(6, 9, dtype=dtype, device=device)
+    mask[2] = torch.finfo(dtype).min
+    check_sdpa(q, k, v, attn_mask=mask)
+    if torch.finfo(dtype).min < -1e30:  # float16's -65504 leaves the scores their differences
+        with no_fallback():
+            out = sdpa(q, k, v, attn_mask=mask)
+        atol = 2e-2 if dtype.itemsize == 2 else 1e-5
+        torch.testing.assert_close(out[:, :, 2].float(), v.float().mean(2), atol=atol, rtol=0)
+
+
+@pytest.mark.dtypes(torch.float32, torch.bfloat16)
+def test_attn_mask_gqa_rank3_and_scale(device, dtype):
+    q = randn((2, 8, 40, 64), dtype, device)
+    k, v = randn((2, 2, 70, 64), dtype, device), randn((2, 2, 70, 64), dtype, device)
+    mask = torch.rand(2, 1, 40, 70, device=device) > 0.4
+    check_sdpa(q, k, v, dout=randn(q.shape, dtype, device), attn_mask=mask, enable_gqa=True, scale=0.3)
+    q3, k3, v3 = randn((3, 11, 16), dtype, device), randn((3, 7, 16), dtype, device), randn((3, 7, 16), dtype, device)
+    out, _ = check_sdpa(q3, k3, v3, attn_mask=randn((3, 11, 7), dtype, device))  # (B, L, S) with rank-3 inputs
+    assert out.shape == (3, 11, 16)
+
+
+@pytest.mark.dtypes(torch.float32, torch.bfloat16)
+def test_attn_mask_reaches_the_kernels_in_place(device, dtype):
+    q, k, v = (randn((2, 4, 24, 16), dtype, device) for _ in range(3))
+    mask = (torch.rand(1, 1, 1, 24, device=device) > 0.5).expand(2, 4, 24, 24)
+    with KernelCalls() as spy:
+        sdpa(q.requires_grad_(), k, v, attn_mask=mask).sum().backward()
+    names = [name for name, _ in spy.calls]
+    assert names == ["fwd", "bwd"]
+    for _, args in spy.calls:
+        m = args[-1]
+        assert m.data_ptr() == mask.data_ptr() and m.stride() == mask.stride(), "no copy, no expansion"
+
+
+def test_attn_mask_errors_name_the_argument(device):
+    q = randn((1, 5, 2, 16), torch.float32, device)  # (batch, seqlen, heads, dim): the op's layout
+    scale = 0.25
+    with pytest.raises(ValueError, match="attn_mask of shape .* does not broadcast"):
+        _ops.attention(q, q, q, scale, -1, -1, False, False, False, 0.0, None, torch.zeros(3, 5, 5, device=device))
+    with pytest.raises(ValueError, match="cannot be combined with softcap"):
+        _ops.attention(q, q, q, scale, -1, -1, False, False, False, 30.0, None, torch.zeros(5, 5, device=device))
+    with pytest.raises(TypeError, match="attn_mask must be bool, float32 or the dtype of q"):
+        _ops.attention(q, q, q, scale, -1, -1, False, False, False, 0.0, None, torch.zeros(5, 5, dtype=torch.int64))
+    with pytest.raises(NotImplementedError, match="attn_mask requires grad"):
+        _ops.attention(q, q, q, scale, -1, -1, False, False, False, 0.0, None, torch.zeros(5, 5, requires_grad=True))
+
+
+def test_attn_mask_under_vmap_and_compile():
+    q, k, v = (randn((3, 2, 4, 9, 16), torch.float32, "cpu") for _ in range(3))
+    masks = torch.rand(3, 9, 9) > 0.3  # one mask per vmapped entry
+    out = torch.func.vmap(lambda a, b, c, m: sdpa(a, b, c, attn_mask=m))(q, k, v, masks)
+    ref = torch.stack([sdpa_ref(q[i], k[i], v[i], attn_mask=masks[i]) for i in range(3)]).float()
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=0)
+    compiled = torch.compile(lambda a, b, c, m: sdpa(a, b, c, attn_mask=m), backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q[0], k[0], v[0], masks[0]), ref[0], atol=2e-6, rtol=0)
+
+
 # ----------------------------------------------------------------------------- fallbacks
 
 
@@ -156,10 +279,10 @@ def _fallback_cases(device, dtype):
     k, v = randn((2, 4, 13, 16), dtype, device), randn((2, 4, 13, 16), dtype, device)
     bool_mask = torch.rand(9, 13, device=device) > 0.3
     bool_mask[3] = False  # a fully masked row: torch gives zeros there
-    float_mask = randn((2, 1, 9, 13), dtype, device)
+    float_mask = randn((2, 1, 9, 13), dtype, device).requires_grad_()
     return {
-        "attn_mask_bool": ((q, k, v), {"attn_mask": bool_mask}, "attn_mask"),
-        "attn_mask_float": ((q, k, v), {"attn_mask": float_mask}, "attn_mask"),
+        "attn_mask_causal": ((q, k, v), {"attn_mask": bool_mask, "is_causal": True}, "is_causal"),
+        "attn_mask_grad": ((q, k, v), {"attn_mask": float_mask}, "requires grad"),
         "value_head_dim": ((q, k, randn((2, 4, 13, 24), dtype, device)), {}, "value head dim"),
         "rank5": ((q[None], k[None], v[None]), {}, "rank"),
         "batch_broadcast": ((q, k[:1], v[:1]), {}, "batch sizes"),
@@ -168,7 +291,7 @@ def _fallback_cases(device, dtype):
     }
 
 
-CASES = ["attn_mask_bool", "attn_mask_float", "value_head_dim", "rank5", "batch_broadcast", "zero_size", "head_dim_512"]
+CASES = ["attn_mask_causal", "attn_mask_grad", "value_head_dim", "rank5", "batch_broadcast", "zero_size", "head_dim_512"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -179,7 +302,7 @@ def test_fallback_warns_once_and_matches_torch(device, dtype, case):
         out = sdpa(*args, **kw)
     assert record[0].filename == __file__, "the warning points at the caller"
     expected = F.scaled_dot_product_attention(*args, **kw)
-    if case == "attn_mask_bool":
+    if case == "attn_mask_causal":
         # A row that sees no key is zero (torch's CUDA backends may give NaN
         # there; the wrapper zeroes it); every other row is torch's answer.
         assert (out[:, :, 3] == 0).all()

@@ -13,12 +13,14 @@ const BackendSpec kCpuSpec{"CPU", {at::kFloat, at::kDouble, at::kBFloat16, at::k
 std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                            double softmax_scale, int64_t window_left, int64_t window_right,
                                            bool bottom_right, double softcap,
-                                           const std::optional<at::Tensor>& alibi_slopes) {
+                                           const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& attn_mask) {
   check_qkv(q, k, v, kCpuSpec);
   auto mask = make_mask(window_left, window_right, bottom_right, q.size(1), k.size(1));
   auto [out, lse] = alloc_fwd_outputs(q);
   auto params = make_fwd_params(q, k, v, out, lse, softmax_scale, mask);
   params.score_mod = make_score_mod(softcap, alibi_slopes, q, q.size(0), q.size(2));
+  add_attn_mask(params.score_mod, attn_mask, q, k);
   run_fwd_cpu(params);
   return {out, lse};
 }
@@ -28,7 +30,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dout, c
                                                        const at::Tensor& lse, double softmax_scale, int64_t window_left,
                                                        int64_t window_right, bool bottom_right,
                                                        bool deterministic /*the CPU backward always is*/,
-                                                       double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+                                                       double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& attn_mask) {
   check_qkv(q, k, v, kCpuSpec);
   check_bwd_extras(dout, q, out, lse);
   auto mask = make_mask(window_left, window_right, bottom_right, q.size(1), k.size(1));
@@ -37,6 +40,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dout, c
   auto dv = at::empty(v.sizes(), v.options());
   auto params = make_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, mask, deterministic);
   params.score_mod = make_score_mod(softcap, alibi_slopes, q, q.size(0), q.size(2));
+  add_attn_mask(params.score_mod, attn_mask, q, k);
   run_bwd_cpu(params);
   return {dq, dk, dv};
 }

@@ -1,11 +1,17 @@
-// flash_params.h's ScoreMod (softcap, ALiBi) on the CPU kernels' key-major
-// score tiles (row = key, column = query, as in tile_ops.h). The kernels ask
-// any() once per tile and call apply() only then, so the plain path keeps its
-// code and its speed; apply() branches once per tile on which mods are on.
+// flash_params.h's ScoreMod (softcap, ALiBi, torch SDPA's attn_mask) on the
+// CPU kernels' key-major score tiles (row = key, column = query, as in
+// tile_ops.h). The kernels ask any() once per tile and call apply() only
+// then, so the plain path keeps its code and its speed; apply() branches once
+// per tile on which mods are on.
 #pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <type_traits>
 
 #include "../flash_params.h"
 
@@ -20,15 +26,29 @@ struct TileScoreMod {
   acc_t slope = 0;
   bool alibi = false;
   int64_t diag = 0;  // seqlen_k - seqlen_q of the sequence: query i sits at key i + diag (ALiBi's distance)
+  AttnBias bias;     // the attn_mask, ptr at (b, h); kind kNone: none
 
   TileScoreMod() = default;
   TileScoreMod(const ScoreMod& m, int b, int h, int64_t seqlen_q, int64_t seqlen_k) {
     if (m.has_softcap()) softcap = static_cast<acc_t>(m.softcap), inv_softcap = acc_t(1) / softcap;
     if (m.has_alibi()) alibi = true, slope = static_cast<acc_t>(m.slope(b, h));
     diag = seqlen_k - seqlen_q;
+    if (m.has_bias()) {
+      bias = m.bias;
+      bias.ptr = static_cast<const char*>(m.bias.ptr) + m.bias.offset(b, h) * element_bytes(m.bias.kind);
+    }
   }
 
-  bool any() const { return softcap > 0 || alibi; }
+  bool any() const { return softcap > 0 || alibi || bias.ptr != nullptr; }
+
+  static int element_bytes(BiasKind k) {
+    switch (k) {
+      case BiasKind::kBool: return 1;
+      case BiasKind::kFloat32: return 4;
+      case BiasKind::kFloat64: return 8;
+      default: return 2;
+    }
+  }
 
   // s_t: keys x queries (key k0 + r, query q0 + c), leading dimension ld.
   // In: scores to be multiplied by `scale`; out: the modified scaled scores,
@@ -53,6 +73,34 @@ struct TileScoreMod {
         for (int c = 0; c < queries; ++c) {
           const int64_t dist = d0 + c;
           s[c] -= slope * static_cast<acc_t>(dist < 0 ? -dist : dist);
+        }
+      }
+    }
+    if (bias.ptr) {
+      switch (bias.kind) {
+        case BiasKind::kBool: add_bias<bool>(s_t, ld, keys, queries, k0, q0); break;
+        case BiasKind::kFloat16: add_bias<c10::Half>(s_t, ld, keys, queries, k0, q0); break;
+        case BiasKind::kBFloat16: add_bias<c10::BFloat16>(s_t, ld, keys, queries, k0, q0); break;
+        case BiasKind::kFloat32: add_bias<float>(s_t, ld, keys, queries, k0, q0); break;
+        default: add_bias<double>(s_t, ld, keys, queries, k0, q0); break;
+      }
+    }
+  }
+
+ private:
+  // s_t[r][c] += mask(query q0 + c, key k0 + r) on the scaled scores; a bool
+  // mask sets -inf where it is false.
+  template <typename mask_t>
+  void add_bias(acc_t* s_t, int64_t ld, int keys, int queries, int64_t k0, int64_t q0) const {
+    const mask_t* m = static_cast<const mask_t*>(bias.ptr) + q0 * bias.row_stride + k0 * bias.col_stride;
+    for (int r = 0; r < keys; ++r) {
+      acc_t* s = s_t + r * ld;
+      const mask_t* mr = m + r * bias.col_stride;
+      for (int c = 0; c < queries; ++c) {
+        if constexpr (std::is_same_v<mask_t, bool>) {
+          if (!mr[c * bias.row_stride]) s[c] = -std::numeric_limits<acc_t>::infinity();
+        } else {
+          s[c] += static_cast<acc_t>(mr[c * bias.row_stride]);
         }
       }
     }

@@ -81,7 +81,8 @@ bool tries_sm90_ws(const AttnBwdParams& params, int kdim, const at::Tensor& q) {
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                             double softmax_scale, int64_t window_left, int64_t window_right,
                                             bool bottom_right, double softcap,
-                                            const std::optional<at::Tensor>& alibi_slopes) {
+                                            const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& attn_mask) {
   check_qkv(q_in, k_in, v_in, kCudaSpec);
   check_device(q_in);
   const c10::cuda::CUDAGuard guard(q_in.device());
@@ -93,6 +94,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   check_grid((q.size(1) + 63) / 64 * q.size(0) * q.size(2), "forward");
   auto params = make_fwd_params(q, k, v, out, lse, softmax_scale, mask);
   params.score_mod = make_score_mod(softcap, alibi_slopes, q, q.size(0), q.size(2));
+  add_attn_mask(params.score_mod, attn_mask, q, k);
   params.device_arch = device_arch(q);
   params.allow_tma = !env_flag("FLASHATTN_DISABLE_TMA");
   params.fwd_pair_masked_tiles = !env_flag("FLASHATTN_FWD_SINGLE_TILES");
@@ -105,7 +107,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_i
                                                         const at::Tensor& out_in, const at::Tensor& lse,
                                                         double softmax_scale, int64_t window_left, int64_t window_right,
                                                         bool bottom_right, bool deterministic, double softcap,
-                                                        const std::optional<at::Tensor>& alibi_slopes) {
+                                                        const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& attn_mask) {
   check_qkv(q_in, k_in, v_in, kCudaSpec);
   check_bwd_extras(dout_in, q_in, out_in, lse);
   check_device(q_in);
@@ -127,6 +130,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_i
 
   auto params = make_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, mask, deterministic);
   params.score_mod = make_score_mod(softcap, alibi_slopes, q, batch, heads_q);
+  add_attn_mask(params.score_mod, attn_mask, q, k);
   params.dsum_ptr = dsum.data_ptr();
   params.device_arch = device_arch(q);
   params.allow_tma = !env_flag("FLASHATTN_DISABLE_TMA");

@@ -17,8 +17,17 @@
 // across the wait for dP and spilled (Hopper d128: 192 bytes); the MUFU.LG2
 // it costs instead is not what bounds a backward step.
 //
-// Which of softcap / ALiBi a call has is a runtime property of the instance,
-// uniform over the grid: each tile takes one of three loop bodies (branch
+// torch SDPA's attn_mask (AttnBias) is the third modification, in the same
+// instance: x = log2(e) * (scale * s + mask[b, h, i, j]) for a float mask,
+// log2(e) * scale * s or -inf for a bool one, each element loaded from global
+// memory (L2: a tile's mask is read by one CTA, a broadcast mask by many) in
+// the mask's own dtype. Its indices are clamped to the sequence, so the loads
+// stay in the tensor for the rows and keys past the end (their scores are
+// masked or never stored). It has no gradient of its own and, being additive,
+// leaves dS unchanged; it never comes with softcap or ALiBi.
+//
+// Which of softcap / ALiBi / attn_mask a call has is a runtime property of
+// the instance, uniform over the grid: each tile takes one loop body (branch
 // outside the element loops), so an element pays only for what its call has.
 #pragma once
 
@@ -33,6 +42,36 @@ __device__ __forceinline__ float tanh_approx(float x) {
   return y;
 }
 
+// One element of an attn_mask in log2 units: log2(e) * value (float), 0 or
+// -inf (bool: attend or not). The element loops are compiled for three widths
+// (kBool: 1 byte, kFloat32, and kBFloat16 standing for both 16-bit kinds,
+// `bf16` telling them apart per element with a select): one loop body fewer
+// per kernel than a body per kind.
+//
+// Finite values below -1e38 are raised to -1e38 first: masks that hide keys
+// with torch.finfo(dtype).min (Hugging Face's) would overflow to -inf once
+// multiplied by log2(e), and a row hidden that way must average its keys as
+// torch's math does, not become a row of zeros (-inf hides; NaN stays NaN).
+__device__ __forceinline__ float bias_to_log2(float v) {
+  return (v < -1e38f && v != -INFINITY ? -1e38f : v) * kLog2e;
+}
+
+template <BiasKind kWidth>
+__device__ __forceinline__ float load_bias_log2(const void* base, int64_t off, bool bf16) {
+  if constexpr (kWidth == BiasKind::kBool) {
+    return __ldg(static_cast<const unsigned char*>(base) + off) ? 0.f : -INFINITY;
+  } else if constexpr (kWidth == BiasKind::kFloat32) {
+    return bias_to_log2(__ldg(static_cast<const float*>(base) + off));
+  } else {
+    const unsigned short u = __ldg(static_cast<const unsigned short*>(base) + off);
+    return bias_to_log2(bf16 ? __uint_as_float(uint32_t(u) << 16) : __half2float(__ushort_as_half(u)));
+  }
+}
+
+__host__ __device__ __forceinline__ int bias_element_bytes(BiasKind k) {
+  return k == BiasKind::kBool ? 1 : (k == BiasKind::kFloat32 ? 4 : (k == BiasKind::kFloat64 ? 8 : 2));
+}
+
 // The constants of one (batch, head, sequence): what apply_* needs per element.
 struct ScoreModTile {
   float in_scale;    // multiplies s: scale / softcap (softcap), scale * log2(e) (none)
@@ -40,6 +79,11 @@ struct ScoreModTile {
   float slope_log2;  // slope(b, h) * log2(e); 0 without ALiBi
   int alibi_offset;  // seqlen_k - seqlen_q of the sequence (flash-attn's bottom-right ALiBi)
   bool softcap, alibi;
+  BiasKind bias_kind;       // kNone: no attn_mask
+  const void* bias;         // the attn_mask at (b, h)
+  int64_t bias_row_stride;  // elements, per query (0: broadcast)
+  int64_t bias_col_stride;  // elements, per key (0: broadcast)
+  int last_row, last_col;   // seqlen_q - 1, seqlen_k - 1: the clamps of the mask's indices
 
   __host__ __device__ __forceinline__ ScoreModTile(const ScoreMod& m, float softmax_scale, int b, int h, int seqlen_q,
                                                    int seqlen_k)
@@ -48,7 +92,29 @@ struct ScoreModTile {
         slope_log2(m.has_alibi() ? m.slope(b, h) * kLog2e : 0.f),
         alibi_offset(seqlen_k - seqlen_q),
         softcap(m.has_softcap()),
-        alibi(m.has_alibi()) {}
+        alibi(m.has_alibi()),
+        bias_kind(m.bias.kind),
+        bias(m.has_bias()
+                 ? static_cast<const char*>(m.bias.ptr) + m.bias.offset(b, h) * bias_element_bytes(m.bias.kind)
+                 : nullptr),
+        bias_row_stride(m.bias.row_stride),
+        bias_col_stride(m.bias.col_stride),
+        last_row(seqlen_q - 1),
+        last_col(seqlen_k - 1) {}
+
+  __device__ __forceinline__ int64_t bias_offset(int i, int j) const {
+    return int64_t(min(i, last_row)) * bias_row_stride + int64_t(min(j, last_col)) * bias_col_stride;
+  }
+  // The mask of query i, key j in log2 units (a runtime switch: the slow paths only).
+  __device__ __forceinline__ float bias_log2(int i, int j) const {
+    const int64_t off = bias_offset(i, j);
+    const bool bf16 = bias_kind == BiasKind::kBFloat16;
+    switch (bias_kind) {
+      case BiasKind::kBool: return load_bias_log2<BiasKind::kBool>(bias, off, false);
+      case BiasKind::kFloat32: return load_bias_log2<BiasKind::kFloat32>(bias, off, false);
+      default: return load_bias_log2<BiasKind::kBFloat16>(bias, off, bf16);
+    }
+  }
 
   // One element (the slow paths: non-finite recompute, decode): raw score s
   // of query row i, key j -> x (log2 units). *dtanh: 1 - t^2 (1 without softcap).
@@ -61,6 +127,7 @@ struct ScoreModTile {
       d = 1.f - t * t;
     }
     if (alibi) x -= slope_log2 * fabsf(float(i + alibi_offset - j));
+    if (bias) x += bias_log2(i, j);
     if (dtanh) *dtanh = d;
     return x;
   }
@@ -98,9 +165,47 @@ __device__ __forceinline__ void apply_tile(float (&s)[kMT][kNT][4], const ScoreM
     }
 }
 
+// attn_mask: x = in_scale * s + mask (in log2 units), loaded per element.
+template <BiasKind kKind, bool kTransposed, int kMT, int kNT>
+__device__ __forceinline__ void apply_bias_tile(float (&s)[kMT][kNT][4], const ScoreModTile& m, int row0, int col0,
+                                                int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  const bool bf16 = m.bias_kind == BiasKind::kBFloat16;
+  // (i, j) = (query, key); transposed tiles run rows over keys.
+  const int64_t rs = kTransposed ? m.bias_col_stride : m.bias_row_stride;
+  const int64_t cs = kTransposed ? m.bias_row_stride : m.bias_col_stride;
+  const int last_r = kTransposed ? m.last_col : m.last_row, last_c = kTransposed ? m.last_row : m.last_col;
+#pragma unroll
+  for (int mi = 0; mi < kMT; ++mi)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = min(row0 + mi * 16 + g + 8 * h, last_r);
+      const char* row_base = static_cast<const char*>(m.bias) + int64_t(r) * rs * bias_element_bytes(kKind);
+#pragma unroll
+      for (int ni = 0; ni < kNT; ++ni)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = min(col0 + ni * 8 + 2 * t + e, last_c);
+          float& x = s[mi][ni][2 * h + e];
+          const float b = load_bias_log2<kKind>(row_base, int64_t(c) * cs, bf16);
+          if constexpr (kKind == BiasKind::kBool) {
+            x = b == 0.f ? x * m.in_scale : -INFINITY;
+          } else {
+            x = fmaf(x, m.in_scale, b);
+          }
+        }
+    }
+}
+
 template <bool kTransposed, int kMT, int kNT>
 __device__ __forceinline__ void apply_any(float (&s)[kMT][kNT][4], const ScoreModTile& m, int row0, int col0,
                                           int lane) {
+  switch (m.bias_kind) {
+    case BiasKind::kNone: break;
+    case BiasKind::kBool: return apply_bias_tile<BiasKind::kBool, kTransposed>(s, m, row0, col0, lane);
+    case BiasKind::kFloat32: return apply_bias_tile<BiasKind::kFloat32, kTransposed>(s, m, row0, col0, lane);
+    default: return apply_bias_tile<BiasKind::kBFloat16, kTransposed>(s, m, row0, col0, lane);  // 16-bit
+  }
   if (m.softcap) {
     if (m.alibi) {
       apply_tile<true, true, kTransposed>(s, m, row0, col0, lane);
