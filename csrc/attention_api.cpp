@@ -215,8 +215,8 @@ void add_attn_mask(ScoreMod& mod, const std::optional<at::Tensor>& attn_mask, co
                     "flashattn_ext: attn_mask cannot be combined with softcap or alibi_slopes; add them to the mask");
   const auto dt = m.scalar_type();
   TORCH_CHECK_TYPE(dt == at::kBool || dt == at::kFloat || dt == q.scalar_type(),
-                   "flashattn_ext: attn_mask must be bool, float32 or the dtype of q (", q.scalar_type(), "), got ",
-                   dt, "; pass attn_mask.to(q.dtype)");
+                   "flashattn_ext: attn_mask must be bool, float32 or the dtype of q (", q.scalar_type(), "), got ", dt,
+                   "; pass attn_mask.to(q.dtype)");
   TORCH_CHECK_VALUE(m.device() == q.device(), "flashattn_ext: attn_mask is on ", m.device(), " but q is on ",
                     q.device(), "; pass attn_mask.to(q.device)");
   TORCH_CHECK_VALUE(!m.is_nested() && m.layout() == at::kStrided, "flashattn_ext: attn_mask must be a dense tensor");

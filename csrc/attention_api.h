@@ -59,8 +59,7 @@ ScoreMod make_score_mod(double softcap, const std::optional<at::Tensor>& alibi_s
 // seqlen_q, seqlen_k) (q, k in (batch, seqlen, heads, head_dim)); read
 // through its strides, broadcast dimensions at stride 0. Not with softcap or
 // ALiBi. No-op when attn_mask is absent.
-void add_attn_mask(ScoreMod& mod, const std::optional<at::Tensor>& attn_mask, const at::Tensor& q,
-                   const at::Tensor& k);
+void add_attn_mask(ScoreMod& mod, const std::optional<at::Tensor>& attn_mask, const at::Tensor& q, const at::Tensor& k);
 
 // Accumulation dtype of lse (float64 for float64 inputs, float32 otherwise).
 at::ScalarType lse_dtype(at::ScalarType input);

@@ -123,8 +123,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> call_varlen_bwd(const at::Tensor&
 
 std::tuple<at::Tensor, at::Tensor> call_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                                             int64_t window_left, int64_t window_right, bool bottom_right,
-                                            double softcap, const OptTensor& alibi_slopes,
-                                            const OptTensor& attn_mask) {
+                                            double softcap, const OptTensor& alibi_slopes, const OptTensor& attn_mask) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::fwd", "").typed<FwdSig>();
   return op.call(q, k, v, scale, window_left, window_right, bottom_right, softcap, alibi_slopes, attn_mask);
 }
@@ -288,8 +287,8 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& q, const
   at::Tensor out, lse;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    std::tie(out, lse) = attention_below_autograd(q, k, v, scale, window_left, window_right, bottom_right, bhsd, softcap,
-                                                  alibi_slopes, attn_mask);
+    std::tie(out, lse) = attention_below_autograd(q, k, v, scale, window_left, window_right, bottom_right, bhsd,
+                                                  softcap, alibi_slopes, attn_mask);
   }
   if (torch::autograd::compute_requires_grad(q, k, v)) {
     auto node = make_node<FlashAttnBackward>();
@@ -514,7 +513,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_autocast(const at::Tensor& q, const at::T
                                                 const OptTensor& attn_mask) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
   return call_fwd(autocast_arg<device_type>(q), autocast_arg<device_type>(k), autocast_arg<device_type>(v), scale,
-                  window_left, window_right, bottom_right, softcap, alibi_slopes, autocast_mask<device_type>(attn_mask));
+                  window_left, window_right, bottom_right, softcap, alibi_slopes,
+                  autocast_mask<device_type>(attn_mask));
 }
 
 template <c10::DeviceType device_type>

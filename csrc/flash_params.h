@@ -84,7 +84,7 @@ struct ScoreMod {
   int64_t alibi_batch_stride = 0;       // 0 for (heads_q,) slopes
   FLASHATTN_HOST_DEVICE bool has_softcap() const { return softcap > 0.0; }
   FLASHATTN_HOST_DEVICE bool has_alibi() const { return alibi_slopes != nullptr; }
-  AttnBias bias;                        // torch SDPA's attn_mask
+  AttnBias bias;  // torch SDPA's attn_mask
   FLASHATTN_HOST_DEVICE bool has_bias() const { return bias.ptr != nullptr; }
   FLASHATTN_HOST_DEVICE bool any() const { return has_softcap() || has_alibi() || has_bias(); }
   FLASHATTN_HOST_DEVICE float slope(int b, int h) const { return alibi_slopes[b * alibi_batch_stride + h]; }

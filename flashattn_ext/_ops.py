@@ -323,7 +323,9 @@ def check_attn_mask(q, k, attn_mask, softcap, alibi_slopes):
             "pass attn_mask.to(q.dtype)"
         )
     if m.device != q.device:
-        raise ValueError(f"flashattn_ext: attn_mask is on {m.device} but q is on {q.device}; pass attn_mask.to(q.device)")
+        raise ValueError(
+            f"flashattn_ext: attn_mask is on {m.device} but q is on {q.device}; pass attn_mask.to(q.device)"
+        )
     full = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
     if not 2 <= m.dim() <= 4:
         raise ValueError(

@@ -35,9 +35,9 @@ flashattn_ext's functions in place of flash-attn's:
   longer than the window, ``deterministic`` (or FLASH_ATTENTION_DETERMINISTIC=1);
 * a value head dim different from the query's (MLA) is zero-padded and the output cropped;
 * a dense 4-D mask (a model that builds its own): flashattn_ext.scaled_dot_product_attention
-  with ``attn_mask``, i.e. torch's SDPA with a one-time warning (the kernels take no mask);
+  with ``attn_mask``, which our kernels read in place (bool or additive, as the model built it);
 * ``softcap`` (Gemma 2's attention logit softcapping) as flash_attn_func's softcap (not
-  with a dense 4-D mask, which only torch's SDPA takes: that raises);
+  with a dense 4-D mask: the kernels take a mask or a softcap, not both; that raises);
 * attention sinks (``s_aux``) and paged caches (``block_table``) raise, naming the
   argument: the kernels do not have them.
 """
@@ -177,11 +177,11 @@ def attention_forward(
     v_head_dim = value.shape[-1]
 
     if attention_mask is not None and attention_mask.dim() == 4:
-        # A dense mask the model built itself: only torch's SDPA takes it (and it has no softcap).
+        # A dense mask the model built itself: the SDPA drop-in's attn_mask (no softcap with it).
         if softcap:
             raise NotImplementedError(
                 f"{fn}: softcap={softcap} with a dense 4-D attention mask is not supported "
-                "(the mask goes to torch's SDPA, which has no softcap); use attn_implementation='eager'"
+                "(the kernels take an attn_mask or a softcap, not both); use attn_implementation='eager'"
             )
         out = interface.scaled_dot_product_attention(
             query,

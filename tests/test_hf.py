@@ -8,6 +8,7 @@ rule against a float64 oracle). Skipped without transformers."""
 import copy
 import importlib.util
 import os
+import warnings
 from collections import Counter
 
 import pytest
@@ -240,7 +241,7 @@ def test_errors():
 def test_attention_forward_layout_and_dense_mask(calls):
     """The function alone: (batch, heads, seqlen, head_dim) in, (batch, seqlen, heads,
     head_dim) out, equal to torch's SDPA (GQA, bottom-right causal = top-left when the
-    lengths are equal); a dense 4-D mask goes to torch's SDPA (one-time warning)."""
+    lengths are equal); a dense 4-D mask goes to our kernels through the SDPA drop-in."""
     q = torch.randn(2, 4, 7, 16, dtype=torch.float64)
     k, v = torch.randn(2, 2, 7, 16, dtype=torch.float64), torch.randn(2, 2, 7, 16, dtype=torch.float64)
     module = torch.nn.Module()
@@ -252,7 +253,8 @@ def test_attention_forward_layout_and_dense_mask(calls):
     assert c.ok, c.message()
     mask = torch.rand(2, 1, 7, 7) > 0.3
     mask[..., 0] = True  # every row sees a key
-    with pytest.warns(flashattn_ext.FlashAttnFallbackWarning):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", flashattn_ext.FlashAttnFallbackWarning)  # no fallback: the kernels run
         out, _ = flashattn_ext.hf.attention_forward(module, q, k, v, mask)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     c = tolerance.compare("out", out, ref.transpose(1, 2), ref.transpose(1, 2))

@@ -213,7 +213,11 @@ def test_attn_mask_matches_oracle(device, dtype, kind, lens):
 def test_attn_mask_row_hidden_by_finfo_min_averages_its_keys(device, dtype):
     # torch's arithmetic absorbs the scores into finfo.min: the row is the mean
     # of its values (its gradient is not exact: the README's limitations).
-    q, k, v = randn((1, 2, 6, 16), dtype, device), randn((1, 2, 9, 16), dtype, device), randn((1, 2, 9, 16), dtype, device)
+    q, k, v = (
+        randn((1, 2, 6, 16), dtype, device),
+        randn((1, 2, 9, 16), dtype, device),
+        randn((1, 2, 9, 16), dtype, device),
+    )
     mask = torch.zeros(6, 9, dtype=dtype, device=device)
     mask[2] = torch.finfo(dtype).min
     check_sdpa(q, k, v, attn_mask=mask)
@@ -248,17 +252,24 @@ def test_attn_mask_reaches_the_kernels_in_place(device, dtype):
         assert m.data_ptr() == mask.data_ptr() and m.stride() == mask.stride(), "no copy, no expansion"
 
 
-def test_attn_mask_errors_name_the_argument(device):
-    q = randn((1, 5, 2, 16), torch.float32, device)  # (batch, seqlen, heads, dim): the op's layout
+@pytest.mark.dtypes(torch.float16)
+def test_attn_mask_errors_name_the_argument(device, dtype):
+    q = randn((1, 5, 2, 16), dtype, device)  # (batch, seqlen, heads, dim): the op's layout
     scale = 0.25
+
+    def call(mask, softcap=0.0):
+        return _ops.attention(q, q, q, scale, -1, -1, False, False, False, softcap, None, mask)
+
     with pytest.raises(ValueError, match="attn_mask of shape .* does not broadcast"):
-        _ops.attention(q, q, q, scale, -1, -1, False, False, False, 0.0, None, torch.zeros(3, 5, 5, device=device))
+        call(torch.zeros(3, 5, 5, device=device))
     with pytest.raises(ValueError, match="cannot be combined with softcap"):
-        _ops.attention(q, q, q, scale, -1, -1, False, False, False, 30.0, None, torch.zeros(5, 5, device=device))
+        call(torch.zeros(5, 5, device=device), softcap=30.0)
     with pytest.raises(TypeError, match="attn_mask must be bool, float32 or the dtype of q"):
-        _ops.attention(q, q, q, scale, -1, -1, False, False, False, 0.0, None, torch.zeros(5, 5, dtype=torch.int64))
+        call(torch.zeros(5, 5, dtype=torch.int64, device=device))
+    with pytest.raises(ValueError, match="attn_mask is on"):
+        call(torch.zeros(5, 5, dtype=dtype, device="meta"))
     with pytest.raises(NotImplementedError, match="attn_mask requires grad"):
-        _ops.attention(q, q, q, scale, -1, -1, False, False, False, 0.0, None, torch.zeros(5, 5, requires_grad=True))
+        call(torch.zeros(5, 5, device=device, requires_grad=True))
 
 
 def test_attn_mask_under_vmap_and_compile():
@@ -291,7 +302,15 @@ def _fallback_cases(device, dtype):
     }
 
 
-CASES = ["attn_mask_causal", "attn_mask_grad", "value_head_dim", "rank5", "batch_broadcast", "zero_size", "head_dim_512"]
+CASES = [
+    "attn_mask_causal",
+    "attn_mask_grad",
+    "value_head_dim",
+    "rank5",
+    "batch_broadcast",
+    "zero_size",
+    "head_dim_512",
+]
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -14,7 +14,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at::Tensor
                                            double softmax_scale, int64_t window_left, int64_t window_right,
                                            bool bottom_right, double softcap,
                                            const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& attn_mask) {
+                                           const std::optional<at::Tensor>& attn_mask) {
   check_qkv(q, k, v, kCpuSpec);
   auto mask = make_mask(window_left, window_right, bottom_right, q.size(1), k.size(1));
   auto [out, lse] = alloc_fwd_outputs(q);
@@ -31,7 +31,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dout, c
                                                        int64_t window_right, bool bottom_right,
                                                        bool deterministic /*the CPU backward always is*/,
                                                        double softcap, const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& attn_mask) {
+                                                       const std::optional<at::Tensor>& attn_mask) {
   check_qkv(q, k, v, kCpuSpec);
   check_bwd_extras(dout, q, out, lse);
   auto mask = make_mask(window_left, window_right, bottom_right, q.size(1), k.size(1));

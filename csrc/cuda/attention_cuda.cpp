@@ -82,7 +82,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
                                             double softmax_scale, int64_t window_left, int64_t window_right,
                                             bool bottom_right, double softcap,
                                             const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& attn_mask) {
+                                            const std::optional<at::Tensor>& attn_mask) {
   check_qkv(q_in, k_in, v_in, kCudaSpec);
   check_device(q_in);
   const c10::cuda::CUDAGuard guard(q_in.device());
@@ -108,7 +108,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_i
                                                         double softmax_scale, int64_t window_left, int64_t window_right,
                                                         bool bottom_right, bool deterministic, double softcap,
                                                         const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& attn_mask) {
+                                                        const std::optional<at::Tensor>& attn_mask) {
   check_qkv(q_in, k_in, v_in, kCudaSpec);
   check_bwd_extras(dout_in, q_in, out_in, lse);
   check_device(q_in);

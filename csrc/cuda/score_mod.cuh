@@ -52,9 +52,7 @@ __device__ __forceinline__ float tanh_approx(float x) {
 // with torch.finfo(dtype).min (Hugging Face's) would overflow to -inf once
 // multiplied by log2(e), and a row hidden that way must average its keys as
 // torch's math does, not become a row of zeros (-inf hides; NaN stays NaN).
-__device__ __forceinline__ float bias_to_log2(float v) {
-  return (v < -1e38f && v != -INFINITY ? -1e38f : v) * kLog2e;
-}
+__device__ __forceinline__ float bias_to_log2(float v) { return (v < -1e38f && v != -INFINITY ? -1e38f : v) * kLog2e; }
 
 template <BiasKind kWidth>
 __device__ __forceinline__ float load_bias_log2(const void* base, int64_t off, bool bf16) {
@@ -79,35 +77,34 @@ struct ScoreModTile {
   float slope_log2;  // slope(b, h) * log2(e); 0 without ALiBi
   int alibi_offset;  // seqlen_k - seqlen_q of the sequence (flash-attn's bottom-right ALiBi)
   bool softcap, alibi;
-  BiasKind bias_kind;       // kNone: no attn_mask
-  const void* bias;         // the attn_mask at (b, h)
-  int64_t bias_row_stride;  // elements, per query (0: broadcast)
-  int64_t bias_col_stride;  // elements, per key (0: broadcast)
-  int last_row, last_col;   // seqlen_q - 1, seqlen_k - 1: the clamps of the mask's indices
+  BiasKind bias_kind;      // kNone: no attn_mask
+  const AttnBias& src;     // the attn_mask (kernel parameters: read where used, not kept in registers)
+  int b, h;                // the tile's batch entry and query head
+  int last_row, last_col;  // seqlen_q - 1, seqlen_k - 1: the clamps of the mask's indices
 
-  __host__ __device__ __forceinline__ ScoreModTile(const ScoreMod& m, float softmax_scale, int b, int h, int seqlen_q,
+  __host__ __device__ __forceinline__ ScoreModTile(const ScoreMod& m, float softmax_scale, int b_, int h_, int seqlen_q,
                                                    int seqlen_k)
       : in_scale(m.has_softcap() ? softmax_scale / static_cast<float>(m.softcap) : softmax_scale * kLog2e),
         cap_log2(static_cast<float>(m.softcap) * kLog2e),
-        slope_log2(m.has_alibi() ? m.slope(b, h) * kLog2e : 0.f),
+        slope_log2(m.has_alibi() ? m.slope(b_, h_) * kLog2e : 0.f),
         alibi_offset(seqlen_k - seqlen_q),
         softcap(m.has_softcap()),
         alibi(m.has_alibi()),
         bias_kind(m.bias.kind),
-        bias(m.has_bias()
-                 ? static_cast<const char*>(m.bias.ptr) + m.bias.offset(b, h) * bias_element_bytes(m.bias.kind)
-                 : nullptr),
-        bias_row_stride(m.bias.row_stride),
-        bias_col_stride(m.bias.col_stride),
+        src(m.bias),
+        b(b_),
+        h(h_),
         last_row(seqlen_q - 1),
         last_col(seqlen_k - 1) {}
 
-  __device__ __forceinline__ int64_t bias_offset(int i, int j) const {
-    return int64_t(min(i, last_row)) * bias_row_stride + int64_t(min(j, last_col)) * bias_col_stride;
+  // The attn_mask at (b, h).
+  __device__ __forceinline__ const char* bias_base() const {
+    return static_cast<const char*>(src.ptr) + src.offset(b, h) * bias_element_bytes(bias_kind);
   }
   // The mask of query i, key j in log2 units (a runtime switch: the slow paths only).
   __device__ __forceinline__ float bias_log2(int i, int j) const {
-    const int64_t off = bias_offset(i, j);
+    const void* bias = bias_base();
+    const int64_t off = int64_t(min(i, last_row)) * src.row_stride + int64_t(min(j, last_col)) * src.col_stride;
     const bool bf16 = bias_kind == BiasKind::kBFloat16;
     switch (bias_kind) {
       case BiasKind::kBool: return load_bias_log2<BiasKind::kBool>(bias, off, false);
@@ -127,7 +124,7 @@ struct ScoreModTile {
       d = 1.f - t * t;
     }
     if (alibi) x -= slope_log2 * fabsf(float(i + alibi_offset - j));
-    if (bias) x += bias_log2(i, j);
+    if (bias_kind != BiasKind::kNone) x += bias_log2(i, j);
     if (dtanh) *dtanh = d;
     return x;
   }
@@ -172,15 +169,16 @@ __device__ __forceinline__ void apply_bias_tile(float (&s)[kMT][kNT][4], const S
   const int g = lane >> 2, t = lane & 3;
   const bool bf16 = m.bias_kind == BiasKind::kBFloat16;
   // (i, j) = (query, key); transposed tiles run rows over keys.
-  const int64_t rs = kTransposed ? m.bias_col_stride : m.bias_row_stride;
-  const int64_t cs = kTransposed ? m.bias_row_stride : m.bias_col_stride;
+  const int64_t rs = kTransposed ? m.src.col_stride : m.src.row_stride;
+  const int64_t cs = kTransposed ? m.src.row_stride : m.src.col_stride;
+  const char* const base = m.bias_base();
   const int last_r = kTransposed ? m.last_col : m.last_row, last_c = kTransposed ? m.last_row : m.last_col;
 #pragma unroll
   for (int mi = 0; mi < kMT; ++mi)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = min(row0 + mi * 16 + g + 8 * h, last_r);
-      const char* row_base = static_cast<const char*>(m.bias) + int64_t(r) * rs * bias_element_bytes(kKind);
+      const char* row_base = base + int64_t(r) * rs * bias_element_bytes(kKind);
 #pragma unroll
       for (int ni = 0; ni < kNT; ++ni)
 #pragma unroll
