@@ -71,11 +71,25 @@ struct MaskParams {
 // SDPA gives zeros too). The mask gets no gradient.
 enum class BiasKind : int8_t { kNone = 0, kBool, kFloat16, kBFloat16, kFloat32, kFloat64 };
 
+// The CUDA kernels also get a summary of the mask (csrc/cuda/mask_summary.cu,
+// computed on the device per call): one byte per block of 64 queries x 16 keys
+// of every (batch, head) plane the mask has (broadcast dimensions have one
+// entry), kMaskMixed, kMaskIdentity (all True, or all 0.0) or kMaskHidden (all
+// False, or all -inf), so that a warp whose tile the mask leaves alone or hides
+// entirely reads no element of it.
+enum : uint8_t { kMaskMixed = 0, kMaskIdentity = 1, kMaskHidden = 2 };
+constexpr int kMaskSummaryRows = 64, kMaskSummaryCols = 16;
+
 struct AttnBias {
   const void* ptr = nullptr;  // nullptr: no attn_mask
   BiasKind kind = BiasKind::kNone;
   int64_t batch_stride = 0, head_stride = 0, row_stride = 0, col_stride = 0;  // elements; 0: broadcast
   FLASHATTN_HOST_DEVICE int64_t offset(int b, int h) const { return b * batch_stride + h * head_stride; }
+  // The summary (nullptr: none, e.g. on the CPU): entry (b, h, band, c) at
+  // b * summary_batch_stride + h * summary_head_stride + band * summary_band_stride + c * summary_col_step.
+  const uint8_t* summary = nullptr;
+  int64_t summary_batch_stride = 0, summary_head_stride = 0;
+  int summary_band_stride = 0, summary_col_step = 0;  // 0: the mask broadcasts over queries / keys
 };
 
 struct ScoreMod {

@@ -12,6 +12,7 @@
 #include "../attention_api.h"
 #include "binding_util.h"
 #include "dispatch.h"
+#include "mask_summary.h"
 
 namespace flashattn {
 namespace {
@@ -43,6 +44,20 @@ void check_launch(cudaError_t err, const char* what, int kernel_dim, const at::T
               "head dims >= 128 take up to 161 KiB per block and this GPU (", prop->name, ") allows ",
               prop->sharedMemPerBlockOptin / 1024, " KiB; use a smaller head dim, or torch's attention on this GPU");
   TORCH_CHECK(false, "flashattn_ext: CUDA ", what, " kernel failed: ", cudaGetErrorString(err));
+}
+
+// The mask summary of an attn_mask call (mask_summary.h), in a tensor the
+// caller keeps alive until the kernels have been queued.
+at::Tensor summarize_attn_mask(AttnBias& bias, const at::Tensor& q, int64_t seqlen_k) {
+  if (bias.ptr == nullptr) return {};
+  const MaskSummaryShape shape = mask_summary_shape(bias, q.size(0), q.size(2), q.size(1), seqlen_k);
+  TORCH_CHECK_VALUE(shape.bytes() <= INT32_MAX, "flashattn_ext: attn_mask is too large for the CUDA kernels' summary (",
+                    shape.bytes(), " blocks of 64 x 16); split the batch");
+  auto summary = at::empty({shape.bytes()}, q.options().dtype(at::kByte));
+  const cudaError_t err =
+      launch_mask_summary(bias, shape, summary.data_ptr<uint8_t>(), at::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == cudaSuccess, "flashattn_ext: the attn_mask summary kernel failed: ", cudaGetErrorString(err));
+  return summary;
 }
 
 // Runs the forward kernel (AttnFwdParams) or the backward kernel
@@ -95,6 +110,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   auto params = make_fwd_params(q, k, v, out, lse, softmax_scale, mask);
   params.score_mod = make_score_mod(softcap, alibi_slopes, q, q.size(0), q.size(2));
   add_attn_mask(params.score_mod, attn_mask, q, k);
+  const at::Tensor mask_summary = summarize_attn_mask(params.score_mod.bias, q, k.size(1));
   params.device_arch = device_arch(q);
   params.allow_tma = !env_flag("FLASHATTN_DISABLE_TMA");
   params.fwd_pair_masked_tiles = !env_flag("FLASHATTN_FWD_SINGLE_TILES");
@@ -131,6 +147,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_i
   auto params = make_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, mask, deterministic);
   params.score_mod = make_score_mod(softcap, alibi_slopes, q, batch, heads_q);
   add_attn_mask(params.score_mod, attn_mask, q, k);
+  const at::Tensor mask_summary = summarize_attn_mask(params.score_mod.bias, q, k.size(1));
   params.dsum_ptr = dsum.data_ptr();
   params.device_arch = device_arch(q);
   params.allow_tma = !env_flag("FLASHATTN_DISABLE_TMA");

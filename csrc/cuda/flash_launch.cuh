@@ -109,11 +109,17 @@ cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool
                          make_tensor_map_bshd(&maps.o, p.o_ptr, kBf16, batch, rows_q, p.heads_q, p.head_dim,
                                               p.o_batch_stride, p.o_row_stride, p.o_head_stride, Kt::kOStoreRows);
   if (!described) return cudaSuccess;
-  constexpr bool kMod = kScoreModInstances;
-  const bool mod = p.score_mod.any();
+  // The score-mod instances: flash-attn's softcap / ALiBi, and (dense batches
+  // only: SDPA has no varlen form) torch SDPA's attn_mask.
+  constexpr ScoreModSet kNone = ScoreModSet::kNone;
+  constexpr ScoreModSet kFa = kScoreModInstances ? ScoreModSet::kFlashAttn : kNone;
+  constexpr ScoreModSet kBias = kScoreModInstances ? ScoreModSet::kAttnBias : kNone;
+  const bool mod = p.score_mod.any(), bias = p.score_mod.has_bias();
   auto kernel = p.per_sequence()
-                    ? (mod ? &flash_fwd_sm90_ws_kernel<Kt, true, kMod> : &flash_fwd_sm90_ws_kernel<Kt, true, false>)
-                    : (mod ? &flash_fwd_sm90_ws_kernel<Kt, false, kMod> : &flash_fwd_sm90_ws_kernel<Kt, false, false>);
+                    ? (mod ? &flash_fwd_sm90_ws_kernel<Kt, true, kFa> : &flash_fwd_sm90_ws_kernel<Kt, true, kNone>)
+                    : (bias  ? &flash_fwd_sm90_ws_kernel<Kt, false, kBias>
+                       : mod ? &flash_fwd_sm90_ws_kernel<Kt, false, kFa>
+                             : &flash_fwd_sm90_ws_kernel<Kt, false, kNone>);
   if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
   FwdSchedule sched = FwdSchedule::make(p, Kt::kBlockM, sm_count());
   sched.paired = sched.paired && p.fwd_pair_masked_tiles;

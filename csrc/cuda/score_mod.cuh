@@ -26,15 +26,25 @@
 // masked or never stored). It has no gradient of its own and, being additive,
 // leaves dS unchanged; it never comes with softcap or ALiBi.
 //
+// A warp first looks its tile up in the mask's summary (AttnBias::summary):
+// a tile the mask leaves alone is only scaled, one it hides is set to -inf,
+// without reading the mask; only the tiles it cuts through load elements.
+//
 // Which of softcap / ALiBi / attn_mask a call has is a runtime property of
 // the instance, uniform over the grid: each tile takes one loop body (branch
 // outside the element loops), so an element pays only for what its call has.
+// A kernel may compile the two families apart (ScoreModSet: the Hopper
+// forward, whose three-consumer d64 instance spilled 120 bytes with both).
 #pragma once
 
 #include "../flash_params.h"
 #include "ptx.cuh"
 
 namespace flashattn {
+
+// Which modifications an instance holds: none (the plain kernels), all, or
+// one family (flash-attn's softcap / ALiBi, or torch SDPA's attn_mask).
+enum class ScoreModSet : int { kNone = 0, kAll, kFlashAttn, kAttnBias };
 
 __device__ __forceinline__ float tanh_approx(float x) {
   float y;
@@ -100,6 +110,27 @@ struct ScoreModTile {
   // The attn_mask at (b, h).
   __device__ __forceinline__ const char* bias_base() const {
     return static_cast<const char*>(src.ptr) + src.offset(b, h) * bias_element_bytes(bias_kind);
+  }
+  // The summary code of queries [i0, i1] x keys [j0, j1] (inclusive; clamped
+  // to the sequence): kMaskIdentity / kMaskHidden when every entry they touch
+  // is, else kMaskMixed. The arguments are warp-uniform: every lane reads the
+  // same bytes.
+  __device__ __forceinline__ int tile_code(int i0, int i1, int j0, int j1) const {
+    if (src.summary == nullptr) return kMaskMixed;
+    const uint8_t* sum = src.summary + b * src.summary_batch_stride + h * src.summary_head_stride;
+    i0 = min(i0, last_row), i1 = min(i1, last_row), j0 = min(j0, last_col), j1 = min(j1, last_col);
+    const int band0 = src.summary_band_stride ? i0 / kMaskSummaryRows : 0;
+    const int band1 = src.summary_band_stride ? i1 / kMaskSummaryRows : 0;
+    const int c0 = src.summary_col_step ? j0 / kMaskSummaryCols : 0;
+    const int c1 = src.summary_col_step ? j1 / kMaskSummaryCols : 0;
+    bool identity = true, hidden = true;
+    for (int band = band0; band <= band1; ++band)
+      for (int c = c0; c <= c1; ++c) {
+        const uint8_t v = __ldg(sum + band * src.summary_band_stride + c * src.summary_col_step);
+        identity &= v == kMaskIdentity;
+        hidden &= v == kMaskHidden;
+      }
+    return identity ? kMaskIdentity : (hidden ? kMaskHidden : kMaskMixed);
   }
   // The mask of query i, key j in log2 units (a runtime switch: the slow paths only).
   __device__ __forceinline__ float bias_log2(int i, int j) const {
@@ -167,6 +198,18 @@ template <BiasKind kKind, bool kTransposed, int kMT, int kNT>
 __device__ __forceinline__ void apply_bias_tile(float (&s)[kMT][kNT][4], const ScoreModTile& m, int row0, int col0,
                                                 int lane) {
   const int g = lane >> 2, t = lane & 3;
+  // The tile's queries and keys: rows row0 .. row0 + 16 kMT - 1, columns col0 .. col0 + 8 kNT - 1.
+  const int r_last = row0 + 16 * kMT - 1, c_last = col0 + 8 * kNT - 1;
+  const int code = kTransposed ? m.tile_code(col0, c_last, row0, r_last) : m.tile_code(row0, r_last, col0, c_last);
+  if (code != kMaskMixed) {
+#pragma unroll
+    for (int mi = 0; mi < kMT; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < kNT; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mi][ni][e] = code == kMaskHidden ? -INFINITY : s[mi][ni][e] * m.in_scale;
+    return;
+  }
   const bool bf16 = m.bias_kind == BiasKind::kBFloat16;
   // (i, j) = (query, key); transposed tiles run rows over keys.
   const int64_t rs = kTransposed ? m.src.col_stride : m.src.row_stride;
@@ -195,15 +238,18 @@ __device__ __forceinline__ void apply_bias_tile(float (&s)[kMT][kNT][4], const S
     }
 }
 
-template <bool kTransposed, int kMT, int kNT>
+template <ScoreModSet kSet, bool kTransposed, int kMT, int kNT>
 __device__ __forceinline__ void apply_any(float (&s)[kMT][kNT][4], const ScoreModTile& m, int row0, int col0,
                                           int lane) {
-  switch (m.bias_kind) {
-    case BiasKind::kNone: break;
-    case BiasKind::kBool: return apply_bias_tile<BiasKind::kBool, kTransposed>(s, m, row0, col0, lane);
-    case BiasKind::kFloat32: return apply_bias_tile<BiasKind::kFloat32, kTransposed>(s, m, row0, col0, lane);
-    default: return apply_bias_tile<BiasKind::kBFloat16, kTransposed>(s, m, row0, col0, lane);  // 16-bit
+  if constexpr (kSet == ScoreModSet::kAll || kSet == ScoreModSet::kAttnBias) {
+    switch (m.bias_kind) {
+      case BiasKind::kNone: break;
+      case BiasKind::kBool: return apply_bias_tile<BiasKind::kBool, kTransposed>(s, m, row0, col0, lane);
+      case BiasKind::kFloat32: return apply_bias_tile<BiasKind::kFloat32, kTransposed>(s, m, row0, col0, lane);
+      default: return apply_bias_tile<BiasKind::kBFloat16, kTransposed>(s, m, row0, col0, lane);  // 16-bit
+    }
   }
+  if constexpr (kSet == ScoreModSet::kAttnBias) return;
   if (m.softcap) {
     if (m.alibi) {
       apply_tile<true, true, kTransposed>(s, m, row0, col0, lane);
@@ -219,17 +265,17 @@ __device__ __forceinline__ void apply_any(float (&s)[kMT][kNT][4], const ScoreMo
 
 // Raw scores -> modified scores in log2 units, rows are queries r0 + ..., columns keys c0 + ...
 // Run before the mask (the mask's -inf must not go through tanh).
-template <int kMT, int kNT>
+template <ScoreModSet kSet = ScoreModSet::kAll, int kMT, int kNT>
 __device__ __forceinline__ void apply_score_mod_rows(float (&s)[kMT][kNT][4], const ScoreModTile& m, int r0, int c0,
                                                      int lane) {
-  score_mod_detail::apply_any<false>(s, m, r0, c0, lane);
+  score_mod_detail::apply_any<kSet, false>(s, m, r0, c0, lane);
 }
 
 // The same for a transposed tile (the backward's S^T: rows are keys key0 + ..., columns queries q0 + ...).
-template <int kMT, int kNT>
+template <ScoreModSet kSet = ScoreModSet::kAll, int kMT, int kNT>
 __device__ __forceinline__ void apply_score_mod_cols(float (&s)[kMT][kNT][4], const ScoreModTile& m, int key0, int q0,
                                                      int lane) {
-  score_mod_detail::apply_any<true>(s, m, key0, q0, lane);
+  score_mod_detail::apply_any<kSet, true>(s, m, key0, q0, lane);
 }
 
 // dS *= 1 - t^2 where the call has a softcap (dS of the modified score -> dS

@@ -101,14 +101,17 @@
 
 namespace flashattn {
 
-// kScoreMod: the instance for calls with flash-attn's softcap / ALiBi
-// (FwdSm90ScoreStep; the epilogue's lse is then in the modified scores' units
-// and the non-finite recompute applies the score mod too).
-template <typename Kt, bool kVarlen, bool kScoreMod = false>
+// kMod: the instance for calls with flash-attn's softcap / ALiBi
+// (ScoreModSet::kFlashAttn) or torch SDPA's attn_mask (kAttnBias), apart so
+// that neither pays the other's registers (FwdSm90ScoreStep; the epilogue's
+// lse is then in the modified scores' units and the non-finite recompute
+// applies the score mod too).
+template <typename Kt, bool kVarlen, ScoreModSet kMod = ScoreModSet::kNone>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
     flash_fwd_sm90_ws_kernel(const __grid_constant__ AttnFwdParams p, const __grid_constant__ FwdTmaMaps maps,
                              const FwdSchedule sched) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr bool kScoreMod = kMod != ScoreModSet::kNone;
   using T = typename Kt::Element;
   using TileQ = typename Kt::TileQ;
   using TileKV = typename Kt::TileKV;
@@ -203,8 +206,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const int blocks = n_max - n_min;  // step j visits key block n_max - 1 - j
 
     OnlineSoftmax<1> softmax;
-    const FwdSm90ScoreStep<Kt, kScoreMod> softmax_step{p,         tmask, softmax,        m0,   n_max,
-                                                       warp_row0, lane,  positive_scale, tl.b, tl.h};
+    const FwdSm90ScoreStep<Kt, kMod> softmax_step{p,         tmask, softmax,        m0,   n_max,
+                                                  warp_row0, lane,  positive_scale, tl.b, tl.h};
     // After S_j has completed: the last S of the tile frees Q for the next tile.
     auto scores_done = [&](int j) {
       mbar_arrive(&empty_k[stage(it0 + j)]);

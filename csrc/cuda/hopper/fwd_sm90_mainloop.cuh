@@ -19,11 +19,14 @@ namespace flashattn {
 // softmax step (which yields the correction of O). This is the hook for
 // per-element score modifications (a compile-time policy such as softcap or
 // ALiBi, masks, bias, dropout): they go here, between the S GEMM and the
-// softmax. kScoreMod: flash-attn's softcap / ALiBi (../score_mod.cuh), S
+// softmax. kMod: the score modifications the instance holds
+// (ScoreModSet, ../score_mod.cuh: flash-attn's softcap / ALiBi, or torch
+// SDPA's attn_mask, each its own instance here), S
 // modified into scaled log2 units before the mask (the softmax then runs its
 // positive-scale path with scale 1; the plain instance holds no such code).
-template <typename Kt, bool kScoreMod = false>
+template <typename Kt, ScoreModSet kMod = ScoreModSet::kNone>
 struct FwdSm90ScoreStep {
+  static constexpr bool kScoreMod = kMod != ScoreModSet::kNone;
   static constexpr int kNT = Kt::kBlockN / 8;  // n-tiles of a row of S
   const AttnFwdParams& p;
   const BlockMask& tmask;
@@ -40,7 +43,7 @@ struct FwdSm90ScoreStep {
     const int n0 = (n_max - 1 - j) * Kt::kBlockN;
     if constexpr (kScoreMod) {
       const ScoreModTile mod(p.score_mod, static_cast<float>(p.softmax_scale), b, h, tmask.seqlen_q, tmask.seqlen_k);
-      apply_score_mod_rows(acc_s, mod, m0 + warp_row0, n0, lane);
+      apply_score_mod_rows<kMod>(acc_s, mod, m0 + warp_row0, n0, lane);
     }
     if (tmask.template tile_needs_mask<Kt::kBlockM, Kt::kBlockN>(m0, n0))
       apply_mask_rows(acc_s, tmask, m0 + warp_row0, n0, lane);
