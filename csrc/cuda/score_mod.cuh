@@ -113,8 +113,9 @@ struct ScoreModTile {
   }
   // The summary code of queries [i0, i1] x keys [j0, j1] (inclusive; clamped
   // to the sequence): kMaskIdentity / kMaskHidden when every entry they touch
-  // is, else kMaskMixed. The arguments are warp-uniform: every lane reads the
-  // same bytes.
+  // is, else kMaskMixed. Whole warp, warp-uniform arguments: each lane reads
+  // one entry (a tile touches at most 2 bands x 16 columns = 32) and the warp
+  // votes, one load's latency in all.
   __device__ __forceinline__ int tile_code(int i0, int i1, int j0, int j1) const {
     if (src.summary == nullptr) return kMaskMixed;
     const uint8_t* sum = src.summary + b * src.summary_batch_stride + h * src.summary_head_stride;
@@ -123,13 +124,17 @@ struct ScoreModTile {
     const int band1 = src.summary_band_stride ? i1 / kMaskSummaryRows : 0;
     const int c0 = src.summary_col_step ? j0 / kMaskSummaryCols : 0;
     const int c1 = src.summary_col_step ? j1 / kMaskSummaryCols : 0;
+    const int nc = c1 - c0 + 1, n = (band1 - band0 + 1) * nc;
+    const int lane = threadIdx.x & 31;
     bool identity = true, hidden = true;
-    for (int band = band0; band <= band1; ++band)
-      for (int c = c0; c <= c1; ++c) {
-        const uint8_t v = __ldg(sum + band * src.summary_band_stride + c * src.summary_col_step);
-        identity &= v == kMaskIdentity;
-        hidden &= v == kMaskHidden;
-      }
+    for (int e0 = 0; e0 < n; e0 += 32) {
+      const int e = e0 + lane;
+      const uint8_t v =
+          e < n ? __ldg(sum + (band0 + e / nc) * src.summary_band_stride + (c0 + e % nc) * src.summary_col_step)
+                : uint8_t(kMaskMixed);
+      identity = __all_sync(0xffffffffu, e >= n || v == kMaskIdentity) && identity;
+      hidden = __all_sync(0xffffffffu, e >= n || v == kMaskHidden) && hidden;
+    }
     return identity ? kMaskIdentity : (hidden ? kMaskHidden : kMaskMixed);
   }
   // The mask of query i, key j in log2 units (a runtime switch: the slow paths only).
