@@ -28,7 +28,7 @@
 // slower than two warpgroups at every size tried (benchmarks/NOTES.md).
 #pragma once
 
-#include "../flash_bwd_kernel.cuh"
+#include "../bwd_common.cuh"
 #include "../nonfinite_fixup.cuh"
 #include "bwd_sm90_common.cuh"
 #include "wgmma.cuh"

@@ -77,7 +77,7 @@
 #include <type_traits>
 
 #include "../../flash_params.h"
-#include "../flash_bwd_kernel.cuh"
+#include "../bwd_common.cuh"
 #include "../nonfinite_fixup.cuh"
 #include "../score_mod.cuh"
 #include "bwd_sm90_common.cuh"
