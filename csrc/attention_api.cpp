@@ -37,11 +37,11 @@ void check_rank4(const at::Tensor& t, const char* name, const char* layout) {
                     shape_str(t), "; reshape it (flash_attn_func takes (batch, seqlen, heads, head_dim))");
 }
 
-void check_no_zero_size(const at::Tensor& t, const char* name) {
-  for (int64_t i = 0; i < t.dim(); ++i) {
-    TORCH_CHECK_VALUE(t.size(i) > 0, "flashattn_ext: ", name, " has a zero-size dimension (shape ", shape_str(t),
-                      "); every dimension must be at least 1");
-  }
+// Zero batch, heads or sequence lengths are calls with nothing to compute
+// (is_empty_call); a zero head_dim has no meaning (no scale 1 / sqrt(0)).
+void check_head_dim_nonzero(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.size(-1) > 0, "flashattn_ext: ", name, " has head_dim 0 (shape ", shape_str(t),
+                    "); the head dimension must be at least 1");
 }
 
 void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
@@ -71,8 +71,9 @@ void check_head_dim_supported(int64_t head_dim) {
 }
 
 void check_heads_divide(int64_t heads_q, int64_t heads_kv) {
-  TORCH_CHECK_VALUE(heads_q % heads_kv == 0, "flashattn_ext: q has ", heads_q, " heads, not a multiple of the ",
-                    heads_kv, " heads of k and v; for GQA/MQA the key/value heads must divide the query heads");
+  TORCH_CHECK_VALUE(heads_kv == 0 ? heads_q == 0 : heads_q % heads_kv == 0, "flashattn_ext: q has ", heads_q,
+                    " heads, not a multiple of the ", heads_kv,
+                    " heads of k and v; for GQA/MQA the key/value heads must divide the query heads");
 }
 
 void check_qkv_last_dim_contiguous(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
@@ -127,9 +128,9 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   check_rank4(k, "k", "(batch, seqlen_k, heads_kv, head_dim)");
   check_rank4(v, "v", "(batch, seqlen_k, heads_kv, head_dim)");
   check_devices_and_dtypes(q, k, "k", v, "v", spec);
-  check_no_zero_size(q, "q");
-  check_no_zero_size(k, "k");
-  check_no_zero_size(v, "v");
+  check_head_dim_nonzero(q, "q");
+  check_head_dim_nonzero(k, "k");
+  check_head_dim_nonzero(v, "v");
   check_fits_int(q, "q");
   check_fits_int(k, "k");
 
@@ -183,6 +184,8 @@ void reject_backend(const std::vector<std::pair<const at::Tensor*, const char*>>
 void check_bwd_extras(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out, const at::Tensor& lse) {
   check_bwd_tensors(dout, q, out, lse, {q.size(0), q.size(2), q.size(1)}, "(batch, heads_q, seqlen_q)");
 }
+
+bool is_empty_call(const at::Tensor& q, const at::Tensor& k) { return q.numel() == 0 || k.size(1) == 0; }
 
 ScoreMod make_score_mod(double softcap, const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& q,
                         int64_t batch, int64_t heads_q) {

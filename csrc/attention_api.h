@@ -53,6 +53,12 @@ MaskParams make_mask(int64_t window_left, int64_t window_right, bool bottom_righ
 ScoreMod make_score_mod(double softcap, const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& q,
                         int64_t batch, int64_t heads_q);
 
+// A dense call with nothing to compute: zero batch, heads or query rows (an
+// empty output), or no keys (a zero output, lse -inf), as torch's SDPA gives
+// them. The backends return such outputs without a kernel (q, k in (batch,
+// seqlen, heads, head_dim)).
+bool is_empty_call(const at::Tensor& q, const at::Tensor& k);
+
 // Adds torch SDPA's attn_mask (AttnBias in flash_params.h) to a dense call's
 // ScoreMod: bool, or float32 / q's dtype (float64 for float64 q), on q's
 // device, of rank 2 to 4 and a shape that broadcasts to (batch, heads_q,

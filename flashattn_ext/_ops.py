@@ -109,12 +109,11 @@ def _same_dtype(t, name, q):
         )
 
 
-def _no_zero_size(t, name):
-    for s in t.shape:
-        if s <= 0:
-            raise ValueError(
-                f"flashattn_ext: {name} has a zero-size dimension (shape {_sizes(t)}); every dimension must be at least 1"
-            )
+def _head_dim_nonzero(t, name):
+    if t.shape[-1] == 0:
+        raise ValueError(
+            f"flashattn_ext: {name} has head_dim 0 (shape {_sizes(t)}); the head dimension must be at least 1"
+        )
 
 
 def _fits_int(t, name):
@@ -158,7 +157,7 @@ def _head_dim_supported(head_dim):
 
 
 def _heads_divide(heads_q, heads_kv):
-    if heads_q % heads_kv != 0:
+    if (heads_q != 0) if heads_kv == 0 else (heads_q % heads_kv != 0):
         raise ValueError(
             f"flashattn_ext: q has {heads_q} heads, not a multiple of the {heads_kv} heads of k and v; for "
             "GQA/MQA the key/value heads must divide the query heads"
@@ -186,9 +185,9 @@ def check_qkv(q, k, v, unit_stride=True):
     _rank4(k, "k", "(batch, seqlen_k, heads_kv, head_dim)")
     _rank4(v, "v", "(batch, seqlen_k, heads_kv, head_dim)")
     backend = _devices_and_dtypes(q, k, "k", v, "v")
-    _no_zero_size(q, "q")
-    _no_zero_size(k, "k")
-    _no_zero_size(v, "v")
+    _head_dim_nonzero(q, "q")
+    _head_dim_nonzero(k, "k")
+    _head_dim_nonzero(v, "v")
     _fits_int(q, "q")
     _fits_int(k, "k")
     head_dim = q.shape[3]

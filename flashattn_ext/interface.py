@@ -619,12 +619,12 @@ def _sdpa_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         return "shapes", f"key {tuple(key.shape)} and value {tuple(value.shape)} disagree on heads or length"
     if ev != e:
         return "value_head_dim", f"value head dim {ev} differs from query head dim {e}"
-    if not (hq == hk or hk == 1 or (enable_gqa and hq % hk == 0)):  # hk == 1: torch broadcasts (MQA)
+    if not (hq == hk or hk == 1 or (enable_gqa and hk > 0 and hq % hk == 0)):  # hk == 1: torch broadcasts (MQA)
         return "heads", f"{hq} query heads and {hk} key/value heads (GQA needs enable_gqa=True and divisibility)"
     for name, t in (("query", query), ("key", key), ("value", value)):
-        for size in t.shape:
-            if size == 0:
-                return "sizes", f"{name} has a zero-size dimension {tuple(t.shape)}"
+        if t.shape[-1] == 0:
+            return "sizes", f"{name} has head dim 0 {tuple(t.shape)}"
+        for size in t.shape:  # (zero batch, heads or lengths: the kernels return torch's empty / zero output)
             if size > _INT_MAX:
                 return "sizes", f"{name} has a dimension larger than 2^31 - 1 {tuple(t.shape)}"
     if e > _MAX_HEAD_DIM:

@@ -41,9 +41,8 @@ FWD_CASES = {
         TypeError,
         r"q has dtype Int, which the \w+ kernels do not support",
     ),
-    "q_zero": (lambda q, k, v: (q[:, :0], k, v), ValueError, r"q has a zero-size dimension"),
-    "k_zero": (lambda q, k, v: (q, k[:, :0], v[:, :0]), ValueError, r"k has a zero-size dimension"),
-    "v_zero_batch": (lambda q, k, v: (q, k, v[:0]), ValueError, r"v has a zero-size dimension"),
+    "q_zero_head_dim": (lambda q, k, v: (q[..., :0], k, v), ValueError, r"q has head_dim 0 \(shape \[2, 5, 4, 0\]\)"),
+    "v_zero_batch": (lambda q, k, v: (q, k, v[:0]), ValueError, r"batch sizes differ: q 2, k 2, v 0"),
     "k_head_dim": (lambda q, k, v: (q, k[..., :8], v), ValueError, r"k has head_dim 8 but q has head_dim 16"),
     "v_head_dim": (lambda q, k, v: (q, k, v[..., :8]), ValueError, r"v has head_dim 8 but q has 16"),
     "head_dim_264": (

@@ -2,6 +2,8 @@
 // through the shared binding layer, then the tiled kernels of flash_cpu.h.
 #include <torch/library.h>
 
+#include <limits>
+
 #include "../attention_api.h"
 #include "flash_cpu.h"
 
@@ -21,6 +23,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at::Tensor
   auto params = make_fwd_params(q, k, v, out, lse, softmax_scale, mask);
   params.score_mod = make_score_mod(softcap, alibi_slopes, q, q.size(0), q.size(2));
   add_attn_mask(params.score_mod, attn_mask, q, k);
+  // Nothing to compute (torch's SDPA semantics): an empty output, or zeros and lse -inf without keys.
+  if (is_empty_call(q, k)) return {out.zero_(), lse.fill_(-std::numeric_limits<double>::infinity())};
   run_fwd_cpu(params);
   return {out, lse};
 }
@@ -41,6 +45,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dout, c
   auto params = make_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, mask, deterministic);
   params.score_mod = make_score_mod(softcap, alibi_slopes, q, q.size(0), q.size(2));
   add_attn_mask(params.score_mod, attn_mask, q, k);
+  if (is_empty_call(q, k)) return {dq.zero_(), dk.zero_(), dv.zero_()};
   run_bwd_cpu(params);
   return {dq, dk, dv};
 }

@@ -110,6 +110,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   auto params = make_fwd_params(q, k, v, out, lse, softmax_scale, mask);
   params.score_mod = make_score_mod(softcap, alibi_slopes, q, q.size(0), q.size(2));
   add_attn_mask(params.score_mod, attn_mask, q, k);
+  // Nothing to compute (torch's SDPA semantics): an empty output, or zeros and lse -inf without keys.
+  if (is_empty_call(q, k)) return {unpad(out.zero_(), head_dim), lse.fill_(-INFINITY)};
   const at::Tensor mask_summary = summarize_attn_mask(params.score_mod.bias, q, k.size(1));
   params.device_arch = device_arch(q);
   params.allow_tma = !env_flag("FLASHATTN_DISABLE_TMA");
@@ -147,6 +149,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_i
   auto params = make_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, mask, deterministic);
   params.score_mod = make_score_mod(softcap, alibi_slopes, q, batch, heads_q);
   add_attn_mask(params.score_mod, attn_mask, q, k);
+  if (is_empty_call(q, k))
+    return {unpad(dq.zero_(), head_dim), unpad(dk.zero_(), head_dim), unpad(dv.zero_(), head_dim)};
   const at::Tensor mask_summary = summarize_attn_mask(params.score_mod.bias, q, k.size(1));
   params.dsum_ptr = dsum.data_ptr();
   params.device_arch = device_arch(q);
