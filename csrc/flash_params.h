@@ -71,6 +71,10 @@ struct MaskParams {
 // SDPA gives zeros too). The mask gets no gradient.
 enum class BiasKind : int8_t { kNone = 0, kBool, kFloat16, kBFloat16, kFloat32, kFloat64 };
 
+FLASHATTN_HOST_DEVICE constexpr int bias_element_bytes(BiasKind k) {
+  return k == BiasKind::kBool ? 1 : (k == BiasKind::kFloat32 ? 4 : (k == BiasKind::kFloat64 ? 8 : 2));
+}
+
 // The CUDA kernels also get a summary of the mask (csrc/cuda/mask_summary.cu,
 // computed on the device per call): one byte per block of 64 queries x 16 keys
 // of every (batch, head) plane the mask has (broadcast dimensions have one
@@ -85,6 +89,10 @@ struct AttnBias {
   BiasKind kind = BiasKind::kNone;
   int64_t batch_stride = 0, head_stride = 0, row_stride = 0, col_stride = 0;  // elements; 0: broadcast
   FLASHATTN_HOST_DEVICE int64_t offset(int b, int h) const { return b * batch_stride + h * head_stride; }
+  // The mask's (b, h) plane.
+  FLASHATTN_HOST_DEVICE const char* plane(int b, int h) const {
+    return static_cast<const char*>(ptr) + offset(b, h) * bias_element_bytes(kind);
+  }
   // The summary (nullptr: none, e.g. on the CPU): entry (b, h, band, c) at
   // b * summary_batch_stride + h * summary_head_stride + band * summary_band_stride + c * summary_col_step.
   const uint8_t* summary = nullptr;

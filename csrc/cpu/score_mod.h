@@ -35,20 +35,11 @@ struct TileScoreMod {
     diag = seqlen_k - seqlen_q;
     if (m.has_bias()) {
       bias = m.bias;
-      bias.ptr = static_cast<const char*>(m.bias.ptr) + m.bias.offset(b, h) * element_bytes(m.bias.kind);
+      bias.ptr = m.bias.plane(b, h);
     }
   }
 
   bool any() const { return softcap > 0 || alibi || bias.ptr != nullptr; }
-
-  static int element_bytes(BiasKind k) {
-    switch (k) {
-      case BiasKind::kBool: return 1;
-      case BiasKind::kFloat32: return 4;
-      case BiasKind::kFloat64: return 8;
-      default: return 2;
-    }
-  }
 
   // s_t: keys x queries (key k0 + r, query q0 + c), leading dimension ld.
   // In: scores to be multiplied by `scale`; out: the modified scaled scores,

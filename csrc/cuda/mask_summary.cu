@@ -45,8 +45,8 @@ __global__ void __launch_bounds__(kEntriesPerCta* kRowGroups)
   const int64_t col = chunk * kEntriesPerCta + tc;
   bool identity = true, hidden = true, seen = false;  // seen: the group had a row of the mask
   if (col < shape.cols) {
-    const int64_t elem = kKind == BiasKind::kBool ? 1 : (kKind == BiasKind::kFloat32 ? 4 : 2);
-    const char* base = static_cast<const char*>(bias.ptr) + (b * bias.batch_stride + h * bias.head_stride) * elem;
+    constexpr int64_t elem = bias_element_bytes(kKind);
+    const char* base = bias.plane(static_cast<int>(b), static_cast<int>(h));
     const int64_t c_first = col * kMaskSummaryCols;
     for (int i = 0; i < kRowsPerGroup; ++i) {
       const int64_t row = band * kMaskSummaryRows + tr * kRowsPerGroup + i;

@@ -76,10 +76,6 @@ __device__ __forceinline__ float load_bias_log2(const void* base, int64_t off, b
   }
 }
 
-__host__ __device__ __forceinline__ int bias_element_bytes(BiasKind k) {
-  return k == BiasKind::kBool ? 1 : (k == BiasKind::kFloat32 ? 4 : (k == BiasKind::kFloat64 ? 8 : 2));
-}
-
 // The constants of one (batch, head, sequence): what apply_* needs per element.
 struct ScoreModTile {
   float in_scale;    // multiplies s: scale / softcap (softcap), scale * log2(e) (none)
@@ -109,6 +105,7 @@ struct ScoreModTile {
 
   // The attn_mask at (b, h).
   __device__ __forceinline__ const char* bias_base() const {
+    // (AttnBias::plane with the tile's copy of the kind: what the measured build compiled.)
     return static_cast<const char*>(src.ptr) + src.offset(b, h) * bias_element_bytes(bias_kind);
   }
   // The summary code of queries [i0, i1] x keys [j0, j1] (inclusive; clamped
