@@ -8,9 +8,11 @@ sequences).
     python benchmarks/bench_mask.py --json out.json [--md out.md]
 
 Case: b4 h16 n4096 d128 bf16 (the issue's), (B, H, N, D) views of (B, N, H, D)
-tensors, forward and forward + backward (the mask gets no gradient); FLOPs are
-the dense count (flashattn_ext.reference.attention_flops), whatever the mask
-hides. Masks:
+tensors, forward (fwd), forward + backward (fwd_bwd, the mask gets no
+gradient) and, for the float masks, forward + backward with the mask's gradient
+too (fwd_bwd_grad: the mask requires grad; cuDNN has no such gradient); FLOPs
+are the dense count (flashattn_ext.reference.attention_flops), whatever the
+mask hides. Masks:
   none       no mask (the unmasked speed)
   padding    bool (B, 1, 1, N), each batch entry's last keys hidden (3/4 .. 1 kept)
   bias_b     bf16 (B, 1, N, N) additive bias
@@ -57,6 +59,10 @@ def make_mask(kind, device, gen):
     return (doc[:, None] == doc[None, :])[None, None]  # (1, 1, N, N)
 
 
+def modes(kind):
+    return ("fwd", "fwd_bwd", "fwd_bwd_grad") if kind.startswith("bias") else ("fwd", "fwd_bwd")
+
+
 def make_call(impl, kind):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -97,10 +103,14 @@ def time_case(call, mode, mask, bench, gen, device):
     else:
         q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
         dout = torch.randn(B, H, N, D, dtype=torch.bfloat16, device=device, generator=gen)
+        inputs = (q, k, v)
+        if mode == "fwd_bwd_grad":
+            mask = mask.detach().requires_grad_()
+            inputs = (q, k, v, mask)
 
         def fn():
             out = call(q, k, v, mask)
-            torch.autograd.grad(out, (q, k, v), dout.reshape(out.shape) if out.dim() == 3 else dout)
+            torch.autograd.grad(out, inputs, dout.reshape(out.shape) if out.dim() == 3 else dout)
 
     fn()
     ms = bench(fn)
@@ -121,7 +131,7 @@ def main():
     rows = []
     for kind in MASKS:
         mask = make_mask(kind, device, gen)
-        for mode in ("fwd", "fwd_bwd"):
+        for mode in modes(kind):
             for impl in impls:
                 row = dict(impl=impl, mask=kind, mode=mode)
                 try:
@@ -145,13 +155,14 @@ def main():
 
     lines = [
         f"{meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}, cuDNN {meta['cudnn']}; b{B} h{H} n{N} d{D} bf16; "
-        "TFLOP/s (dense FLOPs); ours / ours unmasked, ours / cuDNN, ours / varlen",
+        "TFLOP/s (dense FLOPs); ours / ours unmasked (fwd_bwd_grad: against unmasked fwd_bwd), ours / cuDNN, "
+        "ours / varlen",
         "",
         "| mask | mode | " + " | ".join(impls) + " | ours/none | ours/cudnn | ours/varlen |",
         "|---|---|" + "---|" * (len(impls) + 3),
     ]
     for kind in MASKS:
-        for mode in ("fwd", "fwd_bwd"):
+        for mode in modes(kind):
             cells = []
             for impl in impls:
                 r = next(x for x in rows if x["impl"] == impl and x["mask"] == kind and x["mode"] == mode)
@@ -161,7 +172,8 @@ def main():
             def ratio(other, ours=ours):
                 return f"{ours / other:.2f}" if ours and other else "-"
 
-            extra = [ratio(tf("ours", "none", mode)), ratio(tf("cudnn", kind, mode)), ratio(tf("varlen", kind, mode))]
+            unmasked = tf("ours", "none", "fwd_bwd" if mode == "fwd_bwd_grad" else mode)
+            extra = [ratio(unmasked), ratio(tf("cudnn", kind, mode)), ratio(tf("varlen", kind, mode))]
             lines.append(f"| {kind} | {mode} | " + " | ".join(cells + extra) + " |")
     errors = [f"{r['impl']} {r['mask']} {r['mode']}: {r['error']}" for r in rows if "error" in r]
     text = "\n".join(lines + ([""] + errors if errors else []))

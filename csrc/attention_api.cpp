@@ -248,6 +248,36 @@ void add_attn_mask(ScoreMod& mod, const std::optional<at::Tensor>& attn_mask, co
   b.batch_stride = stride[0], b.head_stride = stride[1], b.row_stride = stride[2], b.col_stride = stride[3];
 }
 
+at::Tensor attn_mask_grad_buffer(AttnBias& bias, const at::Tensor& attn_mask, const at::Tensor& q, const at::Tensor& k,
+                                 bool zeroed, bool expanded) {
+  TORCH_CHECK_TYPE(at::isFloatingType(attn_mask.scalar_type()),
+                   "flashattn_ext: only a floating-point attn_mask has a gradient, got ", attn_mask.scalar_type());
+  const int64_t full[4] = {q.size(0), q.size(2), q.size(1), k.size(1)};
+  std::vector<int64_t> sizes(4, 1);
+  const int64_t rank = attn_mask.dim();
+  for (int64_t d = 0; d < 4; ++d) {
+    const int64_t size = d < 4 - rank ? 1 : attn_mask.size(d - (4 - rank));
+    sizes[d] = expanded ? full[d] : size;
+  }
+  auto options = q.options().dtype(lse_dtype(q.scalar_type()));
+  at::Tensor buffer = zeroed ? at::zeros(sizes, options) : at::empty(sizes, options);
+  int64_t* strides[4] = {&bias.grad_batch_stride, &bias.grad_head_stride, &bias.grad_row_stride, &bias.grad_col_stride};
+  for (int d = 0; d < 4; ++d) *strides[d] = sizes[d] == 1 ? 0 : buffer.stride(d);
+  bias.grad = buffer.data_ptr();
+  return buffer;
+}
+
+at::Tensor attn_mask_grad_result(const at::Tensor& buffer, const at::Tensor& attn_mask) {
+  const int64_t rank = attn_mask.dim();
+  std::vector<int64_t> summed;
+  for (int64_t d = 0; d < 4; ++d) {
+    const int64_t size = d < 4 - rank ? 1 : attn_mask.size(d - (4 - rank));
+    if (size == 1 && buffer.size(d) != 1) summed.push_back(d);
+  }
+  at::Tensor grad = summed.empty() ? buffer : buffer.sum(summed, /*keepdim=*/true);
+  return grad.view(attn_mask.sizes()).to(attn_mask.scalar_type());
+}
+
 MaskParams make_mask(int64_t window_left, int64_t window_right, bool bottom_right, int64_t seqlen_q, int64_t seqlen_k) {
   TORCH_CHECK_VALUE(window_left >= -1 && window_right >= -1, "flashattn_ext: window sizes must be -1 (unbounded) or ",
                     ">= 0, got window_left=", window_left, ", window_right=", window_right);

@@ -67,6 +67,20 @@ bool is_empty_call(const at::Tensor& q, const at::Tensor& k);
 // ALiBi. No-op when attn_mask is absent.
 void add_attn_mask(ScoreMod& mod, const std::optional<at::Tensor>& attn_mask, const at::Tensor& q, const at::Tensor& k);
 
+// The attn_mask's gradient (flashattn_ext::bwd_mask_grad): allocates the
+// buffer the kernels write it into and points bias.grad at it (after
+// add_attn_mask). The buffer is in the accumulation type, zeroed when `zeroed`
+// (the CUDA kernels add into it), of the mask's shape as (B', H', L', S'),
+// rank 4 (a dimension of size 1 where the mask broadcasts: the kernels sum
+// over it, stride 0); with `expanded`, of the full (batch, heads_q, seqlen_q,
+// seqlen_k), every element written once (the deterministic CUDA backward, which
+// then sums in torch). Raises unless the mask is a floating-point one.
+at::Tensor attn_mask_grad_buffer(AttnBias& bias, const at::Tensor& attn_mask, const at::Tensor& q, const at::Tensor& k,
+                                 bool zeroed, bool expanded);
+// The gradient of attn_mask from that buffer: summed over the dimensions the
+// mask broadcasts (when expanded), in the mask's shape and dtype.
+at::Tensor attn_mask_grad_result(const at::Tensor& buffer, const at::Tensor& attn_mask);
+
 // Accumulation dtype of lse (float64 for float64 inputs, float32 otherwise).
 at::ScalarType lse_dtype(at::ScalarType input);
 

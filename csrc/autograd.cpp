@@ -71,6 +71,12 @@ using BwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&,
                                                               double, int64_t, int64_t, bool, bool, double,
                                                               const OptTensor&, const OptTensor&);
 
+using BwdMaskGradSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                                  const at::Tensor&, const at::Tensor&,
+                                                                                  const at::Tensor&, const at::Tensor&,
+                                                                                  double, int64_t, int64_t, bool, bool,
+                                                                                  const at::Tensor&);
+
 using VarlenFwdSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                         const at::Tensor&, const at::Tensor&, int64_t, int64_t, double,
                                                         int64_t, int64_t, bool, double, const OptTensor&);
@@ -154,6 +160,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> call_bwd(const at::Tensor& dout, 
                  alibi_slopes, attn_mask);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> call_bwd_mask_grad(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, double scale, int64_t window_left, int64_t window_right, bool bottom_right,
+    bool deterministic, const at::Tensor& attn_mask) {
+  static auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::bwd_mask_grad", "").typed<BwdMaskGradSig>();
+  return op.call(dout, q, k, v, out, lse, scale, window_left, window_right, bottom_right, deterministic, attn_mask);
+}
+
 // The kernels need stride 1 on head_dim; copy only when it is not already so
 // (a size-1 head_dim keeps any stride through contiguous(), hence the clone).
 at::Tensor unit_last_stride(const at::Tensor& x) {
@@ -230,15 +245,23 @@ struct AttentionBackwardNode : public Node {
   }
 };
 
-// The backward of attention. Inputs: q, k, v (next edges 0, 1, 2); one
-// incoming gradient, that of out (lse is not differentiable).
+// The backward of attention. Inputs: q, k, v (next edges 0, 1, 2) and, when
+// a float attn_mask requires grad, the mask (edge 3: bwd_mask_grad computes
+// its gradient; bwd otherwise, which computes nothing for it); one incoming
+// gradient, that of out (lse is not differentiable).
 struct FlashAttnBackward : public AttentionBackwardNode {
   variable_list apply(variable_list&& grads) override {
     std::lock_guard<std::mutex> lock(mutex_);
     const at::Tensor& dout = grads[0];
-    if (!dout.defined()) return variable_list(3);
+    if (!dout.defined()) return variable_list(mask_grad ? 4 : 3);
     const at::Tensor q = q_.unpack(), k = k_.unpack(), v = v_.unpack();
     const at::Tensor out = out_.unpack(getptr()), lse = lse_.unpack();
+    if (mask_grad) {
+      auto [dq, dk, dv, dmask] = call_bwd_mask_grad(
+          kernel_layout(dout, bhsd), kernel_layout(q, bhsd), kernel_layout(k, bhsd), kernel_layout(v, bhsd),
+          kernel_layout(out, bhsd), lse, scale, window_left, window_right, bottom_right, deterministic, mask_.unpack());
+      return {caller_layout(dq, bhsd), caller_layout(dk, bhsd), caller_layout(dv, bhsd), dmask};
+    }
     auto [dq, dk, dv] = call_bwd(kernel_layout(dout, bhsd), kernel_layout(q, bhsd), kernel_layout(k, bhsd),
                                  kernel_layout(v, bhsd), kernel_layout(out, bhsd), lse, scale, window_left,
                                  window_right, bottom_right, deterministic, softcap, alibi_slopes, attn_mask);
@@ -250,6 +273,7 @@ struct FlashAttnBackward : public AttentionBackwardNode {
     reset_saved();
     alibi_slopes.reset();
     attn_mask.reset();
+    mask_.reset_data();
   }
 
   // The saved q, k, v are the caller's tensors (the kernels' views are remade
@@ -260,7 +284,9 @@ struct FlashAttnBackward : public AttentionBackwardNode {
   bool bottom_right = false, deterministic = false, bhsd = false;
   double softcap = 0;
   OptTensor alibi_slopes;  // not differentiable (flash-attn gives the slopes no gradient): a plain tensor
-  OptTensor attn_mask;     // likewise (attention refuses a mask that requires grad)
+  OptTensor attn_mask;     // a mask without gradient: a plain tensor, as the slopes
+  bool mask_grad = false;  // the mask requires grad: saved as mask_ instead, an input of the node
+  SavedVariable mask_;
 };
 
 std::tuple<at::Tensor, at::Tensor> attention_below_autograd(const at::Tensor& q, const at::Tensor& k,
@@ -278,19 +304,16 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& q, const
                                                       bool bottom_right, bool deterministic, bool bhsd, double softcap,
                                                       const OptTensor& alibi_slopes, const OptTensor& attn_mask) {
   check_no_forward_ad("attention", q, k, v);
-  // The kernels compute no gradient for the mask (issue 21's bias gradient):
-  // refuse rather than return none for it.
-  TORCH_CHECK_NOT_IMPLEMENTED(
-      !(attn_mask.has_value() && attn_mask->defined() && attn_mask->requires_grad() && at::GradMode::is_enabled()),
-      "flashattn_ext: attn_mask requires grad, and the kernels compute no gradient for the mask; pass "
-      "attn_mask.detach(), or call torch.nn.functional.scaled_dot_product_attention for the bias gradient");
+  const bool mask_grad =
+      attn_mask.has_value() && attn_mask->defined() && attn_mask->requires_grad() && at::GradMode::is_enabled();
+  if (mask_grad) check_no_forward_ad("attention", *attn_mask);
   at::Tensor out, lse;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     std::tie(out, lse) = attention_below_autograd(q, k, v, scale, window_left, window_right, bottom_right, bhsd,
                                                   softcap, alibi_slopes, attn_mask);
   }
-  if (torch::autograd::compute_requires_grad(q, k, v)) {
+  if (mask_grad || torch::autograd::compute_requires_grad(q, k, v)) {
     auto node = make_node<FlashAttnBackward>();
     node->scale = scale;
     node->window_left = window_left;
@@ -300,8 +323,13 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& q, const
     node->bhsd = bhsd;
     node->softcap = softcap;
     node->alibi_slopes = alibi_slopes;
-    node->attn_mask = attn_mask;
+    node->mask_grad = mask_grad;
+    if (!mask_grad) node->attn_mask = attn_mask;
     AttentionBackwardNode::attach(node, q, k, v, out, lse);
+    if (mask_grad) {
+      node->add_next_edge(torch::autograd::impl::gradient_edge(*attn_mask));
+      node->mask_ = SavedVariable(*attn_mask, false);
+    }
   }
   return {out, lse};
 }

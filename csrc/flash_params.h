@@ -98,6 +98,18 @@ struct AttnBias {
   const uint8_t* summary = nullptr;
   int64_t summary_batch_stride = 0, summary_head_stride = 0;
   int summary_band_stride = 0, summary_col_step = 0;  // 0: the mask broadcasts over queries / keys
+
+  // The gradient of a float mask that requires grad (nullptr: not asked for,
+  // nothing computed): dS, the gradient of the scaled scores, summed over the
+  // dimensions the mask broadcasts. In the accumulation type (float32, float64
+  // for float64 q); element (b, h, i, j) of (batch, heads_q, seqlen_q, seqlen_k)
+  // adds to b * grad_batch_stride + ... + j * grad_col_stride, a stride 0
+  // where the gradient sums over that dimension. The CPU kernels store each
+  // element once (a deterministic sum); the CUDA kernels add into a zeroed
+  // buffer with atomics.
+  void* grad = nullptr;
+  int64_t grad_batch_stride = 0, grad_head_stride = 0, grad_row_stride = 0, grad_col_stride = 0;
+  FLASHATTN_HOST_DEVICE int64_t grad_offset(int b, int h) const { return b * grad_batch_stride + h * grad_head_stride; }
 };
 
 struct ScoreMod {

@@ -54,7 +54,7 @@ TORCH_LIBRARY(flashattn_ext, m) {
   // attn_mask (attention, fwd, bwd): torch SDPA's, bool (True = attend) or
   // float32 / q's dtype added to the scaled scores, broadcastable to (batch,
   // heads_q, seqlen_q, seqlen_k) and read through its strides (AttnBias in
-  // flash_params.h); no gradient; not with softcap / ALiBi.
+  // flash_params.h); its gradient through bwd_mask_grad; not with softcap / ALiBi.
   // bottom_right: align the diagonal to the last key (FlashAttention) instead of
   // the first (torch SDPA).
   //
@@ -83,6 +83,14 @@ TORCH_LIBRARY(flashattn_ext, m) {
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float softmax_scale, "
       "int window_left, int window_right, bool bottom_right, bool deterministic, float softcap=0., "
       "Tensor? alibi_slopes=None, Tensor? attn_mask=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+  // bwd for a float attn_mask that requires grad: also its gradient, dS (the
+  // gradient of the scaled scores) summed over the dimensions the mask
+  // broadcasts, in the mask's shape and dtype (AttnBias::grad in
+  // flash_params.h). A separate op, so that bwd computes nothing for it.
+  m.def(
+      "bwd_mask_grad(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float softmax_scale, "
+      "int window_left, int window_right, bool bottom_right, bool deterministic, Tensor attn_mask) "
+      "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)");
   // Variable-length batches (flash_attn_varlen_func), FlashAttention-2's varlen
   // layout: the sequences packed along dimension 0, q (total_q, heads_q,
   // head_dim), k, v (total_k, heads_kv, head_dim); cu_seqlens_q / cu_seqlens_k

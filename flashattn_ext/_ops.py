@@ -23,6 +23,7 @@ from . import _C  # noqa: F401  (loads the library, which registers the ops)
 attention = torch.ops.flashattn_ext.attention.default  # differentiable; what the Python API calls
 fwd_op = torch.ops.flashattn_ext.fwd.default  # the forward kernels alone
 bwd = torch.ops.flashattn_ext.bwd.default
+bwd_mask_grad = torch.ops.flashattn_ext.bwd_mask_grad.default
 fwd_kvcache = torch.ops.flashattn_ext.fwd_kvcache.default  # attention against a KV cache (inference)
 # The benchmarks (benchmarks/kernel_check.py, tune.py, bench_cpu.py) call
 # _ops.fwd(q, k, v, scale, window_left, window_right, bottom_right, deterministic)
@@ -401,6 +402,19 @@ def _bwd_fake(
     check_score_mod(q, softcap, alibi, q.shape[0], q.shape[2])
     check_attn_mask(q, k, attn_mask, softcap, alibi)
     return _empty_like_each(q, k, v)
+
+
+@torch.library.register_fake("flashattn_ext::bwd_mask_grad")
+def _bwd_mask_grad_fake(
+    dout, q, k, v, out, lse, softmax_scale, window_left, window_right, bottom_right, deterministic, attn_mask
+):
+    check_qkv(q, k, v)
+    check_bwd_extras(dout, q, out, lse)
+    check_scalars(softmax_scale, window_left, window_right)
+    check_attn_mask(q, k, attn_mask, 0.0, None)
+    if not attn_mask.dtype.is_floating_point:
+        raise TypeError(f"flashattn_ext: only a floating-point attn_mask has a gradient, got {_c10(attn_mask.dtype)}")
+    return (*_empty_like_each(q, k, v), torch.empty_like(attn_mask, memory_format=torch.contiguous_format))
 
 
 _CACHE_LAYOUT = (

@@ -655,8 +655,6 @@ def _mask_refusal(attn_mask, query, key, dtype, is_causal):
     m = attn_mask.unsqueeze(1) if query.dim() == 3 and attn_mask.dim() == 3 else attn_mask  # rank 3: (B, L, S)
     if not 2 <= m.dim() <= 4 or any(s != f and s != 1 for s, f in zip(m.shape, full[4 - m.dim() :])):
         return f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (batch, heads, L, S) = {full}"
-    if attn_mask.requires_grad and torch.is_grad_enabled():
-        return "attn_mask requires grad (the kernels compute no gradient for the mask)"
     return None
 
 
@@ -756,8 +754,8 @@ def scaled_dot_product_attention(
     autocast dtype under torch.autocast. The flashattn_ext kernels run for
     rank-3/4 inputs without dropout whose dtype/device they support, with or
     without an attn_mask (bool or float32 / the query's dtype, any broadcast
-    shape and strides, read in place; not together with is_causal, not one that
-    requires grad); a row the mask hides entirely is zero; the output is then a (B, H, L, E)-shaped view of a (B, L, H, E)
+    shape and strides, read in place; not together with is_causal; a float mask
+    that requires grad gets its gradient); a row the mask hides entirely is zero; the output is then a (B, H, L, E)-shaped view of a (B, L, H, E)
     buffer, like torch's flash backend returns. A short query against many keys
     (a decode step) runs on the split-KV decoding kernel of
     ``flash_attn_with_kvcache`` when the result is the same (``decode_route``:

@@ -29,13 +29,13 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at::Tensor
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
-                                                       const at::Tensor& v, const at::Tensor& out,
-                                                       const at::Tensor& lse, double softmax_scale, int64_t window_left,
-                                                       int64_t window_right, bool bottom_right,
-                                                       bool deterministic /*the CPU backward always is*/,
-                                                       double softcap, const std::optional<at::Tensor>& alibi_slopes,
-                                                       const std::optional<at::Tensor>& attn_mask) {
+// bwd and bwd_mask_grad: dq, dk, dv and, with mask_grad, the attn_mask's
+// gradient (undefined otherwise).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, double softmax_scale, int64_t window_left, int64_t window_right, bool bottom_right,
+    bool deterministic, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& attn_mask, bool mask_grad) {
   check_qkv(q, k, v, kCpuSpec);
   check_bwd_extras(dout, q, out, lse);
   auto mask = make_mask(window_left, window_right, bottom_right, q.size(1), k.size(1));
@@ -45,9 +45,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dout, c
   auto params = make_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, mask, deterministic);
   params.score_mod = make_score_mod(softcap, alibi_slopes, q, q.size(0), q.size(2));
   add_attn_mask(params.score_mod, attn_mask, q, k);
-  if (is_empty_call(q, k)) return {dq.zero_(), dk.zero_(), dv.zero_()};
-  run_bwd_cpu(params);
+  const bool empty = is_empty_call(q, k);
+  // The pass that writes it stores every element (flash_cpu_bwd.cpp): no zeroing.
+  const at::Tensor dmask_buffer =
+      mask_grad ? attn_mask_grad_buffer(params.score_mod.bias, *attn_mask, q, k, /*zeroed=*/empty, false)
+                : at::Tensor();
+  if (empty) {
+    dq.zero_(), dk.zero_(), dv.zero_();
+  } else {
+    run_bwd_cpu(params);
+  }
+  return {dq, dk, dv, mask_grad ? attn_mask_grad_result(dmask_buffer, *attn_mask) : at::Tensor()};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                                                       const at::Tensor& v, const at::Tensor& out,
+                                                       const at::Tensor& lse, double softmax_scale, int64_t window_left,
+                                                       int64_t window_right, bool bottom_right,
+                                                       bool deterministic /*the CPU backward always is*/,
+                                                       double softcap, const std::optional<at::Tensor>& alibi_slopes,
+                                                       const std::optional<at::Tensor>& attn_mask) {
+  auto [dq, dk, dv, unused] = backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, bottom_right,
+                                       deterministic, softcap, alibi_slopes, attn_mask, false);
   return {dq, dk, dv};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_mask_grad_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, double softmax_scale, int64_t window_left, int64_t window_right, bool bottom_right,
+    bool deterministic, const at::Tensor& attn_mask) {
+  return backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, bottom_right, deterministic, 0.0,
+                  std::nullopt, attn_mask, true);
 }
 
 // Variable-length batches: q (total_q, heads_q, head_dim), k, v (total_k,
@@ -108,6 +136,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
 TORCH_LIBRARY_IMPL(flashattn_ext, CPU, m) {
   m.impl("fwd", &flashattn::fwd_cpu);
   m.impl("bwd", &flashattn::bwd_cpu);
+  m.impl("bwd_mask_grad", &flashattn::bwd_mask_grad_cpu);
   m.impl("varlen_fwd", &flashattn::varlen_fwd_cpu);
   m.impl("varlen_bwd", &flashattn::varlen_bwd_cpu);
 }

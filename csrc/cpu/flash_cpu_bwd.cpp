@@ -580,6 +580,77 @@ void bwd_kv_head(const AttnBwdParams& p, const SeqInfo& seq, const AttnMask& mas
   }
 }
 
+// Pass 3, only for a float attn_mask that requires grad (AttnBias::grad):
+// the mask's gradient, dS summed over the dimensions the mask broadcasts.
+// One item per (batch, head, query tile) of the gradient (a dimension the
+// mask broadcasts counts once, a query dimension it broadcasts is one tile);
+// the item recomputes dS^T for every (batch, head, query tile) of the call
+// that maps onto it, in a fixed order, and stores its part of the gradient
+// once: no two items touch an element, and the sums do not depend on the
+// thread count. It costs the two recomputing products of a block again
+// (S^T, dP^T), where passes 1 and 2 cannot write the gradient: under a
+// broadcast their items share its elements.
+template <typename scalar_t, typename acc_t>
+void dmask_tile(const AttnBwdParams& p, const RowStats<acc_t>& stats, int grad_b, int grad_h, int64_t grad_q_tile,
+                BwdScratch<scalar_t, acc_t>& scratch, std::vector<acc_t>& acc) {
+  const AttnBias& bias = p.score_mod.bias;
+  const int d = p.head_dim;
+  const bool all_b = bias.grad_batch_stride == 0, all_h = bias.grad_head_stride == 0;
+  const bool all_rows = bias.grad_row_stride == 0, all_cols = bias.grad_col_stride == 0;
+  const int64_t q_tiles = ceil_div(p.seqlen_q, kBlockQ);
+  const int64_t grad_q0 = all_rows ? 0 : grad_q_tile * kBlockQ;
+  const int grad_rows = all_rows ? 1 : static_cast<int>(std::min<int64_t>(kBlockQ, p.seqlen_q - grad_q0));
+  const int64_t grad_cols = all_cols ? 1 : p.seqlen_k;
+  acc.assign(static_cast<size_t>(grad_rows * grad_cols), acc_t(0));
+  for (int b = all_b ? 0 : grad_b; b < (all_b ? p.batch : grad_b + 1); ++b) {
+    const SeqInfo seq(p, b);
+    const AttnMask mask(p.mask, seq);
+    for (int h = all_h ? 0 : grad_h; h < (all_h ? p.heads_q : grad_h + 1); ++h) {
+      const HeadView<scalar_t, acc_t> head = head_view<scalar_t, acc_t>(p, seq, stats, b, h);
+      for (int64_t t = all_rows ? 0 : grad_q_tile; t < (all_rows ? q_tiles : grad_q_tile + 1); ++t) {
+        const int64_t q0 = t * kBlockQ;
+        const int rows = static_cast<int>(std::min<int64_t>(kBlockQ, seq.seqlen_q - q0));
+        const int64_t key_begin = mask.tile_key_begin(q0), key_end = mask.tile_key_end(q0 + rows);
+        if (key_begin >= key_end) continue;
+        load_query_tile_transposed(p, head, q0, rows, scratch);
+        for (int64_t k0 = key_begin / kBlockK * kBlockK; k0 < key_end; k0 += kBlockK) {
+          const int cols = static_cast<int>(std::min<int64_t>(kBlockK, seq.seqlen_k - k0));
+          const Operand<acc_t> k_op =
+              as_operand(head.k + k0 * p.k_row_stride, p.k_row_stride, cols, d, scratch.k.get(), d);
+          const Operand<acc_t> v_op =
+              as_operand(head.v + k0 * p.v_row_stride, p.v_row_stride, cols, d, scratch.v.get(), d);
+          recompute_block(p, mask, head, k0, cols, q0, rows, k_op, v_op, scratch);
+          const acc_t* ds_t = scratch.dp_t.get();  // dS^T, cols x rows
+          for (int j = 0; j < cols; ++j) {
+            acc_t* dst = acc.data() + (all_cols ? 0 : k0 + j);
+            for (int i = 0; i < rows; ++i) dst[(all_rows ? 0 : i) * grad_cols] += ds_t[j * kBlockQ + i];
+          }
+        }
+      }
+    }
+  }
+  acc_t* grad = static_cast<acc_t*>(bias.grad) + bias.grad_offset(grad_b, grad_h) + grad_q0 * bias.grad_row_stride;
+  for (int i = 0; i < grad_rows; ++i)
+    for (int64_t j = 0; j < grad_cols; ++j)
+      grad[i * bias.grad_row_stride + j * bias.grad_col_stride] = acc[i * grad_cols + j];
+}
+
+template <typename scalar_t, typename acc_t>
+void dmask(const AttnBwdParams& p, const RowStats<acc_t>& stats) {
+  const AttnBias& bias = p.score_mod.bias;
+  const int64_t batches = bias.grad_batch_stride == 0 ? 1 : p.batch;
+  const int64_t heads = bias.grad_head_stride == 0 ? 1 : p.heads_q;
+  const int64_t tiles = bias.grad_row_stride == 0 ? 1 : ceil_div(p.seqlen_q, kBlockQ);
+  for_each_item_in_parallel(
+      batches * heads * tiles,
+      [&] { return std::make_pair(BwdScratch<scalar_t, acc_t>(p.head_dim, false), std::vector<acc_t>()); },
+      [&](int64_t item, std::pair<BwdScratch<scalar_t, acc_t>, std::vector<acc_t>>& scratch) {
+        const int64_t bh = item / tiles;
+        dmask_tile<scalar_t, acc_t>(p, stats, static_cast<int>(bh / heads), static_cast<int>(bh % heads), item % tiles,
+                                    scratch.first, scratch.second);
+      });
+}
+
 // Items run over (batch, head, tile of seqlen_q or seqlen_k): in a varlen
 // batch these are the longest sequences' lengths, and the items past a
 // shorter sequence's end do nothing.
@@ -646,6 +717,7 @@ void bwd(const AttnBwdParams& p) {
                                        scratch);
         },
         release);
+    if (p.score_mod.bias.grad) dmask<scalar_t, acc_t>(p, stats);
     return;
   }
 
@@ -678,6 +750,8 @@ void bwd(const AttnBwdParams& p) {
                                        q_tile, scratch);
       },
       release);
+
+  if (p.score_mod.bias.grad) dmask<scalar_t, acc_t>(p, stats);
 }
 
 }  // namespace

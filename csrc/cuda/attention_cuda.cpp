@@ -120,13 +120,13 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   return {unpad(out, head_dim), lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_in, const at::Tensor& q_in,
-                                                        const at::Tensor& k_in, const at::Tensor& v_in,
-                                                        const at::Tensor& out_in, const at::Tensor& lse,
-                                                        double softmax_scale, int64_t window_left, int64_t window_right,
-                                                        bool bottom_right, bool deterministic, double softcap,
-                                                        const std::optional<at::Tensor>& alibi_slopes,
-                                                        const std::optional<at::Tensor>& attn_mask) {
+// bwd and bwd_mask_grad: dq, dk, dv and, with mask_grad, the attn_mask's
+// gradient (undefined otherwise).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out_in, const at::Tensor& lse, double softmax_scale, int64_t window_left, int64_t window_right,
+    bool bottom_right, bool deterministic, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& attn_mask, bool mask_grad) {
   check_qkv(q_in, k_in, v_in, kCudaSpec);
   check_bwd_extras(dout_in, q_in, out_in, lse);
   check_device(q_in);
@@ -149,8 +149,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_i
   auto params = make_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, mask, deterministic);
   params.score_mod = make_score_mod(softcap, alibi_slopes, q, batch, heads_q);
   add_attn_mask(params.score_mod, attn_mask, q, k);
+  // The mask's gradient: the kernels add dS into a zeroed float32 buffer
+  // (atomics where the mask broadcasts); the deterministic backward writes
+  // the full (batch, heads, seqlen_q, seqlen_k) once per element instead and
+  // sums in torch, when the mask broadcasts at all.
+  const bool expanded = deterministic && attn_mask.has_value() && attn_mask->dim() > 0 &&
+                        (attn_mask->dim() < 4 || attn_mask->size(0) != batch || attn_mask->size(1) != heads_q ||
+                         attn_mask->size(2) != seqlen_q || attn_mask->size(3) != k.size(1));
+  const at::Tensor dmask_buffer =
+      mask_grad ? attn_mask_grad_buffer(params.score_mod.bias, *attn_mask, q, k, /*zeroed=*/true, expanded)
+                : at::Tensor();
+  auto dmask = [&] { return mask_grad ? attn_mask_grad_result(dmask_buffer, *attn_mask) : at::Tensor(); };
   if (is_empty_call(q, k))
-    return {unpad(dq.zero_(), head_dim), unpad(dk.zero_(), head_dim), unpad(dv.zero_(), head_dim)};
+    return {unpad(dq.zero_(), head_dim), unpad(dk.zero_(), head_dim), unpad(dv.zero_(), head_dim), dmask()};
   const at::Tensor mask_summary = summarize_attn_mask(params.score_mod.bias, q, k.size(1));
   params.dsum_ptr = dsum.data_ptr();
   params.device_arch = device_arch(q);
@@ -186,7 +197,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_i
     params.dq_accum_row_stride = dq_accum.stride(2);
   }
   launch(params, kdim, q);
-  return {unpad(dq, head_dim), unpad(dk, head_dim), unpad(dv, head_dim)};
+  return {unpad(dq, head_dim), unpad(dk, head_dim), unpad(dv, head_dim), dmask()};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout, const at::Tensor& q,
+                                                        const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                                                        const at::Tensor& lse, double softmax_scale,
+                                                        int64_t window_left, int64_t window_right, bool bottom_right,
+                                                        bool deterministic, double softcap,
+                                                        const std::optional<at::Tensor>& alibi_slopes,
+                                                        const std::optional<at::Tensor>& attn_mask) {
+  auto [dq, dk, dv, unused] = backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, bottom_right,
+                                       deterministic, softcap, alibi_slopes, attn_mask, false);
+  return {dq, dk, dv};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_mask_grad_cuda(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, double softmax_scale, int64_t window_left, int64_t window_right, bool bottom_right,
+    bool deterministic, const at::Tensor& attn_mask) {
+  return backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, bottom_right, deterministic, 0.0,
+                  std::nullopt, attn_mask, true);
 }
 
 // ---------------------------------------------------------------------------
@@ -295,6 +326,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
 TORCH_LIBRARY_IMPL(flashattn_ext, CUDA, m) {
   m.impl("fwd", &flashattn::fwd_cuda);
   m.impl("bwd", &flashattn::bwd_cuda);
+  m.impl("bwd_mask_grad", &flashattn::bwd_mask_grad_cuda);
   m.impl("varlen_fwd", &flashattn::varlen_fwd_cuda);
   m.impl("varlen_bwd", &flashattn::varlen_bwd_cuda);
 }

@@ -193,6 +193,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
     if (mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0)) {
       apply_mask_cols(acc_dp, mask, n0 + s_key0, m0 + s_q0, lane, 0.f);
     }
+    // The attn_mask's gradient: one CTA of a key block's head-dim slices adds it.
+    if constexpr (kScoreMod)
+      if (d0 == 0) add_bias_grad_tile<true>(acc_dp, mod, n0 + s_key0, m0 + s_q0, lane);
 
     // dV += P^T dO and dK += dS^T Q over this CTA's head-dim slice.
     if constexpr (!Kt::kPInSmem) {

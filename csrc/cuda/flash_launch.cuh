@@ -241,16 +241,23 @@ cudaError_t launch_bwd_sm90_ws(const AttnBwdParams& p, cudaStream_t stream, bool
                          make_tensor_map_bshd(&maps.v, p.v_ptr, kBf16, batch, rows_k, p.heads_kv, p.head_dim,
                                               p.v_batch_stride, p.v_row_stride, p.v_head_stride, Kt::kBlockN);
   if (!described) return cudaSuccess;
-  constexpr bool kMod = kScoreModInstances;
-  auto kernel = [varlen, mod = p.score_mod.any()] {
+  // The score-mod instances as in launch_fwd_sm90_ws: flash-attn's softcap /
+  // ALiBi, and (dense batches only) torch SDPA's attn_mask.
+  constexpr ScoreModSet kNone = ScoreModSet::kNone;
+  constexpr ScoreModSet kFa = kScoreModInstances ? ScoreModSet::kFlashAttn : kNone;
+  constexpr ScoreModSet kBias = kScoreModInstances ? ScoreModSet::kAttnBias : kNone;
+  auto kernel = [varlen, mod = p.score_mod.any(), bias = p.score_mod.has_bias()] {
     if constexpr (Kt::kSplitHeadDim)
-      return varlen
-                 ? (mod ? &flash_bwd_sm90_ws_split_kernel<Kt, true, kMod> : &flash_bwd_sm90_ws_split_kernel<Kt, true>)
-                 : (mod ? &flash_bwd_sm90_ws_split_kernel<Kt, false, kMod>
-                        : &flash_bwd_sm90_ws_split_kernel<Kt, false>);
+      return varlen ? (mod ? &flash_bwd_sm90_ws_split_kernel<Kt, true, kFa>
+                           : &flash_bwd_sm90_ws_split_kernel<Kt, true, kNone>)
+                    : (bias  ? &flash_bwd_sm90_ws_split_kernel<Kt, false, kBias>
+                       : mod ? &flash_bwd_sm90_ws_split_kernel<Kt, false, kFa>
+                             : &flash_bwd_sm90_ws_split_kernel<Kt, false, kNone>);
     else
-      return varlen ? (mod ? &flash_bwd_sm90_ws_kernel<Kt, true, kMod> : &flash_bwd_sm90_ws_kernel<Kt, true>)
-                    : (mod ? &flash_bwd_sm90_ws_kernel<Kt, false, kMod> : &flash_bwd_sm90_ws_kernel<Kt, false>);
+      return varlen ? (mod ? &flash_bwd_sm90_ws_kernel<Kt, true, kFa> : &flash_bwd_sm90_ws_kernel<Kt, true, kNone>)
+                    : (bias  ? &flash_bwd_sm90_ws_kernel<Kt, false, kBias>
+                       : mod ? &flash_bwd_sm90_ws_kernel<Kt, false, kFa>
+                             : &flash_bwd_sm90_ws_kernel<Kt, false, kNone>);
   }();
   if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
   // The kernel adds whole tiles (padding rows and columns included) in its own

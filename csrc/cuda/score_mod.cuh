@@ -23,8 +23,9 @@
 // memory (L2: a tile's mask is read by one CTA, a broadcast mask by many) in
 // the mask's own dtype. Its indices are clamped to the sequence, so the loads
 // stay in the tensor for the rows and keys past the end (their scores are
-// masked or never stored). It has no gradient of its own and, being additive,
-// leaves dS unchanged; it never comes with softcap or ALiBi.
+// masked or never stored). Being additive, it leaves dS unchanged, and dS is
+// its gradient (add_bias_grad_tile, when asked for); it never comes with
+// softcap or ALiBi.
 //
 // A warp first looks its tile up in the mask's summary (AttnBias::summary):
 // a tile the mask leaves alone is only scaled, one it hides is set to -inf,
@@ -45,6 +46,8 @@ namespace flashattn {
 // Which modifications an instance holds: none (the plain kernels), all, or
 // one family (flash-attn's softcap / ALiBi, or torch SDPA's attn_mask).
 enum class ScoreModSet : int { kNone = 0, kAll, kFlashAttn, kAttnBias };
+constexpr bool holds_flash_attn_mods(ScoreModSet s) { return s == ScoreModSet::kAll || s == ScoreModSet::kFlashAttn; }
+constexpr bool holds_attn_bias(ScoreModSet s) { return s == ScoreModSet::kAll || s == ScoreModSet::kAttnBias; }
 
 __device__ __forceinline__ float tanh_approx(float x) {
   float y;
@@ -243,7 +246,7 @@ __device__ __forceinline__ void apply_bias_tile(float (&s)[kMT][kNT][4], const S
 template <ScoreModSet kSet, bool kTransposed, int kMT, int kNT>
 __device__ __forceinline__ void apply_any(float (&s)[kMT][kNT][4], const ScoreModTile& m, int row0, int col0,
                                           int lane) {
-  if constexpr (kSet == ScoreModSet::kAll || kSet == ScoreModSet::kAttnBias) {
+  if constexpr (holds_attn_bias(kSet)) {
     switch (m.bias_kind) {
       case BiasKind::kNone: break;
       case BiasKind::kBool: return apply_bias_tile<BiasKind::kBool, kTransposed>(s, m, row0, col0, lane);
@@ -251,7 +254,7 @@ __device__ __forceinline__ void apply_any(float (&s)[kMT][kNT][4], const ScoreMo
       default: return apply_bias_tile<BiasKind::kBFloat16, kTransposed>(s, m, row0, col0, lane);  // 16-bit
     }
   }
-  if constexpr (kSet == ScoreModSet::kAttnBias) return;
+  if constexpr (!holds_flash_attn_mods(kSet)) return;
   if (m.softcap) {
     if (m.alibi) {
       apply_tile<true, true, kTransposed>(s, m, row0, col0, lane);
@@ -309,6 +312,79 @@ __device__ __forceinline__ void apply_softcap_grad(float (&ds)[kMT][kNT][4], con
           ds[mi][ni][2 * h + e] *= pv > 0.f ? 1.f - th * th : 0.f;
         }
     }
+}
+
+// The attn_mask's gradient (AttnBias::grad, when the call asks for it): the
+// tile's dS (the gradient of the scaled scores, to which a float mask is
+// added: the mask's own gradient) added into the float32 gradient buffer by
+// reductions (red.global.add: where the mask broadcasts, several CTAs share an
+// element). Rows / columns as apply_*; elements past the sequence add nothing,
+// nor do zeros (masked elements, a tile the mask hides). A dimension the
+// gradient sums over (stride 0) is summed in registers and across the lanes
+// that hold it first, so that one lane adds per element of the buffer.
+template <bool kTransposed, int kMT, int kNT>
+__device__ __forceinline__ void add_bias_grad_tile(const float (&ds)[kMT][kNT][4], const ScoreModTile& m, int row0,
+                                                   int col0, int lane) {
+  const AttnBias& a = m.src;
+  if (a.grad == nullptr) return;
+  const int g = lane >> 2, t = lane & 3;
+  float* const base = static_cast<float*>(a.grad) + a.grad_offset(m.b, m.h);
+  const int64_t rs = kTransposed ? a.grad_col_stride : a.grad_row_stride;
+  const int64_t cs = kTransposed ? a.grad_row_stride : a.grad_col_stride;
+  const int last_r = kTransposed ? m.last_col : m.last_row, last_c = kTransposed ? m.last_row : m.last_col;
+  auto value = [&](int mi, int h, int ni, int e) {
+    const int r = row0 + mi * 16 + g + 8 * h, c = col0 + ni * 8 + 2 * t + e;
+    return r <= last_r && c <= last_c ? ds[mi][ni][2 * h + e] : 0.f;
+  };
+  auto add = [&](int r, int c, float v) {
+    if (v != 0.f) atomicAdd(base + int64_t(r) * rs + int64_t(c) * cs, v);
+  };
+  if (rs != 0 && cs != 0) {
+#pragma unroll
+    for (int mi = 0; mi < kMT; ++mi)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int ni = 0; ni < kNT; ++ni)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) add(row0 + mi * 16 + g + 8 * h, col0 + ni * 8 + 2 * t + e, value(mi, h, ni, e));
+  } else if (rs != 0) {  // the columns sum: over a lane's columns, then over t
+#pragma unroll
+    for (int mi = 0; mi < kMT; ++mi)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float v = 0.f;
+#pragma unroll
+        for (int ni = 0; ni < kNT; ++ni) v += value(mi, h, ni, 0) + value(mi, h, ni, 1);
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        v += __shfl_xor_sync(0xffffffffu, v, 2);
+        if (t == 0) add(row0 + mi * 16 + g + 8 * h, 0, v);
+      }
+  } else if (cs != 0) {  // the rows sum: over a lane's rows, then over g
+#pragma unroll
+    for (int ni = 0; ni < kNT; ++ni)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float v = 0.f;
+#pragma unroll
+        for (int mi = 0; mi < kMT; ++mi) v += value(mi, 0, ni, e) + value(mi, 1, ni, e);
+        v += __shfl_xor_sync(0xffffffffu, v, 4);
+        v += __shfl_xor_sync(0xffffffffu, v, 8);
+        v += __shfl_xor_sync(0xffffffffu, v, 16);
+        if (g == 0) add(0, col0 + ni * 8 + 2 * t + e, v);
+      }
+  } else {  // both sum: the whole tile to one element
+    float v = 0.f;
+#pragma unroll
+    for (int mi = 0; mi < kMT; ++mi)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int ni = 0; ni < kNT; ++ni) v += value(mi, h, ni, 0) + value(mi, h, ni, 1);
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) add(0, 0, v);
+  }
 }
 
 }  // namespace flashattn

@@ -271,13 +271,16 @@ __device__ __forceinline__ void zero_key_tail(T* sK, int keys, int tid, int zero
   named_barrier_sync(zero_bar, kNThreads);
 }
 
-// kScoreMod: the instance for calls with softcap / ALiBi (../score_mod.cuh):
+// kMod: the score modifications the instance holds (ScoreModSet,
+// ../score_mod.cuh; kFlashAttn for softcap / ALiBi, kAttnBias for torch SDPA's
+// attn_mask, compiled apart as in the forward: together they spilled).
 // S^T is modified before P^T is recomputed from it and dS^T takes softcap's
 // derivative (recovered from P^T at the dS^T step, ../score_mod.cuh).
-template <typename Kt, bool kVarlen, bool kScoreMod = false>
+template <typename Kt, bool kVarlen, ScoreModSet kMod = ScoreModSet::kNone>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
     flash_bwd_sm90_ws_kernel(const __grid_constant__ AttnBwdParams p, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr bool kScoreMod = kMod != ScoreModSet::kNone;
   using T = typename Kt::Element;
   using TileQ = typename Kt::TileQ;
   using TileKV = typename Kt::TileKV;
@@ -516,7 +519,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     pin_registers(acc_s[0]);
     [[maybe_unused]] const ScoreModTile mod(p.score_mod, static_cast<float>(p.softmax_scale), b, hq, mask.seqlen_q,
                                             mask.seqlen_k);
-    if constexpr (kScoreMod) apply_score_mod_cols(acc_s, mod, n0 + warp_key0, m0, lane);
+    if constexpr (kScoreMod) apply_score_mod_cols<kMod>(acc_s, mod, n0 + warp_key0, m0, lane);
     probs_t(acc_s[0], kScoreMod ? 1.f : p.softmax_scale_log2, t, [&](int q) { return sLses[q]; });
     const bool needs_mask = mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0);
     if (needs_mask) apply_mask_cols(acc_s, mask, n0 + warp_key0, m0, lane, 0.f);
@@ -544,11 +547,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     }
     pin_registers(acc_dp[0]);
     ds_t(acc_dp[0], acc_s[0], sDsums, t);
-    if constexpr (kScoreMod)
+    if constexpr (holds_flash_attn_mods(kMod))
       apply_softcap_grad<true>(acc_dp, acc_s, mod, n0 + warp_key0, m0, lane,
                                [&](int, int, int qi, int e) { return sLses[qi * 8 + 2 * t + e]; });
     // A masked dS is 0 even where dP - D is not finite (0 * NaN).
     if (needs_mask) apply_mask_cols(acc_dp, mask, n0 + warp_key0, m0, lane, 0.f);
+    if constexpr (holds_attn_bias(kMod)) add_bias_grad_tile<true>(acc_dp, mod, n0 + warp_key0, m0, lane);
     if constexpr (Kt::kDvAfterDs) issue_dv();
 
       // dK += dS^T Q, dS^T as the register A operand.

@@ -95,14 +95,15 @@ struct PFragLayout {
   __device__ __forceinline__ static int offset(int i, int wg_tid) { return (i * 128 + wg_tid) * 4; }
 };
 
-// kScoreMod: the instance for calls with softcap / ALiBi (../score_mod.cuh):
-// consumer 0 modifies S^T before recomputing P^T, and hands consumer 1
-// P^T * (1 - t^2) (softcap's derivative) in fp32 for its dS^T, P^T itself in
-// 16 bits for dV.
-template <typename Kt, bool kVarlen, bool kScoreMod = false>
+// kMod: the score modifications the instance holds (ScoreModSet,
+// ../score_mod.cuh, as flash_bwd_sm90_ws_kernel): consumer 0 modifies S^T
+// before recomputing P^T, and hands consumer 1 P^T * (1 - t^2) (softcap's
+// derivative) in fp32 for its dS^T, P^T itself in 16 bits for dV.
+template <typename Kt, bool kVarlen, ScoreModSet kMod = ScoreModSet::kNone>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
     flash_bwd_sm90_ws_split_kernel(const __grid_constant__ AttnBwdParams p, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr bool kScoreMod = kMod != ScoreModSet::kNone;
   using T = typename Kt::Element;
   using TileQ = typename Kt::TileQ;
   using TileKV = typename Kt::TileKV;
@@ -388,13 +389,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         const float* sLses = sLse + s * kBlockM;
         [[maybe_unused]] const ScoreModTile mod(p.score_mod, static_cast<float>(p.softmax_scale), b, hq, mask.seqlen_q,
                                                 mask.seqlen_k);
-        if constexpr (kScoreMod) apply_score_mod_cols(acc_x, mod, n0 + warp_key0, m0, lane);
+        if constexpr (kScoreMod) apply_score_mod_cols<kMod>(acc_x, mod, n0 + warp_key0, m0, lane);
         probs_t(acc_x[0], kScoreMod ? 1.f : p.softmax_scale_log2, t, [&](int q) { return sLses[q]; });
         if (needs_mask) apply_mask_cols(acc_x, mask, n0 + warp_key0, m0, lane, 0.f);
         uint32_t a_p[kQSteps][4];
 #pragma unroll
         for (int kk = 0; kk < kQSteps; ++kk) acc_to_a<T>(a_p[kk], acc_x[0], kk);
-        if constexpr (kScoreMod)  // P^T (1 - t^2) in place (a_p keeps P^T for dV)
+        if constexpr (holds_flash_attn_mods(kMod))  // P^T (1 - t^2) in place (a_p keeps P^T for dV)
           apply_softcap_grad<true>(acc_x, acc_x, mod, n0 + warp_key0, m0, lane,
                                    [&](int, int, int qi, int e) { return sLses[qi * 8 + 2 * t + e]; });
 
@@ -449,6 +450,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         ds_t(acc_x[0], p_t, sDsum + s * kBlockM, t);
         // A masked dS is 0 even where dP - D is not finite (0 * NaN).
         if (needs_mask) apply_mask_cols(acc_x, mask, n0 + warp_key0, m0, lane, 0.f);
+        if constexpr (holds_attn_bias(kMod))
+          add_bias_grad_tile<true>(acc_x, ScoreModTile(p.score_mod, 0.f, b, hq, mask.seqlen_q, mask.seqlen_k),
+                                   n0 + warp_key0, m0, lane);
         uint32_t a_ds[kQSteps][4];
 #pragma unroll
         for (int kk = 0; kk < kQSteps; ++kk) acc_to_a<T>(a_ds[kk], acc_x[0], kk);
