@@ -152,12 +152,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   // The mask's gradient: the kernels add dS into a zeroed float32 buffer
   // (atomics where the mask broadcasts); the deterministic backward writes
   // the full (batch, heads, seqlen_q, seqlen_k) once per element instead and
-  // sums in torch, when the mask broadcasts at all.
-  const bool expanded = deterministic && attn_mask.has_value() && attn_mask->dim() > 0 &&
-                        (attn_mask->dim() < 4 || attn_mask->size(0) != batch || attn_mask->size(1) != heads_q ||
-                         attn_mask->size(2) != seqlen_q || attn_mask->size(3) != k.size(1));
+  // sums in torch (the same buffer when the mask does not broadcast).
   const at::Tensor dmask_buffer =
-      mask_grad ? attn_mask_grad_buffer(params.score_mod.bias, *attn_mask, q, k, /*zeroed=*/true, expanded)
+      mask_grad ? attn_mask_grad_buffer(params.score_mod.bias, *attn_mask, q, k, /*zeroed=*/true, deterministic)
                 : at::Tensor();
   auto dmask = [&] { return mask_grad ? attn_mask_grad_result(dmask_buffer, *attn_mask) : at::Tensor(); };
   if (is_empty_call(q, k))
