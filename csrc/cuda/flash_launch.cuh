@@ -246,18 +246,22 @@ cudaError_t launch_bwd_sm90_ws(const AttnBwdParams& p, cudaStream_t stream, bool
   constexpr ScoreModSet kNone = ScoreModSet::kNone;
   constexpr ScoreModSet kFa = kScoreModInstances ? ScoreModSet::kFlashAttn : kNone;
   constexpr ScoreModSet kBias = kScoreModInstances ? ScoreModSet::kAttnBias : kNone;
-  auto kernel = [varlen, mod = p.score_mod.any(), bias = p.score_mod.has_bias()] {
+  constexpr ScoreModSet kBiasGrad = kScoreModInstances ? ScoreModSet::kAttnBiasGrad : kNone;
+  auto kernel = [varlen, mod = p.score_mod.any(), bias = p.score_mod.has_bias(),
+                 bias_grad = p.score_mod.bias.grad != nullptr] {
     if constexpr (Kt::kSplitHeadDim)
-      return varlen ? (mod ? &flash_bwd_sm90_ws_split_kernel<Kt, true, kFa>
-                           : &flash_bwd_sm90_ws_split_kernel<Kt, true, kNone>)
-                    : (bias  ? &flash_bwd_sm90_ws_split_kernel<Kt, false, kBias>
-                       : mod ? &flash_bwd_sm90_ws_split_kernel<Kt, false, kFa>
-                             : &flash_bwd_sm90_ws_split_kernel<Kt, false, kNone>);
+      return varlen      ? (mod ? &flash_bwd_sm90_ws_split_kernel<Kt, true, kFa>
+                                : &flash_bwd_sm90_ws_split_kernel<Kt, true, kNone>)
+             : bias_grad ? &flash_bwd_sm90_ws_split_kernel<Kt, false, kBiasGrad>
+             : bias      ? &flash_bwd_sm90_ws_split_kernel<Kt, false, kBias>
+             : mod       ? &flash_bwd_sm90_ws_split_kernel<Kt, false, kFa>
+                         : &flash_bwd_sm90_ws_split_kernel<Kt, false, kNone>;
     else
-      return varlen ? (mod ? &flash_bwd_sm90_ws_kernel<Kt, true, kFa> : &flash_bwd_sm90_ws_kernel<Kt, true, kNone>)
-                    : (bias  ? &flash_bwd_sm90_ws_kernel<Kt, false, kBias>
-                       : mod ? &flash_bwd_sm90_ws_kernel<Kt, false, kFa>
-                             : &flash_bwd_sm90_ws_kernel<Kt, false, kNone>);
+      return varlen      ? (mod ? &flash_bwd_sm90_ws_kernel<Kt, true, kFa> : &flash_bwd_sm90_ws_kernel<Kt, true, kNone>)
+             : bias_grad ? &flash_bwd_sm90_ws_kernel<Kt, false, kBiasGrad>
+             : bias      ? &flash_bwd_sm90_ws_kernel<Kt, false, kBias>
+             : mod       ? &flash_bwd_sm90_ws_kernel<Kt, false, kFa>
+                         : &flash_bwd_sm90_ws_kernel<Kt, false, kNone>;
   }();
   if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
   // The kernel adds whole tiles (padding rows and columns included) in its own

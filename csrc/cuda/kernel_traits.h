@@ -1,9 +1,15 @@
 // Compile-time shapes of the kernels: block sizes, warps, shared memory.
 #pragma once
 
+#include "mask_skip.cuh"
 #include "tile.cuh"
 
 namespace flashattn {
+
+// The Hopper backward's shared-memory bitmap of the query blocks an attn_mask
+// leaves visible (mask_skip.cuh), after the mbarriers; reserved in every
+// instance, so that one traits type serves them all.
+constexpr int kSkipBitmapBytes = StepBitmap<true>::kSmemBytes;
 
 // Forward: kBlockM query rows per CTA split over kNWarps warps; key/value
 // blocks of kBlockN rows. Shared memory holds Q, one K block and one V block.
@@ -176,7 +182,7 @@ struct FwdSm90WsTraits {
   using TileKV = SmemTile<kBlockN, kHeadDim>;
   static constexpr int kBytesQ = TileQ::kElems * 2;
   static constexpr int kBytesKV = TileKV::kElems * 2;
-  static constexpr int kBarrierBytes = (4 * kStages + 2) * 8;
+  static constexpr int kBarrierBytes = (4 * kStages + 2) * 8 + (kStages + 1) / 2 * 8;  // + next_step[kStages]
   // +1024: dynamic shared memory is aligned up to 1024 bytes (the swizzle atom).
   static constexpr int kSmemLimit = 227 * 1024;
   static constexpr bool kSeparateO = 1024 + 2 * kBytesQ + 2 * kStages * kBytesKV + kBarrierBytes <= kSmemLimit;
@@ -264,7 +270,7 @@ struct BwdSm90WsTraits {
   // +1024: dynamic shared memory is aligned up to 1024 bytes (the swizzle atom).
   static constexpr int smem_bytes(int dq_tiles) {
     return 1024 + 2 * kBytesKV + 2 * kStages * kBytesQ + 2 * TileDS::kElems * 2 + dq_tiles * kBlockM * kHeadDim * 4 +
-           2 * kStages * kBlockM * 4 + (1 + 2 * kStages) * 8;
+           2 * kStages * kBlockM * 4 + (1 + 2 * kStages) * 8 + kSkipBitmapBytes;
   }
   // fp32 dQ tiles in shared memory: one a consumer when they take turns; else
   // two where they fit (head dim 128: the consumers write step it's tile while
@@ -320,7 +326,7 @@ struct BwdSm90WsSplitTraits {
   // full and empty, the Q ring's 2 kStages, and the full / empty pairs of P^T, dS^T and the two dQ parts.
   static constexpr int kSmemBytes = 1024 + 2 * kBytesKV + (kStages + 1) * kBytesQ + 2 * TileDS::kElems * 2 +
                                     TileDS::kElems * 4 + kDqPart0Floats * 4 + 2 * kStages * kBlockM * 4 +
-                                    (3 + 2 * kStages + 8) * 8;
+                                    (3 + 2 * kStages + 8) * 8 + kSkipBitmapBytes;
 
   static_assert(kHeadDim == 192 || kHeadDim == 256, "the head-dim split is built for 192 and 256");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 65536, "register file");

@@ -117,6 +117,7 @@
 
 #include "../../flash_params.h"
 #include "../bwd_common.cuh"
+#include "../mask_skip.cuh"
 #include "../nonfinite_fixup.cuh"
 #include "../score_mod.cuh"
 #include "bwd_sm90_common.cuh"
@@ -276,11 +277,18 @@ __device__ __forceinline__ void zero_key_tail(T* sK, int keys, int tid, int zero
 // attn_mask, compiled apart as in the forward: together they spilled).
 // S^T is modified before P^T is recomputed from it and dS^T takes softcap's
 // derivative (recovered from P^T at the dS^T step, ../score_mod.cuh).
+// The attn_mask instance skips the query blocks the mask hides outright from
+// the block's keys (../mask_skip.cuh): the producer, the dQ writer and the
+// consumers walk the same visible steps, and the ring, the dS^T and dQ tiles
+// and their barriers count visible steps (r), not steps (it). In the
+// deterministic mode the writer still takes and passes the turn of a hidden
+// step, with no add.
 template <typename Kt, bool kVarlen, ScoreModSet kMod = ScoreModSet::kNone>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
     flash_bwd_sm90_ws_kernel(const __grid_constant__ AttnBwdParams p, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kScoreMod = kMod != ScoreModSet::kNone;
+  constexpr bool kSkipHidden = holds_attn_bias(kMod);
   using T = typename Kt::Element;
   using TileQ = typename Kt::TileQ;
   using TileKV = typename Kt::TileKV;
@@ -321,6 +329,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   uint64_t* full_kv = reinterpret_cast<uint64_t*>(sDsum + kStages * kBlockM);
   uint64_t* full_q = full_kv + 1;        // [kStages]
   uint64_t* empty_q = full_q + kStages;  // [kStages]
+  // (then the attn_mask instance's bitmap of visible steps, StepBitmap)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
   const int wg = warp / 4;
@@ -346,6 +355,15 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   const QuerySweep<kBlockM> sweep(mask, n0, keys, h_kv, ratio, deterministic ? n_block * p.dq_sweep_stride : n_block);
   const int iters = sweep.iters;
   auto query_block = [&](int it, int& hq, int& m0) { sweep.step(it, hq, m0); };
+  // Step it's tile (its query block x this block's keys) hidden by the attn_mask.
+  // (By value: a lambda holding references to the kernel's locals puts them
+  // on the stack.)
+  auto step_hidden = [sweep, bias = &p.score_mod.bias, b, n0, last_key = n0 + keys - 1,
+                      seqlen_q = mask.seqlen_q](int it) {
+    int hq, m0;
+    sweep.step(it, hq, m0);
+    return summary_hides<kBlockM, kBlockN>(*bias, b, hq, m0, min(m0 + kBlockM, seqlen_q) - 1, n0, last_key);
+  };
   auto stage = [](int it) { return it % kStages; };
   auto parity = [](int it) { return uint32_t(it / kStages) & 1; };
 
@@ -357,6 +375,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     }
     mbar_fence_init();
   }
+  const auto visible = StepBitmap<kSkipHidden>::template fill<Kt::kNThreads>(
+      reinterpret_cast<uint32_t*>(empty_q + kStages), iters, step_hidden, p.score_mod.bias.summary != nullptr, tid);
   __syncthreads();  // the last CTA-wide barrier: from here on the roles run apart
 
   if (wg == 0) {
@@ -384,12 +404,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
           next.load(p, b, hq, m0, lane);
         }
       };
-      load_rowvecs(0);
-      for (int it = 0; it < iters; ++it) {
-        const int s = stage(it);
+      int it = visible.next(0);
+      if (it < iters) load_rowvecs(it);
+      for (int r = 0; it < iters; ++r) {  // r: the visible steps so far
+        const int s = stage(r);
         int hq, m0;
         query_block(it, hq, m0);
-        mbar_wait(&empty_q[s], parity(it) ^ 1);
+        mbar_wait(&empty_q[s], parity(r) ^ 1);
         if (lane == 0) {
           mbar_arrive_expect_tx(&full_q[s], 2 * Kt::kBytesQ);
 #pragma unroll
@@ -402,13 +423,20 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         }
         next.store(sLse + s * kBlockM, sDsum + s * kBlockM, lane);
         mbar_arrive(&full_q[s]);  // every lane: releases its own writes to the consumers
-        if (it + 1 < iters) load_rowvecs(it + 1);
+        const int next_it = visible.next(it + 1);
+        if (next_it < iters) load_rowvecs(next_it);
+        it = next_it;
       }
     } else if (warp == 1 && iters > 0) {
       // dQ writer: the consumers' dQ tile of step it into dq_accum, one row a bulk add.
-      named_barrier_arrive(kDqEmpty, kDqBarThreads);                                     // the tile starts free
-      if (kDqDoubleBuffer && iters > 1) named_barrier_arrive(kDqEmpty1, kDqBarThreads);  // and the second
-      for (int it = 0; it < iters; ++it) {
+      const int first = visible.next(0);
+      if (first < iters) named_barrier_arrive(kDqEmpty, kDqBarThreads);  // the tile starts free
+      if (kDqDoubleBuffer && first < iters && visible.next(first + 1) < iters)
+        named_barrier_arrive(kDqEmpty1, kDqBarThreads);  // and the second
+      // Deterministic: every step (a hidden one still takes and passes its turn).
+      int r = 0;  // the visible steps so far
+      for (int it = deterministic ? 0 : first; it < iters; it = deterministic ? it + 1 : visible.next(it + 1)) {
+        const bool shown = visible.next(it) == it;
         int hq, m0;
         query_block(it, hq, m0);
         // Deterministic: the writer's two global round trips a step (waiting
@@ -418,22 +446,28 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         int* sem = nullptr;
         if (deterministic && lane == 0)
           sem = dq_wait_for_turn<kBlockN, kBlockM, kVarlen>(p, mask, b, hq, m0, n_block, sweep.order_index(it));
-        named_barrier_sync(dq_full_bar(it), kDqBarThreads);
-        float* gdq =
-            static_cast<float*>(p.dq_accum_ptr) +
-            (kVarlen ? dq_accum_offset(p, seq, b, hq) : b * p.dq_accum_batch_stride + hq * p.dq_accum_head_stride) +
-            int64_t(m0) * p.dq_accum_row_stride;
-        // One bulk add of the whole tile: the accumulator keeps each (b, h, query
-        // block) in the tile's fragment order (DqFragLayout), and its rows are
-        // padded to kBwdBlockM (varlen: kBwdBlockM padding rows after each
-        // sequence), so the tile is one contiguous range of its own.
-        if (lane == 0) {
-          bulk_reduce_add_f32(gdq, sdQ + (it % Kt::kDqTiles) * kDqTileFloats, kDqTileFloats * 4);
-          tma_store_commit();
-          tma_store_wait_read();
+        if (shown) {
+          named_barrier_sync(dq_full_bar(r), kDqBarThreads);
+          float* gdq = static_cast<float*>(p.dq_accum_ptr) +
+                       (kVarlen ? dq_accum_offset(p, seq, b, hq)
+                                : b * p.dq_accum_batch_stride + hq * p.dq_accum_head_stride) +
+                       int64_t(m0) * p.dq_accum_row_stride;
+          // One bulk add of the whole tile: the accumulator keeps each (b, h, query
+          // block) in the tile's fragment order (DqFragLayout), and its rows are
+          // padded to kBwdBlockM (varlen: kBwdBlockM padding rows after each
+          // sequence), so the tile is one contiguous range of its own.
+          if (lane == 0) {
+            bulk_reduce_add_f32(gdq, sdQ + (r % Kt::kDqTiles) * kDqTileFloats, kDqTileFloats * 4);
+            tma_store_commit();
+            tma_store_wait_read();
+          }
+          __syncwarp();
+          // The tile is written again kDqReuse visible steps later, if there are that many.
+          int later = visible.next(it + 1);
+          if (kDqReuse == 2 && later < iters) later = visible.next(later + 1);
+          if (later < iters) named_barrier_arrive(dq_empty_bar(r), kDqBarThreads);
+          ++r;
         }
-        __syncwarp();
-        if (it + kDqReuse < iters) named_barrier_arrive(dq_empty_bar(it), kDqBarThreads);
         if (deterministic && lane == 0) dq_pass_turn(sem);
       }
       tma_store_wait_all();
@@ -469,7 +503,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   float acc_dq[kDqPerWg][8][4];
   const int wg_tid = ctid % 128;
   auto write_dq = [&](int it) {
-    // The dQ tile of step it (in turns: each consumer its own, which keeps the
+    // The dQ tile of visible step it (in turns: each consumer its own, which keeps the
     // writes of consecutive steps apart), once the writer has read it last.
     float* sdQ_own = sdQ + (kDqAlternate ? cwg : (kDqDoubleBuffer ? (it & 1) : 0)) * kDqTileFloats;
     named_barrier_sync(dq_empty_bar(it), kDqBarThreads);
@@ -488,8 +522,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   if (iters > 0) mbar_wait(full_kv, 0);
   if (kVarlen && iters > 0 && keys < kBlockN) zero_key_tail<TileKV, kConsumerThreads>(sK, keys, ctid, kZeroBar);
 
-  for (int it = 0; it < iters; ++it) {
-    const int s = stage(it);
+  int r = 0;  // the visible steps so far: the ring's use, the dS^T buffer, the dQ tile and turn
+  for (int it = visible.next(0); it < iters; it = visible.next(it + 1), ++r) {
+    const int s = stage(r);
     int hq, m0;
     query_block(it, hq, m0);
     const uint32_t q_addr = smem_u32(sQ + s * TileQ::kElems), do_addr = smem_u32(sdO + s * TileQ::kElems);
@@ -498,8 +533,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const uint64_t desc_do_n = smem_desc(do_addr, Kt::kPanelQ, kSbo);
     const float* sLses = sLse + s * kBlockM;
     const float* sDsums = sDsum + s * kBlockM;
-    T* sdS_it = sdS + (it & 1) * TileDS::kElems;
-    mbar_wait(&full_q[s], parity(it));
+    T* sdS_it = sdS + (r & 1) * TileDS::kElems;
+    mbar_wait(&full_q[s], parity(r));
     if constexpr (kVarlen) {
       // The sequence's last, partial query block: its rows past seqlen_q are
       // the next sequence's Q / dO (see the top of the file). Both consumers
@@ -552,7 +587,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                                [&](int, int, int qi, int e) { return sLses[qi * 8 + 2 * t + e]; });
     // A masked dS is 0 even where dP - D is not finite (0 * NaN).
     if (needs_mask) apply_mask_cols(acc_dp, mask, n0 + warp_key0, m0, lane, 0.f);
-    if constexpr (holds_attn_bias(kMod)) add_bias_grad_tile<true>(acc_dp, mod, n0 + warp_key0, m0, lane);
+    if constexpr (holds_bias_grad(kMod)) add_bias_grad_tile<true>(acc_dp, mod, n0 + warp_key0, m0, lane);
     if constexpr (Kt::kDvAfterDs) issue_dv();
 
       // dK += dS^T Q, dS^T as the register A operand.
@@ -569,7 +604,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     // acc_dp). a_ds[kk] = rows g / g + 8 of n-tiles 2kk, 2kk + 1.
     store_a_frags<TileDS>(sdS_it, a_ds, warp_key0, g, t);
     fence_proxy_async_smem();  // wgmma (async proxy) reads what st.shared wrote
-    const bool dq_owner = !kDqAlternate || (it & 1) == cwg;
+    const bool dq_owner = !kDqAlternate || (r & 1) == cwg;
     if (!dq_owner) {
       named_barrier_arrive(kDsBar, kConsumerThreads);
       wgmma_wait<0>();  // dV, dK done: the Q / dO stage is free
@@ -603,7 +638,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < kDqPerWg; ++i) pin_registers(acc_dq[i]);
-    write_dq(it);
+    write_dq(r);
   }
 
   // Epilogue: dK (scaled) and dV through sK / sV once both warpgroups are done reading them.

@@ -78,6 +78,7 @@
 
 #include "../../flash_params.h"
 #include "../bwd_common.cuh"
+#include "../mask_skip.cuh"
 #include "../nonfinite_fixup.cuh"
 #include "../score_mod.cuh"
 #include "bwd_sm90_common.cuh"
@@ -99,11 +100,17 @@ struct PFragLayout {
 // ../score_mod.cuh, as flash_bwd_sm90_ws_kernel): consumer 0 modifies S^T
 // before recomputing P^T, and hands consumer 1 P^T * (1 - t^2) (softcap's
 // derivative) in fp32 for its dS^T, P^T itself in 16 bits for dV.
+// The attn_mask instance skips the query blocks the mask hides outright, as
+// flash_bwd_sm90_ws_kernel does: every role walks the visible steps (`step`,
+// the sweep's index) and counts them (`it`, which the ring and the hand-off
+// barriers' phases follow); the deterministic writer passes a hidden step's
+// turn on without an add.
 template <typename Kt, bool kVarlen, ScoreModSet kMod = ScoreModSet::kNone>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
     flash_bwd_sm90_ws_split_kernel(const __grid_constant__ AttnBwdParams p, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kScoreMod = kMod != ScoreModSet::kNone;
+  constexpr bool kSkipHidden = holds_attn_bias(kMod);
   using T = typename Kt::Element;
   using TileQ = typename Kt::TileQ;
   using TileKV = typename Kt::TileKV;
@@ -147,6 +154,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   uint64_t* empty_ds = full_ds + 1;      // consumer 0 -> 1: dS^T read
   uint64_t* full_dq = empty_ds + 1;      // [2] consumer c -> writer: part c of the dQ tile written
   uint64_t* empty_dq = full_dq + 2;      // [2] writer -> consumer c: the tile is free for part c
+  // (then the attn_mask instance's bitmap of visible steps, StepBitmap)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
   const int wg = warp / 4;
@@ -168,6 +176,15 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   const QuerySweep<kBlockM> sweep(mask, n0, keys, h_kv, ratio, deterministic ? n_block * p.dq_sweep_stride : n_block);
   const int iters = sweep.iters;
   auto query_block = [&](int it, int& hq, int& m0) { sweep.step(it, hq, m0); };
+  // Step it's tile (its query block x this block's keys) hidden by the attn_mask.
+  // (By value: a lambda holding references to the kernel's locals puts them
+  // on the stack.)
+  auto step_hidden = [sweep, bias = &p.score_mod.bias, b, n0, last_key = n0 + keys - 1,
+                      seqlen_q = mask.seqlen_q](int it) {
+    int hq, m0;
+    sweep.step(it, hq, m0);
+    return summary_hides<kBlockM, kBlockN>(*bias, b, hq, m0, min(m0 + kBlockM, seqlen_q) - 1, n0, last_key);
+  };
   auto stage = [](int it) { return it % kStages; };
   auto parity = [](int it) { return uint32_t(it / kStages) & 1; };
 
@@ -192,6 +209,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     }
     mbar_fence_init();
   }
+  const auto visible = StepBitmap<kSkipHidden>::template fill<Kt::kNThreads>(
+      reinterpret_cast<uint32_t*>(empty_dq + 2), iters, step_hidden, p.score_mod.bias.summary != nullptr, tid);
   __syncthreads();  // the last CTA-wide barrier: from here on the roles run apart
 
   if (wg == 0) {
@@ -218,11 +237,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
           next.load(p, b, hq, m0, lane);
         }
       };
-      load_rowvecs(0);
-      for (int it = 0; it < iters; ++it) {
+      int step = visible.next(0);
+      if (step < iters) load_rowvecs(step);
+      for (int it = 0; step < iters; ++it) {  // it: the visible steps so far
         const int s = stage(it);
         int hq, m0;
-        query_block(it, hq, m0);
+        query_block(step, hq, m0);
         mbar_wait(&empty_q[s], parity(it) ^ 1);
         if (lane == 0) {
           mbar_arrive_expect_tx(&full_q[s], Kt::kBytesQ);
@@ -242,16 +262,28 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
             tma_load_4d(sdO + pn * TileQ::kRows * 64, &maps.dout, full_do, pn * 64, hq, kVarlen ? seq.q_start + m0 : m0,
                         tma_b);
         }
-        if (it + 1 < iters) load_rowvecs(it + 1);
+        const int next_step = visible.next(step + 1);
+        if (next_step < iters) load_rowvecs(next_step);
+        step = next_step;
       }
     } else if (warp == 1 && iters > 0) {
       // dQ writer: the two parts of each step's dQ tile, consumer 0's then
       // consumer 1's, through the one shared tile. Lane 0 issues the bulk adds
       // and, once the TMA unit has read the tile, hands it on with its own
       // arrive (empty_dq counts that one thread); the other lanes only wait.
-      for (int it = 0; it < iters; ++it) {
+      int it = 0;  // the visible steps so far
+      // Deterministic: every step (a hidden one still takes and passes its turn).
+      for (int step = deterministic ? 0 : visible.next(0); step < iters;
+           step = deterministic ? step + 1 : visible.next(step + 1)) {
         int hq, m0;
-        query_block(it, hq, m0);
+        query_block(step, hq, m0);
+        if (visible.next(step) != step) {  // hidden (deterministic mode only)
+          if (lane == 0)
+            dq_pass_turn(dq_wait_for_turn<kBlockN, kBlockM, kVarlen>(p, mask, b, hq, m0, n_block,
+                                                                     sweep.order_index(step)));
+          __syncwarp();
+          continue;
+        }
         // (Varlen: the sequence's own accumulator rows, dq_accum_offset.)
         float* gdq =
             static_cast<float*>(p.dq_accum_ptr) +
@@ -268,7 +300,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
           mbar_wait(&full_dq[half], uint32_t(it) & 1);
           if (lane == 0) {
             if (deterministic && half == 0)
-              sem = dq_wait_for_turn<kBlockN, kBlockM, kVarlen>(p, mask, b, hq, m0, n_block, sweep.order_index(it));
+              sem = dq_wait_for_turn<kBlockN, kBlockM, kVarlen>(p, mask, b, hq, m0, n_block, sweep.order_index(step));
             bulk_reduce_add_f32(gdq + half * kDqPart0Floats, sdQ, (half == 0 ? kDqPart0Floats : kDqPart1Floats) * 4);
             tma_store_commit();
             if (deterministic && half == 1) {
@@ -283,6 +315,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
           }
           __syncwarp();  // no lane falls a phase of full_dq behind
         }
+        ++it;
       }
       tma_store_wait_all();
     }
@@ -355,10 +388,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                                            ks > 0);
     };
 
-    for (int it = 0; it < iters; ++it) {
+    // step: the sweep's index; it: the visible steps so far (the phases of the ring and the hand-offs).
+    for (int step = visible.next(0), it = 0; step < iters; step = visible.next(step + 1), ++it) {
       const int s = stage(it);
       int hq, m0;
-      query_block(it, hq, m0);
+      query_block(step, hq, m0);
       const uint32_t q_addr = smem_u32(sQ + s * TileQ::kElems);
       const uint64_t desc_q_n = smem_desc(q_addr + kPanel0 * Kt::kPanelQ, Kt::kPanelQ, kSbo);  // B of dK, N-major
       const uint64_t desc_do_n = smem_desc(do_cols, Kt::kPanelQ, kSbo);                        // B of dV, N-major
@@ -450,7 +484,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         ds_t(acc_x[0], p_t, sDsum + s * kBlockM, t);
         // A masked dS is 0 even where dP - D is not finite (0 * NaN).
         if (needs_mask) apply_mask_cols(acc_x, mask, n0 + warp_key0, m0, lane, 0.f);
-        if constexpr (holds_attn_bias(kMod))
+        if constexpr (holds_bias_grad(kMod))
           add_bias_grad_tile<true>(acc_x, ScoreModTile(p.score_mod, 0.f, b, hq, mask.seqlen_q, mask.seqlen_k),
                                    n0 + warp_key0, m0, lane);
         uint32_t a_ds[kQSteps][4];

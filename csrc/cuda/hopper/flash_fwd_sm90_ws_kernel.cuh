@@ -32,7 +32,10 @@
 // (causal diagonal, the ragged end of the keys) come first. The per-element
 // mask, the skipped blocks and the CTA order are those of the other kernels
 // (../mask.cuh); masks, bias or dropout slot in at softmax_step, where S is in
-// registers with known (row, key) coordinates.
+// registers with known (row, key) coordinates. The attn_mask instance also
+// skips the key blocks the mask hides outright (../mask_skip.cuh: producer and
+// consumers walk the same visible steps; ring use n is the CTA's n-th visible
+// block).
 //
 // Varlen batches (kVarlen, a separate instance so that the dense one keeps its
 // registers; see SeqInfo in ../../flash_params.h) run the same pipeline:
@@ -89,6 +92,7 @@
 
 #include "../../flash_params.h"
 #include "../mask.cuh"
+#include "../mask_skip.cuh"
 #include "../nonfinite_fixup.cuh"
 #include "../softmax.cuh"
 #include "../tile.cuh"
@@ -112,6 +116,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                              const FwdSchedule sched) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kScoreMod = kMod != ScoreModSet::kNone;
+  constexpr bool kSkipHidden = holds_attn_bias(kMod);  // key blocks the attn_mask hides (../mask_skip.cuh)
   using T = typename Kt::Element;
   using TileQ = typename Kt::TileQ;
   using TileKV = typename Kt::TileKV;
@@ -169,7 +174,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   if (wg == 0) {
     // ---- producer -------------------------------------------------------
     warpgroup_reg_dealloc<Kt::kProducerRegs>();
-    if (warp == 0 && lane == 0) fwd_sm90_producer<Kt, kVarlen>(p, maps, sched, mask, sm);
+    // (The attn_mask instance: the whole warp, for its lookups of hidden blocks.)
+    if (warp == 0 && (kSkipHidden || lane == 0))
+      fwd_sm90_producer<Kt, kVarlen, kSkipHidden>(p, maps, sched, mask, sm, lane);
     return;
   }
 
@@ -199,19 +206,30 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const BlockMask tmask = mask_of(tl);
     int n_min, n_max;
     tmask.key_block_range<kBlockN>(m0, tl.rows, n_min, n_max);
-    if (n_max <= n_min) {
+    const int blocks = n_max - n_min;  // step j visits key block n_max - 1 - j
+    // The steps the producer loads (all of them without an attn_mask): the
+    // first one looked up here (whether the tile has one at all), the rest
+    // as the producer publishes them with each K stage (scores_done).
+    int step = blocks > 0 ? visible_key_steps<Kt::kBlockM, kBlockN, kSkipHidden>(
+                                p.score_mod.bias, tl.b, tl.h, m0, tl.rows, n_max, tmask.seqlen_k, blocks)
+                                .next_warp(0)
+                          : blocks;
+    if (step >= blocks) {
       store_unseeing_query_block<T>(p, tl.seq, tl.b, tl.h, m0, tl.rows, ctid, kConsumers * 128);
       continue;
     }
-    const int blocks = n_max - n_min;  // step j visits key block n_max - 1 - j
 
     OnlineSoftmax<1> softmax;
     const FwdSm90ScoreStep<Kt, kMod> softmax_step{p,         tmask, softmax,        m0,   n_max,
                                                   warp_row0, lane,  positive_scale, tl.b, tl.h};
-    // After S_j has completed: the last S of the tile frees Q for the next tile.
-    auto scores_done = [&](int j) {
-      mbar_arrive(&empty_k[stage(it0 + j)]);
-      if (Kt::kSeparateO && j == blocks - 1 && elected) mbar_arrive(empty_q);
+    // After S of ring use i (step j) has completed: K is free, and the tile's
+    // last S frees Q for the next tile. Returns the visible step after j
+    // (>= blocks: none), read from the stage before it is released.
+    auto scores_done = [&](int i, int j) {
+      const int after = kSkipHidden ? sm.next_step[stage(it0 + i)] : j + 1;
+      mbar_arrive(&empty_k[stage(it0 + i)]);
+      if (Kt::kSeparateO && after >= blocks && elected) mbar_arrive(empty_q);
+      return after;
     };
 
     clear(acc_o);
@@ -219,7 +237,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     float correction[1][2];
     mbar_wait(full_q, q_iter & 1);
 
-    // S_0 and its softmax (O is zero: no rescale).
+    // The first visible block and its softmax (O is zero: no rescale).
     mbar_wait(&full_k[stage(it0)], parity(it0));
     mainloop.turn_begin();
     wgmma_fence();
@@ -227,42 +245,44 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     mainloop.turn_end();
     wgmma_wait<0>();
     pin_registers(acc_s[0]);
-    scores_done(0);
-    softmax_step(acc_s, 0, correction);
+    int next = scores_done(0, step);
+    softmax_step(acc_s, step, correction);
 
-    for (int j = 0; j + 1 < blocks; ++j) {
-      // P_j packed into A fragments frees acc_s for S_{j+1}.
+    int i = 0;  // ring use it0 + i: the current block
+    for (; next < blocks; ++i) {
+      // P_i packed into A fragments frees acc_s for S_{i+1}.
       uint32_t a_p[kBlockN / 16][4];
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a<T>(a_p[kk], acc_s[0], kk);
-      mbar_wait(&full_k[stage(it0 + j + 1)], parity(it0 + j + 1));
-      mbar_wait(&full_v[stage(it0 + j)], parity(it0 + j));
+      mbar_wait(&full_k[stage(it0 + i + 1)], parity(it0 + i + 1));
+      mbar_wait(&full_v[stage(it0 + i)], parity(it0 + i));
       mainloop.turn_begin();
       wgmma_fence();
-      mainloop.issue_scores(acc_s, it0 + j + 1);
-      mainloop.issue_pv(a_p, it0 + j);
+      mainloop.issue_scores(acc_s, it0 + i + 1);
+      mainloop.issue_pv(a_p, it0 + i);
       mainloop.turn_end();
       wgmma_wait<1>();
       pin_registers(acc_s[0]);
-      scores_done(j + 1);
-      softmax_step(acc_s, j + 1, correction);
+      const int step_s = next;
+      next = scores_done(i + 1, step_s);
+      softmax_step(acc_s, step_s, correction);
       wgmma_wait<0>();
       pin_registers(acc_o[0]);
-      mbar_arrive(&empty_v[stage(it0 + j)]);
+      mbar_arrive(&empty_v[stage(it0 + i)]);
       OnlineSoftmax<1>::rescale(acc_o, correction);
     }
     {  // The last block: P V only.
       uint32_t a_p[kBlockN / 16][4];
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a<T>(a_p[kk], acc_s[0], kk);
-      mbar_wait(&full_v[stage(it0 + blocks - 1)], parity(it0 + blocks - 1));
+      mbar_wait(&full_v[stage(it0 + i)], parity(it0 + i));
       mainloop.turn_begin();
       wgmma_fence();
-      mainloop.issue_pv(a_p, it0 + blocks - 1);
+      mainloop.issue_pv(a_p, it0 + i);
       mainloop.turn_end();
       wgmma_wait<0>();
       pin_registers(acc_o[0]);
-      mbar_arrive(&empty_v[stage(it0 + blocks - 1)]);
+      mbar_arrive(&empty_v[stage(it0 + i)]);
     }
 
     // ---- epilogue -----------------------------------------------------------
@@ -338,7 +358,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       // (With a separate O tile, the next tile's epilogue syncs this
       // consumer's threads before any of them writes sO again.)
     }
-    it0 += blocks;
+    it0 += i + 1;
     ++q_iter;
   }
   if (cwg == 0) mainloop.turn_begin();  // the last consumer's final arrive

@@ -19,7 +19,8 @@ struct FwdTmaMaps {
 };
 
 // The CTA's shared memory: the Q tile, the O tile (or O staged in Q), the
-// K and V rings of kStages stages and their full / empty mbarriers, Q's pair.
+// K and V rings of kStages stages and their full / empty mbarriers, Q's pair,
+// the ring's next-step words.
 template <typename Kt>
 struct FwdSm90Smem {
   using T = typename Kt::Element;
@@ -27,6 +28,10 @@ struct FwdSm90Smem {
   using TileKV = typename Kt::TileKV;
   T *sQ, *sO, *sK, *sV;
   uint64_t *full_k, *empty_k, *full_v, *empty_v, *full_q, *empty_q;
+  // [kStages] (the attn_mask instance) the key-block step after the one whose
+  // K the stage holds: the producer's word on which blocks it loads next
+  // (../mask_skip.cuh), published by the stage's full barrier.
+  int* next_step;
 
   __device__ __forceinline__ explicit FwdSm90Smem(char* smem_raw) {
     char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
@@ -40,6 +45,7 @@ struct FwdSm90Smem {
     empty_v = full_v + Kt::kStages;
     full_q = empty_v + Kt::kStages;
     empty_q = full_q + 1;
+    next_step = reinterpret_cast<int*>(empty_q + 1);
   }
 };
 

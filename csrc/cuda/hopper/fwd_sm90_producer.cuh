@@ -2,25 +2,36 @@
 // (flash_fwd_sm90_ws_kernel.cuh): warpgroup 0, one thread, the TMA loads of
 // Q once a tile and of K and V block by block into the rings. Called by
 // that thread, after the warpgroup has given its registers away.
+//
+// kSkipHidden (the attn_mask instance): the key blocks the mask hides
+// outright are not loaded, and each K stage carries the next visible step for
+// the consumers (ring use n is the n-th visible block of the CTA's tiles in
+// both roles). Then the whole warp runs this (`lane` 0 issues), so that the
+// lookup takes 32 blocks at a time (../mask_skip.cuh): one thread walking the
+// blocks paid a load latency per hidden block, most of a document mask's.
 #pragma once
 
+#include "../mask_skip.cuh"
 #include "fwd_sm90_common.cuh"
 
 namespace flashattn {
 
-template <typename Kt, bool kVarlen>
+template <typename Kt, bool kVarlen, bool kSkipHidden = false>
 __device__ __forceinline__ void fwd_sm90_producer(const AttnFwdParams& p, const FwdTmaMaps& maps,
                                                   const FwdSchedule& sched, const BlockMask& mask,
-                                                  const FwdSm90Smem<Kt>& sm) {
+                                                  const FwdSm90Smem<Kt>& sm, int lane) {
   using T = typename Kt::Element;
   using TileQ = typename Kt::TileQ;
   using TileKV = typename Kt::TileKV;
   using C = FwdSm90Coords<Kt, kVarlen>;
   using Tile = typename C::Tile;
   constexpr int kBlockN = Kt::kBlockN;
-  prefetch_tensor_map(&maps.q);
-  prefetch_tensor_map(&maps.k);
-  prefetch_tensor_map(&maps.v);
+  const bool leader = lane == 0;  // (without kSkipHidden the only thread here)
+  if (leader) {
+    prefetch_tensor_map(&maps.q);
+    prefetch_tensor_map(&maps.k);
+    prefetch_tensor_map(&maps.v);
+  }
   int it0 = 0, q_iter = 0;
   for (int round = 0; round < sched.rounds; ++round) {
     const int tile = fwd_tile_of_round(sched, round, blockIdx.x, gridDim.x);
@@ -30,29 +41,49 @@ __device__ __forceinline__ void fwd_sm90_producer(const AttnFwdParams& p, const 
     int n_min, n_max;
     C::mask_of(p, mask, tl).template key_block_range<kBlockN>(tl.m0, tl.rows, n_min, n_max);
     if (n_max <= n_min) continue;
-    const int blocks = n_max - n_min;
-    auto load = [&](const CUtensorMap* map, T* ring, uint64_t* full, uint64_t* empty, int j) {
-      const int s = C::stage(it0 + j), row0 = C::k_row_of(tl, (n_max - 1 - j) * kBlockN);
-      mbar_wait(&empty[s], C::parity(it0 + j) ^ 1);
+    const int blocks = n_max - n_min;  // step j visits key block n_max - 1 - j
+    auto visible = visible_key_steps<Kt::kBlockM, kBlockN, kSkipHidden>(
+        p.score_mod.bias, tl.b, tl.h, tl.m0, tl.rows, n_max, C::mask_of(p, mask, tl).seqlen_k, blocks);
+    int step = visible.next_warp(0);
+    if (step >= blocks) continue;  // the mask hides every key of the tile: the consumers store zeros
+    int next = visible.next_warp(step + 1);
+    // Ring use it0 + i holds the i-th visible block, that of step j; a K
+    // stage also carries the step after j (`after`) for the consumers.
+    auto load = [&](const CUtensorMap* map, T* ring, uint64_t* full, uint64_t* empty, int i, int j, int after) {
+      const int s = C::stage(it0 + i), row0 = C::k_row_of(tl, (n_max - 1 - j) * kBlockN);
+      mbar_wait(&empty[s], C::parity(it0 + i) ^ 1);
+      if (!leader) return;
+      if (kSkipHidden && after >= 0) sm.next_step[s] = after;  // (released by the arrive below)
       mbar_arrive_expect_tx(&full[s], Kt::kBytesKV);
 #pragma unroll
       for (int pn = 0; pn < Kt::kPanels; ++pn)
         tma_load_4d(ring + s * TileKV::kElems + pn * TileKV::kRows * 64, map, &full[s], pn * 64, tl.h_kv, row0,
                     C::batch_of(p, tl));
     };
-    load(&maps.k, sm.sK, sm.full_k, sm.empty_k, 0);
+    load(&maps.k, sm.sK, sm.full_k, sm.empty_k, 0, step, next);
     mbar_wait(sm.empty_q, (q_iter & 1) ^ 1);  // the previous tile's last S GEMM (or O store) is done with sQ
-    mbar_arrive_expect_tx(sm.full_q, Kt::kBytesQ);
+    if (leader) {
+      mbar_arrive_expect_tx(sm.full_q, Kt::kBytesQ);
 #pragma unroll
-    for (int pn = 0; pn < Kt::kPanels; ++pn)
-      tma_load_4d(sm.sQ + pn * TileQ::kRows * 64, &maps.q, sm.full_q, pn * 64, tl.h, C::q_row_of(tl),
-                  C::batch_of(p, tl));
-    // K one block ahead of V: S_{j+1} is issued together with P_j V_j.
-    for (int j = 0; j < blocks; ++j) {
-      if (j + 1 < blocks) load(&maps.k, sm.sK, sm.full_k, sm.empty_k, j + 1);
-      load(&maps.v, sm.sV, sm.full_v, sm.empty_v, j);
+      for (int pn = 0; pn < Kt::kPanels; ++pn)
+        tma_load_4d(sm.sQ + pn * TileQ::kRows * 64, &maps.q, sm.full_q, pn * 64, tl.h, C::q_row_of(tl),
+                    C::batch_of(p, tl));
     }
-    it0 += blocks;
+    // K one block ahead of V: S_{i+1} is issued together with P_i V_i.
+    int i = 0;
+    for (;; ++i) {
+      if (next < blocks) {
+        const int after = visible.next_warp(next + 1);
+        load(&maps.k, sm.sK, sm.full_k, sm.empty_k, i + 1, next, after);
+        load(&maps.v, sm.sV, sm.full_v, sm.empty_v, i, step, -1);
+        step = next;
+        next = after;
+      } else {
+        load(&maps.v, sm.sV, sm.full_v, sm.empty_v, i, step, -1);
+        break;
+      }
+    }
+    it0 += i + 1;
     ++q_iter;
   }
 }
