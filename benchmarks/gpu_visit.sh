@@ -138,6 +138,21 @@ flashattn_ext.flash_attn_with_kvcache(q, kc, kc.clone(), cache_seqlens=seqlens, 
 table = torch.tensor([[3, 0, 6, 1], [2, 7, 4, 5]], dtype=torch.int32, device="cuda")
 kp = kc.reshape(8, 256, 2, 128)
 flashattn_ext.flash_attn_with_kvcache(q, kp, kp.clone(), cache_seqlens=seqlens, block_table=table, num_splits=4)
+# An attn_mask whose tiles are hidden, mixed and visible (csrc/cuda/mask_skip.cuh:
+# skipped key blocks in the forward, skipped query blocks in the backward, a
+# tile with no visible block), deterministic or not, with a float mask's gradient.
+doc = torch.arange(400, device="cuda") // 130
+allowed = doc[:, None] == doc[None, :]
+allowed[200:330] = False
+for det in (False, True):
+    torch.use_deterministic_algorithms(det, warn_only=True)
+    for d in (64, 128, 256):
+        q = torch.randn(1, 4, 400, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        kv = torch.randn(1, 2, 400, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        fm = torch.zeros(400, 400, device="cuda", dtype=torch.bfloat16).masked_fill(~allowed, float("-inf"))
+        for m in (allowed, fm.requires_grad_()):
+            flashattn_ext.scaled_dot_product_attention(q, kv, kv, attn_mask=m, enable_gqa=True).sum().backward()
+torch.use_deterministic_algorithms(False)
 torch.cuda.synchronize()
 print("sanitizer case ran")
 EOF

@@ -7,7 +7,10 @@ shapes: bf16, 16k tokens, heads = 2048 / head_dim). Under Nsight Compute:
 
 Without a profiler it prints the case's time per call (CUDA events); with
 --kernels, torch.profiler's per-kernel GPU times of the same calls (ours, then
-cuDNN's through torch's SDPA), to see what besides the main kernel a call runs."""
+cuDNN's through torch's SDPA), to see what besides the main kernel a call runs. --documents K: the SDPA
+drop-in with a block-diagonal bool attn_mask of K packed documents instead, and
+with --kernels flash_attn_varlen_func on the same documents as the peer (what
+the mask's tile skipping is measured against, issue 21)."""
 
 import argparse
 
@@ -23,6 +26,7 @@ ap.add_argument("--bwd", action="store_true", help="run forward and backward")
 ap.add_argument("--deterministic", action="store_true", help="the deterministic backward")
 ap.add_argument("--iters", type=int, default=3)
 ap.add_argument("--kernels", action="store_true", help="per-kernel GPU times (torch.profiler), ours and cuDNN's")
+ap.add_argument("--documents", type=int, default=0, help="an attn_mask of this many packed documents (0: none)")
 args = ap.parse_args()
 
 heads = 2048 // args.d
@@ -34,8 +38,18 @@ q, k, v = (
 dout = torch.randn_like(q)
 
 
+doc_mask = None
+if args.documents:
+    doc = torch.arange(args.n, device="cuda") * args.documents // args.n
+    doc_mask = (doc[:, None] == doc[None, :])[None, None]
+
+
 def step():
-    out = flashattn_ext.flash_attn_func(q, k, v, causal=args.causal, deterministic=args.deterministic)
+    if doc_mask is not None:
+        out = flashattn_ext.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), attn_mask=doc_mask)
+        out = out.transpose(1, 2)
+    else:
+        out = flashattn_ext.flash_attn_func(q, k, v, causal=args.causal, deterministic=args.deterministic)
     if args.bwd:
         torch.autograd.grad(out, (q, k, v), dout)
 
@@ -67,7 +81,15 @@ if args.kernels:
             if args.bwd:
                 torch.autograd.grad(out, (qt, kt, vt), dout_t)
 
-    for name, fn in (("ours", step), ("cudnn", cudnn_step)):
+    def varlen_step():  # the same documents as packed sequences
+        cu = torch.arange(0, batch * args.n + 1, args.n // args.documents, device="cuda", dtype=torch.int32)
+        flat = [x.reshape(batch * args.n, heads, args.d) for x in (q, k, v)]
+        out = flashattn_ext.flash_attn_varlen_func(*flat, cu, cu, args.n // args.documents, args.n // args.documents)
+        if args.bwd:
+            torch.autograd.grad(out, flat, dout.reshape(out.shape))
+
+    peer = ("varlen", varlen_step) if args.documents else ("cudnn", cudnn_step)
+    for name, fn in (("ours", step), peer):
         fn()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -316,6 +316,47 @@ def test_attn_mask_gradient_matches_oracle(device, dtype, kind, lens):
     check_sdpa(q, k, v, dout=randn(q.shape, dtype, device), mask_grad=True, attn_mask=mask)
 
 
+def _document_mask(n, lens, device):
+    """A block-diagonal (n, n) bool mask of packed documents of the given lengths."""
+    doc = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
+    return doc[:, None] == doc[None, :]
+
+
+@pytest.mark.dtypes(torch.bfloat16)
+@pytest.mark.parametrize("e", [64, 128, 256])
+@pytest.mark.parametrize("float_mask", [False, True], ids=["bool", "float_grad"])
+def test_attn_mask_hidden_tiles_skipped_exactly(device, dtype, e, float_mask):
+    """The kernels skip the tiles a mask hides outright (csrc/cuda/mask_skip.cuh,
+    TileScoreMod::hides on the CPU):
+    documents of unequal lengths (tiles hidden, mixed and visible), a band of
+    queries that sees no key (a tile with no visible block: zeros, lse -inf),
+    GQA (several query heads a key block), and a float mask's gradient, against
+    the oracle; torch's deterministic mode (a hidden step still passes its dQ
+    turn) bitwise reproducible."""
+    n = 1104  # keys a whole number of 16-key summary entries: its 16-byte loads (mask_summary.cu)
+    allowed = _document_mask(n, [300, 64, 500, 240], device)
+    allowed[640:770] = False  # queries that see no key
+    q = randn((2, 4, n, e), dtype, device)
+    k, v = randn((2, 2, n, e), dtype, device), randn((2, 2, n, e), dtype, device)
+    dout = randn(q.shape, dtype, device)
+    if float_mask:
+        mask = torch.zeros(n, n, dtype=dtype, device=device).masked_fill(~allowed, float("-inf"))
+        check_sdpa(q, k, v, dout=dout, mask_grad=True, attn_mask=mask.requires_grad_(), enable_gqa=True)
+    else:
+        check_sdpa(q, k, v, dout=dout, attn_mask=allowed, enable_gqa=True)
+    prev = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        runs = []
+        for _ in range(2):
+            qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+            out = sdpa(qq, kk, vv, attn_mask=allowed, enable_gqa=True)
+            runs.append((out, *torch.autograd.grad(out, (qq, kk, vv), dout)))
+    finally:
+        torch.use_deterministic_algorithms(prev)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 @pytest.mark.dtypes(torch.float32, torch.bfloat16)
 def test_attn_mask_gradient_through_views_gqa_and_scale(device, dtype):
     # An expanded view that requires grad (stride 0 on batch and heads: the op

@@ -399,6 +399,7 @@ void dkdv_key_tile(const AttnBwdParams& p, const SeqInfo& seq, const AttnMask& m
       const HeadView<scalar_t, acc_t> head = head_view<scalar_t, acc_t>(p, seq, stats, b, h);
       for (int64_t q0 = query_begin / kBlockQ * kBlockQ; q0 < query_end; q0 += kBlockQ) {
         const int rows = static_cast<int>(std::min<int64_t>(kBlockQ, seq.seqlen_q - q0));
+        if (head.mod.hides(cols, rows, k0, q0)) continue;  // an attn_mask hides the block outright: dS, P are 0
         const scalar_t* dout_tile = head.dout + q0 * p.do_row_stride;
         const scalar_t* q_tile = head.q + q0 * p.q_row_stride;
         acc_t* dq_t_acc = dq ? dq->tile(h - h_kv * ratio, q0 / kBlockQ) : nullptr;
@@ -507,6 +508,7 @@ void dq_query_tile(const AttnBwdParams& p, const SeqInfo& seq, const AttnMask& m
     if (lowp_rows) pack_query_tile_pairs(p, head, q0, scratch);
     for (int64_t k0 = key_begin / kBlockK * kBlockK; k0 < key_end; k0 += kBlockK) {
       const int cols = static_cast<int>(std::min<int64_t>(kBlockK, seq.seqlen_k - k0));
+      if (head.mod.hides(cols, rows, k0, q0)) continue;  // an attn_mask hides the block outright
       if constexpr (kIsLowp<scalar_t>) {
         if (lowp_rows && cols == kBlockK) {
           const scalar_t* k_tile = head.k + k0 * p.k_row_stride;

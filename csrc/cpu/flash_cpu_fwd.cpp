@@ -210,6 +210,7 @@ void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
     }
     for (int64_t k0 = key_begin / kBlockK * kBlockK; k0 < key_end; k0 += kBlockK) {
       const int cols = static_cast<int>(std::min<int64_t>(kBlockK, seq.seqlen_k - k0));
+      if (has_mod && mod.hides(cols, rows, k0, q0)) continue;     // an attn_mask hides the block outright
       const bool full_tile = rows == block_q && cols == kBlockK;  // see tile_gemm.h
       // Element mask, only where some entry of the block is hidden.
       const bool masked = mask.block_query_ranges(q0, rows, k0, cols, scratch.query_lo.get(), scratch.query_hi.get());

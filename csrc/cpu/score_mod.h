@@ -78,7 +78,39 @@ struct TileScoreMod {
     }
   }
 
+  // Whether the attn_mask hides every element of the block of `keys` keys
+  // from k0 x `queries` queries from q0 (all False, or all -inf): the
+  // kernels then skip the block (its P is 0, and what a row does not see
+  // cannot make it NaN: the non-finite rule). Stops at the first visible
+  // element, so a block that is not hidden costs a load or a few.
+  bool hides(int keys, int queries, int64_t k0, int64_t q0) const {
+    if (!bias.ptr) return false;
+    switch (bias.kind) {
+      case BiasKind::kBool: return hides_as<bool>(keys, queries, k0, q0);
+      case BiasKind::kFloat16: return hides_as<c10::Half>(keys, queries, k0, q0);
+      case BiasKind::kBFloat16: return hides_as<c10::BFloat16>(keys, queries, k0, q0);
+      case BiasKind::kFloat32: return hides_as<float>(keys, queries, k0, q0);
+      default: return hides_as<double>(keys, queries, k0, q0);
+    }
+  }
+
  private:
+  template <typename mask_t>
+  bool hides_as(int keys, int queries, int64_t k0, int64_t q0) const {
+    const mask_t* m = static_cast<const mask_t*>(bias.ptr) + q0 * bias.row_stride + k0 * bias.col_stride;
+    for (int c = 0; c < queries; ++c) {  // a query's keys: contiguous in a row-major mask
+      const mask_t* mr = m + c * bias.row_stride;
+      for (int r = 0; r < keys; ++r) {
+        if constexpr (std::is_same_v<mask_t, bool>) {
+          if (mr[r * bias.col_stride]) return false;
+        } else {
+          if (!(static_cast<double>(mr[r * bias.col_stride]) == -std::numeric_limits<double>::infinity())) return false;
+        }
+      }
+    }
+    return true;
+  }
+
   // s_t[r][c] += mask(query q0 + c, key k0 + r) on the scaled scores; a bool
   // mask sets -inf where it is false.
   template <typename mask_t>

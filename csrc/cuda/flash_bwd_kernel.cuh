@@ -21,6 +21,7 @@
 #include "dispatch.h"
 #include "kernel_traits.h"
 #include "mask.cuh"
+#include "mask_skip.cuh"
 #include "nonfinite_fixup.cuh"
 #include "score_mod.cuh"
 #include "tile.cuh"
@@ -96,6 +97,16 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
   clear(acc_dv);
 
   auto query_block = [&](int it, int& hq, int& m0) { sweep.step(it, hq, m0); };
+  // The score-mod instance skips the query blocks an attn_mask hides from
+  // this block's keys outright (../mask_skip.cuh; every warp looks them up alike).
+  auto visible = visible_steps<kScoreMod>(
+      [sweep, bias = &p.score_mod.bias, b, n0, last_key = n0 + keys - 1, seqlen_q = seq.seqlen_q](int it) {
+        int hq, m0;
+        sweep.step(it, hq, m0);
+        return summary_code<kBlockM, kBlockN>(*bias, b, hq, m0, min(m0 + kBlockM, seqlen_q) - 1, n0, last_key);
+      },
+      iters);
+  const int first = iters > 0 ? visible.next_warp(0) : iters;
 
   // Loads query block `it` (head, block) into stage `stage`.
   auto load_q_block = [&](int it, int stage) {
@@ -118,12 +129,14 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
   if (iters > 0) {
     copy_tile_async<TileKV, kNThreads>(sK, gK, p.k_row_stride, keys, p.head_dim, tid);
     copy_tile_async<TileKV, kNThreads>(sV, gV, p.v_row_stride, keys, p.head_dim, tid);
-    load_q_block(0, 0);
+    if (first < iters) load_q_block(first, 0);
     cp_async_commit();
   }
 
-  for (int it = 0; it < iters; ++it) {
-    const int stage = kStages == 1 ? 0 : it % kStages;
+  // it: the sweep's step; r: the visible steps so far (the stage).
+  for (int it = first, r = 0; it < iters; ++r) {
+    const int next = visible.next_warp(it + 1);
+    const int stage = kStages == 1 ? 0 : r % kStages;
     int hq, m0;
     query_block(it, hq, m0);
     const T* sQs = sQ + stage * TileQ::kElems;
@@ -135,8 +148,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
 
     cp_async_wait<0>();
     __syncthreads();  // this stage has landed; every warp is done with the previous tile
-    if (kStages > 1 && it + 1 < iters) {
-      load_q_block(it + 1, (it + 1) % kStages);
+    if (kStages > 1 && next < iters) {
+      load_q_block(next, (r + 1) % kStages);
       cp_async_commit();
     }
 
@@ -237,11 +250,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
                         acc_dq[mi][di][2 * h + 1]);
     }
 
-    if (kStages == 1 && it + 1 < iters) {
+    if (kStages == 1 && next < iters) {
       __syncthreads();  // every warp is done with the single Q / dO buffer
-      load_q_block(it + 1, 0);
+      load_q_block(next, 0);
       cp_async_commit();
     }
+    it = next;
   }
 
   // Epilogue: stage dK (scaled) and dV through sK / sV, then 16-byte stores.
@@ -326,7 +340,16 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dq_kernel(const At
   copy_tile_async<TileQ, kNThreads>(sdO, gdO, p.do_row_stride, rows, p.head_dim, tid);
   cp_async_commit();
 
-  for (int n_block = n_min; n_block < n_max; ++n_block) {
+  // The score-mod instance skips the key blocks an attn_mask hides outright
+  // (../mask_skip.cuh): step j is key block n_min + j.
+  auto visible = visible_steps<kScoreMod>(
+      [bias = &p.score_mod.bias, b, h, m0, last_row = m0 + rows - 1, n_min, seqlen_k = seq.seqlen_k](int j) {
+        const int n0 = (n_min + j) * kBlockN;
+        return summary_code<kBlockM, kBlockN>(*bias, b, h, m0, last_row, n0, min(n0 + kBlockN, seqlen_k) - 1);
+      },
+      n_max - n_min);
+  for (int step = visible.next_warp(0); step < n_max - n_min; step = visible.next_warp(step + 1)) {
+    const int n_block = n_min + step;
     const int n0 = n_block * kBlockN;
     copy_tile_async<TileKV, kNThreads>(sK, gK + int64_t(n0) * p.k_row_stride, p.k_row_stride, seq.seqlen_k - n0,
                                        p.head_dim, tid);

@@ -19,6 +19,7 @@
 #include "../flash_params.h"
 #include "kernel_traits.h"
 #include "mask.cuh"
+#include "mask_skip.cuh"
 #include "nonfinite_fixup.cuh"
 #include "score_mod.cuh"
 #include "softmax.cuh"
@@ -66,10 +67,18 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
   const int warp_row0 = warp * Kt::kRowsPerWarp;  // first row of this warp inside the block
   const int g = lane >> 2, t = lane & 3;
 
-  if (n_max <= n_min) {
+  // Step j visits key block n_max - 1 - j. The score-mod instance skips the
+  // blocks an attn_mask hides outright (../mask_skip.cuh; every warp looks
+  // them up alike); with none left the block sees no key.
+  const int blocks = n_max - n_min;
+  auto visible =
+      visible_key_steps<kBlockM, kBlockN, kScoreMod>(p.score_mod.bias, b, h, m0, rows, n_max, seqlen_k, blocks);
+  const int s0 = blocks > 0 ? visible.next_warp(0) : blocks;
+  if (s0 >= blocks) {
     store_unseeing_query_block<T>(p, seq, b, h, m0, rows, tid, kNThreads);
     return;
   }
+  auto block_of = [&](int step) { return n_max - 1 - step; };
 
   const LdsmA<TileQ> ldsm_q(sQ, warp_row0, 0, lane);
   const LdsmB<TileKV> ldsm_k(sK, 0, 0, lane);
@@ -89,11 +98,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
   // Prologue: Q and the first (last) key block in flight; with two stages,
   // the second key/value block too.
   copy_tile_async<TileQ, kNThreads>(sQ, gQ, p.q_row_stride, rows, p.head_dim, tid);
-  load_k(n_max - 1, 0);
-  if constexpr (Kt::kStages == 2) load_v(n_max - 1, 0);
+  load_k(block_of(s0), 0);
+  if constexpr (Kt::kStages == 2) load_v(block_of(s0), 0);
   cp_async_commit();
+  const int s1 = Kt::kStages == 2 ? visible.next_warp(s0 + 1) : blocks;  // the second visible step
   if constexpr (Kt::kStages == 2) {
-    if (n_max - 2 >= n_min) load_k(n_max - 2, 1), load_v(n_max - 2, 1);
+    if (s1 < blocks) load_k(block_of(s1), 1), load_v(block_of(s1), 1);
     cp_async_commit();
   }
 
@@ -139,7 +149,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
   if constexpr (Kt::kStages == 1) {
     // K and V have one buffer each: V_j loads under S = Q K_j^T, K_{j-1}
     // under the softmax and P V_j.
-    for (int n_block = n_max - 1; n_block >= n_min; --n_block) {
+    for (int step = s0; step < blocks;) {
+      const int n_block = block_of(step);
       const int n0 = n_block * kBlockN;
       float acc_s[kMT][kNT][4];
       cp_async_wait<0>();
@@ -149,25 +160,30 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
       scores(acc_s, n0, 0);
       cp_async_wait<0>();
       __syncthreads();  // V_j has landed; every warp is done with K_j
-      if (n_block > n_min) {
-        load_k(n_block - 1, 0);
+      const int next = visible.next_warp(step + 1);
+      if (next < blocks) {
+        load_k(block_of(next), 0);
         cp_async_commit();
       }
       accumulate(acc_s, 0);
+      step = next;
     }
   } else {
     // Two K/V stages: block j - 2 loads during all of block j - 1's work.
-    for (int it = 0, n_block = n_max - 1; n_block >= n_min; ++it, --n_block) {
+    for (int it = 0, step = s0, ahead = s1; step < blocks; ++it) {
       const int stage = it & 1;
-      const int n0 = n_block * kBlockN;
+      const int n0 = block_of(step) * kBlockN;
       float acc_s[kMT][kNT][4];
       cp_async_wait<1>();
       __syncthreads();  // this stage has landed
       scores(acc_s, n0, stage);
       accumulate(acc_s, stage);
       __syncthreads();  // every warp is done with this stage
-      if (n_block - 2 >= n_min) load_k(n_block - 2, stage), load_v(n_block - 2, stage);
+      const int far = ahead < blocks ? visible.next_warp(ahead + 1) : blocks;
+      if (far < blocks) load_k(block_of(far), stage), load_v(block_of(far), stage);
       cp_async_commit();  // possibly empty: keeps the group count uniform
+      step = ahead;
+      ahead = far;
     }
   }
 

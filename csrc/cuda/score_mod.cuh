@@ -97,6 +97,10 @@ struct ScoreModTile {
   const AttnBias& src;     // the attn_mask (kernel parameters: read where used, not kept in registers)
   int b, h;                // the tile's batch entry and query head
   int last_row, last_col;  // seqlen_q - 1, seqlen_k - 1: the clamps of the mask's indices
+  // The summary code of an enclosing tile where the caller knows it (the
+  // Hopper forward's producer publishes it: kMaskIdentity skips the warp's
+  // lookup, one L2 round trip in the consumer's path a block), else kMaskMixed.
+  int known_code = kMaskMixed;
 
   __host__ __device__ __forceinline__ ScoreModTile(const ScoreMod& m, float softmax_scale, int b_, int h_, int seqlen_q,
                                                    int seqlen_k)
@@ -212,7 +216,9 @@ __device__ __forceinline__ void apply_bias_tile(float (&s)[kMT][kNT][4], const S
   const int g = lane >> 2, t = lane & 3;
   // The tile's queries and keys: rows row0 .. row0 + 16 kMT - 1, columns col0 .. col0 + 8 kNT - 1.
   const int r_last = row0 + 16 * kMT - 1, c_last = col0 + 8 * kNT - 1;
-  const int code = kTransposed ? m.tile_code(col0, c_last, row0, r_last) : m.tile_code(row0, r_last, col0, c_last);
+  const int code = m.known_code != kMaskMixed ? m.known_code
+                   : kTransposed              ? m.tile_code(col0, c_last, row0, r_last)
+                                              : m.tile_code(row0, r_last, col0, c_last);
   if (code != kMaskMixed) {
 #pragma unroll
     for (int mi = 0; mi < kMT; ++mi)

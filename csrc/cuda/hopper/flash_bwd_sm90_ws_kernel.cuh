@@ -355,14 +355,14 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   const QuerySweep<kBlockM> sweep(mask, n0, keys, h_kv, ratio, deterministic ? n_block * p.dq_sweep_stride : n_block);
   const int iters = sweep.iters;
   auto query_block = [&](int it, int& hq, int& m0) { sweep.step(it, hq, m0); };
-  // Step it's tile (its query block x this block's keys) hidden by the attn_mask.
+  // Step it's tile (its query block x this block's keys): its attn_mask summary code.
   // (By value: a lambda holding references to the kernel's locals puts them
   // on the stack.)
   auto step_hidden = [sweep, bias = &p.score_mod.bias, b, n0, last_key = n0 + keys - 1,
                       seqlen_q = mask.seqlen_q](int it) {
     int hq, m0;
     sweep.step(it, hq, m0);
-    return summary_hides<kBlockM, kBlockN>(*bias, b, hq, m0, min(m0 + kBlockM, seqlen_q) - 1, n0, last_key);
+    return summary_code<kBlockM, kBlockN>(*bias, b, hq, m0, min(m0 + kBlockM, seqlen_q) - 1, n0, last_key);
   };
   auto stage = [](int it) { return it % kStages; };
   auto parity = [](int it) { return uint32_t(it / kStages) & 1; };
@@ -448,10 +448,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
           sem = dq_wait_for_turn<kBlockN, kBlockM, kVarlen>(p, mask, b, hq, m0, n_block, sweep.order_index(it));
         if (shown) {
           named_barrier_sync(dq_full_bar(r), kDqBarThreads);
-          float* gdq = static_cast<float*>(p.dq_accum_ptr) +
-                       (kVarlen ? dq_accum_offset(p, seq, b, hq)
-                                : b * p.dq_accum_batch_stride + hq * p.dq_accum_head_stride) +
-                       int64_t(m0) * p.dq_accum_row_stride;
+          float* gdq =
+              static_cast<float*>(p.dq_accum_ptr) +
+              (kVarlen ? dq_accum_offset(p, seq, b, hq) : b * p.dq_accum_batch_stride + hq * p.dq_accum_head_stride) +
+              int64_t(m0) * p.dq_accum_row_stride;
           // One bulk add of the whole tile: the accumulator keeps each (b, h, query
           // block) in the tile's fragment order (DqFragLayout), and its rows are
           // padded to kBwdBlockM (varlen: kBwdBlockM padding rows after each

@@ -210,8 +210,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     // The steps the producer loads (all of them without an attn_mask): the
     // first one looked up here (whether the tile has one at all), the rest
     // as the producer publishes them with each K stage (scores_done).
-    int step = blocks > 0 ? visible_key_steps<Kt::kBlockM, kBlockN, kSkipHidden>(
-                                p.score_mod.bias, tl.b, tl.h, m0, tl.rows, n_max, tmask.seqlen_k, blocks)
+    int step = blocks > 0 ? visible_key_steps<Kt::kBlockM, kBlockN, kSkipHidden>(p.score_mod.bias, tl.b, tl.h, m0,
+                                                                                 tl.rows, n_max, tmask.seqlen_k, blocks)
                                 .next_warp(0)
                           : blocks;
     if (step >= blocks) {
@@ -224,9 +224,16 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                                                   warp_row0, lane,  positive_scale, tl.b, tl.h};
     // After S of ring use i (step j) has completed: K is free, and the tile's
     // last S frees Q for the next tile. Returns the visible step after j
-    // (>= blocks: none), read from the stage before it is released.
+    // (>= blocks: none) and sets `code` to j's summary code, both read from
+    // the stage before it is released.
+    int code = kMaskMixed;
     auto scores_done = [&](int i, int j) {
-      const int after = kSkipHidden ? sm.next_step[stage(it0 + i)] : j + 1;
+      int after = j + 1;
+      if constexpr (kSkipHidden) {
+        const int packed = sm.next_step[stage(it0 + i)];
+        after = FwdSm90Smem<Kt>::next_of(packed);
+        code = FwdSm90Smem<Kt>::code_of(packed);
+      }
       mbar_arrive(&empty_k[stage(it0 + i)]);
       if (Kt::kSeparateO && after >= blocks && elected) mbar_arrive(empty_q);
       return after;
@@ -246,7 +253,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     wgmma_wait<0>();
     pin_registers(acc_s[0]);
     int next = scores_done(0, step);
-    softmax_step(acc_s, step, correction);
+    softmax_step(acc_s, step, correction, code);
 
     int i = 0;  // ring use it0 + i: the current block
     for (; next < blocks; ++i) {
@@ -265,7 +272,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       pin_registers(acc_s[0]);
       const int step_s = next;
       next = scores_done(i + 1, step_s);
-      softmax_step(acc_s, step_s, correction);
+      softmax_step(acc_s, step_s, correction, code);
       wgmma_wait<0>();
       pin_registers(acc_o[0]);
       mbar_arrive(&empty_v[stage(it0 + i)]);

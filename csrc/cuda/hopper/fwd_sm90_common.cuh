@@ -29,9 +29,13 @@ struct FwdSm90Smem {
   T *sQ, *sO, *sK, *sV;
   uint64_t *full_k, *empty_k, *full_v, *empty_v, *full_q, *empty_q;
   // [kStages] (the attn_mask instance) the key-block step after the one whose
-  // K the stage holds: the producer's word on which blocks it loads next
-  // (../mask_skip.cuh), published by the stage's full barrier.
+  // K the stage holds, and that block's summary code: the producer's word on
+  // which blocks it loads next (../mask_skip.cuh), published by the stage's
+  // full barrier.
   int* next_step;
+  static __device__ __forceinline__ int pack_next(int after, int code) { return after << 2 | code; }
+  static __device__ __forceinline__ int next_of(int packed) { return packed >> 2; }
+  static __device__ __forceinline__ int code_of(int packed) { return packed & 3; }
 
   __device__ __forceinline__ explicit FwdSm90Smem(char* smem_raw) {
     char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);

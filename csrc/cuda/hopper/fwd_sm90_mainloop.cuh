@@ -38,11 +38,15 @@ struct FwdSm90ScoreStep {
   const bool& positive_scale;
   int b, h;  // the tile's batch entry and query head (the score mod's slope)
 
-  // Step j visits key block n_max - 1 - j.
-  __device__ __forceinline__ void operator()(float (&acc_s)[1][kNT][4], int j, float (&correction)[1][2]) const {
+  // Step j visits key block n_max - 1 - j. block_code: the attn_mask's
+  // summary code of the whole block where the caller knows it
+  // (kMaskIdentity: no lookup), else kMaskMixed.
+  __device__ __forceinline__ void operator()(float (&acc_s)[1][kNT][4], int j, float (&correction)[1][2],
+                                             int block_code = kMaskMixed) const {
     const int n0 = (n_max - 1 - j) * Kt::kBlockN;
     if constexpr (kScoreMod) {
-      const ScoreModTile mod(p.score_mod, static_cast<float>(p.softmax_scale), b, h, tmask.seqlen_q, tmask.seqlen_k);
+      ScoreModTile mod(p.score_mod, static_cast<float>(p.softmax_scale), b, h, tmask.seqlen_q, tmask.seqlen_k);
+      mod.known_code = block_code;
       apply_score_mod_rows<kMod>(acc_s, mod, m0 + warp_row0, n0, lane);
     }
     if (tmask.template tile_needs_mask<Kt::kBlockM, Kt::kBlockN>(m0, n0))

@@ -46,21 +46,27 @@ __device__ __forceinline__ void fwd_sm90_producer(const AttnFwdParams& p, const 
         p.score_mod.bias, tl.b, tl.h, tl.m0, tl.rows, n_max, C::mask_of(p, mask, tl).seqlen_k, blocks);
     int step = visible.next_warp(0);
     if (step >= blocks) continue;  // the mask hides every key of the tile: the consumers store zeros
+    int step_code = visible.code_of(step);
     int next = visible.next_warp(step + 1);
+    int next_code = visible.code_of(next);
     // Ring use it0 + i holds the i-th visible block, that of step j; a K
-    // stage also carries the step after j (`after`) for the consumers.
-    auto load = [&](const CUtensorMap* map, T* ring, uint64_t* full, uint64_t* empty, int i, int j, int after) {
+    // stage also carries, for the consumers, the step after j (`after`) and
+    // j's summary code (kMaskIdentity: the mask leaves the whole block alone,
+    // so the consumers need not look it up), as FwdSm90Smem::pack_next.
+    auto load = [&](const CUtensorMap* map, T* ring, uint64_t* full, uint64_t* empty, int i, int j, int after,
+                    int code) {
       const int s = C::stage(it0 + i), row0 = C::k_row_of(tl, (n_max - 1 - j) * kBlockN);
       mbar_wait(&empty[s], C::parity(it0 + i) ^ 1);
       if (!leader) return;
-      if (kSkipHidden && after >= 0) sm.next_step[s] = after;  // (released by the arrive below)
+      if (kSkipHidden && after >= 0)
+        sm.next_step[s] = FwdSm90Smem<Kt>::pack_next(after, code);  // (the arrive releases it)
       mbar_arrive_expect_tx(&full[s], Kt::kBytesKV);
 #pragma unroll
       for (int pn = 0; pn < Kt::kPanels; ++pn)
         tma_load_4d(ring + s * TileKV::kElems + pn * TileKV::kRows * 64, map, &full[s], pn * 64, tl.h_kv, row0,
                     C::batch_of(p, tl));
     };
-    load(&maps.k, sm.sK, sm.full_k, sm.empty_k, 0, step, next);
+    load(&maps.k, sm.sK, sm.full_k, sm.empty_k, 0, step, next, step_code);
     mbar_wait(sm.empty_q, (q_iter & 1) ^ 1);  // the previous tile's last S GEMM (or O store) is done with sQ
     if (leader) {
       mbar_arrive_expect_tx(sm.full_q, Kt::kBytesQ);
@@ -74,12 +80,14 @@ __device__ __forceinline__ void fwd_sm90_producer(const AttnFwdParams& p, const 
     for (;; ++i) {
       if (next < blocks) {
         const int after = visible.next_warp(next + 1);
-        load(&maps.k, sm.sK, sm.full_k, sm.empty_k, i + 1, next, after);
-        load(&maps.v, sm.sV, sm.full_v, sm.empty_v, i, step, -1);
+        const int after_code = visible.code_of(after);
+        load(&maps.k, sm.sK, sm.full_k, sm.empty_k, i + 1, next, after, next_code);
+        load(&maps.v, sm.sV, sm.full_v, sm.empty_v, i, step, -1, 0);
         step = next;
         next = after;
+        next_code = after_code;
       } else {
-        load(&maps.v, sm.sV, sm.full_v, sm.empty_v, i, step, -1);
+        load(&maps.v, sm.sV, sm.full_v, sm.empty_v, i, step, -1, 0);
         break;
       }
     }
