@@ -251,6 +251,7 @@ def attention_ref(
     attn_mask=None,
     dropout_p=0.0,
     rng_state=None,
+    dropout_keep=None,
 ):
     """Naive attention with flash_attn_func's arguments (softcap and
     alibi_slopes included: softcap first, then the ALiBi bias, alibi_bias),
@@ -259,7 +260,9 @@ def attention_ref(
     whatever the layout), which combines with the window (both must allow a key).
 
     dropout_p > 0 needs rng_state = (seed, offset): the exact keep mask of the
-    kernels (dropout_keep_mask), applied to the probabilities.
+    kernels (dropout_keep_mask), applied to the probabilities; or dropout_keep,
+    that mask given as a bool (batch, heads_q, seqlen_q, seqlen_k) tensor (one
+    sequence of a varlen batch: its corner of its plane).
 
     layout "bshd": q (batch, seqlen_q, heads_q, d), k/v (batch, seqlen_k, heads_kv, d);
     layout "bhsd": q (batch, heads_q, seqlen_q, d), k/v (batch, heads_kv, seqlen_k, d).
@@ -297,7 +300,7 @@ def attention_ref(
         return_lse=return_lse,
         softcap=softcap or 0.0,
         dropout_p=dropout_p,
-        dropout_keep=_dropout_keep_for(q, seqlen_k, dropout_p, rng_state),
+        dropout_keep=dropout_keep if dropout_keep is not None else _dropout_keep_for(q, seqlen_k, dropout_p, rng_state),
     )
     out, lse = res if return_lse else (res, None)
     if layout == "bshd":
