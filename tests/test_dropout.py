@@ -349,3 +349,21 @@ def test_compile_fullgraph():
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
     again = compiled(q, qs)
     assert not torch.equal(again[1], got[1])
+
+
+def test_opcheck_with_dropout():
+    """The ops with dropout and a given rng_state (then deterministic): schema,
+    fake kernels, autograd registration, AOT dispatch."""
+    q = randn((2, 9, 4, 16), torch.float32, CPU).requires_grad_()
+    k = randn((2, 13, 2, 16), torch.float32, CPU).requires_grad_()
+    v = randn((2, 13, 2, 16), torch.float32, CPU).requires_grad_()
+    rs = _seed_offset(77, 8)
+    tail = (0.0, None, None, 0.3, rs)
+    torch.library.opcheck(ops.attention.default, (q, k, v, 0.25, -1, 0, True, False, False) + tail)
+    torch.library.opcheck(ops.fwd.default, (q.detach(), k.detach(), v.detach(), 0.25, -1, 0, True) + tail)
+    out, lse = ops.fwd(q.detach(), k.detach(), v.detach(), 0.25, -1, 0, True, *tail)
+    dout = randn(out.shape, out.dtype, CPU)
+    torch.library.opcheck(
+        ops.bwd.default, (dout, q.detach(), k.detach(), v.detach(), out, lse, 0.25, -1, 0, True, False) + tail
+    )
+    torch.library.opcheck(ops.dropout_keep_mask.default, (rs, 2, 3, 5, 40, 0.25))
