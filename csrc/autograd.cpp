@@ -181,23 +181,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> call_bwd_mask_grad(
 }
 
 // The rng_state a differentiable call runs with (its backward regenerates the
-// mask from it): the caller's, or with dropout a fresh draw for `batch` x
-// `heads_q` planes (csrc/philox.h). The draw is an op of its own
-// (dropout_rng_state, nondeterministic_seeded), so that a traced graph draws
-// anew at every run instead of baking one seed in.
-OptTensor call_rng_state(double dropout_p, const OptTensor& rng_state, const at::Tensor& q, int64_t batch,
-                         int64_t heads_q) {
+// mask from it): the caller's, or with dropout a fresh draw for the call's
+// batch x heads_q planes (csrc/philox.h; sizes(q) gives them, asked only then,
+// so that a call without dropout reads no size: symbolic shapes stay so). The
+// draw is an op of its own (dropout_rng_state, nondeterministic_seeded), so
+// that a traced graph draws anew at every run instead of baking one seed in.
+template <typename Sizes>
+OptTensor call_rng_state(double dropout_p, const OptTensor& rng_state, const at::Tensor& q, Sizes sizes) {
   if (!(dropout_p > 0.0) || (rng_state.has_value() && rng_state->defined())) return rng_state;
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("flashattn_ext::dropout_rng_state", "")
                        .typed<at::Tensor(const at::Tensor&, int64_t, int64_t)>();
+  const auto [batch, heads_q] = sizes();
   return op.call(q, batch, heads_q);
 }
 
-// (batch, heads_q) of a dense attention call, q in the caller's layout.
-std::pair<int64_t, int64_t> batch_heads(const at::Tensor& q, bool bhsd) {
-  if (q.dim() != 4) return {1, 1};  // the kernels' checks name the rank
-  return {q.size(0), bhsd ? q.size(1) : q.size(2)};
+// (batch, heads_q) of a dense attention call (q in the caller's layout) and of a varlen one.
+auto dense_planes(const at::Tensor& q, bool bhsd) {
+  return [&q, bhsd] {
+    if (q.dim() != 4) return std::pair<int64_t, int64_t>{1, 1};  // the kernels' checks name the rank
+    return std::pair<int64_t, int64_t>{q.size(0), bhsd ? q.size(1) : q.size(2)};
+  };
+}
+auto varlen_planes(const at::Tensor& q, const at::Tensor& cu_seqlens_q) {
+  return [&q, &cu_seqlens_q] {
+    return std::pair<int64_t, int64_t>{cu_seqlens_q.dim() == 1 ? cu_seqlens_q.size(0) - 1 : 0,
+                                       q.dim() == 3 ? q.size(1) : 1};
+  };
 }
 
 // The kernels need stride 1 on head_dim; copy only when it is not already so
@@ -342,8 +352,7 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& q, const
                                                       const OptTensor& alibi_slopes, const OptTensor& attn_mask,
                                                       double dropout_p, const OptTensor& rng_state_in) {
   check_no_forward_ad("attention", q, k, v);
-  const auto [batch, heads_q] = batch_heads(q, bhsd);
-  const OptTensor rng_state = call_rng_state(dropout_p, rng_state_in, q, batch, heads_q);
+  const OptTensor rng_state = call_rng_state(dropout_p, rng_state_in, q, dense_planes(q, bhsd));
   const bool mask_grad =
       attn_mask.has_value() && attn_mask->defined() && attn_mask->requires_grad() && at::GradMode::is_enabled();
   if (mask_grad) check_no_forward_ad("attention", *attn_mask);
@@ -421,10 +430,9 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention_autograd(
     int64_t window_right, bool bottom_right, bool deterministic, double softcap, const OptTensor& alibi_slopes,
     double dropout_p, const OptTensor& rng_state) {
   check_no_forward_ad("varlen_attention", q, k, v);
-  const VarlenArgs args =
-      varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left, window_right,
-                  bottom_right, softcap, alibi_slopes, dropout_p,
-                  call_rng_state(dropout_p, rng_state, q, cu_seqlens_q.numel() - 1, q.dim() == 3 ? q.size(1) : 1));
+  const VarlenArgs args = varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
+                                      window_right, bottom_right, softcap, alibi_slopes, dropout_p,
+                                      call_rng_state(dropout_p, rng_state, q, varlen_planes(q, cu_seqlens_q)));
   at::Tensor out, lse;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
@@ -633,9 +641,8 @@ std::tuple<at::Tensor, at::Tensor> attention_composite(const at::Tensor& q, cons
                                                        bool bhsd, double softcap, const OptTensor& alibi_slopes,
                                                        const OptTensor& attn_mask, double dropout_p,
                                                        const OptTensor& rng_state) {
-  const auto [batch, heads_q] = batch_heads(q, bhsd);
   return attention_below_autograd(q, k, v, scale, window_left, window_right, bottom_right, bhsd, softcap, alibi_slopes,
-                                  attn_mask, dropout_p, call_rng_state(dropout_p, rng_state, q, batch, heads_q));
+                                  attn_mask, dropout_p, call_rng_state(dropout_p, rng_state, q, dense_planes(q, bhsd)));
 }
 
 std::tuple<at::Tensor, at::Tensor> fwd_unsupported(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -661,7 +668,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention_composite(
       q, k, v,
       varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left, window_right,
                   bottom_right, softcap, alibi_slopes, dropout_p,
-                  call_rng_state(dropout_p, rng_state, q, cu_seqlens_q.numel() - 1, q.dim() == 3 ? q.size(1) : 1)));
+                  call_rng_state(dropout_p, rng_state, q, varlen_planes(q, cu_seqlens_q))));
 }
 
 std::tuple<at::Tensor, at::Tensor> varlen_fwd_unsupported(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
