@@ -367,3 +367,14 @@ def test_opcheck_with_dropout():
         ops.bwd.default, (dout, q.detach(), k.detach(), v.detach(), out, lse, 0.25, -1, 0, True, False) + tail
     )
     torch.library.opcheck(ops.dropout_keep_mask.default, (rs, 2, 3, 5, 40, 0.25))
+
+
+def test_output_unbiased():
+    """The mean of the dropped output over fresh draws is the output without
+    dropout (kept probabilities scaled by 1 / (1 - p)): within 6 standard
+    errors at every element."""
+    q, k, v = (randn((1, 64, 2, 32), torch.float64, CPU) for _ in range(3))
+    plain = flashattn_ext.flash_attn_func(q, k, v, causal=True)
+    draws = torch.stack([flashattn_ext.flash_attn_func(q, k, v, dropout_p=0.5, causal=True) for _ in range(64)])
+    stderr = draws.std(0) / math.sqrt(draws.shape[0])
+    assert bool(((draws.mean(0) - plain).abs() <= 6 * stderr + 1e-12).all())
