@@ -21,16 +21,17 @@
 //            32 g + 8 n + 2 t + 1 (g = j / 32, t = (j % 8) / 2): the even key
 //            in its low 16 bits, the odd key in its high 16 bits.
 //   keep     element (b, h, i, j) is kept iff its 16-bit slice < keep_threshold,
-//            keep_threshold = floor((1 - p) * 65536 + 0.5) (in double), so p
-//            is honoured to 2^-16 (the 1 / (1 - p) rescaling is off by at most
-//            2^-16 relative, far below a 16-bit float's rounding).
+//            keep_threshold = floor((1 - p) * 65536 + 0.5) (in double), so the
+//            keep probability is 1 - p to within 2^-17 (the 1 / (1 - p)
+//            rescaling is off by at most 2^-17 / (1 - p) relative, far below a
+//            16-bit float's rounding).
 //   b, i, j  the indices within the call's own sequence: in a varlen batch b is
 //            the sequence, i and j count from the sequence's first query and
 //            key, so sequence b's mask is the top-left corner of plane b.
 //
 // Why this layout. One Philox call gives 8 decisions (16-bit slices: 1/65536
-// resolution; 8-bit slices, FlashAttention-2's choice, would round p = 0.1 to
-// 25/255 and miss 1 - p by 0.2%). The 8 keys of one call are not consecutive
+// resolution; FlashAttention-2's 8-bit slices keep a byte <= floor(255 (1 - p)):
+// p = 0.1 keeps 230/256 = 0.898, 0.2% short of 0.9). The 8 keys of one call are not consecutive
 // but the pattern {8 n + 2 t, 8 n + 2 t + 1 : n = 0..3} of 32 keys: exactly
 // the columns one thread holds for one row in the accumulators of mma.sync
 // m16n8 (4 n8 tiles) and of wgmma m64nN (thread t of a quad holds columns 2 t,
