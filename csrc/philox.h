@@ -51,6 +51,10 @@
 
 #if defined(__CUDACC__)
 #define FLASHATTN_PHILOX_HD __host__ __device__ __forceinline__
+#elif defined(__GNUC__)
+// Forced inline: inside the CPU kernels' SIMD clones (cpu/simd_clones.h) a
+// call left out of line would run the baseline code.
+#define FLASHATTN_PHILOX_HD inline __attribute__((always_inline))
 #else
 #define FLASHATTN_PHILOX_HD inline
 #endif
