@@ -53,6 +53,13 @@ MaskParams make_mask(int64_t window_left, int64_t window_right, bool bottom_righ
 ScoreMod make_score_mod(double softcap, const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& q,
                         int64_t batch, int64_t heads_q);
 
+// Validates dropout_p (finite, in [0, 1]) and, when it is > 0, rng_state
+// (int64 (2,) [seed, offset], the state flashattn_ext::dropout_rng_state
+// draws) and describes them (DropoutParams, csrc/philox.h). On the CPU the
+// seed and offset are read from rng_state; `backend` words the error of a
+// backend without dropout kernels (nullptr: it has them).
+DropoutParams make_dropout(double dropout_p, const std::optional<at::Tensor>& rng_state, const char* backend = nullptr);
+
 // A dense call with nothing to compute: zero batch, heads or query rows (an
 // empty output), or no keys (a zero output, lse -inf), as torch's SDPA gives
 // them. The backends return such outputs without a kernel (q, k in (batch,

@@ -61,34 +61,37 @@ using torch::autograd::variable_list;
 // (Every op ends with flash-attn's score modifications: double softcap, Tensor? alibi_slopes.)
 using OptTensor = std::optional<at::Tensor>;
 // (The dense ops, fwd / bwd / attention, then take torch SDPA's Tensor? attn_mask.)
+// (Then every op but fwd_kvcache takes dropout: double dropout_p, Tensor? rng_state.)
 using FwdSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                                                  int64_t, int64_t, bool, double, const OptTensor&, const OptTensor&);
+                                                  int64_t, int64_t, bool, double, const OptTensor&, const OptTensor&,
+                                                  double, const OptTensor&);
 using AttnSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
                                                    int64_t, int64_t, bool, bool, bool, double, const OptTensor&,
-                                                   const OptTensor&);
+                                                   const OptTensor&, double, const OptTensor&);
 using BwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                               const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                               double, int64_t, int64_t, bool, bool, double,
-                                                              const OptTensor&, const OptTensor&);
+                                                              const OptTensor&, const OptTensor&, double,
+                                                              const OptTensor&);
 
-using BwdMaskGradSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                                                  const at::Tensor&, const at::Tensor&,
-                                                                                  const at::Tensor&, const at::Tensor&,
-                                                                                  double, int64_t, int64_t, bool, bool,
-                                                                                  const at::Tensor&);
+using BwdMaskGradSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    double, int64_t, int64_t, bool, bool, const at::Tensor&, double, const OptTensor&);
 
 using VarlenFwdSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                         const at::Tensor&, const at::Tensor&, int64_t, int64_t, double,
-                                                        int64_t, int64_t, bool, double, const OptTensor&);
+                                                        int64_t, int64_t, bool, double, const OptTensor&, double,
+                                                        const OptTensor&);
 using VarlenAttnSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                          const at::Tensor&, const at::Tensor&, int64_t, int64_t, double,
-                                                         int64_t, int64_t, bool, bool, double, const OptTensor&);
+                                                         int64_t, int64_t, bool, bool, double, const OptTensor&, double,
+                                                         const OptTensor&);
 using VarlenBwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                                     const at::Tensor&, const at::Tensor&,
                                                                     const at::Tensor&, const at::Tensor&,
                                                                     const at::Tensor&, const at::Tensor&, int64_t,
                                                                     int64_t, double, int64_t, int64_t, bool, bool,
-                                                                    double, const OptTensor&);
+                                                                    double, const OptTensor&, double, const OptTensor&);
 
 // The arguments the varlen ops share after the tensors they differ in.
 struct VarlenArgs {
@@ -99,6 +102,8 @@ struct VarlenArgs {
   bool bottom_right = false;
   double softcap = 0;
   OptTensor alibi_slopes;
+  double dropout_p = 0;
+  OptTensor rng_state;
 };
 
 std::tuple<at::Tensor, at::Tensor> call_varlen_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -106,7 +111,7 @@ std::tuple<at::Tensor, at::Tensor> call_varlen_fwd(const at::Tensor& q, const at
   static auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::varlen_fwd", "").typed<VarlenFwdSig>();
   return op.call(q, k, v, a.cu_seqlens_q, a.cu_seqlens_k, a.max_seqlen_q, a.max_seqlen_k, a.scale, a.window_left,
-                 a.window_right, a.bottom_right, a.softcap, a.alibi_slopes);
+                 a.window_right, a.bottom_right, a.softcap, a.alibi_slopes, a.dropout_p, a.rng_state);
 }
 
 std::tuple<at::Tensor, at::Tensor> call_varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -114,7 +119,7 @@ std::tuple<at::Tensor, at::Tensor> call_varlen_attention(const at::Tensor& q, co
   static auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::varlen_attention", "").typed<VarlenAttnSig>();
   return op.call(q, k, v, a.cu_seqlens_q, a.cu_seqlens_k, a.max_seqlen_q, a.max_seqlen_k, a.scale, a.window_left,
-                 a.window_right, a.bottom_right, deterministic, a.softcap, a.alibi_slopes);
+                 a.window_right, a.bottom_right, deterministic, a.softcap, a.alibi_slopes, a.dropout_p, a.rng_state);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> call_varlen_bwd(const at::Tensor& dout, const at::Tensor& q,
@@ -124,14 +129,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> call_varlen_bwd(const at::Tensor&
   static auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::varlen_bwd", "").typed<VarlenBwdSig>();
   return op.call(dout, q, k, v, out, lse, a.cu_seqlens_q, a.cu_seqlens_k, a.max_seqlen_q, a.max_seqlen_k, a.scale,
-                 a.window_left, a.window_right, a.bottom_right, deterministic, a.softcap, a.alibi_slopes);
+                 a.window_left, a.window_right, a.bottom_right, deterministic, a.softcap, a.alibi_slopes, a.dropout_p,
+                 a.rng_state);
 }
 
 std::tuple<at::Tensor, at::Tensor> call_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                                             int64_t window_left, int64_t window_right, bool bottom_right,
-                                            double softcap, const OptTensor& alibi_slopes, const OptTensor& attn_mask) {
+                                            double softcap, const OptTensor& alibi_slopes, const OptTensor& attn_mask,
+                                            double dropout_p, const OptTensor& rng_state) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::fwd", "").typed<FwdSig>();
-  return op.call(q, k, v, scale, window_left, window_right, bottom_right, softcap, alibi_slopes, attn_mask);
+  return op.call(q, k, v, scale, window_left, window_right, bottom_right, softcap, alibi_slopes, attn_mask, dropout_p,
+                 rng_state);
 }
 
 using KvcacheSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -143,10 +151,11 @@ using KvcacheSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const a
 std::tuple<at::Tensor, at::Tensor> call_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                   double scale, int64_t window_left, int64_t window_right,
                                                   bool bottom_right, bool deterministic, bool bhsd, double softcap,
-                                                  const OptTensor& alibi_slopes, const OptTensor& attn_mask) {
+                                                  const OptTensor& alibi_slopes, const OptTensor& attn_mask,
+                                                  double dropout_p, const OptTensor& rng_state) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::attention", "").typed<AttnSig>();
   return op.call(q, k, v, scale, window_left, window_right, bottom_right, deterministic, bhsd, softcap, alibi_slopes,
-                 attn_mask);
+                 attn_mask, dropout_p, rng_state);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> call_bwd(const at::Tensor& dout, const at::Tensor& q,
@@ -154,19 +163,51 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> call_bwd(const at::Tensor& dout, 
                                                         const at::Tensor& lse, double scale, int64_t window_left,
                                                         int64_t window_right, bool bottom_right, bool deterministic,
                                                         double softcap, const OptTensor& alibi_slopes,
-                                                        const OptTensor& attn_mask) {
+                                                        const OptTensor& attn_mask, double dropout_p,
+                                                        const OptTensor& rng_state) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::bwd", "").typed<BwdSig>();
   return op.call(dout, q, k, v, out, lse, scale, window_left, window_right, bottom_right, deterministic, softcap,
-                 alibi_slopes, attn_mask);
+                 alibi_slopes, attn_mask, dropout_p, rng_state);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> call_bwd_mask_grad(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, double scale, int64_t window_left, int64_t window_right, bool bottom_right,
-    bool deterministic, const at::Tensor& attn_mask) {
+    bool deterministic, const at::Tensor& attn_mask, double dropout_p, const OptTensor& rng_state) {
   static auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::bwd_mask_grad", "").typed<BwdMaskGradSig>();
-  return op.call(dout, q, k, v, out, lse, scale, window_left, window_right, bottom_right, deterministic, attn_mask);
+  return op.call(dout, q, k, v, out, lse, scale, window_left, window_right, bottom_right, deterministic, attn_mask,
+                 dropout_p, rng_state);
+}
+
+// The rng_state a differentiable call runs with (its backward regenerates the
+// mask from it): the caller's, or with dropout a fresh draw for the call's
+// batch x heads_q planes (csrc/philox.h; sizes(q) gives them, asked only then,
+// so that a call without dropout reads no size: symbolic shapes stay so). The
+// draw is an op of its own (dropout_rng_state, nondeterministic_seeded), so
+// that a traced graph draws anew at every run instead of baking one seed in.
+template <typename Sizes>
+OptTensor call_rng_state(double dropout_p, const OptTensor& rng_state, const at::Tensor& q, Sizes sizes) {
+  if (!(dropout_p > 0.0) || (rng_state.has_value() && rng_state->defined())) return rng_state;
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("flashattn_ext::dropout_rng_state", "")
+                       .typed<at::Tensor(const at::Tensor&, int64_t, int64_t)>();
+  const auto [batch, heads_q] = sizes();
+  return op.call(q, batch, heads_q);
+}
+
+// (batch, heads_q) of a dense attention call (q in the caller's layout) and of a varlen one.
+auto dense_planes(const at::Tensor& q, bool bhsd) {
+  return [&q, bhsd] {
+    if (q.dim() != 4) return std::pair<int64_t, int64_t>{1, 1};  // the kernels' checks name the rank
+    return std::pair<int64_t, int64_t>{q.size(0), bhsd ? q.size(1) : q.size(2)};
+  };
+}
+auto varlen_planes(const at::Tensor& q, const at::Tensor& cu_seqlens_q) {
+  return [&q, &cu_seqlens_q] {
+    return std::pair<int64_t, int64_t>{cu_seqlens_q.dim() == 1 ? cu_seqlens_q.size(0) - 1 : 0,
+                                       q.dim() == 3 ? q.size(1) : 1};
+  };
 }
 
 // The kernels need stride 1 on head_dim; copy only when it is not already so
@@ -257,14 +298,16 @@ struct FlashAttnBackward : public AttentionBackwardNode {
     const at::Tensor q = q_.unpack(), k = k_.unpack(), v = v_.unpack();
     const at::Tensor out = out_.unpack(getptr()), lse = lse_.unpack();
     if (mask_grad) {
-      auto [dq, dk, dv, dmask] = call_bwd_mask_grad(
-          kernel_layout(dout, bhsd), kernel_layout(q, bhsd), kernel_layout(k, bhsd), kernel_layout(v, bhsd),
-          kernel_layout(out, bhsd), lse, scale, window_left, window_right, bottom_right, deterministic, mask_.unpack());
+      auto [dq, dk, dv, dmask] =
+          call_bwd_mask_grad(kernel_layout(dout, bhsd), kernel_layout(q, bhsd), kernel_layout(k, bhsd),
+                             kernel_layout(v, bhsd), kernel_layout(out, bhsd), lse, scale, window_left, window_right,
+                             bottom_right, deterministic, mask_.unpack(), dropout_p, rng_state);
       return {caller_layout(dq, bhsd), caller_layout(dk, bhsd), caller_layout(dv, bhsd), dmask};
     }
-    auto [dq, dk, dv] = call_bwd(kernel_layout(dout, bhsd), kernel_layout(q, bhsd), kernel_layout(k, bhsd),
-                                 kernel_layout(v, bhsd), kernel_layout(out, bhsd), lse, scale, window_left,
-                                 window_right, bottom_right, deterministic, softcap, alibi_slopes, attn_mask);
+    auto [dq, dk, dv] =
+        call_bwd(kernel_layout(dout, bhsd), kernel_layout(q, bhsd), kernel_layout(k, bhsd), kernel_layout(v, bhsd),
+                 kernel_layout(out, bhsd), lse, scale, window_left, window_right, bottom_right, deterministic, softcap,
+                 alibi_slopes, attn_mask, dropout_p, rng_state);
     return {caller_layout(dq, bhsd), caller_layout(dk, bhsd), caller_layout(dv, bhsd)};
   }
   std::string name() const override { return "FlashAttnBackward"; }
@@ -273,6 +316,7 @@ struct FlashAttnBackward : public AttentionBackwardNode {
     reset_saved();
     alibi_slopes.reset();
     attn_mask.reset();
+    rng_state.reset();
     mask_.reset_data();
   }
 
@@ -287,23 +331,28 @@ struct FlashAttnBackward : public AttentionBackwardNode {
   OptTensor attn_mask;     // a mask without gradient: a plain tensor, as the slopes
   bool mask_grad = false;  // the mask requires grad: saved as mask_ instead, an input of the node
   SavedVariable mask_;
+  double dropout_p = 0;
+  OptTensor rng_state;  // the forward's (drawn or given): the backward regenerates its keep mask
 };
 
 std::tuple<at::Tensor, at::Tensor> attention_below_autograd(const at::Tensor& q, const at::Tensor& k,
                                                             const at::Tensor& v, double scale, int64_t window_left,
                                                             int64_t window_right, bool bottom_right, bool bhsd,
                                                             double softcap, const OptTensor& alibi_slopes,
-                                                            const OptTensor& attn_mask) {
+                                                            const OptTensor& attn_mask, double dropout_p,
+                                                            const OptTensor& rng_state) {
   auto [out, lse] = call_fwd(kernel_layout(q, bhsd), kernel_layout(k, bhsd), kernel_layout(v, bhsd), scale, window_left,
-                             window_right, bottom_right, softcap, alibi_slopes, attn_mask);
+                             window_right, bottom_right, softcap, alibi_slopes, attn_mask, dropout_p, rng_state);
   return {caller_layout(out, bhsd), lse};
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                       double scale, int64_t window_left, int64_t window_right,
                                                       bool bottom_right, bool deterministic, bool bhsd, double softcap,
-                                                      const OptTensor& alibi_slopes, const OptTensor& attn_mask) {
+                                                      const OptTensor& alibi_slopes, const OptTensor& attn_mask,
+                                                      double dropout_p, const OptTensor& rng_state_in) {
   check_no_forward_ad("attention", q, k, v);
+  const OptTensor rng_state = call_rng_state(dropout_p, rng_state_in, q, dense_planes(q, bhsd));
   const bool mask_grad =
       attn_mask.has_value() && attn_mask->defined() && attn_mask->requires_grad() && at::GradMode::is_enabled();
   if (mask_grad) check_no_forward_ad("attention", *attn_mask);
@@ -311,7 +360,7 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& q, const
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     std::tie(out, lse) = attention_below_autograd(q, k, v, scale, window_left, window_right, bottom_right, bhsd,
-                                                  softcap, alibi_slopes, attn_mask);
+                                                  softcap, alibi_slopes, attn_mask, dropout_p, rng_state);
   }
   if (mask_grad || torch::autograd::compute_requires_grad(q, k, v)) {
     auto node = make_node<FlashAttnBackward>();
@@ -325,6 +374,8 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& q, const
     node->alibi_slopes = alibi_slopes;
     node->mask_grad = mask_grad;
     if (!mask_grad) node->attn_mask = attn_mask;
+    node->dropout_p = dropout_p;
+    node->rng_state = rng_state;
     AttentionBackwardNode::attach(node, q, k, v, out, lse);
     if (mask_grad) {
       node->add_next_edge(torch::autograd::impl::gradient_edge(*attn_mask));
@@ -353,6 +404,7 @@ struct VarlenFlashAttnBackward : public AttentionBackwardNode {
     args.cu_seqlens_q.reset();
     args.cu_seqlens_k.reset();
     args.alibi_slopes.reset();
+    args.rng_state.reset();
   }
 
   VarlenArgs args;
@@ -361,9 +413,9 @@ struct VarlenFlashAttnBackward : public AttentionBackwardNode {
 
 VarlenArgs varlen_args(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
                        int64_t max_seqlen_k, double scale, int64_t window_left, int64_t window_right, bool bottom_right,
-                       double softcap, const OptTensor& alibi_slopes) {
-  return {cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-          window_left,  window_right, bottom_right, softcap,      alibi_slopes};
+                       double softcap, const OptTensor& alibi_slopes, double dropout_p, const OptTensor& rng_state) {
+  return {cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,     window_left,
+          window_right, bottom_right, softcap,      alibi_slopes, dropout_p, rng_state};
 }
 
 // Below autograd: the kernels take a unit head_dim stride (copied only when not so).
@@ -375,10 +427,12 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention_below_autograd(const at::Ten
 std::tuple<at::Tensor, at::Tensor> varlen_attention_autograd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double scale, int64_t window_left,
-    int64_t window_right, bool bottom_right, bool deterministic, double softcap, const OptTensor& alibi_slopes) {
+    int64_t window_right, bool bottom_right, bool deterministic, double softcap, const OptTensor& alibi_slopes,
+    double dropout_p, const OptTensor& rng_state) {
   check_no_forward_ad("varlen_attention", q, k, v);
   const VarlenArgs args = varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
-                                      window_right, bottom_right, softcap, alibi_slopes);
+                                      window_right, bottom_right, softcap, alibi_slopes, dropout_p,
+                                      call_rng_state(dropout_p, rng_state, q, varlen_planes(q, cu_seqlens_q)));
   at::Tensor out, lse;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
@@ -418,13 +472,14 @@ constexpr const char* kNoDoubleBackward =
 std::tuple<at::Tensor, at::Tensor> fwd_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                 double scale, int64_t window_left, int64_t window_right,
                                                 bool bottom_right, double softcap, const OptTensor& alibi_slopes,
-                                                const OptTensor& attn_mask) {
+                                                const OptTensor& attn_mask, double dropout_p,
+                                                const OptTensor& rng_state) {
   check_no_forward_ad("fwd", q, k, v);
   at::Tensor out, lse;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    std::tie(out, lse) =
-        call_fwd(q, k, v, scale, window_left, window_right, bottom_right, softcap, alibi_slopes, attn_mask);
+    std::tie(out, lse) = call_fwd(q, k, v, scale, window_left, window_right, bottom_right, softcap, alibi_slopes,
+                                  attn_mask, dropout_p, rng_state);
   }
   attach_error({out}, kFwdNotDifferentiable, q, k, v);
   return {out, lse};
@@ -435,13 +490,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_autograd(const at::Tensor& do
                                                             const at::Tensor& out, const at::Tensor& lse, double scale,
                                                             int64_t window_left, int64_t window_right,
                                                             bool bottom_right, bool deterministic, double softcap,
-                                                            const OptTensor& alibi_slopes, const OptTensor& attn_mask) {
+                                                            const OptTensor& alibi_slopes, const OptTensor& attn_mask,
+                                                            double dropout_p, const OptTensor& rng_state) {
   check_no_forward_ad("bwd", dout, q, k, v, out, lse);
   at::Tensor dq, dk, dv;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     std::tie(dq, dk, dv) = call_bwd(dout, q, k, v, out, lse, scale, window_left, window_right, bottom_right,
-                                    deterministic, softcap, alibi_slopes, attn_mask);
+                                    deterministic, softcap, alibi_slopes, attn_mask, dropout_p, rng_state);
   }
   attach_error({dq, dk, dv}, kNoDoubleBackward, dout, q, k, v, out, lse);
   return {dq, dk, dv};
@@ -451,14 +507,16 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_autograd(const at::Tensor& q, cons
                                                        const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                                        int64_t max_seqlen_q, int64_t max_seqlen_k, double scale,
                                                        int64_t window_left, int64_t window_right, bool bottom_right,
-                                                       double softcap, const OptTensor& alibi_slopes) {
+                                                       double softcap, const OptTensor& alibi_slopes, double dropout_p,
+                                                       const OptTensor& rng_state) {
   check_no_forward_ad("varlen_fwd", q, k, v);
   at::Tensor out, lse;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    std::tie(out, lse) = call_varlen_fwd(q, k, v,
-                                         varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-                                                     window_left, window_right, bottom_right, softcap, alibi_slopes));
+    std::tie(out, lse) =
+        call_varlen_fwd(q, k, v,
+                        varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
+                                    window_right, bottom_right, softcap, alibi_slopes, dropout_p, rng_state));
   }
   attach_error({out}, kFwdNotDifferentiable, q, k, v);
   return {out, lse};
@@ -468,15 +526,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_autograd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
     int64_t max_seqlen_k, double scale, int64_t window_left, int64_t window_right, bool bottom_right,
-    bool deterministic, double softcap, const OptTensor& alibi_slopes) {
+    bool deterministic, double softcap, const OptTensor& alibi_slopes, double dropout_p, const OptTensor& rng_state) {
   check_no_forward_ad("varlen_bwd", dout, q, k, v, out, lse);
   at::Tensor dq, dk, dv;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    std::tie(dq, dk, dv) = call_varlen_bwd(dout, q, k, v, out, lse,
-                                           varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-                                                       window_left, window_right, bottom_right, softcap, alibi_slopes),
-                                           deterministic);
+    std::tie(dq, dk, dv) =
+        call_varlen_bwd(dout, q, k, v, out, lse,
+                        varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
+                                    window_right, bottom_right, softcap, alibi_slopes, dropout_p, rng_state),
+                        deterministic);
   }
   attach_error({dq, dk, dv}, kNoDoubleBackward, dout, q, k, v, out, lse);
   return {dq, dk, dv};
@@ -527,33 +586,36 @@ template <c10::DeviceType device_type>
 std::tuple<at::Tensor, at::Tensor> attention_autocast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                       double scale, int64_t window_left, int64_t window_right,
                                                       bool bottom_right, bool deterministic, bool bhsd, double softcap,
-                                                      const OptTensor& alibi_slopes, const OptTensor& attn_mask) {
+                                                      const OptTensor& alibi_slopes, const OptTensor& attn_mask,
+                                                      double dropout_p, const OptTensor& rng_state) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
   return call_attention(autocast_arg<device_type>(q), autocast_arg<device_type>(k), autocast_arg<device_type>(v), scale,
                         window_left, window_right, bottom_right, deterministic, bhsd, softcap, alibi_slopes,
-                        autocast_mask<device_type>(attn_mask));
+                        autocast_mask<device_type>(attn_mask), dropout_p, rng_state);
 }
 
 template <c10::DeviceType device_type>
 std::tuple<at::Tensor, at::Tensor> fwd_autocast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                 double scale, int64_t window_left, int64_t window_right,
                                                 bool bottom_right, double softcap, const OptTensor& alibi_slopes,
-                                                const OptTensor& attn_mask) {
+                                                const OptTensor& attn_mask, double dropout_p,
+                                                const OptTensor& rng_state) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
   return call_fwd(autocast_arg<device_type>(q), autocast_arg<device_type>(k), autocast_arg<device_type>(v), scale,
-                  window_left, window_right, bottom_right, softcap, alibi_slopes,
-                  autocast_mask<device_type>(attn_mask));
+                  window_left, window_right, bottom_right, softcap, alibi_slopes, autocast_mask<device_type>(attn_mask),
+                  dropout_p, rng_state);
 }
 
 template <c10::DeviceType device_type>
 std::tuple<at::Tensor, at::Tensor> varlen_attention_autocast(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double scale, int64_t window_left,
-    int64_t window_right, bool bottom_right, bool deterministic, double softcap, const OptTensor& alibi_slopes) {
+    int64_t window_right, bool bottom_right, bool deterministic, double softcap, const OptTensor& alibi_slopes,
+    double dropout_p, const OptTensor& rng_state) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
   return call_varlen_attention(autocast_arg<device_type>(q), autocast_arg<device_type>(k), autocast_arg<device_type>(v),
                                varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
-                                           window_right, bottom_right, softcap, alibi_slopes),
+                                           window_right, bottom_right, softcap, alibi_slopes, dropout_p, rng_state),
                                deterministic);
 }
 
@@ -562,11 +624,12 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_autocast(const at::Tensor& q, cons
                                                        const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                                        int64_t max_seqlen_q, int64_t max_seqlen_k, double scale,
                                                        int64_t window_left, int64_t window_right, bool bottom_right,
-                                                       double softcap, const OptTensor& alibi_slopes) {
+                                                       double softcap, const OptTensor& alibi_slopes, double dropout_p,
+                                                       const OptTensor& rng_state) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
   return call_varlen_fwd(autocast_arg<device_type>(q), autocast_arg<device_type>(k), autocast_arg<device_type>(v),
                          varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left,
-                                     window_right, bottom_right, softcap, alibi_slopes));
+                                     window_right, bottom_right, softcap, alibi_slopes, dropout_p, rng_state));
 }
 
 // ---------------------------------------------------------------------------
@@ -576,14 +639,15 @@ std::tuple<at::Tensor, at::Tensor> attention_composite(const at::Tensor& q, cons
                                                        double scale, int64_t window_left, int64_t window_right,
                                                        bool bottom_right, bool /*deterministic: for the backward*/,
                                                        bool bhsd, double softcap, const OptTensor& alibi_slopes,
-                                                       const OptTensor& attn_mask) {
+                                                       const OptTensor& attn_mask, double dropout_p,
+                                                       const OptTensor& rng_state) {
   return attention_below_autograd(q, k, v, scale, window_left, window_right, bottom_right, bhsd, softcap, alibi_slopes,
-                                  attn_mask);
+                                  attn_mask, dropout_p, call_rng_state(dropout_p, rng_state, q, dense_planes(q, bhsd)));
 }
 
 std::tuple<at::Tensor, at::Tensor> fwd_unsupported(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                    double, int64_t, int64_t, bool, double, const OptTensor&,
-                                                   const OptTensor&) {
+                                                   const OptTensor&, double, const OptTensor&) {
   flashattn::reject_backend({{&q, "q"}, {&k, "k"}, {&v, "v"}});
 }
 
@@ -591,26 +655,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_unsupported(const at::Tensor&
                                                                const at::Tensor& k, const at::Tensor& v,
                                                                const at::Tensor& out, const at::Tensor& lse, double,
                                                                int64_t, int64_t, bool, bool, double, const OptTensor&,
-                                                               const OptTensor&) {
+                                                               const OptTensor&, double, const OptTensor&) {
   flashattn::reject_backend({{&q, "q"}, {&k, "k"}, {&v, "v"}, {&dout, "dout"}, {&out, "out"}, {&lse, "lse"}});
 }
 
-std::tuple<at::Tensor, at::Tensor> varlen_attention_composite(const at::Tensor& q, const at::Tensor& k,
-                                                              const at::Tensor& v, const at::Tensor& cu_seqlens_q,
-                                                              const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
-                                                              int64_t max_seqlen_k, double scale, int64_t window_left,
-                                                              int64_t window_right, bool bottom_right,
-                                                              bool /*deterministic: for the backward*/, double softcap,
-                                                              const OptTensor& alibi_slopes) {
-  return varlen_attention_below_autograd(q, k, v,
-                                         varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
-                                                     window_left, window_right, bottom_right, softcap, alibi_slopes));
+std::tuple<at::Tensor, at::Tensor> varlen_attention_composite(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double scale, int64_t window_left,
+    int64_t window_right, bool bottom_right, bool /*deterministic: for the backward*/, double softcap,
+    const OptTensor& alibi_slopes, double dropout_p, const OptTensor& rng_state) {
+  return varlen_attention_below_autograd(
+      q, k, v,
+      varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, window_left, window_right,
+                  bottom_right, softcap, alibi_slopes, dropout_p,
+                  call_rng_state(dropout_p, rng_state, q, varlen_planes(q, cu_seqlens_q))));
 }
 
 std::tuple<at::Tensor, at::Tensor> varlen_fwd_unsupported(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                           const at::Tensor& cu_seqlens_q,
                                                           const at::Tensor& cu_seqlens_k, int64_t, int64_t, double,
-                                                          int64_t, int64_t, bool, double, const OptTensor&) {
+                                                          int64_t, int64_t, bool, double, const OptTensor&, double,
+                                                          const OptTensor&) {
   flashattn::reject_backend(
       {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&cu_seqlens_q, "cu_seqlens_q"}, {&cu_seqlens_k, "cu_seqlens_k"}});
 }
@@ -618,7 +683,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_unsupported(const at::Tensor& q, c
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_unsupported(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t, int64_t, double,
-    int64_t, int64_t, bool, bool, double, const OptTensor&) {
+    int64_t, int64_t, bool, bool, double, const OptTensor&, double, const OptTensor&) {
   flashattn::reject_backend({{&q, "q"},
                              {&k, "k"},
                              {&v, "v"},

@@ -21,6 +21,8 @@
 
 #include <cstdint>
 
+#include "philox.h"
+
 #if defined(__CUDACC__)
 #define FLASHATTN_HOST_DEVICE __host__ __device__
 #else
@@ -163,6 +165,12 @@ struct AttnFwdParams : QkvoParams {
 
   MaskParams mask;
   ScoreMod score_mod;
+  // Dropout on the probabilities (philox.h: the keep mask, its layout and the
+  // seed / offset); p = 0: none. The log-sum-exp stays that of the softmax
+  // without dropout; the output and the gradients are those of the dropped,
+  // 1 / (1 - p)-scaled probabilities. The CPU kernels only, for now: the CUDA
+  // binding refuses p > 0 (the Python API sends such calls to torch).
+  DropoutParams dropout;
 
   // Compute capability x 10 of the device the CUDA kernels run on (90 for
   // H100/H200): picks architecture-specific kernels. 0 on the CPU.

@@ -57,6 +57,15 @@ TORCH_LIBRARY(flashattn_ext, m) {
   // flash_params.h); its gradient through bwd_mask_grad; not with softcap / ALiBi.
   // bottom_right: align the diagonal to the last key (FlashAttention) instead of
   // the first (torch SDPA).
+  // dropout_p, rng_state (every op but fwd_kvcache, last): dropout on the
+  // probabilities, kept ones scaled by 1 / (1 - dropout_p); lse stays that of
+  // the softmax without dropout. rng_state: int64 (2,) [seed, offset] (uint64
+  // bit patterns), the keep mask of csrc/philox.h, so that bwd regenerates the
+  // forward's mask from the same rng_state; on the CPU for the CPU kernels (the
+  // CUDA kernels, once they take dropout, read it on the device, written there
+  // by a graph-safe unpack of torch's Philox state). attention / varlen_attention
+  // draw one from torch's generator (dropout_rng_state) when it is None, and
+  // their backward reuses it; fwd / bwd require it with dropout_p > 0.
   //
   // attention: the differentiable op the Python API calls. Its autograd formula
   // (csrc/autograd.cpp) saves q, k, v, out, lse and calls bwd; deterministic is
@@ -69,28 +78,29 @@ TORCH_LIBRARY(flashattn_ext, m) {
   m.def(
       "attention(Tensor q, Tensor k, Tensor v, float softmax_scale, int window_left, int window_right, "
       "bool bottom_right, bool deterministic, bool bhsd=False, float softcap=0., Tensor? alibi_slopes=None, "
-      "Tensor? attn_mask=None) -> (Tensor out, Tensor lse)");
+      "Tensor? attn_mask=None, float dropout_p=0., Tensor? rng_state=None) -> (Tensor out, Tensor lse)");
   // The forward kernels alone. Not differentiable: backpropagating through it
   // raises (use attention).
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, int window_left, int window_right, "
-      "bool bottom_right, float softcap=0., Tensor? alibi_slopes=None, Tensor? attn_mask=None) "
-      "-> (Tensor out, Tensor lse)");
+      "bool bottom_right, float softcap=0., Tensor? alibi_slopes=None, Tensor? attn_mask=None, "
+      "float dropout_p=0., Tensor? rng_state=None) -> (Tensor out, Tensor lse)");
   // Recomputes the probabilities tile by tile from lse; returns gradients with
   // the shapes of q, k, v. Not differentiable (no double backward): its
   // gradients, when something asks for them, raise.
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float softmax_scale, "
       "int window_left, int window_right, bool bottom_right, bool deterministic, float softcap=0., "
-      "Tensor? alibi_slopes=None, Tensor? attn_mask=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "Tensor? alibi_slopes=None, Tensor? attn_mask=None, float dropout_p=0., Tensor? rng_state=None) -> (Tensor dq, "
+      "Tensor dk, Tensor dv)");
   // bwd for a float attn_mask that requires grad: also its gradient, dS (the
   // gradient of the scaled scores) summed over the dimensions the mask
   // broadcasts, in the mask's shape and dtype (AttnBias::grad in
   // flash_params.h). A separate op, so that bwd computes nothing for it.
   m.def(
       "bwd_mask_grad(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float softmax_scale, "
-      "int window_left, int window_right, bool bottom_right, bool deterministic, Tensor attn_mask) "
-      "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)");
+      "int window_left, int window_right, bool bottom_right, bool deterministic, Tensor attn_mask, "
+      "float dropout_p=0., Tensor? rng_state=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)");
   // Variable-length batches (flash_attn_varlen_func), FlashAttention-2's varlen
   // layout: the sequences packed along dimension 0, q (total_q, heads_q,
   // head_dim), k, v (total_k, heads_kv, head_dim); cu_seqlens_q / cu_seqlens_k
@@ -106,16 +116,18 @@ TORCH_LIBRARY(flashattn_ext, m) {
   m.def(
       "varlen_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
       "int max_seqlen_k, float softmax_scale, int window_left, int window_right, bool bottom_right, "
-      "bool deterministic, float softcap=0., Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)");
+      "bool deterministic, float softcap=0., Tensor? alibi_slopes=None, float dropout_p=0., Tensor? rng_state=None) "
+      "-> (Tensor out, Tensor lse)");
   m.def(
       "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
       "int max_seqlen_k, float softmax_scale, int window_left, int window_right, bool bottom_right, "
-      "float softcap=0., Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)");
+      "float softcap=0., Tensor? alibi_slopes=None, float dropout_p=0., Tensor? rng_state=None) -> (Tensor out, Tensor "
+      "lse)");
   m.def(
       "varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, "
       "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, int window_left, "
-      "int window_right, bool bottom_right, bool deterministic, float softcap=0., Tensor? alibi_slopes=None) "
-      "-> (Tensor dq, Tensor dk, Tensor dv)");
+      "int window_right, bool bottom_right, bool deterministic, float softcap=0., Tensor? alibi_slopes=None, "
+      "float dropout_p=0., Tensor? rng_state=None) -> (Tensor dq, Tensor dk, Tensor dv)");
 
   // Attention of q (batch, seqlen_q, heads_q, head_dim) against a KV cache, for
   // inference (flash_attn_with_kvcache calls it after appending the new keys):
@@ -136,6 +148,19 @@ TORCH_LIBRARY(flashattn_ext, m) {
       "fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens_k, Tensor? cache_batch_idx, "
       "Tensor? cache_leftpad, Tensor? block_table, float softmax_scale, int window_left, int window_right, "
       "int num_splits, bool bhsd=False, float softcap=0., Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)");
+  // Dropout's random state for one call (csrc/dropout_api.cpp): int64 (2,)
+  // [seed, offset] for a call of batch x heads_q (b, h) planes (the offset
+  // advances by dropout_offset_increment of csrc/philox.h), drawn from torch's
+  // default generator of q's device (torch.manual_seed reproduces it, two
+  // draws differ). Random: tagged nondeterministic_seeded, so that compilers
+  // neither fold nor deduplicate it. CPU only for now.
+  m.def("dropout_rng_state(Tensor q, int batch, int heads_q) -> Tensor", {at::Tag::nondeterministic_seeded});
+  // The keep mask of csrc/philox.h, drawn by the kernels' own code: bool
+  // (batch, heads_q, seqlen_q, seqlen_k), True = kept. A probe for tests and
+  // for return_attn_probs (flash_attn_func's S_dmask).
+  m.def(
+      "dropout_keep_mask(Tensor rng_state, int batch, int heads_q, int seqlen_q, int seqlen_k, float dropout_p) "
+      "-> Tensor");
   // What this build holds, as "key=value;..." (cuda, archs, head dims).
   m.def("build_info() -> str", []() -> std::string { return build_info(); });
 }

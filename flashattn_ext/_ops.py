@@ -340,6 +340,35 @@ def check_attn_mask(q, k, attn_mask, softcap, alibi_slopes):
             )
 
 
+def check_dropout(dropout_p, rng_state, drawn=False):
+    """csrc/attention_api.cpp make_dropout's checks (same words); drawn: the op
+    draws rng_state itself when it is None (attention, varlen_attention)."""
+    if not (math.isfinite(dropout_p) and 0.0 <= dropout_p <= 1.0):
+        raise ValueError(f"flashattn_ext: dropout_p must be in [0, 1], got {dropout_p}")
+    if dropout_p == 0.0 or (drawn and rng_state is None):
+        return
+    if rng_state is None:
+        raise ValueError(
+            "flashattn_ext: dropout_p > 0 needs rng_state, an int64 (2,) tensor [seed, offset] "
+            "(flashattn_ext::dropout_rng_state draws one)"
+        )
+    if rng_state.dtype != torch.int64 or rng_state.shape != (2,) or rng_state.device.type != "cpu":
+        raise ValueError(
+            f"flashattn_ext: rng_state must be an int64 (2,) CPU tensor [seed, offset], got {_c10(rng_state.dtype)} "
+            f"of shape {list(rng_state.shape)} on {rng_state.device}"
+        )
+
+
+@torch.library.register_fake("flashattn_ext::dropout_rng_state")
+def _dropout_rng_state_fake(q, batch, heads_q):
+    return torch.empty(2, dtype=torch.int64, device="cpu")
+
+
+@torch.library.register_fake("flashattn_ext::dropout_keep_mask")
+def _dropout_keep_mask_fake(rng_state, batch, heads_q, seqlen_q, seqlen_k, dropout_p):
+    return torch.empty(batch, heads_q, seqlen_q, seqlen_k, dtype=torch.bool, device=rng_state.device)
+
+
 def _fwd_fake_impl(q, k, v, softmax_scale, window_left, window_right, unit_stride=True):
     check_qkv(q, k, v, unit_stride)
     check_scalars(softmax_scale, window_left, window_right)
@@ -348,11 +377,23 @@ def _fwd_fake_impl(q, k, v, softmax_scale, window_left, window_right, unit_strid
 
 @torch.library.register_fake("flashattn_ext::fwd")
 def _fwd_fake(
-    q, k, v, softmax_scale, window_left, window_right, bottom_right, softcap=0.0, alibi_slopes=None, attn_mask=None
+    q,
+    k,
+    v,
+    softmax_scale,
+    window_left,
+    window_right,
+    bottom_right,
+    softcap=0.0,
+    alibi_slopes=None,
+    attn_mask=None,
+    dropout_p=0.0,
+    rng_state=None,
 ):
     res = _fwd_fake_impl(q, k, v, softmax_scale, window_left, window_right)
     check_score_mod(q, softcap, alibi_slopes, q.shape[0], q.shape[2])
     check_attn_mask(q, k, attn_mask, softcap, alibi_slopes)
+    check_dropout(dropout_p, rng_state)
     return res
 
 
@@ -370,12 +411,15 @@ def _attention_fake(
     softcap=0.0,
     alibi=None,
     attn_mask=None,
+    dropout_p=0.0,
+    rng_state=None,
 ):
     if bhsd:  # csrc/autograd.cpp kernel_layout / caller_layout
         q, k, v = (x.transpose(1, 2) if x.dim() == 4 else x for x in (q, k, v))
     out, lse = _fwd_fake_impl(q, k, v, softmax_scale, window_left, window_right, unit_stride=False)
     check_score_mod(q, softcap, alibi, q.shape[0], q.shape[2])
     check_attn_mask(q, k, attn_mask, softcap, alibi)
+    check_dropout(dropout_p, rng_state, drawn=True)
     return (out.transpose(1, 2) if bhsd else out), lse
 
 
@@ -395,23 +439,40 @@ def _bwd_fake(
     softcap=0.0,
     alibi=None,
     attn_mask=None,
+    dropout_p=0.0,
+    rng_state=None,
 ):
     check_qkv(q, k, v)
     check_bwd_extras(dout, q, out, lse)
     check_scalars(softmax_scale, window_left, window_right)
     check_score_mod(q, softcap, alibi, q.shape[0], q.shape[2])
     check_attn_mask(q, k, attn_mask, softcap, alibi)
+    check_dropout(dropout_p, rng_state)
     return _empty_like_each(q, k, v)
 
 
 @torch.library.register_fake("flashattn_ext::bwd_mask_grad")
 def _bwd_mask_grad_fake(
-    dout, q, k, v, out, lse, softmax_scale, window_left, window_right, bottom_right, deterministic, attn_mask
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    softmax_scale,
+    window_left,
+    window_right,
+    bottom_right,
+    deterministic,
+    attn_mask,
+    dropout_p=0.0,
+    rng_state=None,
 ):
     check_qkv(q, k, v)
     check_bwd_extras(dout, q, out, lse)
     check_scalars(softmax_scale, window_left, window_right)
     check_attn_mask(q, k, attn_mask, 0.0, None)
+    check_dropout(dropout_p, rng_state)
     if not attn_mask.dtype.is_floating_point:
         raise TypeError(f"flashattn_ext: only a floating-point attn_mask has a gradient, got {_c10(attn_mask.dtype)}")
     return (*_empty_like_each(q, k, v), torch.empty_like(attn_mask, memory_format=torch.contiguous_format))
@@ -701,10 +762,25 @@ def _varlen_fwd_fake_impl(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, wind
 
 @torch.library.register_fake("flashattn_ext::varlen_fwd")
 def _varlen_fwd_fake(
-    q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, bottom_right, softcap=0.0, alibi=None
+    q,
+    k,
+    v,
+    cu_q,
+    cu_k,
+    max_q,
+    max_k,
+    softmax_scale,
+    window_left,
+    window_right,
+    bottom_right,
+    softcap=0.0,
+    alibi=None,
+    dropout_p=0.0,
+    rng_state=None,
 ):
     res = _varlen_fwd_fake_impl(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, True)
     check_score_mod(q, softcap, alibi, cu_q.shape[0] - 1, q.shape[1])
+    check_dropout(dropout_p, rng_state)
     return res
 
 
@@ -724,9 +800,12 @@ def _varlen_attention_fake(
     deterministic,
     softcap=0.0,
     alibi_slopes=None,
+    dropout_p=0.0,
+    rng_state=None,
 ):
     res = _varlen_fwd_fake_impl(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, False)
     check_score_mod(q, softcap, alibi_slopes, cu_q.shape[0] - 1, q.shape[1])
+    check_dropout(dropout_p, rng_state, drawn=True)
     return res
 
 
@@ -749,11 +828,14 @@ def _varlen_bwd_fake(
     det,
     softcap=0.0,
     alibi_slopes=None,
+    dropout_p=0.0,
+    rng_state=None,
 ):
     check_varlen_qkv(q, k, v, cu_q, cu_k, max_q, max_k)
     check_varlen_bwd_extras(dout, q, out, lse)
     check_scalars(softmax_scale, window_left, window_right)
     check_score_mod(q, softcap, alibi_slopes, cu_q.shape[0] - 1, q.shape[1])
+    check_dropout(dropout_p, rng_state)
     return _empty_like_each(q, k, v)
 
 

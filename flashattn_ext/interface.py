@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _ops
-from .reference import compute_dtype, visible_mask
+from .reference import alibi_bias, compute_dtype, visible_mask
 
 __all__ = [
     "flash_attn_func",
@@ -228,6 +228,109 @@ def _check_alibi_slopes(fn, alibi_slopes, batch, heads_q, device):
         )
 
 
+def _kernel_dropout(q) -> bool:
+    """Whether the kernels of q's device apply dropout themselves: the CPU
+    kernels do; the CUDA kernels not yet (their calls go to torch's SDPA)."""
+    return q.device.type == "cpu"
+
+
+def _want_attn_probs(fn, q, return_attn_probs) -> bool:
+    """return_attn_probs, checked: True only on the CPU (whose kernels draw the
+    dropout mask S_dmask shows)."""
+    if return_attn_probs is False or not _require_bool(fn, "return_attn_probs", return_attn_probs):
+        return False
+    if not _kernel_dropout(q):
+        raise NotImplementedError(
+            f"{fn}: return_attn_probs=True is supported on the CPU only (the CUDA kernels have no dropout yet); "
+            "use return_lse=True for the log-sum-exp"
+        )
+    return True
+
+
+def _rng_state(q, batch, heads_q):
+    """A call's dropout state [seed, offset], drawn from torch's generator of q's device."""
+    return torch.ops.flashattn_ext.dropout_rng_state(q, batch, heads_q)
+
+
+def _round128(n: int) -> int:
+    return (n + 127) // 128 * 128
+
+
+def _s_dmask_plane(q, k, lse, keep, scale, wl, wr, softcap, slopes, out):
+    """S_dmask of one sequence into out (heads_q, >= seqlen_q, >= seqlen_k):
+    q (seqlen_q, heads_q, d), k (seqlen_k, heads_kv, d), lse (heads_q,
+    seqlen_q), keep (heads_q, seqlen_q, seqlen_k), slopes (heads_q,) or None."""
+    seqlen_q, seqlen_k = q.shape[0], k.shape[0]
+    acc = compute_dtype(q.dtype)
+    qh = q.detach().transpose(0, 1).to(acc)
+    kh = k.detach().transpose(0, 1).to(acc).repeat_interleave(q.shape[1] // k.shape[1], dim=0)
+    s = torch.matmul(qh, kh.transpose(-2, -1)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if slopes is not None:
+        s = s + alibi_bias(slopes, seqlen_q, seqlen_k, q.device).to(acc)
+    if wl >= 0 or wr >= 0:
+        s = s.masked_fill(~visible_mask(seqlen_q, seqlen_k, wl, wr, seqlen_k - seqlen_q, q.device), float("-inf"))
+    probs = torch.exp(s - lse.to(acc).unsqueeze(-1)).nan_to_num(0.0)  # rows without keys: lse -inf
+    out[:, :seqlen_q, :seqlen_k] = torch.where(keep, probs, -probs).to(out.dtype)
+
+
+def _s_dmask(q, k, lse, p, rng_state, scale, wl, wr, mods):
+    """flash-attn 2's S_dmask of a dense call (q, k (batch, seqlen, heads, d)):
+    (batch, heads_q, seqlen_q rounded up to 128, seqlen_k likewise) in q's
+    dtype, the probabilities of the softmax without dropout (exp(s - lse), from
+    the kernels' lse), negated where the dropout drops them (the kernels' own
+    keep mask, flashattn_ext::dropout_keep_mask), 0 where the mask hides a key
+    and in the padding; dropout_mask = S_dmask >= 0, as flash-attn's tests read
+    it. (flash-attn 2's kernels leave them unnormalized; their sign is the same.)"""
+    batch, seqlen_q, heads_q = q.shape[:3]
+    seqlen_k = k.shape[1]
+    keep = torch.ops.flashattn_ext.dropout_keep_mask(rng_state, batch, heads_q, seqlen_q, seqlen_k, p)
+    out = q.new_zeros(batch, heads_q, _round128(seqlen_q), _round128(seqlen_k))
+    softcap, slopes = _mods_parts(mods)
+    with torch.no_grad():
+        for b in range(batch):
+            slopes_b = slopes[b] if slopes is not None and slopes.dim() == 2 else slopes
+            _s_dmask_plane(q[b], k[b], lse[b], keep[b], scale, wl, wr, softcap, slopes_b, out[b])
+    return out
+
+
+def _mods_parts(mods):
+    """(softcap, alibi_slopes) of the score-mod arguments the ops take (_score_mods)."""
+    softcap = mods[0] if len(mods) > 0 else 0.0
+    slopes = mods[1] if len(mods) > 1 else None
+    return softcap, slopes
+
+
+def _s_dmask_varlen(q, k, lse, cu_q, cu_k, max_q, max_k, p, rng_state, scale, wl, wr, mods):
+    """_s_dmask of a varlen batch (q (total_q, heads_q, d), lse (heads_q,
+    total_q)): (batch, heads_q, max_seqlen_q rounded up to 128, max_seqlen_k
+    likewise), sequence b in the top-left corner of entry b (its mask is that
+    corner of plane b: csrc/philox.h counts queries and keys per sequence)."""
+    batch, heads_q = cu_q.shape[0] - 1, q.shape[1]
+    keep = torch.ops.flashattn_ext.dropout_keep_mask(rng_state, batch, heads_q, max_q, max_k, p)
+    out = q.new_zeros(batch, heads_q, _round128(max_q), _round128(max_k))
+    softcap, slopes = _mods_parts(mods)
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    with torch.no_grad():
+        for b in range(batch):
+            sq, eq, sk, ek = bq[b], bq[b + 1], bk[b], bk[b + 1]
+            slopes_b = slopes[b] if slopes is not None and slopes.dim() == 2 else slopes
+            _s_dmask_plane(
+                q[sq:eq],
+                k[sk:ek],
+                lse[:, sq:eq],
+                keep[b, :, : eq - sq, : ek - sk],
+                scale,
+                wl,
+                wr,
+                softcap,
+                slopes_b,
+                out[b],
+            )
+    return out
+
+
 def _no_dropout_with_score_mods(fn, p, mods):
     if p > 0.0 and mods:
         raise NotImplementedError(
@@ -279,10 +382,17 @@ def flash_attn_func(
     the softcap), query i, key j, as flash-attn defines it; the slopes get no
     gradient. lse is that of the modified scores.
 
-    Not supported: return_attn_probs (NotImplementedError); double backward
-    (raises when attempted); dropout together with softcap or ALiBi. dropout_p in
-    (0, 1] is computed by torch's scaled_dot_product_attention with an explicit
-    mask (one-time FlashAttnFallbackWarning; O(seqlen_q * seqlen_k) memory).
+    dropout_p in (0, 1]: on the CPU the kernels drop probabilities themselves
+    (the keep mask of csrc/philox.h from a seed drawn from torch's generator:
+    torch.manual_seed reproduces it; kept ones scaled by 1 / (1 - dropout_p);
+    lse is that of the softmax without dropout), with every mask and score mod;
+    return_attn_probs=True (CPU) returns (out, lse, S_dmask) as flash-attn 2 does:
+    S_dmask (batch, heads_q, seqlen_q and seqlen_k rounded up to 128) the
+    probabilities with the dropped ones negated, None without dropout. On CUDA
+    dropout is computed by torch's scaled_dot_product_attention with an explicit
+    mask (one-time FlashAttnFallbackWarning; O(seqlen_q * seqlen_k) memory;
+    not with softcap or ALiBi) and return_attn_probs raises NotImplementedError.
+    Double backward raises when attempted.
     """
     fn = "flash_attn_func"
     if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
@@ -295,12 +405,7 @@ def flash_attn_func(
         deterministic = _require_bool(fn, "deterministic", deterministic)
     if type(return_lse) is not bool:
         return_lse = _require_bool(fn, "return_lse", return_lse)
-    if return_attn_probs is not False:
-        if _require_bool(fn, "return_attn_probs", return_attn_probs):
-            raise NotImplementedError(
-                f"{fn}: return_attn_probs=True is not supported by flashattn_ext (the kernels never "
-                "materialize the probabilities); use return_lse=True for the log-sum-exp"
-            )
+    want_probs = return_attn_probs is not False and _want_attn_probs(fn, q, return_attn_probs)
     mods = (
         ()
         if alibi_slopes is None and type(softcap) is float and softcap == 0.0
@@ -325,15 +430,25 @@ def flash_attn_func(
         scale = softmax_scale
     else:
         scale = _real(fn, "softmax_scale", softmax_scale)
-    if not (type(dropout_p) is float and dropout_p == 0.0) and _dropout_p(fn, dropout_p) > 0.0:
+    p = 0.0 if type(dropout_p) is float and dropout_p == 0.0 else _dropout_p(fn, dropout_p)
+    if p > 0.0 and not _kernel_dropout(q):
         _no_dropout_with_score_mods(fn, 1.0, mods)
-        return _flash_attn_dropout_fallback(q, k, v, float(dropout_p), scale, window_left, window_right, return_lse)
+        return _flash_attn_dropout_fallback(q, k, v, p, scale, window_left, window_right, return_lse)
     # The op takes any strides (it copies a strided head_dim, nothing else).
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
-    if mods:
+    if p > 0.0:  # the CPU kernels' dropout; the rng_state drawn here so that S_dmask can show its mask
+        rng_state = _rng_state(q, q.shape[0], q.shape[2])
+        softcap, slopes = _mods_parts(mods)
+        out, lse = _ops.attention(
+            q, k, v, scale, window_left, window_right, True, deterministic, False, softcap, slopes, None, p, rng_state
+        )
+    elif mods:
         out, lse = _ops.attention(q, k, v, scale, window_left, window_right, True, deterministic, False, *mods)
     else:  # the plain call, the op's defaults (no score-mod arguments to convert)
         out, lse = _ops.attention(q, k, v, scale, window_left, window_right, True, deterministic)
+    if want_probs:  # flash-attn 2: S_dmask only with dropout, else None
+        s_dmask = _s_dmask(q, k, lse, p, rng_state, scale, window_left, window_right, mods) if p > 0.0 else None
+        return out, lse, s_dmask
     return (out, lse) if return_lse else out
 
 
@@ -603,10 +718,11 @@ def _sdpa_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         reason = _mask_refusal(attn_mask, query, key, dtype, is_causal)
         if reason is not None:
             return "attn_mask", reason
-    if dropout_p != 0.0:
+    if dropout_p != 0.0 and dev.type != "cpu":
         return (
             "dropout",
-            "dropout_p > 0 (the kernels have no dropout; note torch applies it whenever dropout_p > 0, training or not)",
+            "dropout_p > 0 (the CUDA kernels have no dropout yet; note torch applies it whenever dropout_p > 0, "
+            "training or not)",
         )
     bq, hq, lq, e = _dims(query)
     bk, hk, sk, ek = _dims(key)
@@ -715,22 +831,28 @@ def sdpa_fallback_reason(
     return _sdpa_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)[1]
 
 
-def _sdpa_kernels(query, key, value, is_causal, scale, attn_mask=None):
+def _sdpa_kernels(query, key, value, is_causal, scale, attn_mask=None, dropout_p=0.0):
     """The kernel path. The op takes the (B, H, L, E) tensors as they are (bhsd=True:
     it reads them through (B, L, H, E) views, copying only a strided head_dim) and
     returns a (B, H, L, E) view of a (B, L, H, E) buffer. attn_mask goes to the
-    kernels as it is (no expansion, no copy)."""
+    kernels as it is (no expansion, no copy). dropout_p > 0 (CPU): the op draws
+    its rng_state from torch's generator (rank 3: batch entry b is plane b, as
+    (B, L, E) is (B, 1, L, E))."""
     if query.dim() == 3:
         if attn_mask is not None and attn_mask.dim() == 3:
             attn_mask = attn_mask.unsqueeze(1)  # (B, L, S) -> (B, 1, L, S)
         q4, k4, v4 = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-        return _sdpa_kernels(q4, k4, v4, is_causal, scale, attn_mask).squeeze(1)
+        return _sdpa_kernels(q4, k4, v4, is_causal, scale, attn_mask, dropout_p).squeeze(1)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     elif type(scale) is not float:
         scale = float(scale)
     wr = 0 if is_causal else -1
     deterministic = torch.are_deterministic_algorithms_enabled()
+    if dropout_p != 0.0:
+        return _ops.attention(
+            query, key, value, scale, -1, wr, False, deterministic, True, 0.0, None, attn_mask, float(dropout_p)
+        )[0]
     if attn_mask is None:
         return _ops.attention(query, key, value, scale, -1, wr, False, deterministic, True)[0]
     return _ops.attention(query, key, value, scale, -1, wr, False, deterministic, True, 0.0, None, attn_mask)[0]
@@ -752,7 +874,9 @@ def scaled_dot_product_attention(
     sees keys 0..i), default scale 1 / sqrt(E), GQA only with enable_gqa=True
     (a single key/value head broadcasts, as in torch), the inputs cast to the
     autocast dtype under torch.autocast. The flashattn_ext kernels run for
-    rank-3/4 inputs without dropout whose dtype/device they support, with or
+    rank-3/4 inputs whose dtype/device they support (with dropout: on the CPU,
+    the kernels' own dropout, whose mask torch.manual_seed reproduces but which
+    is not torch's bernoulli stream), with or
     without an attn_mask (bool or float32 / the query's dtype, any broadcast
     shape and strides, read in place; not together with is_causal; a float mask
     that requires grad gets its gradient); a row the mask hides entirely is zero; the output is then a (B, H, L, E)-shaped view of a (B, L, H, E)
@@ -790,7 +914,7 @@ def scaled_dot_product_attention(
     _check_invalid_for_torch(query, key, value, attn_mask, dropout_p)
     key_name, reason = _sdpa_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if reason is None:
-        return _sdpa_kernels(query, key, value, is_causal, scale, attn_mask)
+        return _sdpa_kernels(query, key, value, is_causal, scale, attn_mask, dropout_p)
     kwargs = {"enable_gqa": enable_gqa} if enable_gqa is not False else {}
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kwargs
@@ -840,11 +964,7 @@ def _common_args(
         deterministic = _require_bool(fn, "deterministic", deterministic)
     if type(return_lse) is not bool:
         return_lse = _require_bool(fn, "return_lse", return_lse)
-    if return_attn_probs is not False and _require_bool(fn, "return_attn_probs", return_attn_probs):
-        raise NotImplementedError(
-            f"{fn}: return_attn_probs=True is not supported by flashattn_ext (the kernels never "
-            "materialize the probabilities); use return_lse=True for the log-sum-exp"
-        )
+    _want_attn_probs(fn, q, return_attn_probs)  # raises where it cannot be served
     mods = _score_mods(fn, softcap, alibi_slopes)
     try:
         window_left, window_right = _window_size(window_size)
@@ -860,7 +980,8 @@ def _common_args(
             raise ValueError(f"{fn}: softmax_scale must be finite, got {scale}")
     p = 0.0 if type(dropout_p) is float and dropout_p == 0.0 else _dropout_p(fn, dropout_p)
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
-    _no_dropout_with_score_mods(fn, p, mods)
+    if not _kernel_dropout(q):
+        _no_dropout_with_score_mods(fn, p, mods)
     return p, scale, window_left, window_right, deterministic, return_lse, mods
 
 
@@ -953,10 +1074,14 @@ def flash_attn_varlen_func(
     tensors), a max_seqlen below a sequence's length cuts that sequence.
     softcap and alibi_slopes as in ``flash_attn_func`` (ALiBi's distance with
     each sequence's own lengths; (batch, heads_q) slopes: one row a sequence).
-    Not supported: return_attn_probs, block_table (paged KV) raise
-    NotImplementedError. dropout_p > 0 is computed per sequence by
-    torch's scaled_dot_product_attention, as ``flash_attn_func`` does (one-time
-    FlashAttnFallbackWarning).
+    dropout_p > 0 and return_attn_probs as in ``flash_attn_func``: on the CPU
+    in the kernels (sequence b draws plane b of the keep mask, its queries and
+    keys counted from its own first row; S_dmask (batch, heads_q, max_seqlen_q
+    and max_seqlen_k rounded up to 128), sequence b in its top-left corner); on
+    CUDA dropout is computed per sequence by torch's
+    scaled_dot_product_attention (one-time FlashAttnFallbackWarning) and
+    return_attn_probs raises. Not supported: block_table (paged KV) raises
+    NotImplementedError.
     """
     fn = "flash_attn_varlen_func"
     # Before the shape checks: with block_table, k and v are flash-attn's paged
@@ -987,12 +1112,42 @@ def flash_attn_varlen_func(
             f"{fn}: cu_seqlens_q has {cu_seqlens_q.shape[0]} elements but cu_seqlens_k has {cu_seqlens_k.shape[0]}; "
             "both must be (batch + 1,)"
         )
-    if p > 0.0:
+    if p > 0.0 and not _kernel_dropout(q):
         return _varlen_dropout_fallback(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, p, scale, wl, wr, return_lse)
+    want_probs = return_attn_probs is not False and _want_attn_probs(fn, q, return_attn_probs)
     # The op takes any strides (it copies a strided head_dim, nothing else).
-    out, lse = _ops.varlen_attention(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, wl, wr, True, deterministic, *mods
-    )
+    if p > 0.0:  # the CPU kernels' dropout (csrc/philox.h: sequence b is plane b, counted from its first row)
+        rng_state = _rng_state(q, cu_seqlens_q.shape[0] - 1, q.shape[1])
+        softcap, slopes = _mods_parts(mods)
+        out, lse = _ops.varlen_attention(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_q,
+            max_k,
+            scale,
+            wl,
+            wr,
+            True,
+            deterministic,
+            softcap,
+            slopes,
+            p,
+            rng_state,
+        )
+    else:
+        out, lse = _ops.varlen_attention(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, wl, wr, True, deterministic, *mods
+        )
+    if want_probs:
+        s_dmask = None
+        if p > 0.0:
+            s_dmask = _s_dmask_varlen(
+                q, k, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, p, rng_state, scale, wl, wr, mods
+            )
+        return out, lse, s_dmask
     return (out, lse) if return_lse else out
 
 

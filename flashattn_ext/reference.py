@@ -57,7 +57,18 @@ import math
 
 import torch
 
-__all__ = ["attention_ref", "sdpa_ref", "visible_mask", "alibi_bias", "compute_dtype", "attention_flops"]
+__all__ = [
+    "attention_ref",
+    "sdpa_ref",
+    "visible_mask",
+    "alibi_bias",
+    "compute_dtype",
+    "attention_flops",
+    "philox4x32_10",
+    "dropout_keep_threshold",
+    "dropout_offset_increment",
+    "dropout_keep_mask",
+]
 
 
 def compute_dtype(dtype: torch.dtype, upcast=True) -> torch.dtype:
@@ -103,13 +114,89 @@ def alibi_bias(alibi_slopes, seqlen_q, seqlen_k, device=None):
     return -alibi_slopes.detach().to(device=device, dtype=torch.float64)[..., None, None] * dist
 
 
-def _attention_core(q, k, v, scale, keep=None, bias=None, dtype=None, return_lse=False, softcap=0.0):
+# ---------------------------------------------------------------------------
+# Dropout: the keep mask of csrc/philox.h (its header documents the layout),
+# in plain int64 torch ops. Every value is a uint32 held in an int64 tensor;
+# products of two uint32 are split in 16-bit halves so that no intermediate
+# exceeds 2^49 (an int64 product of two uint32 would overflow).
+
+_MASK32 = 0xFFFFFFFF
+_PHILOX_M0, _PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
+_PHILOX_W0, _PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
+
+
+def _mulhilo32(a: int, b: torch.Tensor):
+    """(low, high) 32 bits of the 64-bit product of the constant a and the uint32s b."""
+    p_lo = (a & 0xFFFF) * b  # < 2^48
+    p_hi = (a >> 16) * b  # < 2^48
+    t = p_lo + ((p_hi & 0xFFFF) << 16)  # < 2^49
+    return t & _MASK32, (p_hi >> 16) + (t >> 32)
+
+
+def philox4x32_10(c0, c1, c2, c3, k0: int, k1: int):
+    """Philox4x32-10 of the counters (int64 tensors of uint32 values, broadcast
+    together) under the key (k0, k1): four int64 tensors of uint32 values."""
+    c0, c1, c2, c3 = torch.broadcast_tensors(c0, c1, c2, c3)
+    for _ in range(10):
+        lo0, hi0 = _mulhilo32(_PHILOX_M0, c0)
+        lo1, hi1 = _mulhilo32(_PHILOX_M1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + _PHILOX_W0) & _MASK32, (k1 + _PHILOX_W1) & _MASK32
+    return c0, c1, c2, c3
+
+
+def dropout_keep_threshold(p: float) -> int:
+    """Keep iff the element's 16-bit slice is below this: floor((1 - p) * 65536 + 0.5)."""
+    return min(max(int(math.floor((1.0 - p) * 65536.0 + 0.5)), 0), 65536)
+
+
+def dropout_offset_increment(batch: int, heads_q: int) -> int:
+    """The planes one call consumes: batch * heads_q rounded up to a multiple of 4."""
+    return (batch * heads_q + 3) // 4 * 4
+
+
+def _as_seed_offset(rng_state):
+    if isinstance(rng_state, torch.Tensor):
+        rng_state = [int(x) for x in rng_state.detach().cpu().tolist()]
+    seed, offset = (int(x) & 0xFFFFFFFFFFFFFFFF for x in rng_state)
+    return seed, offset
+
+
+def dropout_keep_mask(rng_state, batch, heads_q, seqlen_q, seqlen_k, dropout_p, device=None):
+    """Bool (batch, heads_q, seqlen_q, seqlen_k): True where element (b, h, i, j)
+    is kept, for rng_state = (seed, offset) (ints, or the int64 (2,) tensor the
+    ops take; uint64 values read modulo 2^64) and probability dropout_p: the
+    mask every kernel draws (csrc/philox.h)."""
+    seed, offset = _as_seed_offset(rng_state)
+    threshold = dropout_keep_threshold(dropout_p)
+    groups = (seqlen_k + 31) // 32 * 4
+    i64 = dict(dtype=torch.int64, device=device)
+    # plane = offset + b * heads_q + h as a uint64 (wrapping), in 32-bit halves.
+    c2 = (offset & _MASK32) + torch.arange(batch * heads_q, **i64).view(batch, heads_q, 1, 1)
+    c3 = ((offset >> 32) + (c2 >> 32)) & _MASK32
+    c2 = c2 & _MASK32
+    c0 = torch.arange(groups, **i64).view(1, 1, 1, groups)  # u = 4 g + t
+    c1 = torch.arange(seqlen_q, **i64).view(1, 1, seqlen_q, 1)
+    x = torch.stack(philox4x32_10(c0, c1, c2, c3, seed & _MASK32, seed >> 32), dim=-1)  # (B, H, L, groups, 4)
+    halves = torch.stack((x & 0xFFFF, x >> 16), dim=-1)  # (..., groups, n, e): key 32 g + 8 n + 2 t + e
+    keep = halves < threshold
+    keep = keep.view(batch, heads_q, seqlen_q, groups // 4, 4, 4, 2)  # (g, t, n, e)
+    keep = keep.permute(0, 1, 2, 3, 5, 4, 6).reshape(batch, heads_q, seqlen_q, groups * 8)  # (g, n, t, e)
+    return keep[..., :seqlen_k]
+
+
+def _attention_core(
+    q, k, v, scale, keep=None, bias=None, dtype=None, return_lse=False, softcap=0.0, dropout_p=0.0, dropout_keep=None
+):
     """q (..., H, L, E), k (..., H, S, E), v (..., H, S, Ev), heads already matched.
 
     keep: bool mask broadcastable to (..., H, L, S), True = attend.
     bias: float mask broadcastable to (..., H, L, S), added to the scaled scores
     (after the softcap).
-    softcap > 0: the scaled scores s become softcap * tanh(s / softcap) (flash-attn's)."""
+    softcap > 0: the scaled scores s become softcap * tanh(s / softcap) (flash-attn's).
+    dropout_keep: bool (..., H, L, S), the dropout's keep mask: the probabilities
+    it keeps are scaled by 1 / (1 - dropout_p), the others are 0; lse stays that
+    of the softmax without dropout (as the kernels return it)."""
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     # Step 1: scores, masked with -inf.
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
@@ -127,6 +214,8 @@ def _attention_core(q, k, v, scale, keep=None, bias=None, dtype=None, return_lse
     # Step 2: softmax.
     p = torch.softmax(scores, dim=-1)
     p = p.masked_fill(dead, 0.0)
+    if dropout_keep is not None:
+        p = torch.where(dropout_keep, p * (1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0), 0.0)
     # Step 3: weighted sum of the values. A key a row cannot see contributes
     # nothing to it, not even a NaN or an infinity of its value row (the
     # product 0 * NaN of a plain matmul would be NaN): the rule of the kernels.
@@ -160,12 +249,20 @@ def attention_ref(
     softcap=0.0,
     alibi_slopes=None,
     attn_mask=None,
+    dropout_p=0.0,
+    rng_state=None,
+    dropout_keep=None,
 ):
     """Naive attention with flash_attn_func's arguments (softcap and
     alibi_slopes included: softcap first, then the ALiBi bias, alibi_bias),
     and torch SDPA's attn_mask (bool: True = attend, or float: added to the
     scaled scores; broadcastable to (batch, heads_q, seqlen_q, seqlen_k)
     whatever the layout), which combines with the window (both must allow a key).
+
+    dropout_p > 0 needs rng_state = (seed, offset): the exact keep mask of the
+    kernels (dropout_keep_mask), applied to the probabilities; or dropout_keep,
+    that mask given as a bool (batch, heads_q, seqlen_q, seqlen_k) tensor (one
+    sequence of a varlen batch: its corner of its plane).
 
     layout "bshd": q (batch, seqlen_q, heads_q, d), k/v (batch, seqlen_k, heads_kv, d);
     layout "bhsd": q (batch, heads_q, seqlen_q, d), k/v (batch, heads_kv, seqlen_k, d).
@@ -202,11 +299,25 @@ def attention_ref(
         dtype=compute_dtype(q.dtype, upcast),
         return_lse=return_lse,
         softcap=softcap or 0.0,
+        dropout_p=dropout_p,
+        dropout_keep=dropout_keep if dropout_keep is not None else _dropout_keep_for(q, seqlen_k, dropout_p, rng_state),
     )
     out, lse = res if return_lse else (res, None)
     if layout == "bshd":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
+
+
+def _dropout_keep_for(q, seqlen_k, dropout_p, rng_state):
+    """The keep mask for q (batch, heads, L, E), or None without dropout."""
+    if not dropout_p:
+        return None
+    if rng_state is None:
+        raise ValueError(
+            "reference: dropout_p > 0 needs rng_state = (seed, offset) (the mask is that of csrc/philox.h)"
+        )
+    batch, heads, seqlen_q = q.shape[0], q.shape[1], q.shape[2]
+    return dropout_keep_mask(rng_state, batch, heads, seqlen_q, seqlen_k, dropout_p, q.device)
 
 
 def sdpa_ref(
@@ -220,15 +331,18 @@ def sdpa_ref(
     enable_gqa=False,
     upcast=True,
     return_lse=False,
+    rng_state=None,
 ):
     """Naive attention with torch.nn.functional.scaled_dot_product_attention's
     arguments and layout (..., heads, L, E); value may have another last dim Ev.
 
     attn_mask: bool (True = attend) or float (added to the scaled scores),
     broadcastable to (..., heads, L, S). is_causal is aligned top-left.
-    Dropout is not modelled (it is random): dropout_p must be 0."""
-    if dropout_p != 0.0:
-        raise NotImplementedError("sdpa_ref: dropout_p must be 0 (dropout is random; compare in expectation instead)")
+    dropout_p > 0 needs rng_state = (seed, offset): the kernels' exact keep
+    mask (dropout_keep_mask) for (batch, heads) = the leading dimensions of
+    query flattened, and heads (batch 1) for a 3-D query."""
+    if dropout_p != 0.0 and rng_state is None:
+        raise NotImplementedError("sdpa_ref: dropout_p > 0 needs rng_state = (seed, offset) (the kernels' mask)")
     if is_causal and attn_mask is not None:
         raise ValueError("sdpa_ref: attn_mask and is_causal=True are exclusive (as in torch's math backend)")
     L, S = query.shape[-2], key.shape[-2]
@@ -243,6 +357,21 @@ def sdpa_ref(
             bias = attn_mask
     if enable_gqa and query.dim() >= 3:
         key, value = _repeat_kv(key, query.shape[-3], -3), _repeat_kv(value, query.shape[-3], -3)
+    dropout_keep = None
+    if dropout_p != 0.0:
+        lead = query.shape[:-2]
+        batch = math.prod(lead[:-1]) if len(lead) >= 2 else 1
+        heads = lead[-1] if lead else 1
+        dropout_keep = dropout_keep_mask(rng_state, batch, heads, L, S, dropout_p, query.device).view(*lead, L, S)
     return _attention_core(
-        query, key, value, scale, keep=keep, bias=bias, dtype=compute_dtype(query.dtype, upcast), return_lse=return_lse
+        query,
+        key,
+        value,
+        scale,
+        keep=keep,
+        bias=bias,
+        dtype=compute_dtype(query.dtype, upcast),
+        return_lse=return_lse,
+        dropout_p=dropout_p,
+        dropout_keep=dropout_keep,
     )

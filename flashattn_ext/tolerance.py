@@ -269,6 +269,9 @@ def check_attention(
     softcap=0.0,
     alibi_slopes=None,
     attn_mask=None,
+    dropout_p=0.0,
+    rng_state=None,
+    dropout_keep=None,
 ):
     """One attention call of ours against the oracle, with the rule.
 
@@ -278,7 +281,9 @@ def check_attention(
     The mask arguments are flash_attn_func's (causal sets window_right to 0),
     plus ``bottom_right`` (False: torch SDPA's top-left diagonal), ``softcap`` and
     ``alibi_slopes`` (flash-attn's score modifications) and torch SDPA's ``attn_mask``
-    (broadcastable to (b, h_q, n_q, n_k)).
+    (broadcastable to (b, h_q, n_q, n_k)); ``dropout_p`` with the call's
+    ``rng_state`` (seed, offset): the oracle applies the kernels' exact keep mask
+    (or ``dropout_keep``, that mask as a bool tensor: reference.attention_ref).
 
     Returns [Comparison] for out, lse (when given) and dq, dk, dv (when given):
     all(c.ok for c in result) is the verdict, c.message() says why."""
@@ -298,6 +303,9 @@ def check_attention(
             softcap=softcap,
             alibi_slopes=alibi_slopes,
             attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            rng_state=rng_state,
+            dropout_keep=dropout_keep,
         )
     n_q, n_k = q.shape[1], k.shape[1]
     visible = visible_mask(n_q, n_k, window_left, window_right, n_k - n_q if bottom_right else 0, q.device)

@@ -258,6 +258,8 @@ def test_bwd_device_mismatch(field):
     ids=["return_attn_probs"],
 )
 def test_flash_attn_func_unsupported(device, kw, arg):
+    if device == "cpu":
+        pytest.skip("the CPU serves return_attn_probs (tests/test_dropout.py)")
     q, k, v = _qkv(device)
     with pytest.raises(NotImplementedError, match=arg):
         flashattn_ext.flash_attn_func(q, k, v, **kw)

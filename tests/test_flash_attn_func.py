@@ -3,6 +3,8 @@ helpers.py): dtypes, causal or not, odd sequence lengths both ways, head dims,
 GQA/MQA, non-contiguous inputs, fully masked rows, large logits, sliding
 windows. Outputs are poisoned (NaN-filled allocations) in every test here."""
 
+import math
+
 import pytest
 import torch
 from helpers import (
@@ -241,8 +243,11 @@ def test_deterministic_flag_reaches_the_op(device, dtype, monkeypatch):
 
 
 def test_dropout_falls_back_to_torch(device, dtype):
-    """dropout_p > 0: computed by torch's SDPA with the same mask; same RNG draw
-    as a direct torch call, one warning, lse of the dropout-free attention."""
+    """CUDA, dropout_p > 0: computed by torch's SDPA with the same mask; same RNG
+    draw as a direct torch call, one warning, lse of the dropout-free attention.
+    (The CPU kernels apply dropout themselves: tests/test_dropout.py.)"""
+    if device == "cpu":
+        pytest.skip("the CPU kernels take dropout (tests/test_dropout.py)")
     q = randn((2, 20, 4, 16), dtype, device)
     k = randn((2, 31, 2, 16), dtype, device)
     v = randn((2, 31, 2, 16), dtype, device)
@@ -273,11 +278,21 @@ def test_dropout_falls_back_to_torch(device, dtype):
         flashattn_ext.flash_attn_func(q, k, v, dropout_p=0.3)  # warned once only
 
 
-def test_dropout_fallback_zeroes_dead_rows(device, dtype):
+def test_dropout_zeroes_dead_rows(device, dtype):
+    """Rows that see no key are zero with dropout too: the CPU kernels (no
+    warning, lse -inf there) and CUDA's torch fallback (a warning)."""
+    import warnings
+
     q = randn((1, 10, 1, 8), dtype, device)
     k = randn((1, 4, 1, 8), dtype, device)
-    with pytest.warns(flashattn_ext.FlashAttnFallbackWarning):
-        out = flashattn_ext.flash_attn_func(q, k, k, dropout_p=0.5, causal=True)
+    if device == "cpu":
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", flashattn_ext.FlashAttnFallbackWarning)
+            out, lse = flashattn_ext.flash_attn_func(q, k, k, dropout_p=0.5, causal=True, return_lse=True)
+        assert bool((lse[..., :6] == -math.inf).all())
+    else:
+        with pytest.warns(flashattn_ext.FlashAttnFallbackWarning):
+            out = flashattn_ext.flash_attn_func(q, k, k, dropout_p=0.5, causal=True)
     assert (out[:, :6] == 0).all() and torch.isfinite(out).all()
 
 
@@ -449,5 +464,8 @@ def test_score_mod_errors_device_and_dropout(device):
     q, k, v = (randn((2, 5, 2, 16), torch.float32 if device == "cpu" else torch.float16, device) for _ in range(3))
     with pytest.raises(ValueError, match=r"alibi_slopes is on meta.*alibi_slopes.to\(q.device\)"):
         flashattn_ext.flash_attn_func(q, k, v, alibi_slopes=torch.ones(2, device="meta"))
-    with pytest.raises(NotImplementedError, match="dropout_p > 0 together with softcap or alibi_slopes"):
-        flashattn_ext.flash_attn_func(q, k, v, dropout_p=0.1, softcap=1.0)
+    if device == "cpu":  # the CPU kernels take dropout with the score mods (tests/test_dropout.py)
+        assert flashattn_ext.flash_attn_func(q, k, v, dropout_p=0.1, softcap=1.0).shape == q.shape
+    else:
+        with pytest.raises(NotImplementedError, match="dropout_p > 0 together with softcap or alibi_slopes"):
+            flashattn_ext.flash_attn_func(q, k, v, dropout_p=0.1, softcap=1.0)

@@ -16,13 +16,15 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at::Tensor
                                            double softmax_scale, int64_t window_left, int64_t window_right,
                                            bool bottom_right, double softcap,
                                            const std::optional<at::Tensor>& alibi_slopes,
-                                           const std::optional<at::Tensor>& attn_mask) {
+                                           const std::optional<at::Tensor>& attn_mask, double dropout_p,
+                                           const std::optional<at::Tensor>& rng_state) {
   check_qkv(q, k, v, kCpuSpec);
   auto mask = make_mask(window_left, window_right, bottom_right, q.size(1), k.size(1));
   auto [out, lse] = alloc_fwd_outputs(q);
   auto params = make_fwd_params(q, k, v, out, lse, softmax_scale, mask);
   params.score_mod = make_score_mod(softcap, alibi_slopes, q, q.size(0), q.size(2));
   add_attn_mask(params.score_mod, attn_mask, q, k);
+  params.dropout = make_dropout(dropout_p, rng_state);
   // Nothing to compute (torch's SDPA semantics): an empty output, or zeros and lse -inf without keys.
   if (is_empty_call(q, k)) return {out.zero_(), lse.fill_(-std::numeric_limits<double>::infinity())};
   run_fwd_cpu(params);
@@ -35,7 +37,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, double softmax_scale, int64_t window_left, int64_t window_right, bool bottom_right,
     bool deterministic, double softcap, const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& attn_mask, bool mask_grad) {
+    const std::optional<at::Tensor>& attn_mask, bool mask_grad, double dropout_p,
+    const std::optional<at::Tensor>& rng_state) {
   check_qkv(q, k, v, kCpuSpec);
   check_bwd_extras(dout, q, out, lse);
   auto mask = make_mask(window_left, window_right, bottom_right, q.size(1), k.size(1));
@@ -45,6 +48,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   auto params = make_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, mask, deterministic);
   params.score_mod = make_score_mod(softcap, alibi_slopes, q, q.size(0), q.size(2));
   add_attn_mask(params.score_mod, attn_mask, q, k);
+  params.dropout = make_dropout(dropout_p, rng_state);
   const bool empty = is_empty_call(q, k);
   // The pass that writes it stores every element (flash_cpu_bwd.cpp): no zeroing.
   const at::Tensor dmask_buffer =
@@ -58,24 +62,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   return {dq, dk, dv, mask_grad ? attn_mask_grad_result(dmask_buffer, *attn_mask) : at::Tensor()};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
-                                                       const at::Tensor& v, const at::Tensor& out,
-                                                       const at::Tensor& lse, double softmax_scale, int64_t window_left,
-                                                       int64_t window_right, bool bottom_right,
-                                                       bool deterministic /*the CPU backward always is*/,
-                                                       double softcap, const std::optional<at::Tensor>& alibi_slopes,
-                                                       const std::optional<at::Tensor>& attn_mask) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, double softmax_scale, int64_t window_left, int64_t window_right, bool bottom_right,
+    bool deterministic /*the CPU backward always is*/, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& attn_mask, double dropout_p, const std::optional<at::Tensor>& rng_state) {
   auto [dq, dk, dv, unused] = backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, bottom_right,
-                                       deterministic, softcap, alibi_slopes, attn_mask, false);
+                                       deterministic, softcap, alibi_slopes, attn_mask, false, dropout_p, rng_state);
   return {dq, dk, dv};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_mask_grad_cpu(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, double softmax_scale, int64_t window_left, int64_t window_right, bool bottom_right,
-    bool deterministic, const at::Tensor& attn_mask) {
+    bool deterministic, const at::Tensor& attn_mask, double dropout_p, const std::optional<at::Tensor>& rng_state) {
   return backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, bottom_right, deterministic, 0.0,
-                  std::nullopt, attn_mask, true);
+                  std::nullopt, attn_mask, true, dropout_p, rng_state);
 }
 
 // Variable-length batches: q (total_q, heads_q, head_dim), k, v (total_k,
@@ -98,7 +100,8 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cpu(const at::Tensor& q, const at:
                                                   const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                                   int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
                                                   int64_t window_left, int64_t window_right, bool bottom_right,
-                                                  double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+                                                  double softcap, const std::optional<at::Tensor>& alibi_slopes,
+                                                  double dropout_p, const std::optional<at::Tensor>& rng_state) {
   const auto len = check_varlen_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   const auto mask = make_mask(window_left, window_right, bottom_right, len.max_q, len.max_k);
   auto out = at::empty(q.sizes(), q.options());
@@ -106,6 +109,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cpu(const at::Tensor& q, const at:
   auto params = make_varlen_fwd_params(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse,
                                        cu_seqlens_q, cu_seqlens_k, len.max_q, len.max_k, softmax_scale, mask);
   params.score_mod = make_score_mod(softcap, alibi_slopes, q, cu_seqlens_q.size(0) - 1, q.size(1));
+  params.dropout = make_dropout(dropout_p, rng_state);
   run_fwd_cpu(params);
   return {out, lse};
 }
@@ -114,7 +118,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
     int64_t max_seqlen_k, double softmax_scale, int64_t window_left, int64_t window_right, bool bottom_right,
-    bool deterministic /*the CPU backward always is*/, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+    bool deterministic /*the CPU backward always is*/, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    double dropout_p, const std::optional<at::Tensor>& rng_state) {
   const auto len = check_varlen_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   check_varlen_bwd_extras(dout, q, out, lse);
   const auto mask = make_mask(window_left, window_right, bottom_right, len.max_q, len.max_k);
@@ -126,6 +131,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
                              dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0), cu_seqlens_q, cu_seqlens_k, len.max_q,
                              len.max_k, softmax_scale, mask, deterministic);
   params.score_mod = make_score_mod(softcap, alibi_slopes, q, cu_seqlens_q.size(0) - 1, q.size(1));
+  params.dropout = make_dropout(dropout_p, rng_state);
   run_bwd_cpu(params);
   return {dq, dk, dv};
 }

@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "attn_mask.h"
+#include "dropout.h"
 #include "flash_cpu.h"
 #include "scalar_dispatch.h"
 #include "score_mod.h"
@@ -94,6 +95,7 @@ struct BwdScratch {
         dv_acc(kBlockK * d),
         dq_t_acc(d * kBlockQ),
         probe(kBlockK),
+        keep(kBlockK * kBlockQ),
         query_lo(kBlockK),
         query_hi(kBlockK),
         bad(std::max(kBlockK, kBlockQ)),
@@ -127,6 +129,7 @@ struct BwdScratch {
   ScratchArray<acc_t> dv_acc;    // kBlockK x d        pass 1
   ScratchArray<acc_t> dq_t_acc;  // d x kBlockQ        pass 2
   ScratchArray<acc_t> probe;     // kBlockK            non-finite search
+  ScratchArray<uint8_t> keep;    // kBlockK x kBlockQ  dropout's keep mask of the block
   ScratchArray<int> query_lo;    // kBlockK            visible queries of each key, in tile coordinates
   ScratchArray<int> query_hi;    // kBlockK
   ScratchArray<int> bad;         // rows / keys of an operand tile that are not finite (masked blocks)
@@ -214,6 +217,7 @@ struct HeadView {
   const scalar_t* v;
   RowStats<acc_t> stats;
   TileScoreMod<acc_t> mod;  // softcap / ALiBi of (b, h)
+  uint64_t dropout_plane;   // the (b, h) plane of the dropout's counters (philox.h)
 };
 
 template <typename scalar_t, typename acc_t>
@@ -230,7 +234,8 @@ HeadView<scalar_t, acc_t> head_view(const AttnBwdParams& p, const SeqInfo& seq, 
       static_cast<const scalar_t*>(p.v_ptr) + seq.k_offset(p.v_batch_stride, p.v_row_stride, b) +
           h_kv * p.v_head_stride,
       {stats.neg_lse + row0, stats.dsum + row0},
-      TileScoreMod<acc_t>(p.score_mod, b, h, seq.seqlen_q, seq.seqlen_k)};
+      TileScoreMod<acc_t>(p.score_mod, b, h, seq.seqlen_q, seq.seqlen_k),
+      dropout_plane(p.dropout.offset, b, p.heads_q, h)};
 }
 
 // The part both passes share: for keys [k0, k0 + cols) and queries
@@ -285,8 +290,19 @@ bool probs_and_dscores_block(const AttnBwdParams& p, const AttnMask& mask, const
   const bool has_mod = head.mod.any();
   acc_t* dtanh = has_mod && head.mod.softcap > 0 ? scratch.dtanh_t.get() : nullptr;
   if (has_mod) head.mod.apply(s_t, kBlockQ, cols, rows, scale, k0, q0, dtanh), scale = acc_t(1);
+  // Dropout, Z = keep / (1 - p) (the forward's mask, regenerated): the output
+  // is (P o Z) V, so the gradient reaching P is Z o dP with dP = dO V^T, and
+  // dS = P o (Z o dP - D), where D = rowsum(P o Z o dP) = rowsum(dO o O) is
+  // the dsum the kernels already have; dV = (P o Z)^T dO.
+  const bool dropout = p.dropout.enabled();
+  const acc_t kept_scale = static_cast<acc_t>(p.dropout.scale);
+  if (dropout) {
+    dropout_keep_tile(p.dropout, head.dropout_plane, k0, cols, q0, rows, scratch.keep.get(), kBlockQ);
+    apply_keep_tile(scratch.keep.get(), kBlockQ, cols, rows, kept_scale, dp_t, kBlockQ);
+  }
   probs_and_dscores_t(s_t, dp_t, kBlockQ, cols, rows, scale, head.stats.neg_lse + q0, head.stats.dsum + q0, query_lo,
                       query_hi);
+  if (dropout) apply_keep_tile(scratch.keep.get(), kBlockQ, cols, rows, kept_scale, s_t, kBlockQ);
   if (dtanh) {
     for (int r = 0; r < cols; ++r)
       for (int c = 0; c < rows; ++c) dp_t[r * kBlockQ + c] *= dtanh[r * kBlockQ + c];

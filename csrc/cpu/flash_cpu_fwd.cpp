@@ -37,6 +37,7 @@
 
 #include "attn_mask.h"
 #include "cpu_knobs.h"
+#include "dropout.h"
 #include "flash_cpu.h"
 #include "scalar_dispatch.h"
 #include "score_mod.h"
@@ -57,6 +58,12 @@ namespace {
 constexpr int kBlockK = 64;
 constexpr int kMaxBlockQ = 128;
 constexpr int kMinBlockQ = 32;
+
+// What multiplies O / l at the end: 1 / (1 - p) with dropout (0 when p = 1), else 1.
+template <typename acc_t>
+acc_t output_scale(const AttnFwdParams& p) {
+  return p.dropout.enabled() ? static_cast<acc_t>(p.dropout.scale) : acc_t(1);
+}
 
 template <typename scalar_t>
 constexpr bool kIsLowp = std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>;
@@ -82,6 +89,7 @@ struct FwdScratch {
         row_scale(block_q_),
         softmax_work(3 * block_q_),
         probe(kBlockK),
+        keep(kBlockK * block_q_),
         query_lo(kBlockK),
         query_hi(kBlockK),
         bad_keys(kBlockK),
@@ -102,6 +110,7 @@ struct FwdScratch {
   ScratchArray<acc_t> row_scale;     // block_q            1 / l at the end
   ScratchArray<acc_t> softmax_work;  // 3 x block_q
   ScratchArray<acc_t> probe;         // kBlockK            non-finite search
+  ScratchArray<uint8_t> keep;        // kBlockK x block_q  dropout's keep mask of the tile
   ScratchArray<int> query_lo;        // kBlockK            queries that see each key, in block coordinates
   ScratchArray<int> query_hi;        // kBlockK
   ScratchArray<int> bad_keys;        // kBlockK            keys whose value row is not finite (masked tiles)
@@ -202,6 +211,15 @@ void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
   // softcap / ALiBi (score_mod.h): asked once per tile, the plain path untouched.
   const TileScoreMod<acc_t> mod(p.score_mod, b, h, seq.seqlen_q, seq.seqlen_k);
   const bool has_mod = mod.any();
+  // Dropout: P^T's dropped entries zeroed after the softmax step (l sums
+  // the undropped P, so lse is the plain softmax's), 1 / (1 - p) applied with
+  // 1 / l at the end.
+  const bool dropout = p.dropout.enabled();
+  const uint64_t plane = dropout_plane(p.dropout.offset, b, p.heads_q, h);
+  auto drop = [&](int cols, int64_t k0) {
+    dropout_keep_tile(p.dropout, plane, k0, cols, q0, rows, scratch.keep.get(), block_q);
+    apply_keep_tile(scratch.keep.get(), block_q, cols, rows, acc_t(1), s_t, block_q);
+  };
   if (key_begin < key_end) {
     const bool lowp_block = scratch.lowp && rows == block_q;
     bool have_q_t = false;  // the float32 path's scale * Q^T, loaded on first use
@@ -233,6 +251,7 @@ void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
           if (has_mod) mod.apply(s_t, block_q, cols, rows, step_scale, k0, q0, nullptr), step_scale = acc_t(1);
           online_softmax_step(s_t, block_q, cols, rows, query_lo, query_hi, row_max, row_sum, o_t, block_q, d,
                               scratch.softmax_work.get(), step_scale);
+          if (dropout) drop(cols, k0);
           // O^T += V^T P^T                                                 d x rows
           const scalar_t* v_tile = v + k0 * p.v_row_stride;
           const int bad =
@@ -267,6 +286,7 @@ void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
       if (has_mod) mod.apply(s_t, block_q, cols, rows, acc_t(1), k0, q0, nullptr);
       online_softmax_step(s_t, block_q, cols, rows, query_lo, query_hi, row_max, row_sum, o_t, block_q, d,
                           scratch.softmax_work.get(), acc_t(1));
+      if (dropout) drop(cols, k0);
 
       // O^T += V^T P^T                                                     d x rows
       const acc_t* v_t = masked || cols < kBlockK ? nullptr : v_tiles.acc_tile(k0);
@@ -292,12 +312,13 @@ void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
                           int64_t(d));
     return;
   }
-  // O = (O^T)^T / l and lse = m + log(l); a query that saw no key has l = 0:
-  // zeros and -inf.
+  // O = (O^T)^T / l (times 1 / (1 - p) with dropout) and lse = m + log(l); a
+  // query that saw no key has l = 0: zeros and -inf.
   acc_t* inv_sum = scratch.row_scale.get();
+  const acc_t kept_scale = output_scale<acc_t>(p);
   for (int r = 0; r < rows; ++r) {
     const bool empty = row_sum[r] == acc_t(0);
-    inv_sum[r] = empty ? acc_t(0) : acc_t(1) / row_sum[r];
+    inv_sum[r] = empty ? acc_t(0) : kept_scale / row_sum[r];
     lse[r] = empty ? kNegInf : row_max[r] + std::log(row_sum[r]);
   }
   store_tile_transposed(o_t, block_q, rows, d, acc_t(1), inv_sum, o, p.o_row_stride);
@@ -500,7 +521,8 @@ void plan_calls(const AttnFwdParams* calls, int64_t num_calls, std::vector<FwdPl
     // The few-queries path (attend_few_queries) forms its scores row by row
     // inside tile_ops.cpp and has no score mod: softcap / ALiBi calls take
     // the tiled path (key split included), which has.
-    plan.few = p.seqlen_q <= kFewQueries && !p.score_mod.any();
+    // Dropout likewise (the tiled path holds it).
+    plan.few = p.seqlen_q <= kFewQueries && !p.score_mod.any() && !p.dropout.enabled();
     if (plan.few) {
       plan.units = static_cast<int64_t>(p.batch) * p.heads_kv;
     } else {
@@ -643,7 +665,7 @@ void merge_key_parts(const FwdPlan<scalar_t, acc_t>& plan, int b, int h, int64_t
     }
     const bool empty = sum == acc_t(0);
     lse[i] = empty ? kNegInf : m_max + std::log(sum);
-    store_tile(o_acc, d, 1, d, empty ? acc_t(0) : acc_t(1) / sum, o + i * p.o_row_stride, p.o_row_stride);
+    store_tile(o_acc, d, 1, d, empty ? acc_t(0) : output_scale<acc_t>(p) / sum, o + i * p.o_row_stride, p.o_row_stride);
   }
 }
 

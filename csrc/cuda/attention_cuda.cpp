@@ -97,7 +97,10 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
                                             double softmax_scale, int64_t window_left, int64_t window_right,
                                             bool bottom_right, double softcap,
                                             const std::optional<at::Tensor>& alibi_slopes,
-                                            const std::optional<at::Tensor>& attn_mask) {
+                                            const std::optional<at::Tensor>& attn_mask, double dropout_p,
+                                            const std::optional<at::Tensor>& rng_state) {
+  // No dropout kernels on CUDA yet (the DropoutParams of flash_params.h wait for them).
+  make_dropout(dropout_p, rng_state, "CUDA");
   check_qkv(q_in, k_in, v_in, kCudaSpec);
   check_device(q_in);
   const c10::cuda::CUDAGuard guard(q_in.device());
@@ -126,7 +129,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& lse, double softmax_scale, int64_t window_left, int64_t window_right,
     bool bottom_right, bool deterministic, double softcap, const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& attn_mask, bool mask_grad) {
+    const std::optional<at::Tensor>& attn_mask, bool mask_grad, double dropout_p,
+    const std::optional<at::Tensor>& rng_state) {
+  make_dropout(dropout_p, rng_state, "CUDA");
   check_qkv(q_in, k_in, v_in, kCudaSpec);
   check_bwd_extras(dout_in, q_in, out_in, lse);
   check_device(q_in);
@@ -197,24 +202,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   return {unpad(dq, head_dim), unpad(dk, head_dim), unpad(dv, head_dim), dmask()};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout, const at::Tensor& q,
-                                                        const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                                                        const at::Tensor& lse, double softmax_scale,
-                                                        int64_t window_left, int64_t window_right, bool bottom_right,
-                                                        bool deterministic, double softcap,
-                                                        const std::optional<at::Tensor>& alibi_slopes,
-                                                        const std::optional<at::Tensor>& attn_mask) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, double softmax_scale, int64_t window_left, int64_t window_right, bool bottom_right,
+    bool deterministic, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& attn_mask, double dropout_p, const std::optional<at::Tensor>& rng_state) {
   auto [dq, dk, dv, unused] = backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, bottom_right,
-                                       deterministic, softcap, alibi_slopes, attn_mask, false);
+                                       deterministic, softcap, alibi_slopes, attn_mask, false, dropout_p, rng_state);
   return {dq, dk, dv};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_mask_grad_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, double softmax_scale, int64_t window_left, int64_t window_right, bool bottom_right,
-    bool deterministic, const at::Tensor& attn_mask) {
+    bool deterministic, const at::Tensor& attn_mask, double dropout_p, const std::optional<at::Tensor>& rng_state) {
   return backward(dout, q, k, v, out, lse, softmax_scale, window_left, window_right, bottom_right, deterministic, 0.0,
-                  std::nullopt, attn_mask, true);
+                  std::nullopt, attn_mask, true, dropout_p, rng_state);
 }
 
 // ---------------------------------------------------------------------------
@@ -231,7 +234,9 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(const at::Tensor& q_in, const
                                                    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
                                                    int64_t max_seqlen_k, double softmax_scale, int64_t window_left,
                                                    int64_t window_right, bool bottom_right, double softcap,
-                                                   const std::optional<at::Tensor>& alibi_slopes) {
+                                                   const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
+                                                   const std::optional<at::Tensor>& rng_state) {
+  make_dropout(dropout_p, rng_state, "CUDA");
   check_varlen_qkv(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kCudaSpec);
   check_device(q_in);
   const c10::cuda::CUDAGuard guard(q_in.device());
@@ -259,7 +264,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
     int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale, int64_t window_left, int64_t window_right,
-    bool bottom_right, bool deterministic, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+    bool bottom_right, bool deterministic, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    double dropout_p, const std::optional<at::Tensor>& rng_state) {
+  make_dropout(dropout_p, rng_state, "CUDA");
   check_varlen_qkv(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kCudaSpec);
   check_varlen_bwd_extras(dout_in, q_in, out_in, lse);
   check_device(q_in);

@@ -1,0 +1,380 @@
+"""Dropout inside the kernels (issue 22), on the CPU: the keep mask of
+csrc/philox.h against its oracle (reference.dropout_keep_mask) bit for bit and
+in its statistics, the kernels' forward and backward against the oracle with
+that exact mask (tolerance rule), the mask the kernels apply read back exactly
+(values = identity), the random state (torch.manual_seed, fresh draws, thread
+counts, deterministic), the APIs (SDPA drop-in, flash_attn_func with S_dmask,
+varlen) and torch.compile."""
+
+import math
+import warnings
+
+import pytest
+import torch
+from helpers import assert_all, randn
+
+import flashattn_ext
+from flashattn_ext import FlashAttnFallbackWarning
+from flashattn_ext import reference as ref
+from flashattn_ext.tolerance import check_attention
+
+ops = torch.ops.flashattn_ext
+CPU = "cpu"
+
+
+def _rng(q, batch, heads):
+    return ops.dropout_rng_state(q, batch, heads)
+
+
+def _seed_offset(seed, offset):
+    """int64 (2,) rng_state of uint64 seed and offset."""
+    as_i64 = [x - 2**64 if x >= 2**63 else x for x in (seed, offset)]
+    return torch.tensor(as_i64, dtype=torch.int64)
+
+
+# ----------------------------------------------------------------------------- the generator
+
+
+def test_philox_known_answers():
+    """Random123's known-answer vectors of Philox4x32-10 (the oracle's rounds are the standard ones)."""
+    kat = [
+        ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+        ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+        (
+            (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+            (0xA4093822, 0x299F31D0),
+            (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+        ),
+    ]
+    for ctr, key, expected in kat:
+        got = ref.philox4x32_10(*(torch.tensor([c]) for c in ctr), *key)
+        assert tuple(int(x) for x in got) == expected
+
+
+@pytest.mark.parametrize(
+    "seed,offset,p",
+    [(1, 0, 0.1), (2**64 - 1, 2**64 - 3, 0.5), (0x123456789ABCDEF, 2**32 - 2, 0.0625), (7, 12, 1 / 3)],
+)
+def test_kernel_mask_code_equals_oracle(seed, offset, p):
+    """The C++ generator (dropout_keep_mask runs the kernels' code) and the oracle
+    draw the same bits: odd lengths (keys not a multiple of 32), a plane that
+    carries into the counter's high half, the seed's high bits."""
+    rs = _seed_offset(seed, offset)
+    for shape in ((2, 3, 37, 70), (1, 5, 3, 33), (3, 1, 1, 1)):
+        mine = ops.dropout_keep_mask(rs, *shape, p)
+        assert torch.equal(mine, ref.dropout_keep_mask(rs, *shape, p)), shape
+
+
+def test_keep_fraction():
+    """1 - p kept within 0.5% over 10^7 elements (the oracle and the kernels'
+    code), and within 6 sigma at each of the 32 key positions of a group (a
+    layout slip would leave a position always kept or dropped)."""
+    p = 0.1
+    rs = _seed_offset(0xC0FFEE, 4)
+    shape = (2, 5, 1000, 1000)
+    mine = ops.dropout_keep_mask(rs, *shape, p)
+    oracle = ref.dropout_keep_mask(rs, *shape, p)
+    assert torch.equal(mine, oracle)
+    frac = mine.double().mean().item()
+    assert abs(frac - (1 - p)) <= 0.005 * (1 - p), frac
+    by_position = mine[..., :992].reshape(-1, 32).double().mean(0)
+    sigma = math.sqrt(p * (1 - p) / (mine.numel() / 32))
+    assert (by_position - (1 - p)).abs().max().item() < 6 * sigma
+    # Different planes (b, h) and offsets give different masks.
+    assert not torch.equal(mine[0, 0], mine[0, 1])
+    assert not torch.equal(mine, ops.dropout_keep_mask(_seed_offset(0xC0FFEE, 16), *shape, p))
+
+
+def test_keep_mask_edges():
+    rs = _seed_offset(3, 0)
+    assert bool(ops.dropout_keep_mask(rs, 1, 2, 9, 40, 0.0).all())
+    assert not bool(ops.dropout_keep_mask(rs, 1, 2, 9, 40, 1.0).any())
+    assert ref.dropout_keep_threshold(0.1) == 58982  # floor(0.9 * 65536 + 0.5)
+
+
+# ----------------------------------------------------------------------------- the kernels against the oracle
+
+CASES = {
+    # name: (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, kwargs of attention)
+    "plain": (2, 130, 97, 4, 4, 64, {}),
+    "causal_gqa": (2, 113, 200, 4, 2, 64, {"window_right": 0}),
+    "window_mqa": (1, 70, 70, 3, 1, 40, {"window_left": 9, "window_right": 4}),
+    "softcap_alibi": (2, 65, 130, 2, 2, 32, {"softcap": 5.0, "alibi": True}),
+    "float_mask": (2, 33, 47, 2, 2, 16, {"attn_mask": "float"}),
+    "bool_mask": (1, 64, 129, 2, 1, 64, {"attn_mask": "bool"}),
+    "one_query": (3, 1, 300, 2, 2, 64, {}),
+}
+
+
+def _call(case, dtype, p, rng_state=None, deterministic=False):
+    b, nq, nk, hq, hkv, d, kw = CASES[case]
+    q = randn((b, nq, hq, d), dtype, CPU).requires_grad_()
+    k = randn((b, nk, hkv, d), dtype, CPU).requires_grad_()
+    v = randn((b, nk, hkv, d), dtype, CPU).requires_grad_()
+    slopes = torch.rand(hq) if kw.get("alibi") else None
+    mask = None
+    if kw.get("attn_mask") == "float":
+        mask = randn((b, 1, nq, nk), dtype, CPU)
+    elif kw.get("attn_mask") == "bool":
+        mask = torch.rand(nq, nk) < 0.8
+    args = dict(
+        window_size=(kw.get("window_left", -1), kw.get("window_right", -1)),
+        softcap=kw.get("softcap", 0.0),
+        alibi_slopes=slopes,
+        attn_mask=mask,
+    )
+    rs = rng_state if rng_state is not None else _rng(q, b, hq)
+    scale = d**-0.5
+    out, lse = ops.attention(
+        q, k, v, scale, *args["window_size"], True, deterministic, False, args["softcap"], slopes, mask, p, rs
+    )
+    return (q, k, v), out, lse, rs, args, scale
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.dtypes(torch.float32, torch.bfloat16, torch.float16, torch.float64)
+def test_matches_oracle(device, dtype, case):
+    """Output, lse (that of the softmax without dropout) and the gradients
+    against the oracle with the kernels' exact mask, under the tolerance rule;
+    the same check against a mask of another seed fails (the test can fail)."""
+    if device != CPU:
+        pytest.skip("the CUDA kernels have no dropout yet")
+    p = 0.2
+    (q, k, v), out, lse, rs, args, scale = _call(case, dtype, p)
+    dout = randn(out.shape, dtype, CPU)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    kw = dict(softmax_scale=scale, dropout_p=p, **args)
+    assert_all(check_attention(q, k, v, out, lse, dout, grads, rng_state=rs, **kw), case)
+    other = check_attention(q, k, v, out, None, None, None, rng_state=_seed_offset(int(rs[0]) + 1, 0), **kw)
+    assert not all(c.ok for c in other), "a wrong mask passed: the comparison cannot fail"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_applied_mask_read_back(dtype):
+    """The mask the kernels apply, read back exactly: with v = I (head_dim =
+    seqlen_k) the output is the dropped, scaled probabilities, 0 exactly where
+    dropped; with dO = I (head_dim = seqlen_q) dV = (P o Z)^T, the backward's
+    mask. Both equal the oracle's mask on the visible entries (causal, GQA)."""
+    b, n, hq, hkv, p = 2, 64, 4, 2, 0.3
+    q = randn((b, n, hq, n), dtype, CPU, 0.1).requires_grad_()
+    k = randn((b, n, hkv, n), dtype, CPU, 0.1)
+    v = torch.eye(n, dtype=dtype).view(1, n, 1, n).expand(b, n, hkv, n).contiguous().requires_grad_()
+    rs = _rng(q, b, hq)
+    out, _ = ops.attention(q, k, v, n**-0.5, -1, 0, True, False, False, 0.0, None, None, p, rs)
+    keep = ref.dropout_keep_mask(rs, b, hq, n, n, p)  # (b, h, i, j)
+    visible = ref.visible_mask(n, n, -1, 0, 0)
+    assert torch.equal(out.detach().transpose(1, 2) != 0, keep & visible)
+    # The backward: dO = I on each head's rows, dV[j, i] = sum over the group's heads of (P o Z)[i, j].
+    dout = torch.eye(n, dtype=dtype).view(1, n, 1, n).expand(b, n, hq, n)
+    (dv,) = torch.autograd.grad(out, (v,), dout)
+    kept_t = (keep & visible).transpose(-1, -2).reshape(b, hkv, hq // hkv, n, n).any(2)  # (b, hkv, j, i)
+    assert torch.equal(dv.transpose(1, 2) != 0, kept_t)
+
+
+def test_p_one_and_zero():
+    q, k, v = (randn((1, 20, 2, 16), torch.float32, CPU) for _ in range(3))
+    rs = _rng(q, 1, 2)
+    out, lse = ops.attention(q, k, v, 0.25, -1, -1, True, False, False, 0.0, None, None, 1.0, rs)
+    assert bool((out == 0).all()) and bool(torch.isfinite(lse).all())
+    plain, _ = ops.attention(q, k, v, 0.25, -1, -1, True, False)
+    same, _ = ops.attention(q, k, v, 0.25, -1, -1, True, False, False, 0.0, None, None, 0.0, rs)
+    assert torch.equal(plain, same)
+
+
+def test_errors():
+    q = randn((1, 8, 2, 16), torch.float32, CPU)
+    with pytest.raises(ValueError, match="dropout_p > 0 needs rng_state"):
+        ops.fwd(q, q, q, 0.25, -1, -1, True, 0.0, None, None, 0.1)
+    with pytest.raises(ValueError, match=r"rng_state must be an int64 \(2,\) CPU tensor"):
+        ops.fwd(q, q, q, 0.25, -1, -1, True, 0.0, None, None, 0.1, torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\]"):
+        ops.fwd(q, q, q, 0.25, -1, -1, True, 0.0, None, None, 1.5, _seed_offset(1, 0))
+
+
+# ----------------------------------------------------------------------------- the random state
+
+
+def test_manual_seed_reproduces_and_calls_differ():
+    q, k, v = (randn((2, 40, 2, 32), torch.bfloat16, CPU) for _ in range(3))
+    torch.manual_seed(1234)
+    a = flashattn_ext.flash_attn_func(q, k, v, dropout_p=0.3)
+    b = flashattn_ext.flash_attn_func(q, k, v, dropout_p=0.3)
+    torch.manual_seed(1234)
+    a2 = flashattn_ext.flash_attn_func(q, k, v, dropout_p=0.3)
+    assert torch.equal(a, a2)
+    assert not torch.equal(a, b)
+
+
+def test_bitwise_across_threads_and_deterministic():
+    """The mask depends on the indices only: forward and backward are the same
+    bits with 1 and 2 threads, and from run to run (deterministic=True)."""
+    (q, k, v) = (
+        randn(s, torch.float32, CPU).requires_grad_() for s in ((2, 150, 4, 64), (2, 90, 2, 64), (2, 90, 2, 64))
+    )
+    rs = _rng(q, 2, 4)
+    dout = randn((2, 150, 4, 64), torch.float32, CPU)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 2):
+            torch.set_num_threads(n)
+            out, lse = ops.attention(q, k, v, 0.125, -1, 0, True, True, False, 0.0, None, None, 0.25, rs)
+            results.append((out, lse, *torch.autograd.grad(out, (q, k, v), dout)))
+    finally:
+        torch.set_num_threads(threads)
+    for r in results[1:]:
+        for x, y in zip(results[0], r):
+            assert torch.equal(x, y)
+
+
+# ----------------------------------------------------------------------------- the APIs
+
+
+def test_sdpa_drop_in_runs_the_kernels():
+    """The drop-in takes dropout on the CPU (no fallback warning): the op draws
+    its rng_state from torch's generator; the same draw replayed gives the
+    oracle's exact mask. Causal, GQA and a mask, forward and backward."""
+    b, hq, hkv, n, s, d = 2, 4, 2, 33, 45, 32
+    q = randn((b, hq, n, d), torch.float32, CPU).requires_grad_()
+    k = randn((b, hkv, s, d), torch.float32, CPU).requires_grad_()
+    v = randn((b, hkv, s, d), torch.float32, CPU).requires_grad_()
+    mask = torch.rand(b, 1, n, s) < 0.9
+    for kw in ({"is_causal": True}, {"attn_mask": mask}):
+        torch.manual_seed(99)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FlashAttnFallbackWarning)
+            out = flashattn_ext.scaled_dot_product_attention(q, k, v, dropout_p=0.4, enable_gqa=True, **kw)
+        torch.manual_seed(99)
+        rs = _rng(q, b, hq)
+        expected = ref.sdpa_ref(q, k, v, dropout_p=0.4, enable_gqa=True, rng_state=rs, **kw)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+        dout = torch.randn_like(out)
+        got = torch.autograd.grad(out, (q, k, v), dout)
+        want = torch.autograd.grad(expected, (q, k, v), dout.double())
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.double(), w.double(), rtol=1e-4, atol=1e-4)
+
+
+def test_flash_attn_func_s_dmask():
+    """return_attn_probs=True: (out, lse, S_dmask) as flash-attn 2 gives it,
+    S_dmask (batch, heads, seqlen rounded up to 128) with the probabilities,
+    negative where dropped (the kernels' mask), 0 where hidden and in the
+    padding; None without dropout."""
+    b, n, s, h, d, p = 2, 70, 150, 2, 32, 0.25
+    q, k, v = (
+        randn((b, n, h, d), torch.float32, CPU),
+        randn((b, s, 1, d), torch.float32, CPU),
+        randn((b, s, 1, d), torch.float32, CPU),
+    )
+    torch.manual_seed(5)
+    out, lse, sd = flashattn_ext.flash_attn_func(q, k, v, dropout_p=p, causal=True, return_attn_probs=True)
+    assert sd.shape == (b, h, 128, 256) and sd.dtype == q.dtype
+    torch.manual_seed(5)
+    rs = _rng(q, b, h)
+    keep = ref.dropout_keep_mask(rs, b, h, n, s, p)
+    visible = ref.visible_mask(n, s, -1, 0, s - n)
+    assert torch.equal(sd[:, :, :n, :s] > 0, keep & visible)
+    assert torch.equal(sd[:, :, :n, :s] < 0, ~keep & visible)
+    assert bool((sd[:, :, n:] == 0).all()) and bool((sd[:, :, :, s:] == 0).all())
+    probs = torch.softmax(
+        (torch.einsum("bihd,bjhd->bhij", q, k.expand(b, s, h, d)) * d**-0.5).masked_fill(~visible, -math.inf), -1
+    )
+    torch.testing.assert_close(sd[:, :, :n, :s].abs(), probs, rtol=1e-4, atol=1e-6)
+    expected = ref.attention_ref(q, k, v, causal=True, dropout_p=p, rng_state=rs)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    assert flashattn_ext.flash_attn_func(q, k, v, return_attn_probs=True)[2] is None
+
+
+def test_varlen_matches_oracle_per_sequence():
+    """Varlen: sequence b draws the corner of plane b of the keep mask (its own
+    query and key indices); forward and backward per sequence against the
+    oracle with that mask; S_dmask likewise."""
+    lens_q, lens_k, h, hkv, d, p = [17, 0, 40, 33], [25, 9, 40, 1], 4, 2, 32, 0.3
+    cu = lambda lens: torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)  # noqa: E731
+    cu_q, cu_k = cu(lens_q), cu(lens_k)
+    q = randn((sum(lens_q), h, d), torch.bfloat16, CPU).requires_grad_()
+    k = randn((sum(lens_k), hkv, d), torch.bfloat16, CPU).requires_grad_()
+    v = randn((sum(lens_k), hkv, d), torch.bfloat16, CPU).requires_grad_()
+    torch.manual_seed(11)
+    out, lse, sd = flashattn_ext.flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), dropout_p=p, causal=True, return_attn_probs=True
+    )
+    torch.manual_seed(11)
+    rs = _rng(q, len(lens_q), h)
+    keep = ref.dropout_keep_mask(rs, len(lens_q), h, max(lens_q), max(lens_k), p)
+    dout = randn(out.shape, out.dtype, CPU)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    for i, (sq, sk) in enumerate(zip(cu_q[:-1].tolist(), cu_k[:-1].tolist())):
+        nq, nk = lens_q[i], lens_k[i]
+        if nq == 0:
+            continue
+        sl_q, sl_k = slice(sq, sq + nq), slice(sk, sk + nk)
+        kb = keep[i : i + 1, :, :nq, :nk]
+        res = check_attention(
+            *(x[None, sl].detach() for x, sl in ((q, sl_q), (k, sl_k), (v, sl_k))),
+            out[None, sl_q].detach(),
+            lse[None, :, sl_q],
+            dout[None, sl_q],
+            (dq[None, sl_q], dk[None, sl_k], dv[None, sl_k]),
+            causal=True,
+            dropout_p=p,
+            dropout_keep=kb,
+        )
+        assert_all(res, f"sequence {i}")
+        vis = ref.visible_mask(nq, nk, -1, 0, nk - nq)
+        assert torch.equal(sd[i, :, :nq, :nk] > 0, kb[0] & vis)
+    assert sd.shape == (4, h, 128, 128)
+
+
+def test_compile_fullgraph():
+    """torch.compile(fullgraph=True) traces dropout: the draw is a node of the
+    graph (every run draws anew; manual_seed replays eager's draws)."""
+    torch._dynamo.reset()
+    q = randn((1, 24, 2, 16), torch.float32, CPU).requires_grad_()
+    qs = randn((1, 2, 24, 16), torch.float32, CPU).requires_grad_()
+
+    def f(q, qs):
+        a = flashattn_ext.flash_attn_func(q, q, q, dropout_p=0.3, causal=True)
+        c = flashattn_ext.scaled_dot_product_attention(qs, qs, qs, dropout_p=0.3)
+        return a.sum() + c.square().sum(), a, c
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    torch.manual_seed(3)
+    eager = f(q, qs)
+    g_eager = torch.autograd.grad(eager[0], (q, qs))
+    torch.manual_seed(3)
+    got = compiled(q, qs)
+    g_got = torch.autograd.grad(got[0], (q, qs))
+    for e, g in zip((*eager[1:], *g_eager), (*got[1:], *g_got)):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+    again = compiled(q, qs)
+    assert not torch.equal(again[1], got[1])
+
+
+def test_opcheck_with_dropout():
+    """The ops with dropout and a given rng_state (then deterministic): schema,
+    fake kernels, autograd registration, AOT dispatch."""
+    q = randn((2, 9, 4, 16), torch.float32, CPU).requires_grad_()
+    k = randn((2, 13, 2, 16), torch.float32, CPU).requires_grad_()
+    v = randn((2, 13, 2, 16), torch.float32, CPU).requires_grad_()
+    rs = _seed_offset(77, 8)
+    tail = (0.0, None, None, 0.3, rs)
+    torch.library.opcheck(ops.attention.default, (q, k, v, 0.25, -1, 0, True, False, False) + tail)
+    torch.library.opcheck(ops.fwd.default, (q.detach(), k.detach(), v.detach(), 0.25, -1, 0, True) + tail)
+    out, lse = ops.fwd(q.detach(), k.detach(), v.detach(), 0.25, -1, 0, True, *tail)
+    dout = randn(out.shape, out.dtype, CPU)
+    torch.library.opcheck(
+        ops.bwd.default, (dout, q.detach(), k.detach(), v.detach(), out, lse, 0.25, -1, 0, True, False) + tail
+    )
+    torch.library.opcheck(ops.dropout_keep_mask.default, (rs, 2, 3, 5, 40, 0.25))
+
+
+def test_output_unbiased():
+    """The mean of the dropped output over fresh draws is the output without
+    dropout (kept probabilities scaled by 1 / (1 - p)): within 6 standard
+    errors at every element."""
+    q, k, v = (randn((1, 64, 2, 32), torch.float64, CPU) for _ in range(3))
+    plain = flashattn_ext.flash_attn_func(q, k, v, causal=True)
+    draws = torch.stack([flashattn_ext.flash_attn_func(q, k, v, dropout_p=0.5, causal=True) for _ in range(64)])
+    stderr = draws.std(0) / math.sqrt(draws.shape[0])
+    assert bool(((draws.mean(0) - plain).abs() <= 6 * stderr + 1e-12).all())
