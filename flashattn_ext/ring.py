@@ -162,6 +162,10 @@ class _Ring:
     step, and the kernel calls on (batch, seqlen, heads, head_dim) parts."""
 
     seq_dim = 1  # the sequence dimension of q, k, v, out; lse's is its last
+    # The transfers in flight while the current part is computed. False (for
+    # measurements only: examples/context_parallel.py --overlap-report): each
+    # transfer completes before the compute that follows it is started.
+    overlap = True
 
     def __init__(self, group, seqlen_q, seqlen_k, causal, balanced):
         self._peers(group)
@@ -187,7 +191,11 @@ class _Ring:
         bufs = [torch.empty_like(t) for t in tensors]
         ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in tensors]
         ops += [dist.P2POp(dist.irecv, b, self.prev, self.group, tag) for b in bufs]
-        return dist.batch_isend_irecv(ops), bufs
+        reqs = dist.batch_isend_irecv(ops)
+        if not self.overlap:
+            _wait(reqs)
+            reqs = []  # done (a second wait on a finished gloo request does not return)
+        return reqs, bufs
 
     def rows(self, x, a, e):
         return x.narrow(self.seq_dim, a, e - a)

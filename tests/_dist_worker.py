@@ -203,6 +203,42 @@ def _buffers_case(case, seed, group, world, check):
     return dict(name=name, world=world, ok=not problems, problems=problems)
 
 
+def _serial_transfers_case(seed, group, world, check):
+    """ring._Ring.overlap = False (each transfer completed before the next compute,
+    what examples/context_parallel.py --overlap-report times against): the very same
+    bits as the overlapped ring, forward, lse and gradients, dense and varlen."""
+    from flashattn_ext import ring
+
+    problems = []
+    for case in (RING_CASES[0], VARLEN_CASES[0]):
+        runs = []
+        for overlap in (True, False):
+            ring._Ring.overlap = overlap
+            try:
+                if case in VARLEN_CASES:
+                    _, dtype, lengths, hq, hk, d, causal = case
+                    total = sum(lengths)
+                    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+                    xs = _inputs(seed, [(total, hq, d), (total, hk, d), (total, hk, d), (total, hq, d)], dtype)
+                    local = [ring.shard_varlen(x, cu, group, balanced=causal) for x in xs]
+                    leaves = [x.requires_grad_() for x in local[:3]]
+                    out, lse = ring.ring_attention_varlen(*leaves, cu, causal=causal, group=group, return_lse=True)
+                else:
+                    _, dtype, b, hq, hk, lq, lk, d, causal, balanced = case
+                    shapes = [(b, lq, hq, d), (b, lk, hk, d), (b, lk, hk, d), (b, lq, hq, d)]
+                    local = [ring.shard(x, group, balanced=balanced) for x in _inputs(seed, shapes, dtype)]
+                    leaves = [x.requires_grad_() for x in local[:3]]
+                    out, lse = ring.ring_attention(*leaves, causal=causal, group=group, return_lse=True)
+                runs.append((out.detach(), lse, *torch.autograd.grad(out, leaves, local[3])))
+            finally:
+                ring._Ring.overlap = True
+        if not all(torch.equal(a, b) for a, b in zip(*runs)):
+            problems.append(f"{case[0]}: serial transfers give other bits than the overlapped ring")
+    if not check:
+        return None
+    return dict(name="serial-transfers", world=world, ok=not problems, problems=problems)
+
+
 def _torch_cp_case(case, seed, mesh, group, world, check):
     import torch.nn.functional as F
     from torch.distributed.tensor import DTensor, Shard
@@ -282,6 +318,10 @@ def main(rank, world, init_file, seed, out_dir, repo):
                 r = _buffers_case(case, seed + 80 + i, group, w, dist.get_rank(group) == 0)
                 if r is not None:
                     results.append(r)
+        for _, group, w in groups:
+            r = _serial_transfers_case(seed + 90, group, w, dist.get_rank(group) == 0)
+            if r is not None:
+                results.append(r)
         handle = backend._register_flash_ops("CPU")  # the CUDA path's overrides, on the CPU key
         try:
             for i, case in enumerate(TORCH_CP_CASES):

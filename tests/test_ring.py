@@ -89,6 +89,13 @@ def test_backward_into_caller_buffers(results, case, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+def test_serial_transfers_same_bits(results, world):
+    """The ring with its transfers completed before each compute (the baseline that
+    examples/context_parallel.py --overlap-report measures the overlap against)."""
+    _check(results, "serial-transfers", world, WORLD // world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("case", [c[0] for c in _dist_worker.TORCH_CP_CASES])
 def test_torch_context_parallel_on_our_kernels(results, case, world):
     """Every block of torch's ring ran our kernels: one call of the SDPA flash
