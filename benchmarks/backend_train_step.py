@@ -13,16 +13,25 @@ code, nothing downloaded), in bf16 on CUDA (float32 on the CPU):
   * the loss and every parameter gradient of the activated run against a float64 copy of
     the model run with torch's math attention (the oracle), the yardstick being torch's
     run in the same dtype: flashattn_ext.tolerance.compare, the project's one rule;
-  * the step time of each (median of --reps, CUDA events).
+  * the same step with the drop-in: torch.nn.functional.scaled_dot_product_attention
+    replaced by flashattn_ext.scaled_dot_product_attention for the step (the model's code
+    unchanged; the bar's "speed of our drop-in"), its loss and gradients held to the rule too;
+  * the step time of each (median of --reps, CUDA events; the three variants interleaved
+    rep by rep) and its host time (time.perf_counter around the step, which returns before
+    the GPU is done: a host time close to the step time means a host-bound step, where the
+    overrides' Python shows up in full).
 Exit status 0 when every check passes.
 """
 
 import argparse
+import contextlib
 import copy
 import json
 import os
 import statistics
 import sys
+import time
+import warnings
 
 import torch
 
@@ -69,18 +78,48 @@ def kernel_names(fn, device):
     return sorted(n for n in names if any(w in n.lower() for w in ATTN_KERNEL_WORDS))
 
 
-def timed(fn, device, reps):
+@contextlib.contextmanager
+def drop_in():
+    """F.scaled_dot_product_attention is flashattn_ext's drop-in while inside; the
+    original is back for the duration of each call (the drop-in hands the calls its
+    kernels refuse to torch's function, which must not be itself)."""
+    F = torch.nn.functional
+    original = F.scaled_dot_product_attention
+
+    def patched(*args, **kwargs):
+        F.scaled_dot_product_attention = original
+        try:
+            return flashattn_ext.scaled_dot_product_attention(*args, **kwargs)
+        finally:
+            F.scaled_dot_product_attention = patched
+
+    F.scaled_dot_product_attention = patched
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def timed(variants, device, reps):
+    """{name: (step ms median, host ms median)} for {name: (context factory, fn)},
+    interleaved: each rep runs every variant once."""
     if device.type != "cuda":
-        return None
-    times = []
+        return {name: (None, None) for name in variants}
+    times = {name: ([], []) for name in variants}
     for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+        for name, (ctx, fn) in variants.items():
+            with ctx():
+                torch.cuda.synchronize()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                t0 = time.perf_counter()
+                fn()
+                host = (time.perf_counter() - t0) * 1e3
+                b.record()
+                torch.cuda.synchronize()
+            times[name][0].append(a.elapsed_time(b))
+            times[name][1].append(host)
+    return {name: (statistics.median(d), statistics.median(h)) for name, (d, h) in times.items()}
 
 
 def run_case(name, cls, config, device, dtype, seqlen, batch, reps):
@@ -99,18 +138,36 @@ def run_case(name, cls, config, device, dtype, seqlen, batch, reps):
         o_loss, o_grads = step(oracle_model, ids)
     t_loss, t_grads = step(base, ids)
     torch_kernels = kernel_names(lambda: step(base, ids), device)
-    torch_ms = timed(lambda: step(base, ids), device, reps)
 
     backend.reset_calls()
     with backend.activated(first=True):
         a_loss, a_grads = step(base, ids)
         ours_kernels = kernel_names(lambda: step(base, ids), device)
-        ours_ms = timed(lambda: step(base, ids), device, reps)
         routes = {f"{op} -> {route}": n for (op, route), n in backend.calls().items()}
+    with drop_in(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", flashattn_ext.FlashAttnFallbackWarning)
+        d_loss, d_grads = step(base, ids)
+    fell_back = sorted(
+        {str(w.message) for w in caught if issubclass(w.category, flashattn_ext.FlashAttnFallbackWarning)}
+    )
+
+    run = lambda: step(base, ids)  # noqa: E731
+    ms = timed(
+        {
+            "torch": (contextlib.nullcontext, run),
+            "activated": (lambda: backend.activated(first=True), run),
+            "drop_in": (drop_in, run),
+        },
+        device,
+        reps,
+    )
 
     checks = [tolerance.compare("loss", a_loss.reshape(1), o_loss.reshape(1), t_loss.reshape(1))]
     for pname in o_grads:
         checks.append(tolerance.compare(f"grad {pname}", a_grads[pname], o_grads[pname], t_grads[pname]))
+    checks.append(tolerance.compare("drop-in loss", d_loss.reshape(1), o_loss.reshape(1), t_loss.reshape(1)))
+    for pname in o_grads:
+        checks.append(tolerance.compare(f"drop-in grad {pname}", d_grads[pname], o_grads[pname], t_grads[pname]))
     bad = [c.message() for c in checks if not c.ok]
     refused = {k: v for k, v in routes.items() if "-> torch" in k}
     ours_ran = any("flashattn_ext" in k for k in routes)
@@ -119,13 +176,15 @@ def run_case(name, cls, config, device, dtype, seqlen, batch, reps):
         for n in ours_kernels
         if "flashattn" not in n and ("cudnn" in n.lower() or "flash_fwd" in n or "fmha" in n.lower())
     ]
-    ok = not bad and ours_ran and not refused and not foreign
+    ok = not bad and ours_ran and not refused and not foreign and not fell_back
     return {
         "model": name, "device": device.type, "dtype": str(dtype).replace("torch.", ""), "batch": batch,
         "seqlen": seqlen, "ok": ok, "failed_checks": bad[:10], "checks": len(checks), "routes": routes,
         "torch_kernels": torch_kernels, "activated_kernels": ours_kernels, "foreign_attention_kernels": foreign,
-        "torch_step_ms": torch_ms, "activated_step_ms": ours_ms,
-        "loss": {"torch": float(t_loss), "activated": float(a_loss), "oracle": float(o_loss)},
+        "drop_in_fell_back": fell_back,
+        "torch_step_ms": ms["torch"][0], "activated_step_ms": ms["activated"][0], "drop_in_step_ms": ms["drop_in"][0],
+        "torch_host_ms": ms["torch"][1], "activated_host_ms": ms["activated"][1], "drop_in_host_ms": ms["drop_in"][1],
+        "loss": {"torch": float(t_loss), "activated": float(a_loss), "drop_in": float(d_loss), "oracle": float(o_loss)},
     }  # fmt: skip
 
 
@@ -147,7 +206,13 @@ def main():
     for name, (cls, config) in models().items():
         r = run_case(name, cls, config, device, dtype, seqlen, batch, args.reps)
         rows.append(r)
-        t = f"step {r['torch_step_ms']:.2f} ms torch / {r['activated_step_ms']:.2f} ms activated" if cuda else ""
+        t = (
+            f"step {r['torch_step_ms']:.2f} ms torch / {r['activated_step_ms']:.2f} ms activated / "
+            f"{r['drop_in_step_ms']:.2f} ms drop-in (host {r['torch_host_ms']:.2f} / {r['activated_host_ms']:.2f} / "
+            f"{r['drop_in_host_ms']:.2f} ms)"
+            if cuda
+            else ""
+        )
         print(f"{name}: {'ok' if r['ok'] else 'FAILED'}, {r['checks']} checks (loss + gradients) {t}")
         print(f"  routes: {r['routes']}")
         print(f"  torch's attention kernels: {r['torch_kernels']}")

@@ -85,7 +85,7 @@ TORCH_BACKENDS = {
 }
 CUDA_ONLY_IMPLS = ("sdpa_cudnn", "sdpa_mem_efficient", "fa4")
 BNHD_IMPLS = ("ours_native", "fa4")  # the others take (b, h, n, d)
-HOST_IMPLS = ("sdpa_default", "ours_sdpa", "ours_native", "sdpa_cudnn", "sdpa_flash")
+HOST_IMPLS = ("sdpa_default", "ours_sdpa", "ours_native", "activated", "sdpa_cudnn", "sdpa_flash")
 HOST_MODES = ("fwd", "fwd_grad", "fwd+bwd")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 GIB = 1024**3
@@ -248,6 +248,12 @@ def make_attention(impl, causal, n_q, n_k, device):
         return contextlib.nullcontext, (lambda q, k, v: sdpa(q, k, v, is_causal=causal))
     if impl == "sdpa_default":
         return contextlib.nullcontext, (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+    if impl == "activated":  # torch's own SDPA call with our kernels behind it (flashattn_ext.activate)
+        if OURS is None:
+            raise RuntimeError(OURS_IMPORT_ERROR)
+        return (lambda: OURS.backend.activated(first=True)), (
+            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        )
     if impl == "naive":
         mask = causal_mask(n_q, n_k, device) if causal else None
         return contextlib.nullcontext, (lambda q, k, v: naive_attention(q, k, v, causal, mask))

@@ -23,6 +23,17 @@ and runnable alone:
     python benchmarks/host_overhead.py [--json PATH]              # both, on the GPU
     python benchmarks/host_overhead.py --device cpu --tiny-only   # the host-time code path on a CPU
     python benchmarks/host_overhead.py --decode [--json PATH]    # a decode step's calls (b1, cache 1k)
+    python benchmarks/host_overhead.py --activated [--device cpu] [--json PATH]   # behind torch's SDPA
+
+  behind torch's SDPA (activated_host_times; --activated): the same tiny call (b1 h1 n16 d64,
+      causal) as torch's own SDPA runs it, as our drop-in flashattn_ext.scaled_dot_product_attention
+      runs it, and as torch's SDPA runs it with flashattn_ext.activate(first=True) (our kernels
+      behind torch's op: the Python overrides of flashattn_ext/backend.py). On the CPU also the
+      CUDA overrides themselves (registered for the CPU key, as tests/test_backend.py does, and
+      called as aten._scaled_dot_product_flash_attention) against the kernels called directly,
+      which isolates the overrides' Python. The implementations are interleaved round by round
+      (each round times every implementation once) and the median over rounds is reported,
+      so that a machine whose load changes affects all of them alike.
 """
 
 import argparse
@@ -226,6 +237,119 @@ def decode_host_times(device, batch=1, cache=1024, heads_q=32, heads_kv=8, d=128
     return res
 
 
+# ----------------------------------------------------------------------------- behind torch's SDPA
+
+ACTIVATED_IMPLS = ("sdpa_default", "ours_sdpa", "activated")
+ACTIVATED_MODES = ("fwd", "fwd+bwd")
+
+
+def _flash_op_calls(mode, b, h, n, d, causal, dtype, device, gen):
+    """(ctx, fn) pairs for the CPU: the CUDA path's overrides (backend._FLASH_OPS, registered for
+    the CPU key) called as aten._scaled_dot_product_flash_attention, and the same kernels called
+    directly (flashattn_ext.fwd / bwd on (B, L, H, E) views): their difference is the overrides'
+    Python and torch.library's call into it."""
+    import contextlib
+
+    from flashattn_ext import _ops, backend
+
+    def rnd():
+        return torch.randn((b, n, h, d), dtype=dtype, device=device, generator=gen).transpose(1, 2)
+
+    q, k, v, dout = rnd(), rnd(), rnd(), rnd()
+    grad = mode != "fwd"
+    q, k, v = (x.requires_grad_(grad) for x in (q, k, v))
+    scale = d**-0.5
+    wr = 0 if causal else -1
+
+    @contextlib.contextmanager
+    def registered():
+        handle = backend._register_flash_ops(device.type.upper())
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    op = torch.ops.aten._scaled_dot_product_flash_attention
+    if mode == "fwd":
+        override = lambda: op(q, k, v, 0.0, causal, scale=scale)  # noqa: E731
+    else:
+        override = lambda: torch.autograd.grad(op(q, k, v, 0.0, causal, scale=scale)[0], (q, k, v), dout)  # noqa: E731
+    qb, kb, vb, db = (x.detach().transpose(1, 2) for x in (q, k, v, dout))
+
+    def kernels():
+        out, lse = _ops.fwd_op(qb, kb, vb, scale, -1, wr, True)
+        if mode != "fwd":
+            return _ops.bwd(db, qb, kb, vb, out, lse, scale, -1, wr, True, False)
+        return out, lse
+
+    return {"flash_op_override": (registered, override), "kernels_direct": (contextlib.nullcontext, kernels)}
+
+
+def activated_host_times(device, shape=(1, 1, 16, 64), dtype=None, causal=True, rounds=15, calls=40, seed=0):
+    """Host microseconds per call behind torch's SDPA (see the module docstring), interleaved:
+    every round times each implementation once (host_us_per_call with one repetition of
+    `calls` calls); the figure is the median over the rounds."""
+    import warnings
+
+    if HERE not in sys.path:  # bench_gpu imports this module: imported here, from beside it
+        sys.path.insert(0, HERE)
+    import bench_gpu
+
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    b, h, n, d = shape
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    res = dict(b=b, h=h, n=n, d=d, dtype=str(dtype).replace("torch.", ""), causal=causal, rounds=rounds, calls=calls)
+    res["method"] = "interleaved rounds, median over rounds of host_us_per_call(calls, reps=1)"
+    res["impls"] = {}
+    for mode in ACTIVATED_MODES:
+        fns = {}
+        for impl in ACTIVATED_IMPLS:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    ctx, fn, info = bench_gpu.build_call(impl, mode, b, h, n, d, causal, dtype, device, gen)
+                fns[impl] = (ctx, fn)
+            except Exception as exc:  # noqa: BLE001
+                res["impls"].setdefault(impl, {})[mode] = {"error": bench_gpu._short(exc)}
+        if device.type == "cpu":
+            fns.update(_flash_op_calls(mode, b, h, n, d, causal, dtype, device, gen))
+        samples = {impl: [] for impl in fns}
+        for _ in range(rounds):
+            for impl, (ctx, fn) in fns.items():
+                with ctx():
+                    r = host_us_per_call(fn, device, calls=calls, reps=1, warmup=3)
+                samples[impl].append(r["us"])
+                if r.get("gpu_busy") is False:
+                    res.setdefault("gpu_went_idle", []).append(f"{impl} {mode}")
+        for impl, xs in samples.items():
+            res["impls"].setdefault(impl, {})[mode] = dict(
+                us=statistics.median(xs), us_min=min(xs), us_max=max(xs), rounds=len(xs)
+            )
+    return res
+
+
+def activated_text(res):
+    lines = [
+        f"host us/call behind torch's SDPA (b{res['b']} h{res['h']} n{res['n']} d{res['d']} {res['dtype']}"
+        f"{' causal' if res['causal'] else ''}; median of {res['rounds']} interleaved rounds [min-max]):"
+    ]
+    for impl, modes in res["impls"].items():
+        cells = []
+        for mode in ACTIVATED_MODES:
+            r = modes.get(mode, {})
+            cells.append(
+                f"{mode} {r['us']:7.1f} [{r['us_min']:.1f}-{r['us_max']:.1f}]"
+                if "us" in r
+                else f"{mode} {r.get('error')}"
+            )
+        lines.append(f"  {impl:18s} " + " | ".join(cells))
+    if res.get("gpu_went_idle"):
+        lines.append("  * the GPU went idle during: " + ", ".join(res["gpu_went_idle"]))
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json")
@@ -234,7 +358,13 @@ def main(argv=None):
     ap.add_argument(
         "--decode", action="store_true", help="only the host time per call of a decode step (b1, cache 1k, 32/8 heads)"
     )
+    ap.add_argument(
+        "--activated", action="store_true", help="only the host time per call behind torch's SDPA (activate())"
+    )
+    ap.add_argument("--threads", type=int, help="torch.set_num_threads (CPU: 1 keeps thread wake-ups out of it)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     sys.path.insert(0, HERE)
     import bench_gpu
 
@@ -244,6 +374,13 @@ def main(argv=None):
         else ("cpu" if args.device == "auto" else args.device)
     )
     out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__}
+    if args.activated:
+        out["activated_host"] = activated_host_times(device)
+        print(activated_text(out["activated_host"]), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+        return 0
     if args.decode:
         out["decode_host"] = decode_host_times(device)
         if args.json:

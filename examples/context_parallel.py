@@ -6,6 +6,7 @@
     torchrun --nproc-per-node 2 examples/context_parallel.py --impl ring --seqlen-q 8192   # causal prefill, q < k
     torchrun --nproc-per-node 1 examples/context_parallel.py                  # the single-GPU baseline
     torchrun --nproc-per-node 4 examples/context_parallel.py --device cpu --impl ring --seqlen 2048 --heads 4 --head-dim 64 --check
+    torchrun --nproc-per-node 2 examples/context_parallel.py --impl ring --overlap-report   # how much comm the overlap hides
 
 Two ways, one set of kernels:
 
@@ -67,6 +68,12 @@ def parse():
     p.add_argument("--check", action="store_true", help="gather and check against the oracle (small sizes)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="rank 0 writes its numbers here")
+    p.add_argument(
+        "--overlap-report",
+        action="store_true",
+        help="ring: also time the step with every transfer completed before the compute after it, and the "
+        "transfers alone: how much of the communication the overlap hides",
+    )
     return p.parse_args()
 
 
@@ -119,6 +126,34 @@ def step_torch(args, mesh, q, k, v, dout, causal):
     return out.detach().transpose(1, 2), [x.grad.transpose(1, 2) for x in (qb, kb, vb)]
 
 
+def overlap_report(median_time, run, overlapped_s, q, k, v, causal, rank):
+    """How much of the ring's communication the overlap hides: the step with each
+    transfer completed before the compute after it (ring._Ring.overlap = False), and
+    the same transfers alone (the forward's and the backward's K/V parts, the
+    backward's float32 dK/dV accumulators). hidden = (serial - overlapped) / comm."""
+    ring._Ring.overlap = False
+    try:
+        serial_s, _ = median_time(run)
+    finally:
+        ring._Ring.overlap = True
+    r = ring._Ring(None, q.shape[1], k.shape[1], causal, causal)
+    k, v = k.contiguous(), v.contiguous()
+    dk, dv = torch.zeros(k.shape, dtype=torch.float32, device=k.device), torch.zeros_like(k, dtype=torch.float32)
+
+    def transfers():
+        for tensors, tag, count in (([k, v], 0, r.world - 1), ([k, v], 1, r.world - 1), ([dk, dv], 2, r.world)):
+            for _ in range(count):
+                reqs, _ = r.exchange(tensors, tag)
+                ring._wait(reqs)
+
+    comm_s, _ = median_time(transfers)
+    hidden = (serial_s - overlapped_s) / comm_s if comm_s > 0 else float("nan")
+    return dict(
+        overlapped_ms=overlapped_s * 1e3, serial_ms=serial_s * 1e3, comm_alone_ms=comm_s * 1e3,
+        hidden_fraction=hidden,
+    )  # fmt: skip
+
+
 def flops(args, causal):
     lq = args.seqlen_q or args.seqlen
     f = 4 * args.batch * args.heads * lq * args.seqlen * args.head_dim
@@ -153,17 +188,26 @@ def main():
     balanced = causal
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(args.warmup):
-        run()
-    sync()
-    dist.barrier()
-    times = []
-    for _ in range(args.iters):
-        t0 = time.perf_counter()
-        out, grads = run()
+
+    def median_time(fn):
+        for _ in range(args.warmup):
+            fn()
         sync()
-        times.append(time.perf_counter() - t0)
-    med = sorted(times)[len(times) // 2]
+        dist.barrier()
+        times = []
+        for _ in range(args.iters):
+            t0 = time.perf_counter()
+            result = fn()
+            sync()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2], result
+
+    med, (out, grads) = median_time(run)
+    overlap = None
+    if args.overlap_report:
+        if args.impl != "ring" or world == 1:
+            sys.exit("--overlap-report: --impl ring on 2 or more ranks")
+        overlap = overlap_report(median_time, run, med, q, k, v, causal, rank)
     tflops = flops(args, causal) / world / med / 1e12
     res = dict(
         impl=args.impl, world=world, device=str(device), seqlen=args.seqlen, seqlen_q=args.seqlen_q or args.seqlen,
@@ -171,6 +215,8 @@ def main():
         causal=causal, rotate=args.rotate if args.impl == "torch" else None, median_s=med,
         tflops_per_rank=tflops, tokens_per_rank=(args.seqlen_q or args.seqlen) // world,
     )  # fmt: skip
+    if overlap is not None:
+        res["overlap"] = overlap
 
     if args.check:
         full = [ring.unshard(x, balanced=balanced) for x in (out, *grads)]
@@ -194,7 +240,7 @@ def main():
             f"q{res['seqlen_q']} k{args.seqlen} {'causal' if causal else 'full'}: fwd+bwd {med * 1e3:.2f} ms, "
             f"{tflops:.3g} TFLOP/s per rank"
         )
-        for key in ("check", "max_diff_vs_single"):
+        for key in ("check", "max_diff_vs_single", "overlap"):
             if key in res:
                 print(f"  {key}: {res[key]}")
         if args.json:

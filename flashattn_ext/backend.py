@@ -80,7 +80,45 @@ def reset_calls() -> None:
 # Small predicates, each naming why it refused (None: our kernels take it).
 
 
+# The tensor predicates read only each tensor's layout, shape, dtype and device
+# (and the build, which does not change), so their verdict is remembered per
+# signature of those: a model calls the same few shapes again and again, and
+# reading the signature costs a fraction of the checks (the overrides run on
+# every call: benchmarks/host_overhead.py --activated times them).
+_MEMO_MAX = 4096
+_refusals: dict = {}  # signature -> reason (None: ours take it)
+_MISS = object()
+
+
+def _signature(tensors, extra):
+    """(extra, then (shape, dtype, device) of each tensor), or None for a tensor
+    that is not plain strided (its checks run every time)."""
+    sig = [extra]
+    for t in tensors:
+        if t.layout != torch.strided or t.is_nested:
+            return None
+        sig.append((t.shape, t.dtype, t.device))
+    return tuple(sig)
+
+
+def _remembered(memo, key, compute):
+    value = memo.get(key, _MISS)
+    if value is _MISS:
+        if len(memo) >= _MEMO_MAX:
+            memo.clear()
+        value = memo[key] = compute()
+    return value
+
+
 def _dense_refusal(q, k, v, seq_dim):
+    """_dense_refusal_of, remembered per signature of q, k, v."""
+    sig = _signature((q, k, v), ("dense", seq_dim))
+    if sig is None:
+        return _dense_refusal_of(q, k, v, seq_dim)
+    return _remembered(_refusals, sig, lambda: _dense_refusal_of(q, k, v, seq_dim))
+
+
+def _dense_refusal_of(q, k, v, seq_dim):
     """Rank-4 q, k, v with the sequence at ``seq_dim`` (2: SDPA's (B, H, L, E),
     1: FlashAttention's (B, S, H, D)); heads at the other of dims 1, 2."""
     for name, t in (("query", q), ("key", k), ("value", v)):
@@ -133,6 +171,14 @@ def _scale_refusal(scale):
 
 
 def _bwd_refusal(grad_out, q, out, lse, lse_shape):
+    """_bwd_refusal_of, remembered per signature of its tensors."""
+    sig = _signature((grad_out, q, out, lse), ("bwd", tuple(lse_shape)))
+    if sig is None:
+        return _bwd_refusal_of(grad_out, q, out, lse, lse_shape)
+    return _remembered(_refusals, sig, lambda: _bwd_refusal_of(grad_out, q, out, lse, lse_shape))
+
+
+def _bwd_refusal_of(grad_out, q, out, lse, lse_shape):
     for name, t in (("grad_out", grad_out), ("out", out)):
         if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device or t.layout != torch.strided:
             return f"{name} does not match the query"
@@ -155,15 +201,29 @@ def _window(left, right, is_causal):
 # ----------------------------------------------------------------------------- layout helpers
 
 
+_like_strides: dict = {}  # (shape, strides) -> the strides torch.empty_like gives
+
+
 def _as_like(ref, x):
     """x, or x copied into torch.empty_like(ref) when its strides differ: the
-    layout torch's kernel and its meta function give this output."""
-    want = torch.empty_like(ref, device="meta").stride()
+    layout torch's kernel and its meta function give this output. (empty_like's
+    strides depend on ref's shape and strides alone: remembered per pair.)"""
+    shape, stride = ref.shape, ref.stride()
+    want = _remembered(_like_strides, (shape, stride), lambda: torch.empty_like(ref, device="meta").stride())
     if x.stride() == want:
         return x
     y = torch.empty_like(ref)
     y.copy_(x)
     return y
+
+
+def _sdpa_layout_forward(query, key, value, scale, is_causal, bottom_right):
+    """Our forward on SDPA's (B, H, L, E) tensors: out (a (B, H, L, E) view of a
+    (B, L, H, E) buffer) and lse (B, H, L). The attention op with bhsd=True makes
+    the transposed views in C++; called from these kernels, below autograd, it is
+    the forward kernels alone (csrc/autograd.cpp attention_below_autograd)."""
+    wr = 0 if is_causal else -1
+    return _ops.attention(query, key, value, _scale_of(scale, query), -1, wr, bottom_right, False, True)
 
 
 def _bshd(*tensors):
@@ -180,8 +240,9 @@ def _deterministic():
 
 
 def _rng_outputs(q):
-    # What torch's flash forward returns for philox seed / offset (no dropout here: never read).
-    return torch.zeros((2,), dtype=torch.uint64, device=q.device), torch.zeros((), dtype=torch.uint64, device=q.device)
+    # What torch's flash forward returns for philox seed / offset without dropout:
+    # uninitialised tensors of these shapes (never read; no fill kernels launched).
+    return torch.empty((2,), dtype=torch.uint64, device=q.device), torch.empty((), dtype=torch.uint64, device=q.device)
 
 
 # ----------------------------------------------------------------------------- CPU: torch's CPU flash op
@@ -201,14 +262,12 @@ def _cpu_flash_forward(orig):
             _calls[(op, "torch: " + why)] += 1
             return orig.call_boxed(keyset, query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
         _calls[(op, IMPL_NAME)] += 1
-        q, k, v = _bshd(query, key, value)
         # torch's CPU flash is top-left causal (query i sees keys 0..i): bottom_right=False.
-        out, lse = _ops.fwd_op(q, k, v, _scale_of(scale, query), -1, 0 if is_causal else -1, False)
-        b, h, lq = lse.shape
+        out, lse = _sdpa_layout_forward(query, key, value, scale, is_causal, False)
         # torch's CPU kernel (and its meta function) return lse as a (B, L, H) buffer seen as (B, H, L).
-        lse_t = torch.empty((b, lq, h), dtype=lse.dtype, device=lse.device).transpose(1, 2)
+        lse_t = torch.empty_permuted(lse.shape, (0, 2, 1), dtype=lse.dtype, device=lse.device)
         lse_t.copy_(lse)
-        return _as_like(query, out.transpose(1, 2)), lse_t
+        return _as_like(query, out), lse_t
 
     return op, impl
 
@@ -236,7 +295,7 @@ def _cpu_flash_backward(orig):
             go, q, k, v, o, lse.contiguous(), _scale_of(scale, query), -1, wr, False, _deterministic()
         )
         # torch's CPU backward returns (B, L, H, E) buffers seen as (B, H, L, E): ours are the same.
-        return tuple(_as_permuted(g.transpose(1, 2)) for g in (dq, dk, dv))
+        return tuple(g.transpose(1, 2) if g.is_contiguous() else _as_permuted(g.transpose(1, 2)) for g in (dq, dk, dv))
 
     return op, impl
 
@@ -458,14 +517,12 @@ def _sdpa_flash_forward(orig):
             _calls[(op, "torch: " + why)] += 1
             return orig.call_boxed(keyset, query, key, value, dropout_p, is_causal, return_debug_mask, scale=scale)
         _calls[(op, IMPL_NAME)] += 1
-        q, k, v = _bshd(query, key, value)
         # torch's kernel hands this call to FA2, whose causal is bottom-right (SDPA
         # itself only selects it for causal calls with equal lengths): the same here.
-        out, lse = _ops.fwd_op(q, k, v, _scale_of(scale, query), -1, 0 if is_causal else -1, True)
+        out, lse = _sdpa_layout_forward(query, key, value, scale, is_causal, True)
         seed, offset = _rng_outputs(query)
         debug = torch.empty(0, dtype=query.dtype, device=query.device)
-        out = _as_like(query, out.transpose(1, 2))
-        return out, lse, None, None, query.shape[2], key.shape[2], seed, offset, debug
+        return _as_like(query, out), lse, None, None, query.shape[2], key.shape[2], seed, offset, debug
 
     return op, impl
 

@@ -36,10 +36,17 @@ balanced on its own (``shard_varlen`` / ``unshard_varlen``; every length a
 multiple of 2 * world), and each step makes one varlen kernel call per
 (query chunk, key chunk) pair for all documents at once.
 
-Not here yet: masks and bias (the kernels take neither), causal varlen with
-different q and k lengths per document, and gradients written straight into
-the caller's buffers (each block's gradients come back from the kernels in
-the input dtype and are added in float32, as torch's context parallelism does).
+``ring_attention_forward`` / ``ring_attention_backward`` are the two passes
+apart, outside autograd, for a caller with its own autograd Function: the
+backward takes the merged output and the global log-sum-exp, and writes the
+gradients into buffers the caller provides (any strides, e.g. views into a
+packed qkv gradient; a float32 buffer receives the float32 accumulator).
+
+Not here yet: masks and bias (the kernels take an attn_mask now; the ring
+does not pass one part per step yet), causal varlen with different q and k
+lengths per document, and accumulation inside the kernels (each block's
+gradients come back from the kernels in the input dtype and are added in
+float32, as torch's context parallelism does).
 """
 
 from __future__ import annotations
@@ -51,7 +58,8 @@ import torch.distributed as dist
 
 from . import _ops
 
-__all__ = ["ring_attention", "ring_attention_varlen", "shard", "unshard", "shard_varlen", "unshard_varlen", "chunk_ids"]
+__all__ = ["ring_attention", "ring_attention_varlen", "ring_attention_forward", "ring_attention_backward"]
+__all__ += ["shard", "unshard", "shard_varlen", "unshard_varlen", "chunk_ids"]
 
 
 # ----------------------------------------------------------------------------- layout
@@ -154,6 +162,10 @@ class _Ring:
     step, and the kernel calls on (batch, seqlen, heads, head_dim) parts."""
 
     seq_dim = 1  # the sequence dimension of q, k, v, out; lse's is its last
+    # The transfers in flight while the current part is computed. False (for
+    # measurements only: examples/context_parallel.py --overlap-report): each
+    # transfer completes before the compute that follows it is started.
+    overlap = True
 
     def __init__(self, group, seqlen_q, seqlen_k, causal, balanced):
         self._peers(group)
@@ -179,7 +191,11 @@ class _Ring:
         bufs = [torch.empty_like(t) for t in tensors]
         ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in tensors]
         ops += [dist.P2POp(dist.irecv, b, self.prev, self.group, tag) for b in bufs]
-        return dist.batch_isend_irecv(ops), bufs
+        reqs = dist.batch_isend_irecv(ops)
+        if not self.overlap:
+            _wait(reqs)
+            reqs = []  # done (a second wait on a finished gloo request does not return)
+        return reqs, bufs
 
     def rows(self, x, a, e):
         return x.narrow(self.seq_dim, a, e - a)
@@ -277,7 +293,7 @@ def _ring_forward(ring, q, k, v, scale):
     return acc_out.to(q.dtype), acc_lse
 
 
-def _ring_backward(ring, dout, q, k, v, out, lse, scale, deterministic):
+def _ring_backward(ring, dout, q, k, v, out, lse, scale, deterministic, dest=None):
     acc_dtype = _ops._lse_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     dout = _ops.unit_last_stride(dout)
@@ -302,13 +318,23 @@ def _ring_backward(ring, dout, q, k, v, out, lse, scale, deterministic):
             dk_blk += dk_acc
             dv_blk += dv_acc
         if ring.world == 1:
-            return dq.to(q.dtype), dk_blk.to(k.dtype), dv_blk.to(v.dtype)
+            return _finish((dq, dk_blk, dv_blk), (q, k, v), dest)
         dkv_reqs, (dk_acc, dv_acc) = ring.exchange([dk_blk, dv_blk], tag=2)
         if i + 1 < ring.world:
             _wait(kv_reqs)
             k_cur, v_cur = k_next, v_next
     _wait(dkv_reqs)  # after the last step, each part's accumulator has come home
-    return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+    return _finish((dq, dk_acc, dv_acc), (q, k, v), dest)
+
+
+def _finish(accs, inputs, dest):
+    """The float32 accumulators in the inputs' dtype, or copied into the caller's
+    buffers (dest: (dq, dk, dv), each None or a tensor of its input's shape, any
+    strides and floating dtype): one rounding, no intermediate tensor."""
+    out = []
+    for acc, x, buf in zip(accs, inputs, dest or (None, None, None)):
+        out.append(acc.to(x.dtype) if buf is None else buf.copy_(acc))
+    return tuple(out)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -349,22 +375,27 @@ def ring_attention(
     causal). Returns this rank's part of the output (and, with return_lse, of
     the log-sum-exp (batch, heads_q, seqlen_q / world), float32), differentiable
     in q, k, v. Every rank of the group must call it, with the same arguments."""
+    ring, scale = _dense_ring("ring_attention", q, k, v, causal, softmax_scale, group, balanced)
+    out, lse = _RingAttention.apply(q, k, v, scale, ring, bool(deterministic))
+    return (out, lse) if return_lse else out
+
+
+def _dense_ring(fn, q, k, v, causal, softmax_scale, group, balanced):
+    """The checks of ring_attention's arguments; returns (its _Ring, the scale)."""
     if balanced is None:
         balanced = causal
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"flashattn_ext.ring_attention: {name} must be a (batch, seqlen, heads, head_dim) tensor")
+            raise ValueError(f"flashattn_ext.{fn}: {name} must be a (batch, seqlen, heads, head_dim) tensor")
     per = len(chunk_ids(0, 1, balanced))
     if q.shape[1] % per or k.shape[1] % per:
         raise ValueError(
-            "flashattn_ext.ring_attention: with balanced=True each rank's part holds two chunks, so its "
+            f"flashattn_ext.{fn}: with balanced=True each rank's part holds two chunks, so its "
             f"lengths must be even (got seqlen_q {q.shape[1]}, seqlen_k {k.shape[1]})"
         )
     _ops.check_qkv(q, k, v, unit_stride=False)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    ring = _Ring(group, q.shape[1], k.shape[1], bool(causal), bool(balanced))
-    out, lse = _RingAttention.apply(q, k, v, float(scale), ring, bool(deterministic))
-    return (out, lse) if return_lse else out
+    return _Ring(group, q.shape[1], k.shape[1], bool(causal), bool(balanced)), float(scale)
 
 
 # ----------------------------------------------------------------------------- packed sequences
@@ -433,19 +464,79 @@ def ring_attention_varlen(
     global cu_seqlens (batch + 1,) int32 of the full sequences (the same tensor
     on every rank; read on the host once). Every sequence is balanced on its own
     (its length must be a multiple of 2 * world). lse: (heads_q, total / world)."""
+    ring, scale = _varlen_ring("ring_attention_varlen", q, k, v, cu_seqlens, causal, softmax_scale, group, balanced)
+    out, lse = _RingAttention.apply(q, k, v, scale, ring, bool(deterministic))
+    return (out, lse) if return_lse else out
+
+
+def _varlen_ring(fn, q, k, v, cu_seqlens, causal, softmax_scale, group, balanced):
+    """The checks of ring_attention_varlen's arguments; returns (its _VarlenRing, the scale)."""
     if balanced is None:
         balanced = causal
     _, _, world = _group_info(group)
-    lengths, _ = _varlen_layout(cu_seqlens, world, bool(balanced), "ring_attention_varlen")
+    lengths, _ = _varlen_layout(cu_seqlens, world, bool(balanced), fn)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            raise ValueError(f"flashattn_ext.ring_attention_varlen: {name} must be a (total, heads, head_dim) tensor")
+            raise ValueError(f"flashattn_ext.{fn}: {name} must be a (total, heads, head_dim) tensor")
     if q.shape[0] != sum(lengths) // world or k.shape[0] != q.shape[0]:
         raise ValueError(
-            f"flashattn_ext.ring_attention_varlen: q, k hold {q.shape[0]}, {k.shape[0]} rows, but this rank's part of "
+            f"flashattn_ext.{fn}: q, k hold {q.shape[0]}, {k.shape[0]} rows, but this rank's part of "
             f"cu_seqlens' sequences is {sum(lengths) // world} rows (use shard_varlen)"
         )
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    ring = _VarlenRing(group, lengths, bool(causal), bool(balanced), q.device)
-    out, lse = _RingAttention.apply(q, k, v, float(scale), ring, bool(deterministic))
-    return (out, lse) if return_lse else out
+    return _VarlenRing(group, lengths, bool(causal), bool(balanced), q.device), float(scale)
+
+
+# ----------------------------------------------------------------------------- forward and backward apart
+
+
+def _make_ring(fn, q, k, v, cu_seqlens, causal, softmax_scale, group, balanced):
+    if cu_seqlens is None:
+        return _dense_ring(fn, q, k, v, causal, softmax_scale, group, balanced)
+    return _varlen_ring(fn, q, k, v, cu_seqlens, causal, softmax_scale, group, balanced)
+
+
+def ring_attention_forward(
+    q, k, v, *, cu_seqlens=None, causal=False, softmax_scale=None, group=None, balanced=None
+):  # fmt: skip
+    """The forward of ring_attention (cu_seqlens given: of ring_attention_varlen)
+    alone, outside autograd: returns (out, lse) of this rank's part, which
+    ring_attention_backward takes, for a caller that runs its own autograd
+    Function or recomputation. Same arguments and rules as ring_attention."""
+    ring, scale = _make_ring("ring_attention_forward", q, k, v, cu_seqlens, causal, softmax_scale, group, balanced)
+    with torch.no_grad():
+        return _ring_forward(ring, *(x.contiguous() for x in (q, k, v)), scale)
+
+
+def ring_attention_backward(
+    dout, q, k, v, out, lse, *, cu_seqlens=None, causal=False, softmax_scale=None, group=None, balanced=None,
+    deterministic=False, dq=None, dk=None, dv=None,
+):  # fmt: skip
+    """The backward of ring_attention from this rank's dout, q, k, v, the merged
+    out and the global lse that ring_attention_forward returned (the same
+    arguments as that call). Returns (dq, dk, dv) of this rank's parts. dq, dk,
+    dv: optional buffers of q's, k's, v's shapes on their device, any strides
+    (views into a packed (batch, seqlen, 3, heads, head_dim) gradient, say) and
+    any floating dtype (a float32 buffer gets the float32 accumulator as it is):
+    the gradient is written into them, with one rounding and no intermediate
+    tensor, and they are returned."""
+    ring, scale = _make_ring("ring_attention_backward", q, k, v, cu_seqlens, causal, softmax_scale, group, balanced)
+    dest = (dq, dk, dv)
+    for name, buf, x in zip(("dq", "dk", "dv"), dest, (q, k, v)):
+        if buf is None:
+            continue
+        if not isinstance(buf, torch.Tensor) or buf.shape != x.shape or buf.device != x.device:
+            raise ValueError(
+                f"flashattn_ext.ring_attention_backward: {name} must be a tensor of shape {tuple(x.shape)} on "
+                f"{x.device}, got {tuple(buf.shape) if isinstance(buf, torch.Tensor) else type(buf).__name__}"
+            )
+        if not buf.dtype.is_floating_point:
+            raise TypeError(f"flashattn_ext.ring_attention_backward: {name} has dtype {buf.dtype}, not a floating one")
+    if tuple(lse.shape) != tuple(ring.lse_shape(q)):
+        raise ValueError(
+            f"flashattn_ext.ring_attention_backward: lse has shape {tuple(lse.shape)}, not {tuple(ring.lse_shape(q))} "
+            "(the global log-sum-exp ring_attention_forward returned)"
+        )
+    with torch.no_grad():
+        q, k, v, out = (x.contiguous() for x in (q, k, v, out))
+        return _ring_backward(ring, dout, q, k, v, out, lse, scale, bool(deterministic), dest)

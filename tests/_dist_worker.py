@@ -34,6 +34,13 @@ VARLEN_CASES = [
     ("varlen-full-fp32", torch.float32, [24, 8, 32], 2, 2, 16, False),
 ]
 
+# ring_attention_forward / ring_attention_backward, the gradients written into
+# the caller's buffers: (name, ring or varlen case it reuses).
+BUFFER_CASES = [
+    ("buffers-causal-gqa-bf16", RING_CASES[0]),
+    ("buffers-varlen-causal-bf16", VARLEN_CASES[0]),
+]
+
 # torch's context parallelism (DTensor, its ring, its head-tail balancing) on
 # our SDPA flash op: (name, dtype, causal, rotate method).
 TORCH_CP_CASES = [
@@ -141,6 +148,97 @@ def _varlen_case(case, seed, group, world, check):
     return _verdict(name, world, parts)
 
 
+def _buffers_case(case, seed, group, world, check):
+    """The two passes apart against ring_attention's autograd on the same local
+    parts: out and lse bitwise; the gradients written into strided buffers (dk,
+    dv: views into one packed (..., 2, heads_kv, head_dim) tensor; dq: a float32
+    buffer with q's head and sequence dimensions swapped in memory) bitwise the
+    autograd gradients (dq after rounding to q's dtype), poisoned elements gone."""
+    from flashattn_ext import ring
+
+    name, base = case
+    varlen = base in VARLEN_CASES
+    if varlen:
+        _, dtype, lengths, hq, hk, d, causal = base
+        total = sum(lengths)
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+        shapes = [(total, hq, d), (total, hk, d), (total, hk, d), (total, hq, d)]
+        full = _inputs(seed, shapes, dtype)
+        local = [ring.shard_varlen(x, cu, group, balanced=causal) for x in full]
+        kw = dict(cu_seqlens=cu, causal=causal, group=group)
+    else:
+        _, dtype, b, hq, hk, lq, lk, d, causal, balanced = base
+        full = _inputs(seed, [(b, lq, hq, d), (b, lk, hk, d), (b, lk, hk, d), (b, lq, hq, d)], dtype)
+        local = [ring.shard(x, group, balanced=balanced) for x in full]
+        kw = dict(causal=causal, group=group, balanced=balanced)
+    leaves = [x.detach().requires_grad_() for x in local[:3]]
+    if varlen:
+        out_ag, lse_ag = ring.ring_attention_varlen(*leaves, cu, causal=causal, group=group, return_lse=True)
+    else:
+        out_ag, lse_ag = ring.ring_attention(*leaves, **kw, return_lse=True)
+    grads_ag = torch.autograd.grad(out_ag, leaves, local[3])
+
+    q, k, v, dout = local
+    out, lse = ring.ring_attention_forward(q, k, v, **kw)
+    kv_grad = torch.full((*k.shape[:-2], 2, *k.shape[-2:]), float("nan"), dtype=dtype)  # (..., 2, heads_kv, head_dim)
+    dk_buf, dv_buf = kv_grad.select(-3, 0), kv_grad.select(-3, 1)
+    dq_buf = torch.full((*q.shape[:-3], q.shape[-2], q.shape[-3], q.shape[-1]), float("nan")).transpose(-3, -2)
+    dq, dk, dv = ring.ring_attention_backward(dout, q, k, v, out, lse, **kw, dq=dq_buf, dk=dk_buf, dv=dv_buf)
+    problems = []
+    if not (dq is dq_buf and dk is dk_buf and dv is dv_buf):
+        problems.append("the buffers were not the ones returned")
+    if not (torch.equal(out, out_ag.detach()) and torch.equal(lse, lse_ag)):
+        problems.append("forward: out / lse differ from ring_attention's")
+    for gname, got, want in (
+        ("dq", dq_buf.to(dtype), grads_ag[0]),
+        ("dk", dk_buf, grads_ag[1]),
+        ("dv", dv_buf, grads_ag[2]),
+    ):
+        if got.isnan().any() or not torch.equal(got, want):
+            problems.append(f"{gname}: not ring_attention's gradient bitwise")
+    if dq_buf.dtype != torch.float32 or dq_buf.is_contiguous():
+        problems.append("dq buffer lost its dtype / strides")
+    if not check:
+        return None
+    return dict(name=name, world=world, ok=not problems, problems=problems)
+
+
+def _serial_transfers_case(seed, group, world, check):
+    """ring._Ring.overlap = False (each transfer completed before the next compute,
+    what examples/context_parallel.py --overlap-report times against): the very same
+    bits as the overlapped ring, forward, lse and gradients, dense and varlen."""
+    from flashattn_ext import ring
+
+    problems = []
+    for case in (RING_CASES[0], VARLEN_CASES[0]):
+        runs = []
+        for overlap in (True, False):
+            ring._Ring.overlap = overlap
+            try:
+                if case in VARLEN_CASES:
+                    _, dtype, lengths, hq, hk, d, causal = case
+                    total = sum(lengths)
+                    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+                    xs = _inputs(seed, [(total, hq, d), (total, hk, d), (total, hk, d), (total, hq, d)], dtype)
+                    local = [ring.shard_varlen(x, cu, group, balanced=causal) for x in xs]
+                    leaves = [x.requires_grad_() for x in local[:3]]
+                    out, lse = ring.ring_attention_varlen(*leaves, cu, causal=causal, group=group, return_lse=True)
+                else:
+                    _, dtype, b, hq, hk, lq, lk, d, causal, balanced = case
+                    shapes = [(b, lq, hq, d), (b, lk, hk, d), (b, lk, hk, d), (b, lq, hq, d)]
+                    local = [ring.shard(x, group, balanced=balanced) for x in _inputs(seed, shapes, dtype)]
+                    leaves = [x.requires_grad_() for x in local[:3]]
+                    out, lse = ring.ring_attention(*leaves, causal=causal, group=group, return_lse=True)
+                runs.append((out.detach(), lse, *torch.autograd.grad(out, leaves, local[3])))
+            finally:
+                ring._Ring.overlap = True
+        if not all(torch.equal(a, b) for a, b in zip(*runs)):
+            problems.append(f"{case[0]}: serial transfers give other bits than the overlapped ring")
+    if not check:
+        return None
+    return dict(name="serial-transfers", world=world, ok=not problems, problems=problems)
+
+
 def _torch_cp_case(case, seed, mesh, group, world, check):
     import torch.nn.functional as F
     from torch.distributed.tensor import DTensor, Shard
@@ -215,6 +313,15 @@ def main(rank, world, init_file, seed, out_dir, repo):
                 r = _varlen_case(case, seed + 50 + i, group, w, dist.get_rank(group) == 0)
                 if r is not None:
                     results.append(r)
+        for i, case in enumerate(BUFFER_CASES):
+            for _, group, w in groups:
+                r = _buffers_case(case, seed + 80 + i, group, w, dist.get_rank(group) == 0)
+                if r is not None:
+                    results.append(r)
+        for _, group, w in groups:
+            r = _serial_transfers_case(seed + 90, group, w, dist.get_rank(group) == 0)
+            if r is not None:
+                results.append(r)
         handle = backend._register_flash_ops("CPU")  # the CUDA path's overrides, on the CPU key
         try:
             for i, case in enumerate(TORCH_CP_CASES):

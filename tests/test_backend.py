@@ -127,9 +127,11 @@ def test_outputs_have_torchs_layout(layout, dtype):
     backend.reset_calls()
     with backend.activated():
         ours = run()
-    assert _ours(CPU_OP) == 1 and _ours(CPU_OP + "_backward") == 1
-    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), ours, theirs):
+        again = run()  # the verdicts and layouts remembered by the first call
+    assert _ours(CPU_OP) == 2 and _ours(CPU_OP + "_backward") == 2
+    for name, a, b, c in zip(("out", "lse", "dq", "dk", "dv"), ours, theirs, again):
         assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype), name
+        assert (c.shape, c.stride(), c.dtype) == (b.shape, b.stride(), b.dtype) and torch.equal(a, c), name
     meta = [x.to("meta") for x in (q, k, v)]
     out_meta, lse_meta = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*meta, 0.0, True)
     assert ours[0].stride() == out_meta.stride() and ours[1].stride() == lse_meta.stride()
@@ -166,6 +168,21 @@ def test_refused_calls_are_torchs(active):
     backend.reset_calls()
     F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
     assert backend.calls() == {}
+
+
+def test_remembered_verdicts_follow_the_signature(active):
+    """The eligibility verdicts are remembered per (shape, dtype, device) of the
+    tensors: alternating calls ours take and refuse keep their own routes."""
+    a = [torch.randn(1, 2, 9, 32, requires_grad=True) for _ in range(3)]  # ours
+    b = [torch.randn(1, 2, 9, 264, requires_grad=True) for _ in range(3)]  # head dim 264: torch's
+    c = [x.detach().double().requires_grad_() for x in a]  # same shape as a, another dtype: ours
+    backend.reset_calls()
+    for _ in range(2):
+        for xs in (a, b, c):
+            F.scaled_dot_product_attention(*xs).sum().backward()
+    assert _ours(CPU_OP) == 4 and _ours(CPU_OP + "_backward") == 4, backend.calls()
+    assert _refused(CPU_OP) == {"torch: head dim 264 is larger than the kernels' largest": 2}
+    assert sum(_refused(CPU_OP + "_backward").values()) == 2
 
 
 def test_deactivate_restores():
@@ -241,6 +258,64 @@ def test_torch_compile(active):
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-6)
     for g, e in zip(grads, eager_grads):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or not flashattn_ext.build_info()["cuda"], reason="needs a GPU")
+def test_cuda_compile_and_graphs(active):
+    """CUDA: torch.compile'd SDPA (inductor calls the flash op as an extern kernel)
+    and a CUDA graph of the eager forward + backward, captured and replayed on new
+    inputs, run our kernels: the graph's forward bitwise the eager activated call's,
+    everything within the oracle rule (the backward's dQ adds have no fixed order)."""
+    dt = torch.bfloat16
+
+    def attn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def rnd():
+        return randn((2, 256, 4, 64), dt, "cuda").transpose(1, 2).requires_grad_()
+
+    q, k, v = rnd(), rnd(), rnd()
+    dout = randn((2, 4, 256, 64), dt, "cuda")
+    eager = attn(q, k, v)
+    backend.reset_calls()
+    compiled = torch.compile(attn, fullgraph=True)
+    out = compiled(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert _ours(CUDA_OP) >= 1 and _ours(CUDA_OP + "_backward") >= 1, backend.calls()
+    torch.testing.assert_close(out, eager)  # inductor may hand the kernel other input strides
+    assert_all(
+        check_attention(*_bshd(q, k, v), out.transpose(1, 2), None, dout.transpose(1, 2), _bshd(*grads), causal=True)
+    )
+
+    # CUDA graph: static inputs, the whole forward + backward captured once.
+    sq, sk, sv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm-up outside the capture (allocator, lazy init)
+            torch.autograd.grad(attn(sq, sk, sv), (sq, sk, sv), dout)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    backend.reset_calls()
+    with torch.cuda.graph(graph):
+        g_out = attn(sq, sk, sv)
+        g_grads = torch.autograd.grad(g_out, (sq, sk, sv), dout)
+    assert _ours(CUDA_OP) == 1 and _ours(CUDA_OP + "_backward") == 1, backend.calls()
+    fresh = [randn((2, 256, 4, 64), dt, "cuda").transpose(1, 2) for _ in range(3)]
+    with torch.no_grad():
+        for s, f in zip((sq, sk, sv), fresh):
+            s.copy_(f)
+    graph.replay()
+    torch.cuda.synchronize()
+    fq, fk, fv = (f.clone().requires_grad_() for f in fresh)
+    ref = attn(fq, fk, fv)
+    assert torch.equal(g_out, ref)
+    assert_all(
+        check_attention(
+            *_bshd(fq, fk, fv), g_out.transpose(1, 2), None, dout.transpose(1, 2), _bshd(*g_grads), causal=True
+        )
+    )
 
 
 # ----------------------------------------------------------------------------- the CUDA overrides, run on the CPU
@@ -335,6 +410,26 @@ def test_flash_attention_forward_override(flash_ops_on_cpu, window):
             ),  # fmt: skip
             f"sequence {i}",
         )
+
+
+def test_flash_op_override_under_compile(flash_ops_on_cpu):
+    """torch.compile(fullgraph=True) of a call of aten._scaled_dot_product_flash_attention
+    (what CUDA SDPA and torch's context parallelism call): traced with torch's meta
+    function, run on our overrides, forward and backward, the eager override's answer."""
+
+    def attn(q, k, v):
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, scale=0.25)[0].cos()
+
+    q, k, v = (randn((2, 19, 3, 16), torch.float32, "cpu").transpose(1, 2).requires_grad_() for _ in range(3))
+    eager = attn(q, k, v)
+    eager_grads = torch.autograd.grad(eager.sum(), (q, k, v))
+    backend.reset_calls()
+    out = torch.compile(attn, backend="inductor", fullgraph=True)(q, k, v)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert _ours(CUDA_OP) == 1 and _ours(CUDA_OP + "_backward") == 1, backend.calls()
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-6)
+    for g, e in zip(grads, eager_grads):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
 
 
 def test_flash_ops_refusals_are_torchs(flash_ops_on_cpu):

@@ -81,6 +81,21 @@ def test_ring_attention_varlen(results, case, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", [c[0] for c in _dist_worker.BUFFER_CASES])
+def test_backward_into_caller_buffers(results, case, world):
+    """ring_attention_forward / ring_attention_backward apart: the same bits as
+    ring_attention's autograd, the gradients written into strided buffers."""
+    _check(results, case, world, WORLD // world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_serial_transfers_same_bits(results, world):
+    """The ring with its transfers completed before each compute (the baseline that
+    examples/context_parallel.py --overlap-report measures the overlap against)."""
+    _check(results, "serial-transfers", world, WORLD // world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("case", [c[0] for c in _dist_worker.TORCH_CP_CASES])
 def test_torch_context_parallel_on_our_kernels(results, case, world):
     """Every block of torch's ring ran our kernels: one call of the SDPA flash
@@ -151,3 +166,33 @@ def test_plan_covers_each_visible_pair_once():
                     j = torch.arange(d - c)[None, :]
                     got[a:b, c:d] += (j <= i + wr) if wr >= 0 else torch.ones(b - a, d - c, dtype=torch.bool)
                 assert torch.equal(got, want.long()), (world, balanced, lq, lk, r, s)
+
+
+def test_backward_buffer_checks():
+    """ring_attention_backward names a buffer of the wrong shape or dtype, and an lse
+    that is not the forward's (world 1: a group of one)."""
+    from flashattn_ext import ring
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists")
+    tmp = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"ring_buffers_{os.getpid()}")
+    dist.init_process_group("gloo", init_method=f"file://{tmp}", rank=0, world_size=1)
+    try:
+        q, k, v = (torch.randn(1, 8, 2, 16) for _ in range(3))
+        out, lse = ring.ring_attention_forward(q, k, v, causal=True)
+        dout = torch.randn_like(out)
+        with pytest.raises(ValueError, match="dk must be a tensor of shape"):
+            ring.ring_attention_backward(dout, q, k, v, out, lse, causal=True, dk=torch.empty(1, 8, 2, 8))
+        with pytest.raises(TypeError, match="dv has dtype torch.int32"):
+            ring.ring_attention_backward(dout, q, k, v, out, lse, causal=True, dv=torch.empty(1, 8, 2, 16).int())
+        with pytest.raises(ValueError, match="lse has shape"):
+            ring.ring_attention_backward(dout, q, k, v, out, lse[..., :4], causal=True)
+        # A float64 buffer gets the float32 accumulator of these float32 inputs exactly (no rounding).
+        dq64 = torch.empty(1, 8, 2, 16, dtype=torch.float64)
+        dq, _, _ = ring.ring_attention_backward(dout, q, k, v, out, lse, causal=True, dq=dq64)
+        ref = ring.ring_attention_backward(dout, q, k, v, out, lse, causal=True)[0]
+        assert dq is dq64 and torch.equal(dq64.float(), ref)
+    finally:
+        dist.destroy_process_group()
+        if os.path.exists(tmp):
+            os.remove(tmp)

@@ -467,6 +467,28 @@ def test_host_us_per_call_cpu():
     assert 450 < r["us"] < 50_000 and r["calls"] == 4 and r["reps"] == 3
 
 
+def test_activated_host_times_cpu():
+    """host_overhead.py --activated's measurement on the CPU (a few calls): every
+    implementation and mode timed, none left as an error, our override calls counted."""
+    import torch
+
+    from flashattn_ext import backend
+
+    ho = _load("host_overhead")
+    backend.reset_calls()
+    res = ho.activated_host_times(torch.device("cpu"), rounds=2, calls=3)
+    want = (*ho.ACTIVATED_IMPLS, "flash_op_override", "kernels_direct")
+    assert sorted(res["impls"]) == sorted(want)
+    for impl in want:
+        for mode in ho.ACTIVATED_MODES:
+            assert res["impls"][impl][mode]["us"] > 0 and res["impls"][impl][mode]["rounds"] == 2, (impl, mode)
+    calls = backend.calls()
+    assert calls.get(("_scaled_dot_product_flash_attention_for_cpu", backend.IMPL_NAME), 0) > 0, calls
+    assert calls.get(("_scaled_dot_product_flash_attention", backend.IMPL_NAME), 0) > 0, calls
+    assert not backend.is_active()
+    assert "activated" in ho.activated_text(res)
+
+
 def test_plot_synthetic(tmp_path):
     pytest.importorskip("matplotlib")
     for legacy in (False, True):
