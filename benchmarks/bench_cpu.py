@@ -24,15 +24,22 @@ Every JSON row also names the machine: the CPU model and its ISA flags that
 matter here (avx2, avx512f, avx512_bf16, avx512_fp16, amx_bf16, amx_fp16,
 amx_tile: /proc/cpuinfo), the thread count, and what our CPU kernels run
 bfloat16 / float16 products on (flashattn_ext::cpu_runtime_info: brgemm on
-the matrix units, or our float32 path).
+the matrix units, or our float32 path); and the code measured: the git
+commit where there is one ("-dirty" with local changes), a hash of the CPU
+kernels' sources (csrc/cpu, the same with or without git) and whether the
+extension was built with its CUDA kernels. --markdown writes the table, ours
+over each peer, ratios above 1 in bold.
 """
 
 import argparse
+import glob
+import hashlib
 import json
 import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -71,6 +78,33 @@ def ours_runtime():
         return {}
     info = dict(kv.split("=", 1) for kv in raw.split(";"))
     return {k: v for k, v in info.items() if k.endswith("_gemm")}
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def code_description():
+    """The code measured: git commit (None without git), csrc/cpu's hash, the build."""
+    commit = None
+    try:
+        commit = subprocess.run(
+            ["git", "-C", ROOT, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        ).stdout.strip()
+        commit += "-dirty" if dirty else ""
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    digest = hashlib.sha1()
+    for path in sorted(glob.glob(os.path.join(ROOT, "csrc", "cpu", "*"))):
+        with open(path, "rb") as f:
+            digest.update(os.path.basename(path).encode() + b"\0" + f.read())
+    return {
+        "commit": commit,
+        "cpu_src": digest.hexdigest()[:12],
+        "cuda_build": bool(flashattn_ext.build_info().get("cuda")),
+    }
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -180,12 +214,14 @@ def main(argv=None):
     ap.add_argument("--decode-dim", type=int, default=128, help="decode mode: head dim")
     ap.add_argument("--threads", help="thread counts to time in turn, e.g. 1,4,16 (default: torch's)")
     ap.add_argument("--quick", action="store_true", help="one seqlen (1024), fewer reps")
+    ap.add_argument("--markdown", help="write the table (ours over each peer) to this file")
     args = ap.parse_args(argv)
     if args.quick:
         args.seqlens, args.reps, args.warmup = "1024", 3, 1
 
-    machine = cpu_description()
+    machine = dict(cpu_description(), **code_description())
     print(f"{machine['cpu']} ({machine['cores']} cores; {' '.join(machine['isa']) or 'no AVX2'})")
+    print(f"code: commit {machine['commit']}, csrc/cpu {machine['cpu_src']}, cuda build {machine['cuda_build']}")
     rows = []
     default_threads = torch.get_num_threads()
     for threads in [int(t) for t in args.threads.split(",")] if args.threads else [default_threads]:
@@ -199,7 +235,41 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
         print(f"wrote {len(rows)} rows to {args.json}")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown_table(rows, args))
+        print(f"wrote the table to {args.markdown}")
     return 0
+
+
+def markdown_table(rows, args):
+    """One line per (threads, mode, dtype, case, n): the times, ours over each peer (bold above 1)."""
+    impls = args.impls.split(",")
+    peers = [i for i in impls if i != "ours"] if "ours" in impls else []
+    first = rows[0] if rows else {}
+    lines = [
+        f"{first.get('cpu')} ({first.get('cores')} cores; {' '.join(first.get('isa', []))}), torch "
+        f"{torch.__version__}, commit {first.get('commit')}, csrc/cpu {first.get('cpu_src')}, bf16 products "
+        f"{first.get('bf16_gemm')}; b{args.batch} h{args.heads} d{args.head_dim} (decode: "
+        f"{args.decode_heads.replace(',', '/')} heads d{args.decode_dim}), median of {args.reps}",
+        "",
+        "| threads | mode | dtype | causal / batch | n | "
+        + " | ".join(f"{i} ms" for i in impls)
+        + "".join(f" | ours / {i}" for i in peers)
+        + " |",
+        "|---" * (5 + len(impls) + len(peers)) + "|",
+    ]
+    keyed = {}
+    for r in rows:
+        case = f"b{r['b']}" if r["mode"] == "decode" else ("causal" if r["causal"] else "no")
+        keyed.setdefault((r["threads"], r["mode"], r["dtype"], case, r["n"]), {})[r["impl"]] = r["ms"]
+    for (threads, mode, dtype, case, n), ms in keyed.items():
+        cells = [str(threads), mode, dtype, case, str(n)] + [f"{ms[i]:.2f}" if i in ms else "-" for i in impls]
+        for peer in peers:
+            ratio = ms["ours"] / ms[peer] if "ours" in ms and ms.get(peer) else None
+            cells.append("-" if ratio is None else (f"**{ratio:.2f}**" if ratio > 1.0 else f"{ratio:.2f}"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def bench_grid(args):

@@ -1,8 +1,9 @@
 """bfloat16 / float16 tile products on oneDNN's brgemm (csrc/cpu/tile_gemm.h).
 
 By default (FLASHATTN_CPU_LOWP_GEMM=auto) the CPU kernels run the 16-bit
-products on brgemm only where the CPU has matrix units for the dtype (AMX):
-elsewhere brgemm's bfloat16 is slower than our float32 path. These tests force
+products on brgemm only where the CPU has matrix units for the dtype (AMX), or
+for bfloat16 AMD's AVX512-BF16: elsewhere brgemm's bfloat16 is slower than our
+float32 path (Intel's AVX512-BF16 without AMX). These tests force
 it (FLASHATTN_CPU_LOWP_GEMM=brgemm) wherever oneDNN runs the dtype with the
 pairs layout at all (e.g. AVX512-BF16 without AMX), so that the code path is
 tested on such machines too, and skip where it cannot run (AVX2: oneDNN has no
@@ -28,14 +29,18 @@ def runtime_info():
 
 
 def cpu_flags():
+    """The first processor's ISA flags, plus "vendor:<vendor_id>" (Linux /proc/cpuinfo)."""
+    flags = set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
+                if line.startswith("vendor_id") and not any(x.startswith("vendor:") for x in flags):
+                    flags.add("vendor:" + line.split(":", 1)[1].strip())
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return flags | set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return flags
 
 
 @pytest.fixture
@@ -60,14 +65,16 @@ def _own(monkeypatch, fn):
         return fn()
 
 
-def test_auto_takes_brgemm_only_with_matrix_units(monkeypatch):
-    # The default: brgemm for bfloat16 where the CPU has AMX (and oneDNN runs
-    # it), our float32 path elsewhere; float16 likewise with AMX-FP16.
+def test_auto_takes_brgemm_only_where_it_is_faster(monkeypatch):
+    # The default: brgemm for bfloat16 where the CPU has AMX or is an AMD one
+    # with AVX512-BF16 (and oneDNN runs it), our float32 path elsewhere;
+    # float16 likewise with AMX-FP16.
     monkeypatch.delenv("FLASHATTN_CPU_LOWP_GEMM", raising=False)
     info, flags = runtime_info(), cpu_flags()
-    for name, flag in (("bf16_gemm", "amx_bf16"), ("fp16_gemm", "amx_fp16")):
+    amd_bf16 = {"vendor:AuthenticAMD", "avx512_bf16"} <= flags
+    for name, fast in (("bf16_gemm", "amx_bf16" in flags or amd_bf16), ("fp16_gemm", "amx_fp16" in flags)):
         used, offered = info[name].split("(")
-        if flag not in flags:
+        if not fast:
             assert used == "float32", info
         elif offered == "brgemm)":
             assert used == "brgemm", info

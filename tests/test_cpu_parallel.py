@@ -12,8 +12,12 @@
 * The backward runs in one pass per (batch, kv head) when those items keep the
   threads busy, else in two (key tiles, then query tiles); both give the same
   bits, so the choice may follow the thread count.
+* The tests that compare the split with no split and one backward pass with
+  two choose them through flashattn_ext::_cpu_test_knob (csrc/cpu/cpu_knobs.h),
+  a test-only op: the production path reads no environment variable for them.
 """
 
+import contextlib
 import os
 import threading
 
@@ -38,13 +42,22 @@ def runtime_info(reset=False):
     return dict(kv.split("=", 1) for kv in raw.split(";"))
 
 
+@contextlib.contextmanager
+def cpu_test_knob(name, value):
+    """A test switch of csrc/cpu/cpu_knobs.h set to value inside the block (process-wide)."""
+    before = torch.ops.flashattn_ext._cpu_test_knob(name, value)
+    try:
+        yield
+    finally:
+        torch.ops.flashattn_ext._cpu_test_knob(name, before)
+
+
 @pytest.fixture
-def no_split(monkeypatch):
+def no_split():
     """A function that runs fn() with the key split turned off."""
 
     def run(fn):
-        with monkeypatch.context() as m:
-            m.setenv("FLASHATTN_CPU_NO_KEY_SPLIT", "1")
+        with cpu_test_knob("no_key_split", 1):
             return fn()
 
     return run
@@ -256,10 +269,30 @@ def test_bwd_one_pass_equals_two_passes(seed, monkeypatch, dtype, lowp):
         v[0, sk // 2, 0, 3], k[0, 1, 0, 2], dout[0, 5, 0, 1] = float("nan"), float("inf"), float("nan")
         out, lse = fwd_op(q, k, v, 0.125, *mask)
         grads = []
-        for passes in ("1", "2"):
-            monkeypatch.setenv("FLASHATTN_CPU_BWD_PASSES", passes)
-            grads.append(torch.ops.flashattn_ext.bwd(dout, q, k, v, out, lse, 0.125, *mask, False))
+        for passes in (1, 2):
+            with cpu_test_knob("bwd_passes", passes):
+                grads.append(torch.ops.flashattn_ext.bwd(dout, q, k, v, out, lse, 0.125, *mask, False))
         for name, a, c in zip(("dq", "dk", "dv"), *grads):
             assert torch.equal(a.isnan(), c.isnan()) and torch.equal(a.nan_to_num(), c.nan_to_num()), (
                 f"{name} differs between one and two passes ({b, sq, sk, hq, hkv, d, mask}, seed {seed})"
             )
+
+
+# ---------------------------------------------------------------------------
+# The test switches (csrc/cpu/cpu_knobs.h): set only through the test-only op,
+# not the environment, and restored by it.
+
+
+def test_test_knobs_are_not_environment_variables(seed, monkeypatch, no_split):
+    assert torch.ops.flashattn_ext._cpu_test_knob("no_key_split") == 0
+    assert torch.ops.flashattn_ext._cpu_test_knob("bwd_passes") == 0
+    with pytest.raises(ValueError, match="no CPU test knob named"):
+        torch.ops.flashattn_ext._cpu_test_knob("key_split", 1)
+    # The old environment switch no longer turns the split off: a 4096-key
+    # decode still splits (its bits differ from the unsplit run's).
+    q, k, v, _ = make_inputs(1, 1, 4096, 32, 8, 128, torch.float32)
+    monkeypatch.setenv("FLASHATTN_CPU_NO_KEY_SPLIT", "1")
+    out = fwd_op(q, k, v, 0.125, -1, -1, False)[0]
+    out1 = no_split(lambda: fwd_op(q, k, v, 0.125, -1, -1, False))[0]
+    assert not torch.equal(out, out1)
+    assert torch.ops.flashattn_ext._cpu_test_knob("no_key_split") == 0, "the knob was not restored"

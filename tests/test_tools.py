@@ -646,11 +646,17 @@ def test_bench_cpu_decode_mode(tmp_path):
             os.path.join(BENCH, "bench_cpu.py"),
             *("--modes", "decode", "--dtypes", "float32,bfloat16", "--decode-caches", "64,96"),
             *("--decode-batches", "1,2", "--decode-heads", "4,2", "--decode-dim", "32"),
-            *("--reps", "1", "--warmup", "0", "--json", str(out)),
+            *("--reps", "1", "--warmup", "0", "--json", str(out), "--markdown", str(tmp_path / "cpu.md")),
         ]
     )
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads(out.read_text())
+    # The machine and the code measured in every row (cpu_src: csrc/cpu's hash, also without git).
+    assert all({"cpu", "isa", "threads", "commit", "cpu_src", "cuda_build"} <= row.keys() for row in rows)
+    assert len({row["cpu_src"] for row in rows}) == 1 and len(rows[0]["cpu_src"]) == 12
+    table = (tmp_path / "cpu.md").read_text().splitlines()
+    assert table[2].startswith("| threads | mode |") and table[2].endswith("| ours / sdpa | ours / naive |")
+    assert len(table) == 4 + 2 * 2 * 2  # header lines, then one line per (dtype, cache, batch)
     assert {(row["dtype"], row["n"], row["b"], row["impl"]) for row in rows} == {
         (dt, n, b, impl)
         for dt in ("float32", "bfloat16")

@@ -1,11 +1,15 @@
 // flashattn_ext::cpu_runtime_info: what the CPU kernels do on this machine,
-// for benchmarks and tests (an op of no tensors, registered for every
+// and flashattn_ext::_cpu_test_knob, the test switches of cpu_knobs.h,
+// for benchmarks and tests (ops of no tensors, registered for every
 // dispatch key).
 #include <torch/library.h>
 
+#include <atomic>
+#include <cstdint>
 #include <string>
 #include <utility>
 
+#include "cpu_knobs.h"
 #include "tile_gemm.h"
 #include "work_queue.h"
 
@@ -30,9 +34,26 @@ std::string cpu_runtime_info(bool reset_peak) {
   return s;
 }
 
+// A test switch of cpu_knobs.h by name ("no_key_split", "bwd_passes"): sets
+// it to `value` (0: the default) and returns its value before; value -1 only
+// reads it. For tests and A/B timings, not for models: it is process-wide.
+int64_t cpu_test_knob(const std::string& name, int64_t value) {
+  cpu::TestKnob knob;
+  if (name == "no_key_split") {
+    knob = cpu::TestKnob::kNoKeySplit;
+  } else if (name == "bwd_passes") {
+    knob = cpu::TestKnob::kBwdPasses;
+  } else {
+    TORCH_CHECK_VALUE(false, "flashattn_ext: no CPU test knob named '", name, "' (no_key_split, bwd_passes)");
+  }
+  std::atomic<int>& v = cpu::test_knob(knob);
+  return value < 0 ? v.load() : v.exchange(static_cast<int>(value));
+}
+
 }  // namespace
 }  // namespace flashattn
 
 TORCH_LIBRARY_FRAGMENT(flashattn_ext, m) {
   m.def("cpu_runtime_info(bool reset_peak=False) -> str", &flashattn::cpu_runtime_info);
+  m.def("_cpu_test_knob(str name, int value=-1) -> int", &flashattn::cpu_test_knob);
 }

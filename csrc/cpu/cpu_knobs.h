@@ -1,28 +1,34 @@
-// Environment knobs of the CPU kernels, read at each call (so that a
-// benchmark can time a choice beside the default in one process, as the CUDA
-// path's FLASHATTN_DISABLE_TMA does):
+// Switches of the CPU kernels.
 //
-//   FLASHATTN_CPU_NO_KEY_SPLIT=1   no flash-decoding key split (flash_cpu_fwd.cpp)
+// One environment variable, read at each call (so that a test or a benchmark
+// can choose it per call in one process):
+//
 //   FLASHATTN_CPU_LOWP_GEMM=auto|brgemm|own
 //                                  the bfloat16 / float16 tile products
 //                                  (tile_gemm.h): auto, the default, takes
 //                                  oneDNN's brgemm where the CPU has matrix
-//                                  units for the dtype (AMX) and our float32
-//                                  path elsewhere; brgemm wherever oneDNN runs
-//                                  it (e.g. AVX512-BF16 without AMX: slower,
-//                                  for tests); own never
+//                                  units for the dtype (AMX) or, for bfloat16,
+//                                  AMD's AVX512-BF16, and our float32 path
+//                                  elsewhere; brgemm wherever oneDNN runs it
+//                                  (e.g. Intel's AVX512-BF16 without AMX:
+//                                  slower, for tests); own never
+//
+// Test switches, not in the environment: process-wide values that only the
+// test-only op flashattn_ext::_cpu_test_knob (cpu_info.cpp) sets, for the
+// tests that compare two ways of computing one result bitwise and for A/B
+// timings; a call reads one with a relaxed atomic load. 0 is the default.
+//
+//   TestKnob::kNoKeySplit   1: no flash-decoding key split (flash_cpu_fwd.cpp)
+//   TestKnob::kBwdPasses    1 / 2: the backward in one / two passes, instead
+//                           of the shape rule (flash_cpu_bwd.cpp)
 #pragma once
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
 namespace flashattn {
 namespace cpu {
-
-inline bool env_flag(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
-}
 
 enum class LowpGemm { kAuto, kBrgemm, kOwn };
 
@@ -32,6 +38,17 @@ inline LowpGemm lowp_gemm_choice() {
   if (std::strcmp(v, "brgemm") == 0) return LowpGemm::kBrgemm;
   return LowpGemm::kOwn;
 }
+
+enum class TestKnob : int { kNoKeySplit = 0, kBwdPasses = 1 };
+constexpr int kNumTestKnobs = 2;
+
+// The knob's value (one object per process: an inline function's static).
+inline std::atomic<int>& test_knob(TestKnob knob) {
+  static std::atomic<int> values[kNumTestKnobs];
+  return values[static_cast<int>(knob)];
+}
+
+inline int test_knob_value(TestKnob knob) { return test_knob(knob).load(std::memory_order_relaxed); }
 
 }  // namespace cpu
 }  // namespace flashattn

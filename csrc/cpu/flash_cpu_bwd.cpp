@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "attn_mask.h"
+#include "cpu_knobs.h"
 #include "dropout.h"
 #include "flash_cpu.h"
 #include "scalar_dispatch.h"
@@ -715,15 +716,15 @@ void bwd(const AttnBwdParams& p) {
   };
 
   // One pass when the (batch, kv head) items keep every thread busy and
-  // their dQ accumulators stay small; FLASHATTN_CPU_BWD_PASSES=1 / 2 forces
-  // either (the results are bitwise the same).
-  const char* passes = std::getenv("FLASHATTN_CPU_BWD_PASSES");
+  // their dQ accumulators stay small; the test knob kBwdPasses = 1 / 2
+  // (cpu_knobs.h) forces either (the results are bitwise the same).
+  const int passes = test_knob_value(TestKnob::kBwdPasses);
   const int64_t groups = static_cast<int64_t>(p.batch) * p.heads_kv;
   const int64_t dq_bytes = static_cast<int64_t>(p.heads_ratio()) * ceil_div(p.seqlen_q, kBlockQ) * kBlockQ *
                            p.head_dim * static_cast<int64_t>(sizeof(acc_t));
   bool one_pass = groups >= at::get_num_threads() && dq_bytes <= (int64_t(16) << 20);
-  if (passes && passes[0] == '1') one_pass = true;
-  if (passes && passes[0] == '2') one_pass = false;
+  if (passes == 1) one_pass = true;
+  if (passes == 2) one_pass = false;
   if (one_pass) {
     for_each_item_in_parallel(
         groups, [&] { return BwdScratch<scalar_t, acc_t>(p.head_dim, lowp); },

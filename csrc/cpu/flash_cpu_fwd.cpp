@@ -535,7 +535,7 @@ void plan_calls(const AttnFwdParams* calls, int64_t num_calls, std::vector<FwdPl
     base_units += plan.units;
   }
   // Key parts: decoding, and short query blocks against long key ranges.
-  const bool may_split = !env_flag("FLASHATTN_CPU_NO_KEY_SPLIT");
+  const bool may_split = test_knob_value(TestKnob::kNoKeySplit) == 0;
   int64_t few_groups = 0;  // (batch, kv head, part) of the few-queries calls
   for (auto& plan : plans) {
     const AttnFwdParams& p = *plan.p;

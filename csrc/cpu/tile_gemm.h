@@ -20,7 +20,8 @@
 //    would leave another compiled kernel behind), and for double always.
 //
 // bfloat16 / float16 products with float32 accumulation, on the matrix units
-// (AMX) where the CPU has them: oneDNN's brgemm through the same
+// (AMX) where the CPU has them, and bfloat16 on AMD's AVX512-BF16 (whose dot
+// products are twice as fast as float32 FMAs): oneDNN's brgemm through the same
 // at::native::cpublas entry point (torch's own CPU flash attention calls it
 // likewise). Its B operand is in "pairs" panels: B[k x n] (k even) cut into
 // panels of w columns (w = lowp_panel_width(n)), each panel k/2 rows of w
@@ -59,7 +60,8 @@ inline int lowp_panel_width(int64_t n) {
 
 // Whether the bfloat16 (float16) tile products of this call run on brgemm:
 // FLASHATTN_CPU_LOWP_GEMM (cpu_knobs.h) and the machine. auto: where oneDNN
-// packs for the dtype (AMX for bfloat16, AMX-FP16 for float16), brgemm
+// packs for the dtype (AMX for bfloat16, AMX-FP16 for float16) and bfloat16
+// on AMD CPUs with AVX512-BF16 (tile_gemm.cpp: measured there); brgemm
 // elsewhere: wherever oneDNN runs the dtype's brgemm with pairs panels. A
 // probe product (once per process and dtype, its result checked exactly)
 // confirms the layout before the first use; and torch's MKLDNN switch
