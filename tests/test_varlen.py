@@ -1006,6 +1006,18 @@ def test_varlen_paged_check_can_fail(device):
     assert torch.equal(bad[:sq], good[:sq]) and torch.equal(bad[eq:], good[eq:])
 
 
+def test_varlen_paged_cu_seqlens_k_gives_lengths_only(device):
+    """As in flash-attn (block_info.h: with a page table the keys are located by
+    block_table alone), cu_seqlens_k's offsets do not move a sequence's keys:
+    only its differences count."""
+    if device != "cpu":
+        pytest.skip("CPU only")
+    a = _paged_valid(device)
+    out = flash_attn_varlen_func(**a)
+    shifted = flash_attn_varlen_func(**dict(a, cu_seqlens_k=a["cu_seqlens_k"] + 5))
+    assert torch.equal(out, shifted)
+
+
 @pytest.mark.dtypes(torch.float32)
 def test_varlen_kvpacked_paged(device, dtype):
     """flash_attn_varlen_kvpacked_func(..., block_table=...) with kv (num_blocks,
