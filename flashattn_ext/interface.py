@@ -1080,16 +1080,40 @@ def flash_attn_varlen_func(
     and max_seqlen_k rounded up to 128), sequence b in its top-left corner); on
     CUDA dropout is computed per sequence by torch's
     scaled_dot_product_attention (one-time FlashAttnFallbackWarning) and
-    return_attn_probs raises. Not supported: block_table (paged KV) raises
+    return_attn_probs raises.
+
+    block_table (flash-attn 2.8's paged KV): int32 (batch, max_blocks_per_seq);
+    k and v are then paged caches (num_blocks, page_block_size, heads_kv,
+    head_dim), page_block_size any multiple of 16 (flash-attn: of 256), and
+    key position p of sequence b is row p % page_block_size of block
+    block_table[b, p // page_block_size]; cu_seqlens_k gives only the lengths
+    (cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys, from position 0). Forward
+    only, on the CPU only (see _varlen_paged); on CUDA it raises
     NotImplementedError.
     """
     fn = "flash_attn_varlen_func"
     # Before the shape checks: with block_table, k and v are flash-attn's paged
     # caches (num_blocks, page_block_size, heads_kv, head_dim), not 3-D.
     if block_table is not None:
-        raise NotImplementedError(
-            f"{fn}: block_table (paged k/v) is not supported by flashattn_ext yet; pass contiguous packed k/v "
-            "(total_k, heads_kv, head_dim) with block_table=None, or use flash_attn_with_kvcache, which takes block_table"
+        return _varlen_paged(
+            fn,
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            alibi_slopes,
+            deterministic,
+            return_attn_probs,
+            block_table,
+            return_lse,
         )
     _check_varlen_qkv(fn, q, k, v)
     p, scale, wl, wr, deterministic, return_lse, mods = _common_args(
@@ -1148,6 +1172,221 @@ def flash_attn_varlen_func(
                 q, k, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k, p, rng_state, scale, wl, wr, mods
             )
         return out, lse, s_dmask
+    return (out, lse) if return_lse else out
+
+
+# --------------------------------------------------------------------------
+# flash_attn_varlen_func with block_table (paged k/v, flash-attn 2.8).
+#
+# flash-attn (csrc/flash_attn/flash_api.cpp mha_varlen_fwd, run through its
+# split-KV kernel; src/block_info.h): sequence b has cu_seqlens_q[b + 1] -
+# cu_seqlens_q[b] queries and cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys, key
+# position p at block_table[b, p // page_block_size], row p % page_block_size
+# (cu_seqlens_k's offsets are not used to locate keys); causal / windows
+# bottom-right per sequence. Its public flash_attn_varlen_func passes no
+# seqused_k (only its internal op has it), and neither do we. It asks for
+# page_block_size % 256 == 0; we take any multiple of 16, the rule of
+# flash_attn_with_kvcache here. It has no backward with block_table (the
+# autograd node calls the dense varlen backward, which fails on the 4-D k):
+# here the forward runs and the backward raises NotImplementedError.
+#
+# The CPU path is one flashattn_ext::fwd_kvcache call per sequence (that op's
+# paging rule, csrc/cpu/kvcache_cpu.cpp, one place for it): a batch of one,
+# the sequence's queries against its keys [0, len_k) of its page table row.
+# That op gathers the sequence's visible keys from their pages (not the whole
+# cache) before its forward call; reading the pages in place inside the
+# forward kernels is left to do. The CUDA path raises (the kernels' paged
+# varlen prefill is issue 25's GPU part).
+
+
+class _PagedForwardOnly(torch.autograd.Function):
+    """The output of a paged varlen forward under autograd: its backward
+    raises (flash-attn has no backward with block_table)."""
+
+    @staticmethod
+    def forward(ctx, out, lse, *inputs):
+        ctx.mark_non_differentiable(lse)
+        return out.view_as(out), lse
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            "flash_attn_varlen_func: no backward with block_table (paged k/v; flash-attn has none either); "
+            "run the forward under torch.no_grad(), or pass contiguous packed k/v (block_table=None) to train"
+        )
+
+
+def _paged_served(fn, q):
+    """Raises, before any shape check, where the build has no paged varlen path."""
+    if q.device.type != "cpu":
+        raise NotImplementedError(
+            f"{fn}: block_table (paged k/v) is supported on the CPU only so far, not on {q.device.type}; on "
+            "the GPU pass contiguous packed k/v (total_k, heads_kv, head_dim) with block_table=None (gather each "
+            "sequence's pages), or call flash_attn_with_kvcache(..., block_table=...) per sequence"
+        )
+
+
+def _check_block_table(fn, block_table, batch, q):
+    if not isinstance(block_table, Tensor):
+        raise TypeError(f"{fn}: block_table must be a torch.Tensor of dtype int32, got {_type_name(block_table)}")
+    if block_table.dtype != torch.int32:
+        raise TypeError(f"{fn}: block_table must have dtype torch.int32, got {block_table.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise ValueError(
+            f"{fn}: block_table must have shape (batch, max_blocks_per_seq) = ({batch}, *), got "
+            f"{tuple(block_table.shape)}"
+        )
+    if block_table.device != q.device:
+        raise ValueError(f"{fn}: block_table is on {block_table.device} but q is on {q.device}")
+
+
+def _check_paged_qkv(fn, q, k, v):
+    layout = "(num_blocks, page_block_size, heads_kv, head_dim)"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.is_nested:
+            raise TypeError(f"{fn}: {name} is a nested tensor; pass a dense tensor")
+    if q.dim() != 3:
+        raise ValueError(f"{fn}: q must have 3 dimensions (total_q, heads_q, head_dim), got shape {tuple(q.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{fn}: with block_table, {name} is a paged cache {layout}; got shape {tuple(t.shape)}")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{fn}: {name} has dtype {t.dtype} but q has {q.dtype}; they must match")
+        if t.device != q.device:
+            raise ValueError(f"{fn}: {name} is on {t.device} but q is on {q.device}")
+    if v.shape != k.shape:
+        raise ValueError(f"{fn}: v has shape {tuple(v.shape)} but k has {tuple(k.shape)}; they must match {layout}")
+    if k.shape[3] != q.shape[2]:
+        raise ValueError(f"{fn}: head_dim differs: q {q.shape[2]}, k and v {k.shape[3]}; they must match")
+    if k.shape[2] == 0 or q.shape[1] % k.shape[2] != 0:
+        raise ValueError(
+            f"{fn}: q has {q.shape[1]} heads, not a multiple of the {k.shape[2]} heads of k and v; for "
+            "GQA/MQA the key/value heads must divide the query heads"
+        )
+    if k.shape[1] == 0 or k.shape[1] % 16 != 0:
+        raise ValueError(
+            f"{fn}: with block_table, k and v are {layout} and page_block_size (dimension 1) must be a "
+            f"positive multiple of 16, got {k.shape[1]}"
+        )
+
+
+def _paged_lengths(fn, cu, name, max_len, max_name, total=None):
+    """Sequence lengths from cu_seqlens (host values: the CPU path only)."""
+    c = cu.tolist()
+    if total is not None and c[0] != 0:
+        raise ValueError(f"{fn}: {name} must start at 0, got {c[0]}")
+    lens = []
+    for i in range(len(c) - 1):
+        if c[i + 1] < c[i]:
+            raise ValueError(
+                f"{fn}: {name} must be non-decreasing, got {name}[{i}] = {c[i]} > {name}[{i + 1}] = {c[i + 1]}"
+            )
+        lens.append(c[i + 1] - c[i])
+    if total is not None and c[-1] != total:
+        raise ValueError(f"{fn}: {name} ends at {c[-1]} but q holds {total} tokens (its dimension 0)")
+    if lens and max(lens) > max_len:
+        raise ValueError(
+            f"{fn}: {max_name}={max_len} is smaller than the longest sequence of {name} ({max(lens)}); "
+            "it must be at least the largest length"
+        )
+    return lens
+
+
+def _varlen_paged(
+    fn,
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    return_attn_probs,
+    block_table,
+    return_lse,
+):
+    """flash_attn_varlen_func(..., block_table=...): see the section's comment."""
+    _require_tensors(fn, ("q", "k", "v"), (q, k, v))
+    _paged_served(fn, q)
+    _check_paged_qkv(fn, q, k, v)
+    if return_attn_probs is not False and _require_bool(fn, "return_attn_probs", return_attn_probs):
+        raise NotImplementedError(f"{fn}: return_attn_probs=True is not supported with block_table; pass False")
+    p, scale, wl, wr, _, return_lse, mods = _common_args(
+        fn, q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, False, return_lse
+    )
+    if p > 0.0:
+        raise NotImplementedError(
+            f"{fn}: dropout_p > 0 is not supported with block_table (flash-attn's paged kernel has no dropout); "
+            "pass dropout_p=0.0"
+        )
+    max_q = _check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, q, "max_seqlen_q", max_seqlen_q)
+    max_k = _check_cu_seqlens(fn, "cu_seqlens_k", cu_seqlens_k, q, "max_seqlen_k", max_seqlen_k)
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+        raise ValueError(
+            f"{fn}: cu_seqlens_q has {cu_seqlens_q.shape[0]} elements but cu_seqlens_k has {cu_seqlens_k.shape[0]}; "
+            "both must be (batch + 1,)"
+        )
+    batch = cu_seqlens_q.shape[0] - 1
+    _check_block_table(fn, block_table, batch, q)
+    softcap, slopes = _mods_parts(mods)
+    _check_alibi_slopes(fn, slopes, batch, q.shape[1], q.device)
+    lens_q = _paged_lengths(fn, cu_seqlens_q, "cu_seqlens_q", max_q, "max_seqlen_q", total=q.shape[0])
+    lens_k = _paged_lengths(fn, cu_seqlens_k, "cu_seqlens_k", max_k, "max_seqlen_k")
+    page, num_blocks = k.shape[1], k.shape[0]
+    capacity = block_table.shape[1] * page
+    for b, n in enumerate(lens_k):
+        if n > capacity:
+            raise ValueError(
+                f"{fn}: sequence {b} has {n} keys (cu_seqlens_k) but block_table holds {block_table.shape[1]} "
+                f"blocks of {page} keys ({capacity}) per sequence"
+            )
+        used = block_table[b, : (n + page - 1) // page]
+        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
+            raise ValueError(
+                f"{fn}: block_table[{b}] holds block indices outside [0, {num_blocks}) (k's num_blocks) in the "
+                "blocks the sequence uses"
+            )
+
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = q.new_zeros(q.shape)  # a sequence without keys: zeros, lse -inf (as the dense varlen path)
+    lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=acc)
+    with torch.no_grad():
+        qd = q.detach() if q.stride(-1) == 1 else _ops.unit_last_stride(q.detach())
+        kd, vd = k.detach(), v.detach()
+        starts = cu_seqlens_q.tolist()
+        for b in range(batch):
+            sq, n_q, n_k = starts[b], lens_q[b], lens_k[b]
+            if n_q == 0 or n_k == 0:
+                continue
+            seqlens = torch.tensor([n_k], dtype=torch.int32)
+            slopes_b = slopes if slopes is None or slopes.dim() == 1 else slopes[b]
+            o_b, lse_b = _ops.fwd_kvcache(
+                qd[None, sq : sq + n_q],
+                kd,
+                vd,
+                seqlens,
+                None,
+                None,
+                block_table[b : b + 1],
+                scale,
+                wl,
+                wr,
+                0,
+                False,
+                softcap,
+                slopes_b,
+            )
+            out[sq : sq + n_q] = o_b[0]
+            lse[:, sq : sq + n_q] = lse_b[0]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        out, lse = _PagedForwardOnly.apply(out, lse, q, k, v)
     return (out, lse) if return_lse else out
 
 
@@ -1303,10 +1542,21 @@ def flash_attn_varlen_kvpacked_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     return_lse: bool = False,
+    block_table: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """``flash_attn_varlen_func`` on q (total_q, heads_q, head_dim) and kv
-    (total_k, 2, heads_kv, head_dim); k, v are views of kv."""
-    k, v = _unpack("flash_attn_varlen_kvpacked_func", "kv", kv, 2, 1, "(total_k, 2, heads_kv, head_dim)")
+    (total_k, 2, heads_kv, head_dim); k, v are views of kv. With block_table
+    (an extension: flash-attn's kvpacked form has none; last, so that
+    flash-attn's positional calls keep their meaning) kv is a paged cache
+    (num_blocks, page_block_size, 2, heads_kv, head_dim), as in
+    ``flash_attn_varlen_func``."""
+    fn = "flash_attn_varlen_kvpacked_func"
+    if block_table is None:
+        k, v = _unpack(fn, "kv", kv, 2, 1, "(total_k, 2, heads_kv, head_dim)")
+    else:
+        _require_tensors(fn, ("q",), (q,))
+        _paged_served(fn, q)
+        k, v = _unpack(fn, "kv", kv, 2, 2, "(num_blocks, page_block_size, 2, heads_kv, head_dim) with block_table")
     return flash_attn_varlen_func(
         q,
         k,
@@ -1323,7 +1573,7 @@ def flash_attn_varlen_kvpacked_func(
         alibi_slopes,
         deterministic,
         return_attn_probs,
-        None,
+        block_table,
         return_lse,
     )
 

@@ -29,6 +29,7 @@ from flashattn_ext import (
     flash_attn_varlen_func,
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
 )
 from flashattn_ext.tolerance import check_attention
 
@@ -769,22 +770,7 @@ VARLEN_ERRORS = {
         r"alibi_slopes must have shape \(nheads,\)",
     ),
     "return_attn_probs": (lambda a, d: dict(return_attn_probs=True), NotImplementedError, r"return_attn_probs"),
-    "block_table": (
-        lambda a, d: dict(block_table=torch.zeros(2, 1, dtype=torch.int32, device=d)),
-        NotImplementedError,
-        r"block_table",
-    ),
-    # flash-attn's paged call: k/v as (num_blocks, page_block_size, heads_kv, head_dim). The refusal names
-    # block_table, not k's rank.
-    "block_table-paged-kv": (
-        lambda a, d: dict(
-            k=a["k"].reshape(1, 8, 2, -1),
-            v=a["v"].reshape(1, 8, 2, -1),
-            block_table=torch.zeros(2, 1, dtype=torch.int32, device=d),
-        ),
-        NotImplementedError,
-        r"block_table",
-    ),
+    # block_table's errors: test_varlen_paged_errors.
     "window_size": (lambda a, d: dict(window_size=(-2, 0)), ValueError, r"window_size"),
     "dropout_p": (lambda a, d: dict(dropout_p=1.5), ValueError, r"dropout_p must be in \[0, 1\]"),
     "softmax_scale": (lambda a, d: dict(softmax_scale=float("inf")), ValueError, r"softmax_scale must be finite"),
@@ -898,3 +884,247 @@ def test_exported():
         "flash_attn_varlen_kvpacked_func",
     ):
         assert name in flashattn_ext.__all__ and callable(getattr(flashattn_ext, name))
+
+
+# ----------------------------------------------------------------------------- paged k/v (block_table)
+#
+# flash-attn 2.8's flash_attn_varlen_func(..., block_table=...): k and v are
+# paged caches (num_blocks, page_block_size, heads_kv, head_dim), key position
+# p of sequence b at block_table[b, p // page], row p % page; cu_seqlens_k
+# gives the lengths only. The CPU serves it (forward only); other devices raise
+# NotImplementedError naming block_table (checked here on the meta device).
+
+
+def make_paged(keys, page, dtype, device, generator=None):
+    """Each sequence's contiguous keys (n_b, h, d) scattered into shuffled pages
+    of a paged cache, every other row (unused pages, the tail of a sequence's
+    last page) NaN, and the table's unused entries out of range: a kernel
+    reading anything but the sequence's own keys fails the checks.
+    Returns (paged (num_blocks, page, h, d), block_table (batch, max_blocks))."""
+    h, d = keys[0].shape[1:]
+    used = [-(-k.shape[0] // page) for k in keys]
+    num_blocks = sum(used) + 3
+    per = max(used) + 1
+    perm = torch.randperm(num_blocks, generator=generator).tolist()
+    paged = torch.full((num_blocks, page, h, d), float("nan"), dtype=torch.float32).to(dtype)
+    table = torch.full((len(keys), per), num_blocks + 7, dtype=torch.int32)
+    for b, kb in enumerate(keys):
+        for j in range(used[b]):
+            blk = perm.pop()
+            table[b, j] = blk
+            rows = kb[j * page : (j + 1) * page]
+            paged[blk, : rows.shape[0]] = rows.cpu()
+    return paged.to(device), table.to(device)
+
+
+# (lens_q, lens_k, heads_q, heads_kv, head_dim, kwargs); sequences of unequal
+# lengths with an empty query sequence, one without keys and keys over several pages.
+PAGED_CASES = {
+    "noncausal-gqa": ([5, 0, 17, 3, 2], [40, 9, 300, 0, 33], 4, 2, 32, {}),
+    "causal-mqa": ([1, 8, 0, 20, 33], [37, 8, 5, 64, 17], 4, 1, 16, {"causal": True}),
+    "window": ([12, 1, 7, 4], [70, 5, 7, 290], 2, 2, 16, {"window_size": (9, 3)}),
+    "window-causal-gqa": ([12, 6, 2], [7, 260, 19], 4, 2, 64, {"window_size": (5, 0), "causal": True}),
+    "softcap-causal": ([9, 0, 30], [18, 4, 270], 4, 2, 32, {"softcap": 1.5, "causal": True}),
+    "alibi-bh": ([4, 11, 3], [40, 11, 0], 4, 2, 16, {"alibi_slopes": "bh", "causal": True}),
+    "alibi-h-window": ([6, 2], [25, 300], 2, 1, 16, {"alibi_slopes": "h", "window_size": (20, 2)}),
+}
+
+
+def _paged_case(case, dtype, device, page):
+    lens_q, lens_k, hq, hkv, d, kw = PAGED_CASES[case]
+    kw = dict(kw)
+    if kw.get("alibi_slopes") == "bh":
+        kw["alibi_slopes"] = _slopes((len(lens_q), hq), device)
+    elif kw.get("alibi_slopes") == "h":
+        kw["alibi_slopes"] = _slopes((hq,), device)
+    q = randn((sum(lens_q), hq, d), dtype, device)
+    keys = [randn((n, hkv, d), dtype, device) for n in lens_k]
+    values = [randn((n, hkv, d), dtype, device) for n in lens_k]
+    kc, table = make_paged(keys, page, dtype, device)
+    vc, _ = make_paged(values, page, dtype, device)
+    # v's pages in k's places (one table for both): rebuild v's cache with k's table.
+    vc = torch.full_like(kc, float("nan"))
+    for b, vb in enumerate(values):
+        for j in range(-(-vb.shape[0] // page)):
+            rows = vb[j * page : (j + 1) * page]
+            vc[table[b, j].item(), : rows.shape[0]] = rows
+    return lens_q, lens_k, q, keys, values, kc, vc, table, kw
+
+
+@pytest.mark.dtypes(torch.float32, torch.bfloat16)
+@pytest.mark.parametrize("page", [16, 256])
+@pytest.mark.parametrize("case", list(PAGED_CASES))
+def test_varlen_paged_matches_gathered_calls_and_oracle(device, dtype, case, page):
+    if device != "cpu":
+        pytest.skip("the paged varlen forward is served on the CPU only (test_varlen_paged_errors: the refusal)")
+    lens_q, lens_k, q, keys, values, kc, vc, table, kw = _paged_case(case, dtype, device, page)
+    cq, ck = cu(lens_q, device), cu(lens_k, device)
+    out, lse = flash_attn_varlen_func(
+        q, kc, vc, cq, ck, max(lens_q), max(lens_k), block_table=table, return_lse=True, **kw
+    )
+    assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0])
+    bad = []
+    for b, (sq, eq) in enumerate(bounds(lens_q)):
+        n_q, n_k = eq - sq, lens_k[b]
+        if n_q == 0:
+            continue
+        if n_k == 0:  # no key to see: zeros, lse -inf
+            assert torch.equal(out[sq:eq], torch.zeros_like(out[sq:eq])), f"sequence {b}: out"
+            assert torch.isneginf(lse[:, sq:eq]).all(), f"sequence {b}: lse"
+            continue
+        seq_kw = dict(kw)
+        if seq_kw.get("alibi_slopes") is not None and seq_kw["alibi_slopes"].dim() == 2:
+            seq_kw["alibi_slopes"] = seq_kw["alibi_slopes"][b]
+        # Exactly the per-sequence call on the gathered, contiguous cache.
+        ref, ref_lse = flash_attn_with_kvcache(
+            q[None, sq:eq], keys[b][None], values[b][None], return_softmax_lse=True, **seq_kw
+        )
+        assert torch.equal(out[sq:eq], ref[0]), f"sequence {b}: out differs from the gathered call"
+        assert torch.equal(lse[:, sq:eq], ref_lse[0]), f"sequence {b}: lse differs from the gathered call"
+        res = check_attention(
+            q[None, sq:eq], keys[b][None], values[b][None], out[None, sq:eq], lse[None, :, sq:eq], **seq_kw
+        )
+        bad += [f"sequence {b} (len_q {n_q}, len_k {n_k}): {c.message()}" for c in res if not c.ok]
+    assert not bad, "; ".join(bad)
+
+
+def test_varlen_paged_check_can_fail(device):
+    """The checks above see a wrong page: the same causal call with two of a
+    sequence's pages swapped in its table row no longer matches the gathered
+    call, and the other sequences do not change."""
+    if device != "cpu":
+        pytest.skip("CPU only")
+    lens_q, lens_k, q, keys, values, kc, vc, table, kw = _paged_case("causal-mqa", torch.float32, device, 16)
+    cq, ck = cu(lens_q, device), cu(lens_k, device)
+    good = flash_attn_varlen_func(q, kc, vc, cq, ck, 33, 64, causal=True, block_table=table)
+    swapped = table.clone()
+    swapped[3, [0, 3]] = table[3, [3, 0]]
+    bad = flash_attn_varlen_func(q, kc, vc, cq, ck, 33, 64, causal=True, block_table=swapped)
+    sq, eq = bounds(lens_q)[3]
+    ref = flash_attn_with_kvcache(q[None, sq:eq], keys[3][None], values[3][None], causal=True)[0]
+    assert torch.equal(good[sq:eq], ref) and not torch.allclose(bad[sq:eq], ref, atol=1e-4)
+    assert torch.equal(bad[:sq], good[:sq]) and torch.equal(bad[eq:], good[eq:])
+
+
+def test_varlen_paged_cu_seqlens_k_gives_lengths_only(device):
+    """As in flash-attn (block_info.h: with a page table the keys are located by
+    block_table alone), cu_seqlens_k's offsets do not move a sequence's keys:
+    only its differences count."""
+    if device != "cpu":
+        pytest.skip("CPU only")
+    a = _paged_valid(device)
+    out = flash_attn_varlen_func(**a)
+    shifted = flash_attn_varlen_func(**dict(a, cu_seqlens_k=a["cu_seqlens_k"] + 5))
+    assert torch.equal(out, shifted)
+
+
+@pytest.mark.dtypes(torch.float32)
+def test_varlen_kvpacked_paged(device, dtype):
+    """flash_attn_varlen_kvpacked_func(..., block_table=...) with kv (num_blocks,
+    page, 2, heads_kv, head_dim): the paged flash_attn_varlen_func on its views."""
+    if device != "cpu":
+        pytest.skip("CPU only")
+    lens_q, lens_k, q, keys, values, kc, vc, table, kw = _paged_case("causal-mqa", dtype, device, 16)
+    kv = torch.stack([kc, vc], dim=2)
+    cq, ck = cu(lens_q, device), cu(lens_k, device)
+    out = flash_attn_varlen_kvpacked_func(q, kv, cq, ck, 33, 64, causal=True, block_table=table)
+    ref = flash_attn_varlen_func(q, kc, vc, cq, ck, 33, 64, causal=True, block_table=table)
+    assert torch.equal(out, ref)
+
+
+def test_varlen_paged_forward_only(device):
+    """As in flash-attn, a forward with block_table under autograd runs (the
+    same output); its backward raises NotImplementedError naming block_table."""
+    if device != "cpu":
+        pytest.skip("CPU only")
+    lens_q, lens_k, q, keys, values, kc, vc, table, kw = _paged_case("causal-mqa", torch.float32, device, 16)
+    cq, ck = cu(lens_q, device), cu(lens_k, device)
+    with torch.no_grad():
+        ref = flash_attn_varlen_func(q, kc, vc, cq, ck, 33, 64, causal=True, block_table=table)
+    qg = q.clone().requires_grad_()
+    out = flash_attn_varlen_func(qg, kc, vc, cq, ck, 33, 64, causal=True, block_table=table)
+    assert torch.equal(out, ref) and out.requires_grad
+    with pytest.raises(NotImplementedError, match="no backward with block_table"):
+        out.sum().backward()
+
+
+def _paged_valid(device):
+    lens_q, lens_k = [3, 2], [20, 4]
+    q = randn((5, 4, 16), torch.float32, device)
+    kc = randn((4, 16, 2, 16), torch.float32, device)
+    return dict(
+        q=q,
+        k=kc,
+        v=kc.clone(),
+        cu_seqlens_q=cu(lens_q, device),
+        cu_seqlens_k=cu(lens_k, device),
+        max_seqlen_q=3,
+        max_seqlen_k=20,
+        block_table=_i32([[2, 0], [3, 99]], device),  # 99: past sequence 1's keys, never read
+    )
+
+
+PAGED_ERRORS = {
+    "table-int64": (lambda a, d: dict(block_table=a["block_table"].long()), TypeError, r"block_table must have dtype"),
+    "table-list": (lambda a, d: dict(block_table=[[2, 0], [3, 1]]), TypeError, r"block_table must be a torch.Tensor"),
+    "table-1d": (lambda a, d: dict(block_table=_i32([2, 0], d)), ValueError, r"block_table must have shape"),
+    "table-batch": (lambda a, d: dict(block_table=_i32([[2, 0]], d)), ValueError, r"block_table must have shape"),
+    "table-range": (lambda a, d: dict(block_table=_i32([[2, 4], [3, 1]], d)), ValueError, r"block_table\[0\] holds"),
+    "table-negative": (lambda a, d: dict(block_table=_i32([[2, 0], [-1, 1]], d)), ValueError, r"block_table\[1\]"),
+    "capacity": (
+        lambda a, d: dict(cu_seqlens_k=_i32([0, 33, 37], d), max_seqlen_k=33),
+        ValueError,
+        r"sequence 0 has 33 keys .* block_table holds 2 blocks of 16",
+    ),
+    "k-3d": (lambda a, d: dict(k=a["k"][0], v=a["v"][0]), ValueError, r"with block_table, k is a paged cache"),
+    "page-8": (
+        lambda a, d: dict(k=a["k"].reshape(8, 8, 2, 16), v=a["v"].reshape(8, 8, 2, 16)),
+        ValueError,
+        r"page_block_size .* multiple of 16, got 8",
+    ),
+    "v-shape": (lambda a, d: dict(v=a["v"][:3]), ValueError, r"v has shape .* but k has"),
+    "heads": (lambda a, d: dict(q=a["q"][:, :3]), ValueError, r"3 heads, not a multiple of the 2"),
+    "dtype": (lambda a, d: dict(k=a["k"].double()), TypeError, r"k has dtype torch.float64 but q"),
+    "max_seqlen_k": (lambda a, d: dict(max_seqlen_k=19), ValueError, r"max_seqlen_k=19 is smaller"),
+    "cu_q-total": (lambda a, d: dict(cu_seqlens_q=_i32([0, 3, 4], d)), ValueError, r"cu_seqlens_q ends at 4"),
+    "cu_k-decreasing": (lambda a, d: dict(cu_seqlens_k=_i32([0, 20, 4], d)), ValueError, r"non-decreasing"),
+    "alibi": (lambda a, d: dict(alibi_slopes=torch.ones(3, 4, device=d)), ValueError, r"alibi_slopes must have"),
+    "dropout": (lambda a, d: dict(dropout_p=0.1), NotImplementedError, r"dropout_p > 0 .* block_table"),
+    "probs": (lambda a, d: dict(return_attn_probs=True), NotImplementedError, r"return_attn_probs.*block_table"),
+}
+
+
+@pytest.mark.parametrize("case", list(PAGED_ERRORS))
+def test_varlen_paged_errors(device, case):
+    if device != "cpu":
+        pytest.skip("CPU only (test_varlen_paged_unserved_device: the other devices)")
+    args = _paged_valid(device)
+    flash_attn_varlen_func(**args)  # the valid call passes
+    change, exc, pattern = PAGED_ERRORS[case]
+    args.update(change(args, device))
+    with pytest.raises(exc, match=pattern) as info:
+        flash_attn_varlen_func(**args)
+    assert "flash_attn_varlen_func" in str(info.value)
+
+
+@pytest.mark.parametrize("where", ["meta", "cuda"])
+@pytest.mark.parametrize("form", ["varlen", "kvpacked"])
+def test_varlen_paged_unserved_device(where, form):
+    """Issue 25 must-have 4: where the build has no paged varlen path (CUDA for
+    now; meta stands in for it on any machine), the call raises
+    NotImplementedError naming block_table and the fix, before any shape check
+    (flash-attn's paged k of rank 4, and a wrong rank too, never a rank error)."""
+    if where == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    a = _paged_valid("cpu")
+    a = {n: (t.to(where) if isinstance(t, torch.Tensor) else t) for n, t in a.items()}
+    for k in (a["k"], a["k"][0]):  # the paged rank, and a wrong one
+        with pytest.raises(NotImplementedError, match=r"block_table .*CPU only.*block_table=None") as info:
+            if form == "varlen":
+                flash_attn_varlen_func(**dict(a, k=k, v=k))
+            else:
+                kv = torch.stack([k, k], dim=-3)
+                flash_attn_varlen_kvpacked_func(
+                    a["q"], kv, a["cu_seqlens_q"], a["cu_seqlens_k"], 3, 20, block_table=a["block_table"]
+                )
+        assert "flash_attn_varlen" in str(info.value)
