@@ -15,6 +15,7 @@
 #           (killed by a signal, e.g. a segfault) is reported as CRASH and fails the stage
 # selftest: python -m flashattn_ext (the README's main job)
 # sanitize: compute-sanitizer memcheck and racecheck on a small case per Hopper backward kernel
+#           (SAN_CASES=mask: only the attn_mask tile-skipping case)
 # bench:    benchmarks/bench_gpu.py, the standard grid (BENCH_ARGS to narrow it,
 #           e.g. BENCH_ARGS=--quick); JSON, markdown and its summary under $OUT
 # tune:     only when named in STAGES, on a FLASHATTN_TUNING=1 build (export it
@@ -103,7 +104,7 @@ fi
 if has sanitize; then
   stamp "compute-sanitizer"
   cat > /tmp/san.py <<'EOF'
-import sys
+import os, sys
 import torch, flashattn_ext
 from flashattn_ext import _ops
 # The Hopper backward kernels (64/96/128 split keys, 192/256 split the head
@@ -114,6 +115,25 @@ from flashattn_ext import _ops
 # Racecheck runs a subset ("race": one configuration of each kernel): the
 # whole list at 130 x 200 ran past 300 s under it (session 6, visit 3).
 race = sys.argv[1:] == ["race"]
+# An attn_mask whose tiles are hidden, mixed and visible (csrc/cuda/mask_skip.cuh:
+# skipped key blocks in the forward, skipped query blocks in the backward, a
+# tile with no visible block), deterministic or not, with a float mask's gradient.
+doc = torch.arange(400, device="cuda") // 130
+allowed = doc[:, None] == doc[None, :]
+allowed[200:330] = False
+for det in (False, True):
+    torch.use_deterministic_algorithms(det, warn_only=True)
+    for d in (64, 128, 256):
+        q = torch.randn(1, 4, 400, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        kv = torch.randn(1, 2, 400, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        fm = torch.zeros(400, 400, device="cuda", dtype=torch.bfloat16).masked_fill(~allowed, float("-inf"))
+        for m in (allowed, fm.requires_grad_()):
+            flashattn_ext.scaled_dot_product_attention(q, kv, kv, attn_mask=m, enable_gqa=True).sum().backward()
+torch.use_deterministic_algorithms(False)
+if os.environ.get("SAN_CASES") == "mask":  # only the case above
+    torch.cuda.synchronize()
+    print("sanitizer case ran")
+    sys.exit(0)
 for det in (False, True):
     for d in (64, 128, 256) if race else (64, 96, 128, 192, 256):
         for wr in (0, -1):
@@ -138,21 +158,6 @@ flashattn_ext.flash_attn_with_kvcache(q, kc, kc.clone(), cache_seqlens=seqlens, 
 table = torch.tensor([[3, 0, 6, 1], [2, 7, 4, 5]], dtype=torch.int32, device="cuda")
 kp = kc.reshape(8, 256, 2, 128)
 flashattn_ext.flash_attn_with_kvcache(q, kp, kp.clone(), cache_seqlens=seqlens, block_table=table, num_splits=4)
-# An attn_mask whose tiles are hidden, mixed and visible (csrc/cuda/mask_skip.cuh:
-# skipped key blocks in the forward, skipped query blocks in the backward, a
-# tile with no visible block), deterministic or not, with a float mask's gradient.
-doc = torch.arange(400, device="cuda") // 130
-allowed = doc[:, None] == doc[None, :]
-allowed[200:330] = False
-for det in (False, True):
-    torch.use_deterministic_algorithms(det, warn_only=True)
-    for d in (64, 128, 256):
-        q = torch.randn(1, 4, 400, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        kv = torch.randn(1, 2, 400, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        fm = torch.zeros(400, 400, device="cuda", dtype=torch.bfloat16).masked_fill(~allowed, float("-inf"))
-        for m in (allowed, fm.requires_grad_()):
-            flashattn_ext.scaled_dot_product_attention(q, kv, kv, attn_mask=m, enable_gqa=True).sum().backward()
-torch.use_deterministic_algorithms(False)
 torch.cuda.synchronize()
 print("sanitizer case ran")
 EOF
