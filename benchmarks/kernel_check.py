@@ -283,9 +283,7 @@ def quick_perf(dims):
                     if d == 64:  # the backward's 64-query steps beside its 128-query steps
                         variants.append(("FLASHATTN_BWD_D64_SHORT_STEPS", "short", {"bwd": bwd}))
                         variants.append(("FLASHATTN_BWD_D64_SHORT_STEPS", "shortdet", {"bwd": det_bwd}))
-                    if causal:  # the persistent forward's single-tile order beside the paired one
-                        variants.append(("FLASHATTN_FWD_SINGLE_TILES", "single", {"fwd": fwd}))
-                    else:  # the deterministic backward's plain sweeps beside the rotated ones
+                    if not causal:  # the deterministic backward's plain sweeps beside the rotated ones
                         variants.append(("FLASHATTN_DQ_PLAIN_ORDER", "detplain", {"bwd": det_bwd}))
                     for env, name, fns in variants:
                         for mode, fn in fns.items():
@@ -314,14 +312,12 @@ def quick_perf(dims):
                             attention_flops(b, h, n, n, d, causal, "bwd") / res[key] / 1e9
                         )
                 rows.append(res)
-                single = f", single tiles {res['single_fwd_tflops']:.0f}" if "single_fwd_tflops" in res else ""
                 detplain = f" / plain order {res['detplain_bwd_tflops']:.0f}" if "detplain_bwd_tflops" in res else ""
                 if "short_bwd_tflops" in res:
                     detplain += f", 64-query steps {res['short_bwd_tflops']:.0f} / deterministic {res['shortdet_bwd_tflops']:.0f}"
                 print(
                     f"perf d{d} n{n} causal={causal}: fwd ours {res.get('ours_fwd_tflops', 0):.0f} "
-                    f"(no TMA {res.get('notma_fwd_tflops', 0):.0f}, mma.sync {res.get('sm80_fwd_tflops', 0):.0f}"
-                    f"{single}) "
+                    f"(no TMA {res.get('notma_fwd_tflops', 0):.0f}, mma.sync {res.get('sm80_fwd_tflops', 0):.0f}) "
                     f"fa2 {res.get('fa2_fwd_tflops', 0):.0f} cudnn {res.get('cudnn_fwd_tflops', 0):.0f} | "
                     f"bwd ours {res.get('ours_bwd_tflops', 0):.0f} (deterministic {res.get('det_bwd_tflops', 0):.0f}"
                     f"{detplain}, "

@@ -8,6 +8,12 @@ several entries timed one after the other reads up to 12% low). Prints one
 line per (head dim, mask, seqlen).
 
     python benchmarks/tune.py --json out.json [--dims 64,128] [--seqlens 512,2048,8192] [--passes fwd]
+        [--variants 0,1] [--grids default,single,tiles]
+
+--grids times the persistent forward's tile schedules beside each other
+(FLASHATTN_FWD_GRID, flash_launch.cuh): `default` (paired tiles where the
+rule of tile_scheduler.cuh says so), `single` (no pairs), `tiles` (one CTA a
+tile, heaviest first: the hardware's dispatch as a longest-first schedule).
 """
 
 import argparse
@@ -48,6 +54,17 @@ def env_value(name, value):
             os.environ[name] = old
 
 
+@contextlib.contextmanager
+def env_values(values):
+    """Runs the block with the environment variables of `values` set (the value
+    "default" leaves a variable unset)."""
+    with contextlib.ExitStack() as stack:
+        for name, value in values.items():
+            if value != "default":
+                stack.enter_context(env_value(name, value))
+        yield
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json")
@@ -55,11 +72,19 @@ def main():
     ap.add_argument("--seqlens", default="512,2048,8192")
     ap.add_argument("--passes", default="fwd,bwd")
     ap.add_argument("--check-max-seqlen", type=int, default=2048, help="oracle checks up to this seqlen")
+    ap.add_argument("--variants", default="", help="forward variants to time (default: all of the head dim's)")
+    ap.add_argument("--grids", default="default", help="forward tile schedules to time with each variant")
     args = ap.parse_args()
     assert "tuning=1" in torch.ops.flashattn_ext.build_info(), "needs a FLASHATTN_TUNING=1 build"
     sm90 = torch.cuda.get_device_capability() == (9, 0) and os.environ.get("FLASHATTN_DISABLE_SM90") != "1"
     VARIANTS = VARIANTS_SM90 if sm90 else VARIANTS_SM80
     rows = []
+    grids = args.grids.split(",")
+
+    def fwd_variants(d):
+        every = range(VARIANTS["fwd"][d])
+        return [int(v) for v in args.variants.split(",") if int(v) in every] if args.variants else list(every)
+
     for d in (int(x) for x in args.dims.split(",")):
         for causal in (False, True):
             for n in (int(x) for x in args.seqlens.split(",")):
@@ -80,19 +105,24 @@ def main():
                 qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_(True) for x in (q, k, v))
                 peers = (("fa2", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION))
                 entries = {}
-                for var in range(VARIANTS["fwd"][d] if "fwd" in passes else 0):
-                    with env_value("FLASHATTN_FWD_VARIANT", var):
-                        out, lse = _ops.fwd(q, k, v, scale, -1, wr, True, False)
-                        row[f"fwd_v{var}_err"] = (out.float() - out0.float()).abs().max().item()
-                        if n <= args.check_max_seqlen:
-                            comps = check_attention(q, k, v, out, lse, softmax_scale=scale, causal=causal)
-                            row[f"fwd_v{var}_oracle_ok"] = all(c.ok for c in comps)
-                            if not row[f"fwd_v{var}_oracle_ok"]:
-                                print(f"  FAIL v{var} against the oracle:", [c.message() for c in comps], flush=True)
-                    entries[f"fwd_v{var}"] = (
-                        functools.partial(env_value, "FLASHATTN_FWD_VARIANT", var),
-                        lambda: _ops.fwd(q, k, v, scale, -1, wr, True, False),
-                    )
+                fwd_names = []
+                for var in fwd_variants(d) if "fwd" in passes else ():
+                    for grid in grids:
+                        name = f"v{var}" if grid == "default" else f"v{var}_{grid}"
+                        fwd_names.append(name)
+                        env = {"FLASHATTN_FWD_VARIANT": var, "FLASHATTN_FWD_GRID": grid}
+                        with env_values(env):
+                            out, lse = _ops.fwd(q, k, v, scale, -1, wr, True, False)
+                            row[f"fwd_{name}_err"] = (out.float() - out0.float()).abs().max().item()
+                            if n <= args.check_max_seqlen:
+                                comps = check_attention(q, k, v, out, lse, softmax_scale=scale, causal=causal)
+                                row[f"fwd_{name}_oracle_ok"] = all(c.ok for c in comps)
+                                if not row[f"fwd_{name}_oracle_ok"]:
+                                    print(f"  FAIL {name} against the oracle:", [c.message() for c in comps])
+                        entries[f"fwd_{name}"] = (
+                            functools.partial(env_values, env),
+                            lambda: _ops.fwd(q, k, v, scale, -1, wr, True, False),
+                        )
                 for name, be in peers:
                     entries[f"fwd_{name}"] = (
                         functools.partial(sdpa_kernel, be),
@@ -117,7 +147,7 @@ def main():
                             bwd_flops / bench(lambda: torch.autograd.grad(o, (qt, kt, vt), do, retain_graph=True)) / 1e9
                         )
                 rows.append(row)
-                fv = " ".join(f"v{i}={row[f'fwd_v{i}']:.0f}" for i in range(VARIANTS["fwd"][d]) if f"fwd_v{i}" in row)
+                fv = " ".join(f"{nm}={row[f'fwd_{nm}']:.0f}" for nm in fwd_names)
                 bv = " ".join(f"v{i}={row[f'bwd_v{i}']:.0f}" for i in range(VARIANTS["bwd"][d]) if f"bwd_v{i}" in row)
                 peer = {
                     f"{pa}_{name}": f"{row[f'{pa}_{name}']:.0f}" if f"{pa}_{name}" in row else "-"

@@ -178,11 +178,6 @@ struct AttnFwdParams : QkvoParams {
   // Hopper: the warp-specialized TMA kernels may run (FLASHATTN_DISABLE_TMA=1
   // clears it, to time the cp.async Hopper kernels beside them).
   bool allow_tma = true;
-  // The persistent Hopper forward hands out causal / windowed tiles in
-  // balanced pairs (hopper/tile_scheduler.cuh); FLASHATTN_FWD_SINGLE_TILES=1
-  // clears it, to time the single-tile order beside it.
-  bool fwd_pair_masked_tiles = true;
-
   // Variable-length batches (FA2's varlen layout, see the top of this file):
   // int32 arrays of batch + 1 cumulative lengths, on the device of the
   // tensors (host memory for the CPU kernels), read by the kernels

@@ -129,9 +129,9 @@ __device__ __forceinline__ void fix_dq_chunks(const AttnBwdParams& p, bool valid
     T* dq = static_cast<T*>(p.dq_ptr) + seq.q_offset(p.dq_batch_stride, p.dq_row_stride, b) +
             int64_t(i) * p.dq_row_stride + h * p.dq_head_stride;
     // (One conversion kernel serves both instances: the score mod is a runtime property here.)
-    if (p.score_mod.any()) {
+    if (p.score_mod.any() || p.dropout.enabled()) {
       nonfinite::fix_dq_row_global<8, T>(nonfinite::fixup_args(p, seq, b), h, i, dq, c_lo, c_hi, lane,
-                                         nonfinite::ModScore{p.score_mod, b});
+                                         nonfinite::ModScore(p, b));
     } else {
       nonfinite::fix_dq_row_global<8, T>(nonfinite::fixup_args(p, seq, b), h, i, dq, c_lo, c_hi, lane);
     }

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "dispatch.h"
@@ -93,7 +94,9 @@ cudaError_t launch_fwd_sm90(const AttnFwdParams& p, cudaStream_t stream) {
 template <typename Kt, bool kScoreModInstances = true>
 cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool* launched) {
   *launched = false;
-  if (!kScoreModInstances && p.score_mod.any()) return cudaSuccess;
+  // (Dropout is in the score-mod instances: a call with it alone runs one.)
+  const bool mod = p.score_mod.any() || p.dropout.enabled(), bias = p.score_mod.has_bias();
+  if (!kScoreModInstances && mod) return cudaSuccess;
   constexpr bool kBf16 = std::is_same_v<typename Kt::Element, __nv_bfloat16>;
   const bool varlen = p.is_varlen();
   if (varlen && (p.total_q == 0 || p.total_k == 0)) return cudaSuccess;
@@ -114,7 +117,6 @@ cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool
   constexpr ScoreModSet kNone = ScoreModSet::kNone;
   constexpr ScoreModSet kFa = kScoreModInstances ? ScoreModSet::kFlashAttn : kNone;
   constexpr ScoreModSet kBias = kScoreModInstances ? ScoreModSet::kAttnBias : kNone;
-  const bool mod = p.score_mod.any(), bias = p.score_mod.has_bias();
   auto kernel = p.per_sequence()
                     ? (mod ? &flash_fwd_sm90_ws_kernel<Kt, true, kFa> : &flash_fwd_sm90_ws_kernel<Kt, true, kNone>)
                     : (bias  ? &flash_fwd_sm90_ws_kernel<Kt, false, kBias>
@@ -122,8 +124,22 @@ cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool
                              : &flash_fwd_sm90_ws_kernel<Kt, false, kNone>);
   if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
   FwdSchedule sched = FwdSchedule::make(p, Kt::kBlockM, sm_count());
-  sched.paired = sched.paired && p.fwd_pair_masked_tiles;
-  const int ctas = sched.num_units() < sm_count() ? sched.num_units() : sm_count();  // persistent: one CTA an SM
+  int ctas = sched.num_units() < sm_count() ? sched.num_units() : sm_count();  // persistent: one CTA an SM
+#ifdef FLASHATTN_TUNING
+  // Tuning builds time the tile schedule's alternatives beside the default
+  // (FLASHATTN_FWD_GRID): `single` keeps the persistent grid without pairs;
+  // `tiles` launches one CTA a tile in the global order (heaviest first in
+  // each L2 group), so the hardware's CTA dispatch balances the SMs as a
+  // longest-first list schedule would, at the price of the next tile's loads
+  // under the current one's epilogue.
+  if (const char* grid = std::getenv("FLASHATTN_FWD_GRID")) {
+    const bool tiles = std::strcmp(grid, "tiles") == 0;
+    if (tiles || std::strcmp(grid, "single") == 0) {
+      sched.paired = false;
+      ctas = tiles ? sched.num_tiles : (sched.num_tiles < sm_count() ? sched.num_tiles : sm_count());
+    }
+  }
+#endif
   *launched = true;
   if (ctas == 0) return cudaSuccess;  // no query rows (varlen: max_seqlen_q = 0): nothing to write
   sched.set_ctas(ctas);
@@ -225,7 +241,7 @@ cudaError_t launch_bwd_sm90_ws(const AttnBwdParams& p, cudaStream_t stream, bool
   using T = typename Kt::Element;
   static_assert(kBwdBlockM % Kt::kBlockM == 0, "the dQ accumulator is padded to kBwdBlockM rows");
   *launched = false;
-  if (!kScoreModInstances && p.score_mod.any()) return cudaSuccess;
+  if (!kScoreModInstances && (p.score_mod.any() || p.dropout.enabled())) return cudaSuccess;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   const bool varlen = p.is_varlen();
   if (varlen && (p.total_q == 0 || p.total_k == 0)) return cudaSuccess;
@@ -247,7 +263,8 @@ cudaError_t launch_bwd_sm90_ws(const AttnBwdParams& p, cudaStream_t stream, bool
   constexpr ScoreModSet kFa = kScoreModInstances ? ScoreModSet::kFlashAttn : kNone;
   constexpr ScoreModSet kBias = kScoreModInstances ? ScoreModSet::kAttnBias : kNone;
   constexpr ScoreModSet kBiasGrad = kScoreModInstances ? ScoreModSet::kAttnBiasGrad : kNone;
-  auto kernel = [varlen, mod = p.score_mod.any(), bias = p.score_mod.has_bias(),
+  // (Dropout is in the score-mod instances: a call with it alone runs one.)
+  auto kernel = [varlen, mod = p.score_mod.any() || p.dropout.enabled(), bias = p.score_mod.has_bias(),
                  bias_grad = p.score_mod.bias.grad != nullptr] {
     if constexpr (Kt::kSplitHeadDim)
       return varlen      ? (mod ? &flash_bwd_sm90_ws_split_kernel<Kt, true, kFa>

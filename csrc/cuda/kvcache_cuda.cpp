@@ -118,7 +118,6 @@ cudaError_t run_prefill(const KvcacheParams& kp, cudaStream_t stream) {
   p.score_mod = kp.score_mod;  // ALiBi's distance per entry too: SeqInfo's seqused_k[b] - seqlen_q
   p.device_arch = 90;
   p.allow_tma = !env_flag("FLASHATTN_DISABLE_TMA");
-  p.fwd_pair_masked_tiles = !env_flag("FLASHATTN_FWD_SINGLE_TILES");
   p.seqused_k = kp.seqlens_k;
   return run_fwd<T, kHeadDim>(p, stream);
 }

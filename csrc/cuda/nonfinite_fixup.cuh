@@ -29,6 +29,7 @@
 
 #include "../flash_params.h"
 #include "../kvcache_params.h"
+#include "dropout.cuh"
 #include "mask.cuh"
 #include "ptx.cuh"
 #include "score_mod.cuh"
@@ -106,10 +107,15 @@ __device__ __forceinline__ bool tile_row_bad(T* tile, int r, int c_lo, int c_hi,
 // torch.softmax; a NaN or infinity in a visible v reaches its column). A row
 // that sees no key: 0 and -inf. Two passes (max, then sum) so that fmaxf, which
 // drops NaN, is never asked about one.
-// score(qk, j): the (scaled, modified) score of key j, natural-log units.
-template <int kPer, typename T, typename Score, typename KRow, typename VRow>
+// score(qk, j): the (scaled, modified) score of key j, natural-log units;
+// drop(j): what key j's probability is multiplied by in o (dropout: 0 or
+// 1 / (1 - p); the lse is the softmax's).
+struct NoDrop {
+  __device__ __forceinline__ float operator()(int) const { return 1.f; }
+};
+template <int kPer, typename T, typename Score, typename KRow, typename VRow, typename Drop = NoDrop>
 __device__ __forceinline__ float attend_row(float (&o)[kPer], const T* q_row, int d, Score&& score, int lo, int hi,
-                                            KRow&& k_row, VRow&& v_row, int lane) {
+                                            KRow&& k_row, VRow&& v_row, int lane, Drop&& drop = {}) {
   float q[kPer];
   load_row(q, q_row, d, lane);
 #pragma unroll
@@ -136,8 +142,9 @@ __device__ __forceinline__ float attend_row(float (&o)[kPer], const T* q_row, in
     load_row(v, v_row(j), d, lane);
     const float pj = expf(score(dot(q, k), j) - mx);  // mx = +-inf: NaN, as torch.softmax
     l += pj;
+    const float po = pj * drop(j);
 #pragma unroll
-    for (int u = 0; u < kPer; ++u) o[u] += pj * v[u];
+    for (int u = 0; u < kPer; ++u) o[u] += po * v[u];
   }
 #pragma unroll
   for (int u = 0; u < kPer; ++u) o[u] /= l;
@@ -162,27 +169,38 @@ struct FixupArgs {
 // The score of query i, key j of head h from q.k (natural-log units) and
 // *dmod = d score / d (scale q.k), the slow paths' one rule, as a policy: the
 // plain kernels pass PlainScore (an empty argument: their slow paths compile as
-// before the score mods existed), the kScoreMod instances ModScore.
+// before the score mods existed), the kScoreMod instances ModScore. drop(h, i,
+// j) is dropout's factor of P(i, j) in O and dV, and of dP in dS (0 or
+// 1 / (1 - p); 1 without dropout), which the score-mod instances hold too.
 struct PlainScore {
   __device__ __forceinline__ float operator()(const FixupArgs& a, float qk, int, int, int, float* dmod) const {
     *dmod = 1.f;
     return a.scale * qk;
   }
+  __device__ __forceinline__ float drop(int, int, int) const { return 1.f; }
 };
 struct ModScore {
   ScoreMod mod;
-  int b;  // the batch entry (its slopes)
+  int b;  // the batch entry (its slopes; dropout's plane)
+  DropoutParams dropout;
+  int heads_q;
+  __device__ __forceinline__ ModScore(const AttnFwdParams& p, int b_)
+      : mod(p.score_mod), b(b_), dropout(p.dropout), heads_q(p.heads_q) {}
   __device__ __forceinline__ float operator()(const FixupArgs& a, float qk, int h, int i, int j, float* dmod) const {
     const ScoreModTile m(mod, a.scale, b, h, a.mask.seqlen_q, a.mask.seqlen_k);
     return m.apply(qk, i, j, dmod) * kLn2;
   }
+  __device__ __forceinline__ float drop(int h, int i, int j) const {
+    if (!dropout.enabled()) return 1.f;
+    return DropoutPlane(dropout, b, heads_q, h).keep(i, j) ? static_cast<float>(dropout.scale) : 0.f;
+  }
 };
 
-// The score policy of a kernel instance (kScoreMod: the call's softcap / ALiBi).
+// The score policy of a kernel instance (kScoreMod: the call's softcap / ALiBi, dropout).
 template <bool kScoreMod>
 __device__ __forceinline__ auto score_policy(const AttnFwdParams& p, int b) {
   if constexpr (kScoreMod) {
-    return ModScore{p.score_mod, b};
+    return ModScore(p, b);
   } else {
     return PlainScore{};
   }
@@ -255,9 +273,11 @@ __device__ __forceinline__ void grad_key_row(float (&dk)[kPer], float (&dv)[kPer
       load_row(dout, do_row<T>(a, hq, i), d, lane);
       float dmod;
       const float pij = prob(score(a, dot(q, k), hq, i, j, &dmod), a.lse[hq * a.vec_head + i]);
-      const float ds = pij * (dot(dout, v) - a.dsum[hq * a.vec_head + i]) * dmod;
+      const float drop = score.drop(hq, i, j);
+      const float ds = pij * (dot(dout, v) * drop - a.dsum[hq * a.vec_head + i]) * dmod;
+      const float pv = pij * drop;
 #pragma unroll
-      for (int u = 0; u < kPer; ++u) dv[u] += pij * dout[u], dk[u] += ds * q[u];
+      for (int u = 0; u < kPer; ++u) dv[u] += pv * dout[u], dk[u] += ds * q[u];
     }
 #pragma unroll
   for (int u = 0; u < kPer; ++u) dk[u] *= a.scale;
@@ -281,7 +301,7 @@ __device__ __forceinline__ void grad_query_row(float (&dq)[kPer], const FixupArg
     load_row(v, v_row<T>(a, h_kv, j), d, lane);
     float dmod;
     const float pij = prob(score(a, dot(q, k), h, i, j, &dmod), lse);
-    const float ds = pij * (dot(dout, v) - dsum) * dmod;
+    const float ds = pij * (dot(dout, v) * score.drop(h, i, j) - dsum) * dmod;
 #pragma unroll
     for (int u = 0; u < kPer; ++u) dq[u] += ds * k[u];
   }
@@ -311,7 +331,7 @@ __device__ FLASHATTN_NONFINITE_SLOW void fix_fwd_rows(FixupArgs a, int h, int m0
           return score(a, qk, h, i, j, &dmod);
         },
         a.mask.key_lo(i), a.mask.key_hi(i), [&](int j) { return k_row<T>(a, h_kv, j); },
-        [&](int j) { return v_row<T>(a, h_kv, j); }, lane);
+        [&](int j) { return v_row<T>(a, h_kv, j); }, lane, [&](int j) { return score.drop(h, i, j); });
 #pragma unroll
     for (int u = 0; u < kPer; ++u)
       if (lane + 32 * u < d) tile_at<Tile>(tile, r, lane + 32 * u) = from_float<T>(o[u]);

@@ -100,8 +100,9 @@ struct OnlineSoftmax {
   // O /= l, and lse (natural log of the scaled scores); rows that saw no key
   // get O = 0 and lse = -inf.
   template <int kDT>
+  // out_scale multiplies O too (dropout's 1 / (1 - p)); lse stays the softmax's.
   __device__ __forceinline__ void finalize(float (&o)[kMT][kDT][4], float scale_log2, bool positive_scale,
-                                           float (&lse)[kMT][2]) {
+                                           float (&lse)[kMT][2], float out_scale = 1.f) {
     constexpr float kLn2 = 0.6931471805599453f;
 #pragma unroll
     for (int mi = 0; mi < kMT; ++mi)
@@ -109,7 +110,7 @@ struct OnlineSoftmax {
       for (int h = 0; h < 2; ++h) {
         const float l = quad_sum(row_sum[mi][h]);
         const bool empty = l == 0.f;  // a NaN l (a NaN score the row sees) is not "no key": it propagates
-        const float inv = empty ? 0.f : 1.f / l;
+        const float inv = empty ? 0.f : out_scale / l;
         const float m_log2 = positive_scale ? row_max[mi][h] * scale_log2 : row_max[mi][h];
         lse[mi][h] = empty ? -INFINITY : (m_log2 + __log2f(l)) * kLn2;
 #pragma unroll

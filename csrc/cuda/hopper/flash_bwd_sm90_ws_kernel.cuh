@@ -117,6 +117,7 @@
 
 #include "../../flash_params.h"
 #include "../bwd_common.cuh"
+#include "../dropout.cuh"
 #include "../mask_skip.cuh"
 #include "../nonfinite_fixup.cuh"
 #include "../score_mod.cuh"
@@ -550,6 +551,15 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 
     float acc_s[1][kQT][4], acc_dp[1][kQT][4];
     issue_scores_and_dp_t<Kt>(acc_s[0], acc_dp[0], desc_k, desc_v, desc_q, desc_do);
+    // Dropout (in the score-mod instances, a runtime branch): the step's keep
+    // bits, drawn while the S^T / dP^T products run. dV takes Z * P (its
+    // 1 / (1 - p) at the end), dS = P (Z dP / (1 - p) - D).
+    KeepBits<kQT> keep{};
+    const bool dropout = kScoreMod && p.dropout.enabled();
+    if constexpr (kScoreMod) {
+      if (dropout)
+        keep = dropout_keep_bits_cols<kQT>(DropoutPlane(p.dropout, b, p.heads_q, hq), n0 + warp_key0, m0, lane);
+    }
     wgmma_wait<1>();
     pin_registers(acc_s[0]);
     [[maybe_unused]] const ScoreModTile mod(p.score_mod, static_cast<float>(p.softmax_scale), b, hq, mask.seqlen_q,
@@ -566,8 +576,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     // every wgmma, C7512).
     uint32_t a_p[kQSteps][4], a_ds[kQSteps][4];
     auto issue_dv = [&]() {
+      if (dropout) {
 #pragma unroll
-      for (int kk = 0; kk < kQSteps; ++kk) acc_to_a<T>(a_p[kk], acc_s[0], kk);
+        for (int kk = 0; kk < kQSteps; ++kk) acc_to_a_kept<T>(a_p[kk], acc_s[0], kk, keep);
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < kQSteps; ++kk) acc_to_a<T>(a_p[kk], acc_s[0], kk);
+      }
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kQSteps; ++kk)
@@ -581,6 +596,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       wgmma_wait<0>();  // dP^T
     }
     pin_registers(acc_dp[0]);
+    if (dropout) apply_keep_bits(acc_dp[0], keep, static_cast<float>(p.dropout.scale));
     ds_t(acc_dp[0], acc_s[0], sDsums, t);
     if constexpr (holds_flash_attn_mods(kMod))
       apply_softcap_grad<true>(acc_dp, acc_s, mod, n0 + warp_key0, m0, lane,
@@ -648,7 +664,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   const bool bad = nonfinite::any_bad(acc_dk) || nonfinite::any_bad(acc_dv);
   named_barrier_sync(kEpilogueBar, kConsumerThreads);
   store_acc<TileKV>(sK, acc_dk, warp_key0, 0, lane, p.softmax_scale);
-  store_acc<TileKV>(sV, acc_dv, warp_key0, 0, lane);
+  store_acc<TileKV>(sV, acc_dv, warp_key0, 0, lane,
+                    kScoreMod && p.dropout.enabled() ? static_cast<float>(p.dropout.scale) : 1.f);
   // The non-finite rule (../nonfinite_fixup.cuh): this warp's 16 keys, exactly, if one holds a NaN / inf.
   if (__any_sync(0xffffffffu, bad))
     nonfinite::fix_key_rows<TileKV, (kHeadDim + 31) / 32>(nonfinite::fixup_args(p, eseq, b), h_kv, n0, warp_key0,
@@ -699,9 +716,9 @@ __device__ FLASHATTN_NONFINITE_SLOW void fix_dq_frag_rows(AttnBwdParams p, const
       T* dq = static_cast<T*>(p.dq_ptr) + seq.q_offset(p.dq_batch_stride, p.dq_row_stride, b) + h * p.dq_head_stride +
               int64_t(row) * p.dq_row_stride;
       // (One conversion kernel serves both instances: the score mod is a runtime property here.)
-      if (p.score_mod.any()) {
+      if (p.score_mod.any() || p.dropout.enabled()) {
         nonfinite::fix_dq_row_global<(Kt::kHeadDim + 31) / 32, T>(nonfinite::fixup_args(p, seq, b), h, row, dq, c_lo,
-                                                                  c_lo + 64, lane, nonfinite::ModScore{p.score_mod, b});
+                                                                  c_lo + 64, lane, nonfinite::ModScore(p, b));
       } else {
         nonfinite::fix_dq_row_global<(Kt::kHeadDim + 31) / 32, T>(nonfinite::fixup_args(p, seq, b), h, row, dq, c_lo,
                                                                   c_lo + 64, lane);

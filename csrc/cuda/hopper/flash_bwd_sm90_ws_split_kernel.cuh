@@ -78,6 +78,7 @@
 
 #include "../../flash_params.h"
 #include "../bwd_common.cuh"
+#include "../dropout.cuh"
 #include "../mask_skip.cuh"
 #include "../nonfinite_fixup.cuh"
 #include "../score_mod.cuh"
@@ -343,6 +344,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   if (iters > 0) mbar_wait(full_kv, 0);
   if (kVarlen && iters > 0 && keys < kBlockN) zero_key_tail<TileKV, kConsumerThreads>(sK, keys, ctid, kZeroBar);
 
+  // Dropout lives in the score-mod instances (a runtime branch): the generator of head hq's plane.
+  const bool dropout = kScoreMod && p.dropout.enabled();
+  auto dropout_of = [&](int hq) { return DropoutPlane(p.dropout, b, p.heads_q, hq); };
+
   // One consumer's whole path, instantiated per role (kRole = cwg) so that each
   // has accumulators of its own column count: with one set sized for consumer
   // 0 (consumer 1 using its first n-tiles) the unused upper halves stayed live
@@ -418,6 +423,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         wgmma_fence();
         issue_kmajor_product<TileKV, TileQ, T>(acc_x[0], desc_k, smem_desc(q_addr, 16, kSbo));
         wgmma_commit();
+        // Dropout (score-mod instances, a runtime branch): the keep bits, drawn
+        // under the product; the 16-bit P^T (both consumers' dV operand) is
+        // Z * P, the fp32 one (consumer 1's dS) P itself.
+        KeepBits<kQT> keep{};
+        if (dropout) keep = dropout_keep_bits_cols<kQT>(dropout_of(hq), n0 + warp_key0, m0, lane);
         wgmma_wait<0>();
         pin_registers(acc_x[0]);
         const float* sLses = sLse + s * kBlockM;
@@ -427,8 +437,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         probs_t(acc_x[0], kScoreMod ? 1.f : p.softmax_scale_log2, t, [&](int q) { return sLses[q]; });
         if (needs_mask) apply_mask_cols(acc_x, mask, n0 + warp_key0, m0, lane, 0.f);
         uint32_t a_p[kQSteps][4];
+        if (dropout) {
 #pragma unroll
-        for (int kk = 0; kk < kQSteps; ++kk) acc_to_a<T>(a_p[kk], acc_x[0], kk);
+          for (int kk = 0; kk < kQSteps; ++kk) acc_to_a_kept<T>(a_p[kk], acc_x[0], kk, keep);
+        } else {
+#pragma unroll
+          for (int kk = 0; kk < kQSteps; ++kk) acc_to_a<T>(a_p[kk], acc_x[0], kk);
+        }
         if constexpr (holds_flash_attn_mods(kMod))  // P^T (1 - t^2) in place (a_p keeps P^T for dV)
           apply_softcap_grad<true>(acc_x, acc_x, mod, n0 + warp_key0, m0, lane,
                                    [&](int, int, int qi, int e) { return sLses[qi * 8 + 2 * t + e]; });
@@ -471,8 +486,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         wgmma_fence();
         issue_kmajor_product<TileKV, TileQ, T>(acc_x[0], desc_v, smem_desc(smem_u32(sdO), 16, kSbo));
         wgmma_commit();
+        KeepBits<kQT> keep{};  // dropout: drawn under the product, as consumer 0 draws them
+        if (dropout) keep = dropout_keep_bits_cols<kQT>(dropout_of(hq), n0 + warp_key0, m0, lane);
         wgmma_wait<0>();
         pin_registers(acc_x[0]);
+        if (dropout) apply_keep_bits(acc_x[0], keep, static_cast<float>(p.dropout.scale));
 
         mbar_wait(full_p, uint32_t(it) & 1);
         float p_t[kQT][4];
@@ -525,7 +543,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const bool bad = nonfinite::any_bad(acc_dk) || nonfinite::any_bad(acc_dv);
     named_barrier_sync(kEpilogueBar, kConsumerThreads);
     store_acc<TileKV>(sK, acc_dk, warp_key0, kCol0, lane, p.softmax_scale);
-    store_acc<TileKV>(sV, acc_dv, warp_key0, kCol0, lane);
+    store_acc<TileKV>(sV, acc_dv, warp_key0, kCol0, lane, dropout ? static_cast<float>(p.dropout.scale) : 1.f);
     return bad;
   };
   const bool bad = cwg == 0 ? consumer(std::integral_constant<int, 0>{}) : consumer(std::integral_constant<int, 1>{});

@@ -299,7 +299,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     // (ptxas -v: 40 bytes; none in the loop this way). Dense: the same tile.
     const Tile et = kVarlen ? Tile(p, sched, tile) : tl;
     float row_lse[1][2];
-    softmax.finalize(acc_o, kScoreMod ? 1.f : p.softmax_scale_log2, positive_scale, row_lse);
+    softmax.finalize(acc_o, kScoreMod ? 1.f : p.softmax_scale_log2, positive_scale, row_lse,
+                     kScoreMod && p.dropout.enabled() ? static_cast<float>(p.dropout.scale) : 1.f);
     const bool bad = nonfinite::any_bad(acc_o);
     if (Kt::kSeparateO) {
       // This consumer's previous O store must have finished reading its rows of sO.

@@ -6,6 +6,7 @@
 // different register allocation, see tools/sass_compare.sh).
 #pragma once
 
+#include "../dropout.cuh"
 #include "../score_mod.cuh"
 #include "../softmax.cuh"
 #include "../tile.cuh"
@@ -19,7 +20,9 @@ namespace flashattn {
 // softmax step (which yields the correction of O). This is the hook for
 // per-element score modifications (a compile-time policy such as softcap or
 // ALiBi, masks, bias, dropout): they go here, between the S GEMM and the
-// softmax. kMod: the score modifications the instance holds
+// softmax; dropout after it, on P (the row sums, and so the lse, are the
+// softmax's; O is scaled by 1 / (1 - p) at the end). kMod: the score
+// modifications the instance holds
 // (ScoreModSet, ../score_mod.cuh: flash-attn's softcap / ALiBi, or torch
 // SDPA's attn_mask, each its own instance here), S
 // modified into scaled log2 units before the mask (the softmax then runs its
@@ -56,6 +59,13 @@ struct FwdSm90ScoreStep {
     } else {
       softmax.template softmax_rows<false, Kt::kPolyExpEvery>(acc_s, kScoreMod ? 1.f : p.softmax_scale_log2,
                                                               correction);
+    }
+    // Dropout lives in the score-mod instances (a runtime branch: the plain
+    // instance holds none of it, and a call with dropout alone runs the
+    // instance with no score mod set).
+    if constexpr (kScoreMod) {
+      if (p.dropout.enabled())
+        apply_dropout_rows(acc_s, DropoutPlane(p.dropout, b, p.heads_q, h), m0 + warp_row0, n0, lane, 1.f);
     }
   }
 };
