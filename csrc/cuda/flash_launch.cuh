@@ -365,7 +365,7 @@ cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
       using Cfg = KernelConfig<kHeadDim, T>;
       cudaError_t err = cudaSuccess;
       if constexpr (HasFwdSm90WsMasked<Cfg>::value) {
-        if (p.mask.window_right >= 0 && p.seqlen_q <= 8192) {  // (varlen: max_seqlen_q)
+        if (p.mask.window_right >= 0 && p.seqlen_q <= Cfg::kMaskedMaxSeqlen) {  // (varlen: max_seqlen_q)
           // (No score-mod instances: such calls take FwdSm90Ws below.)
           err = launch_fwd_sm90_ws<typename Cfg::FwdSm90WsMasked, false>(p, stream, &launched);
           if (launched || err != cudaSuccess) return err;
