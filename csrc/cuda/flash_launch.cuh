@@ -364,14 +364,20 @@ cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
 #else
       using Cfg = KernelConfig<kHeadDim, T>;
       cudaError_t err = cudaSuccess;
-      if constexpr (HasFwdSm90WsMasked<Cfg>::value) {
-        if (p.mask.window_right >= 0 && p.seqlen_q <= Cfg::kMaskedMaxSeqlen) {  // (varlen: max_seqlen_q)
-          // (No score-mod instances: such calls take FwdSm90Ws below.)
-          err = launch_fwd_sm90_ws<typename Cfg::FwdSm90WsMasked, false>(p, stream, &launched);
+      if constexpr (HasFwdSm90WsTwoConsumers<Cfg>::value) {
+        // Head dim 64: the two-consumer kernel for short causal / windowed
+        // calls and for every call with a score mod or dropout (its instances
+        // live there: in the three-consumer kernel's 160 registers a thread
+        // they spilled, kernel_configs.h); the three-consumer one for the rest.
+        const bool mod = p.score_mod.any() || p.dropout.enabled();
+        if (mod || (p.mask.window_right >= 0 && p.seqlen_q <= Cfg::kTwoConsumersMaxSeqlen)) {  // (varlen: max_seqlen_q)
+          err = launch_fwd_sm90_ws<typename Cfg::FwdSm90WsTwoConsumers>(p, stream, &launched);
           if (launched || err != cudaSuccess) return err;
         }
+        err = launch_fwd_sm90_ws<typename Cfg::FwdSm90Ws, false>(p, stream, &launched);
+      } else {
+        err = launch_fwd_sm90_ws<typename Cfg::FwdSm90Ws>(p, stream, &launched);
       }
-      err = launch_fwd_sm90_ws<typename Cfg::FwdSm90Ws>(p, stream, &launched);
 #endif
       if (launched || err != cudaSuccess) return err;
     }

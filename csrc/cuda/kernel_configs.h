@@ -34,12 +34,14 @@ struct KernelConfig<64, T> {
   using BwdDq = BwdDqTraits<64, 64, 64, 4, T>;
   using FwdSm90 = FwdSm90Traits<64, 64, T, 2>;          // 64 keys a block, two CTAs an SM
   using FwdSm90Ws = FwdSm90WsTraits<64, 128, 3, 2, T>;  // 192 queries: three consumers
-  // Causal / windowed up to kMaskedMaxSeqlen queries: 128-query tiles waste less on the diagonal. Session 14 (tune.py,
-  // one H200 build, 16k tokens, causal, three / two consumers, TFLOP/s): 512 191/211, 1k 261/283, 2k 321/343, 4k
-  // 419/370, 8k 467/379, 16k 469/381 (the three-consumer kernel stopped spilling with the band mask, session 9; the
-  // rule was 8k since session 3, when it spilled 100 bytes).
-  using FwdSm90WsMasked = FwdSm90WsTraits<64, 128, 2, 2, T>;
-  static constexpr int kMaskedMaxSeqlen = 2048;
+  // Causal / windowed up to kTwoConsumersMaxSeqlen queries: 128-query tiles waste less on the diagonal. Session 14
+  // (tune.py, one H200 build, 16k tokens, causal, three / two consumers, TFLOP/s): 512 191/211, 1k 261/283, 2k
+  // 321/343, 4k 419/370, 8k 467/379, 16k 469/381 (the three-consumer kernel stopped spilling with the band mask,
+  // session 9; the rule was 8k since session 3, when it spilled 100 bytes). Calls with a score mod or dropout run
+  // it at every length: its instances hold them (in the three-consumer kernel, ptxas sm_90a bf16, dropout took the
+  // softcap / ALiBi instance from 0 to 72/92 bytes of spills and the attn_mask one from 340/468 to 424/600).
+  using FwdSm90WsTwoConsumers = FwdSm90WsTraits<64, 128, 2, 2, T>;
+  static constexpr int kTwoConsumersMaxSeqlen = 2048;
   using BwdSm90 = BwdSm90Traits<64, 128, T>;  // 128 queries a step: half the dQ atomics per flop of 64
   // 128 queries a step: twice the products per step's fixed costs (barriers, waits, the dQ tile's bulk add).
   using BwdSm90Ws = BwdSm90WsTraits<64, 128, 2, T>;
@@ -97,9 +99,9 @@ struct HasFwdSm90Ws : std::false_type {};
 template <typename Cfg>
 struct HasFwdSm90Ws<Cfg, std::void_t<typename Cfg::FwdSm90Ws>> : std::true_type {};
 template <typename Cfg, typename = void>
-struct HasFwdSm90WsMasked : std::false_type {};
+struct HasFwdSm90WsTwoConsumers : std::false_type {};
 template <typename Cfg>
-struct HasFwdSm90WsMasked<Cfg, std::void_t<typename Cfg::FwdSm90WsMasked>> : std::true_type {};
+struct HasFwdSm90WsTwoConsumers<Cfg, std::void_t<typename Cfg::FwdSm90WsTwoConsumers>> : std::true_type {};
 template <typename Cfg, typename = void>
 struct HasBwdSm90 : std::false_type {};
 template <typename Cfg>
