@@ -15,7 +15,7 @@
 #           (killed by a signal, e.g. a segfault) is reported as CRASH and fails the stage
 # selftest: python -m flashattn_ext (the README's main job)
 # sanitize: compute-sanitizer memcheck and racecheck on a small case per Hopper backward kernel
-#           (SAN_CASES=mask: only the attn_mask tile-skipping case)
+#           (SAN_CASES=mask: only the attn_mask tile-skipping case; SAN_CASES=dropout: only dropout's)
 # bench:    benchmarks/bench_gpu.py, the standard grid (BENCH_ARGS to narrow it,
 #           e.g. BENCH_ARGS=--quick); JSON, markdown and its summary under $OUT
 # tune:     only when named in STAGES, on a FLASHATTN_TUNING=1 build (export it
@@ -115,6 +115,28 @@ from flashattn_ext import _ops
 # Racecheck runs a subset ("race": one configuration of each kernel): the
 # whole list at 130 x 200 ran past 300 s under it (session 6, visit 3).
 race = sys.argv[1:] == ["race"]
+# Dropout in the Hopper forward and both backward kernels (and the mma.sync ones at
+# head dim 32), causal and not, with a bool mask, varlen, deterministic.
+if os.environ.get("SAN_CASES", "dropout") == "dropout":
+    for d in (32, 64, 128, 256):
+        q = torch.randn(2, 4, 200, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        kv = torch.randn(2, 2, 200, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for causal in (False, True):
+            o = flashattn_ext.scaled_dot_product_attention(q, kv, kv, dropout_p=0.2, is_causal=causal, enable_gqa=True)
+            o.sum().backward()
+        pad = torch.arange(200, device="cuda") < torch.tensor([150, 200], device="cuda")[:, None]
+        flashattn_ext.scaled_dot_product_attention(q, kv, kv, attn_mask=pad[:, None, None], dropout_p=0.1,
+                                                   enable_gqa=True).sum().backward()
+    cu = torch.tensor([0, 1, 70, 70, 200], dtype=torch.int32, device="cuda")
+    q = torch.randn(200, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    for det in (False, True):
+        o = flashattn_ext.flash_attn_varlen_func(q, q[:, :2], q[:, :2], cu, cu, 130, 130, dropout_p=0.3, causal=True,
+                                                 deterministic=det)
+        o.sum().backward()
+    if os.environ.get("SAN_CASES") == "dropout":
+        torch.cuda.synchronize()
+        print("sanitizer case ran")
+        sys.exit(0)
 # An attn_mask whose tiles are hidden, mixed and visible (csrc/cuda/mask_skip.cuh:
 # skipped key blocks in the forward, skipped query blocks in the backward, a
 # tile with no visible block), deterministic or not, with a float mask's gradient.

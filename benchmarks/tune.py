@@ -36,7 +36,7 @@ from flashattn_ext.tolerance import check_attention
 # Entries of TuneVariants (csrc/cuda/kernel_configs.h) per pass and head dim:
 # the wgmma lists (FwdSm90 / BwdSm90) on an sm90 device, the mma.sync ones elsewhere.
 # (the forward runs the TMA kernels' list, FwdSm90Ws, unless FLASHATTN_DISABLE_TMA=1).
-VARIANTS_SM90 = {"fwd": {64: 6, 128: 4}, "bwd": {64: 3, 128: 1}}
+VARIANTS_SM90 = {"fwd": {64: 6, 128: 4, 192: 2, 256: 2}, "bwd": {64: 3, 128: 1}}
 VARIANTS_SM80 = {"fwd": {64: 2, 128: 2}, "bwd": {64: 2, 128: 2}}
 
 
@@ -82,7 +82,7 @@ def main():
     grids = args.grids.split(",")
 
     def fwd_variants(d):
-        every = range(VARIANTS["fwd"][d])
+        every = range(VARIANTS["fwd"].get(d, 1))
         return [int(v) for v in args.variants.split(",") if int(v) in every] if args.variants else list(every)
 
     for d in (int(x) for x in args.dims.split(",")):
@@ -131,7 +131,7 @@ def main():
                 for key, ms in bench_side_by_side(entries).items():
                     row[key] = flops / ms / 1e9
                 os.environ["FLASHATTN_FWD_VARIANT"] = "0"
-                for var in range(VARIANTS["bwd"][d] if "bwd" in passes else 0):
+                for var in range(VARIANTS["bwd"].get(d, 0) if "bwd" in passes else 0):
                     os.environ["FLASHATTN_BWD_VARIANT"] = str(var)
                     grads = _ops.bwd(dout, q, k, v, out0, lse0, scale, -1, wr, True, False)
                     err = max((a.float() - b_.float()).abs().max().item() for a, b_ in zip(grads, grads0))
@@ -148,7 +148,7 @@ def main():
                         )
                 rows.append(row)
                 fv = " ".join(f"{nm}={row[f'fwd_{nm}']:.0f}" for nm in fwd_names)
-                bv = " ".join(f"v{i}={row[f'bwd_v{i}']:.0f}" for i in range(VARIANTS["bwd"][d]) if f"bwd_v{i}" in row)
+                bv = " ".join(f"v{i}={row[f'bwd_v{i}']:.0f}" for i in range(VARIANTS["bwd"].get(d, 0)) if f"bwd_v{i}" in row)
                 peer = {
                     f"{pa}_{name}": f"{row[f'{pa}_{name}']:.0f}" if f"{pa}_{name}" in row else "-"
                     for pa in ("fwd", "bwd")

@@ -153,17 +153,20 @@ struct TuneVariants<128, T> {
                              FwdSm90WsTraits<128, 128, 2, 2, T, 4>, FwdSm90WsTraits<128, 128, 2, 2, T, 8>>;
   using BwdSm90 = Variants<typename KernelConfig<128, T>::BwdSm90>;
 };
+// 192 / 256: the default, then without ping-pong (each consumer issues its GEMMs as soon as it can).
 template <typename T>
 struct TuneVariants<192, T> {
   using Fwd = Variants<typename KernelConfig<192, T>::Fwd>;
   using Bwd = Variants<typename KernelConfig<192, T>::Bwd>;
   using FwdSm90 = Variants<typename KernelConfig<192, T>::FwdSm90>;
+  using FwdSm90Ws = Variants<typename KernelConfig<192, T>::FwdSm90Ws, FwdSm90WsTraits<192, 64, 2, 2, T, 0, false>>;
 };
 template <typename T>
 struct TuneVariants<256, T> {
   using Fwd = Variants<typename KernelConfig<256, T>::Fwd>;
   using Bwd = Variants<typename KernelConfig<256, T>::Bwd>;
   using FwdSm90 = Variants<typename KernelConfig<256, T>::FwdSm90>;
+  using FwdSm90Ws = Variants<typename KernelConfig<256, T>::FwdSm90Ws, FwdSm90WsTraits<256, 64, 2, 2, T, 0, false>>;
 };
 
 }  // namespace flashattn

@@ -160,9 +160,14 @@ struct FwdSm90Traits {
 };
 
 // The warp-specialized TMA forward (hopper/flash_fwd_sm90_ws_kernel.cuh).
-template <int kHeadDim_, int kBlockN_, int kConsumers_, int kStages_, typename Element_, int kPolyExpEvery_ = 0>
+template <int kHeadDim_, int kBlockN_, int kConsumers_, int kStages_, typename Element_, int kPolyExpEvery_ = 0,
+          bool kPingPong_ = true>
 struct FwdSm90WsTraits {
   using Element = Element_;
+  // The consumers take turns at issuing their GEMMs (named barriers), so that
+  // one's softmax runs under the other's products; false: each issues as soon
+  // as its operands are ready (FA3 turns the turns off above head dim 128).
+  static constexpr bool kPingPong = kPingPong_;
   // > 0: the exponentials of every kPolyExpEvery-th 8-key column group of S
   // on the FMA pipe (OnlineSoftmax::softmax_rows, poly_exp2); 0: all on MUFU.
   static constexpr int kPolyExpEvery = kPolyExpEvery_;

@@ -195,7 +195,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   // With a score mod the scores reach the softmax scaled, in log2 units.
   const bool positive_scale = kScoreMod || p.softmax_scale > 0.f;
 
-  if (cwg == kConsumers - 1) named_barrier_arrive(kPingPongBar, kPingPongThreads);
+  if (Kt::kPingPong && cwg == kConsumers - 1) named_barrier_arrive(kPingPongBar, kPingPongThreads);
   int it0 = 0, q_iter = 0;
   for (int round = 0; round < sched.rounds; ++round) {
     const int tile = fwd_tile_of_round(sched, round, blockIdx.x, gridDim.x);

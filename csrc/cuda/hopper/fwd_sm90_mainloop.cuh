@@ -93,9 +93,12 @@ struct FwdSm90Mainloop {
   // Ping-pong: consumer c issues its GEMMs after syncing on barrier c, then
   // lets consumer c + 1 go. The last consumer opens the first turn, and
   // consumer 0 takes the one turn left open at the end.
-  __device__ __forceinline__ void turn_begin() const { named_barrier_sync(kPingPongBar + cwg, kPingPongThreads); }
+  // (Without ping-pong, Kt::kPingPong false: no turns.)
+  __device__ __forceinline__ void turn_begin() const {
+    if constexpr (Kt::kPingPong) named_barrier_sync(kPingPongBar + cwg, kPingPongThreads);
+  }
   __device__ __forceinline__ void turn_end() const {
-    named_barrier_arrive(kPingPongBar + (cwg + 1) % kConsumers, kPingPongThreads);
+    if constexpr (Kt::kPingPong) named_barrier_arrive(kPingPongBar + (cwg + 1) % kConsumers, kPingPongThreads);
   }
 
   // Q: A of S, K-major, this consumer's 64 rows. K: B of S, K-major.
