@@ -148,7 +148,9 @@ def main():
                         )
                 rows.append(row)
                 fv = " ".join(f"{nm}={row[f'fwd_{nm}']:.0f}" for nm in fwd_names)
-                bv = " ".join(f"v{i}={row[f'bwd_v{i}']:.0f}" for i in range(VARIANTS["bwd"].get(d, 0)) if f"bwd_v{i}" in row)
+                bv = " ".join(
+                    f"v{i}={row[f'bwd_v{i}']:.0f}" for i in range(VARIANTS["bwd"].get(d, 0)) if f"bwd_v{i}" in row
+                )
                 peer = {
                     f"{pa}_{name}": f"{row[f'{pa}_{name}']:.0f}" if f"{pa}_{name}" in row else "-"
                     for pa in ("fwd", "bwd")
