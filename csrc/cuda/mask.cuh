@@ -92,6 +92,28 @@ struct BlockMask {
 // in L2, and the heaviest query blocks (last rows: the most keys under a causal
 // mask) start first. In a varlen batch the grid is sized by max_seqlen_q: a
 // CTA whose block starts past its sequence's end has rows <= 0 and exits.
+// n / d for a divisor fixed at run time and 0 <= n < 2^31 by one multiply-high
+// (Granlund and Montgomery, as cutlass::FastDivmod): d >= 1, l = ceil(log2 d),
+// m = floor(2^32 (2^l - d) / d) + 1, n / d = (umulhi(m, n) + n) >> l.
+struct FastDivmod {
+  uint32_t mul = 1, shift = 0;
+  FastDivmod() = default;
+  __host__ __device__ __forceinline__ explicit FastDivmod(int d) {
+    uint32_t l = 0;
+    while ((uint64_t(1) << l) < uint64_t(d)) ++l;
+    shift = l;
+    mul = static_cast<uint32_t>(((uint64_t(1) << 32) * ((uint64_t(1) << l) - uint64_t(d))) / uint64_t(d) + 1);
+  }
+  __host__ __device__ __forceinline__ int div(int n) const {
+#if defined(__CUDA_ARCH__)
+    const uint32_t hi = __umulhi(mul, static_cast<uint32_t>(n));
+#else
+    const uint32_t hi = static_cast<uint32_t>((uint64_t(mul) * uint32_t(n)) >> 32);
+#endif
+    return static_cast<int>((hi + static_cast<uint32_t>(n)) >> shift);  // hi < n: no overflow below 2^31
+  }
+};
+
 template <int kBlockM>
 struct QueryBlockOfCta {
   int h, b, h_kv;  // query head, batch, key/value head
@@ -122,23 +144,33 @@ struct QueryBlockOfCta {
 // in (the key blocks of a head then add their dQ to different rows at a time).
 template <int kBlockM>
 struct QuerySweep {
-  int m_min, m_blocks, iters, hq0, rotation;
+  int m_min, m_blocks, iters, hq0, rotation;  // rotation < iters
+  FastDivmod by_m_blocks;
 
   __device__ __forceinline__ QuerySweep(const BlockMask& mask, int n0, int keys, int h_kv, int ratio, int rotation_)
-      : hq0(h_kv * ratio), rotation(rotation_) {
+      : hq0(h_kv * ratio) {
     int m_max;
     mask.query_block_range<kBlockM>(n0, keys, m_min, m_max);
     m_blocks = m_max - m_min;
     iters = m_blocks * ratio;
+    rotation = iters > 0 ? rotation_ % iters : 0;
+    by_m_blocks = FastDivmod(m_blocks > 0 ? m_blocks : 1);
   }
 
-  // The step's place in the unrotated order (head-major, then query block).
-  __device__ __forceinline__ int order_index(int it) const { return (it + rotation) % iters; }
+  // The step's place in the unrotated order (head-major, then query block), for 0 <= it < iters.
+  __device__ __forceinline__ int order_index(int it) const {
+    const int j = it + rotation;
+    return j >= iters ? j - iters : j;
+  }
 
+  // (Every step of every backward kernel decodes its query block here: a
+  // multiply-high instead of the two integer divisions by a runtime divisor,
+  // ~20 instructions each, that it cost before.)
   __device__ __forceinline__ void step(int it, int& hq, int& m0) const {
     const int j = order_index(it);
-    hq = hq0 + j / m_blocks;
-    m0 = (m_min + j % m_blocks) * kBlockM;
+    const int head = by_m_blocks.div(j);
+    hq = hq0 + head;
+    m0 = (m_min + j - head * m_blocks) * kBlockM;
   }
 };
 
