@@ -19,6 +19,7 @@
 #include "../flash_params.h"
 #include "bwd_common.cuh"
 #include "dispatch.h"
+#include "dropout.cuh"
 #include "kernel_traits.h"
 #include "mask.cuh"
 #include "mask_skip.cuh"
@@ -30,7 +31,60 @@ namespace flashattn {
 
 // kScoreMod (both kernels below): the instance for calls with softcap / ALiBi
 // (score_mod.cuh): S is modified before P is recomputed from it, and dS takes
-// softcap's derivative.
+// softcap's derivative. It also runs dropout (p.dropout.enabled(), a runtime
+// branch; the plain instances hold no dropout code), with Z the forward's keep
+// mask regenerated (dropout.cuh, philox.h) and s = 1 / (1 - p):
+//   dP = (dO V^T) o Z s,  dS = P o (dP - D),  dV += (Z o P s)^T dO
+// (D = rowsum(dO o O) unchanged; P the undropped probabilities, as the
+// softcap derivative needs them), as the CPU kernels compute it.
+
+// Dropout's keep decisions of a warp's S^T fragment (keys as rows, queries as
+// columns: apply_dropout_cols' layout), one bit an element, drawn one 8-query
+// n-tile at a time (each of apply_dropout_cols' Philox calls serves one query,
+// so these are the calls of one pass over the fragment). The dK/dV kernel
+// applies Z twice, to dP and to P, with the undropped P needed in between:
+// 32 bits held across the dS computation instead of a float per element, and
+// one Philox pass instead of two.
+template <int kMT, int kQT>
+struct KeepBitsCols {
+  static constexpr int kBits = kMT * kQT * 4;
+  uint32_t w[(kBits + 31) / 32];
+
+  __device__ __forceinline__ KeepBitsCols() : w{} {}
+  __device__ __forceinline__ KeepBitsCols(const DropoutPlane& d, int key0, int q0, int lane) {
+#pragma unroll
+    for (int i = 0; i < (kBits + 31) / 32; ++i) w[i] = 0u;
+#pragma unroll
+    for (int qi = 0; qi < kQT; ++qi) {
+      float z[kMT][1][4];
+#pragma unroll
+      for (int mi = 0; mi < kMT; ++mi)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) z[mi][0][e] = 1.f;
+      apply_dropout_cols(z, d, key0, q0 + qi * 8, lane, 1.f);
+#pragma unroll
+      for (int mi = 0; mi < kMT; ++mi)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int bit = (mi * kQT + qi) * 4 + e;
+          w[bit / 32] |= static_cast<uint32_t>(z[mi][0][e] != 0.f) << (bit % 32);
+        }
+    }
+  }
+  __device__ __forceinline__ bool kept(int mi, int qi, int e) const {
+    const int bit = (mi * kQT + qi) * 4 + e;
+    return (w[bit / 32] >> (bit % 32)) & 1u;
+  }
+  // x -> x * scale where kept, else 0 (a select: a dropped NaN leaves no trace).
+  __device__ __forceinline__ void apply(float (&x)[kMT][kQT][4], float scale) const {
+#pragma unroll
+    for (int mi = 0; mi < kMT; ++mi)
+#pragma unroll
+      for (int qi = 0; qi < kQT; ++qi)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[mi][qi][e] = kept(mi, qi, e) ? x[mi][qi][e] * scale : 0.f;
+  }
+};
 template <typename Kt, bool kComputeDq, bool kVarlen, bool kScoreMod = false>
 __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const AttnBwdParams p) {
   using T = typename Kt::Element;
@@ -179,10 +233,21 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
       apply_mask_cols(acc_s, mask, n0 + s_key0, m0 + s_q0, lane, 0.f);
     }
 
-    // dP^T = V dO^T, then dS^T = P^T * (dP^T - D) in place.
+    // dP^T = V dO^T (with dropout: times Z s), then dS^T = P^T * (dP^T - D) in place.
     float acc_dp[kMT][kQT][4];
     clear(acc_dp);
     gemm_ss_nk<kMT, kQT, kHeadDim, T>(acc_dp, ldsm_v, ldsm_do_b);
+    [[maybe_unused]] const bool dropout = kScoreMod && p.dropout.enabled();
+    [[maybe_unused]] const float dropout_scale = static_cast<float>(p.dropout.scale);
+    [[maybe_unused]] KeepBitsCols<kMT, kQT> keep;  // (drawn only with dropout, below)
+    if constexpr (kScoreMod) {
+      // (apply_dropout_cols: key offsets multiples of 32, or 16 with one m-tile.)
+      static_assert(Kt::kSKeys % 32 == 0 || Kt::kSKeys == 16, "dropout: a warp's keys must be whole key groups");
+      if (dropout) {
+        keep = KeepBitsCols<kMT, kQT>(DropoutPlane(p.dropout, b, p.heads_q, hq), n0 + s_key0, m0 + s_q0, lane);
+        keep.apply(acc_dp, dropout_scale);
+      }
+    }
 #pragma unroll
     for (int qi = 0; qi < kQT; ++qi)
 #pragma unroll
@@ -209,6 +274,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
     // The attn_mask's gradient: one CTA of a key block's head-dim slices adds it.
     if constexpr (kScoreMod)
       if (d0 == 0) add_bias_grad_tile<true>(acc_dp, mod, n0 + s_key0, m0 + s_q0, lane);
+
+    // dV += (Z o P s)^T dO with dropout (dS above took the undropped P).
+    if constexpr (kScoreMod) {
+      if (dropout) keep.apply(acc_s, dropout_scale);
+    }
 
     // dV += P^T dO and dK += dS^T Q over this CTA's head-dim slice.
     if constexpr (!Kt::kPInSmem) {
@@ -375,6 +445,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dq_kernel(const At
     float acc_dp[kMT][kNT][4];
     clear(acc_dp);
     gemm_ss_nk<kMT, kNT, kHeadDim, T>(acc_dp, ldsm_do, ldsm_v);
+    if constexpr (kScoreMod) {  // dropout: dP = (dO V^T) o Z s (the forward's mask, regenerated)
+      if (p.dropout.enabled())
+        apply_dropout_rows(acc_dp, DropoutPlane(p.dropout, b, p.heads_q, h), m0 + warp_row0, n0, lane,
+                           static_cast<float>(p.dropout.scale));
+    }
 #pragma unroll
     for (int mi = 0; mi < kMT; ++mi)
 #pragma unroll
