@@ -779,7 +779,7 @@ def _sdpa_kernels(query, key, value, is_causal, scale, attn_mask=None, dropout_p
     """The kernel path. The op takes the (B, H, L, E) tensors as they are (bhsd=True:
     it reads them through (B, L, H, E) views, copying only a strided head_dim) and
     returns a (B, H, L, E) view of a (B, L, H, E) buffer. attn_mask goes to the
-    kernels as it is (no expansion, no copy). dropout_p > 0 (CPU): the op draws
+    kernels as it is (no expansion, no copy). dropout_p > 0: the op draws
     its rng_state from torch's generator (rank 3: batch entry b is plane b, as
     (B, L, E) is (B, 1, L, E))."""
     if query.dim() == 3:

@@ -229,7 +229,9 @@ def test_errors(device):
             ops.fwd(q, q, q, 0.25, -1, -1, True, 0.0, None, None, 0.1, rs)
     if device != CPU:
         with pytest.raises(ValueError, match="rng_state must be contiguous"):
-            ops.fwd(q, q, q, 0.25, -1, -1, True, 0.0, None, None, 0.1, torch.zeros(4, dtype=torch.int64, device=device)[::2])
+            ops.fwd(
+                q, q, q, 0.25, -1, -1, True, 0.0, None, None, 0.1, torch.zeros(4, dtype=torch.int64, device=device)[::2]
+            )
     with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\]"):
         ops.fwd(q, q, q, 0.25, -1, -1, True, 0.0, None, None, 1.5, _seed_offset(1, 0).to(device))
 
@@ -340,9 +342,7 @@ def test_flash_attn_func_s_dmask(device):
     assert torch.equal(sd[:, :, :n, :s] < 0, ~keep & visible)
     assert bool((sd[:, :, n:] == 0).all()) and bool((sd[:, :, :, s:] == 0).all())
     q32, k32 = q.float(), k.float().expand(b, s, h, d)
-    probs = torch.softmax(
-        (torch.einsum("bihd,bjhd->bhij", q32, k32) * d**-0.5).masked_fill(~visible, -math.inf), -1
-    )
+    probs = torch.softmax((torch.einsum("bihd,bjhd->bhij", q32, k32) * d**-0.5).masked_fill(~visible, -math.inf), -1)
     tol = dict(rtol=1e-4, atol=1e-6) if device == CPU else dict(rtol=2e-3, atol=1e-5)  # S_dmask in fp16
     torch.testing.assert_close(sd[:, :, :n, :s].abs().float(), probs, **tol)
     if device == CPU:
@@ -498,8 +498,18 @@ def test_cuda_windowed_softcap_varlen_deterministic():
     v = randn((sum(lens_k), h, d), CUDA_DTYPE, "cuda").requires_grad_()
     torch.manual_seed(21)
     out, lse = flashattn_ext.flash_attn_varlen_func(
-        q, k, v, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k), dropout_p=p, softcap=4.0,
-        window_size=(30, 5), deterministic=True, return_lse=True,
+        q,
+        k,
+        v,
+        cu(lens_q),
+        cu(lens_k),
+        max(lens_q),
+        max(lens_k),
+        dropout_p=p,
+        softcap=4.0,
+        window_size=(30, 5),
+        deterministic=True,
+        return_lse=True,
     )
     torch.manual_seed(21)
     keep = ref.dropout_keep_mask(_rng(q, len(lens_q), h), len(lens_q), h, max(lens_q), max(lens_k), p, "cuda")
@@ -551,8 +561,12 @@ def test_cuda_graph_replays_draw_fresh_masks():
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
-        rs, out, lse, grads = (x.clone() if isinstance(x, torch.Tensor) else tuple(g.clone() for g in x) for x in static)
-        res = check_attention(q, k, v, out, lse, dout, grads, softmax_scale=scale, causal=True, dropout_p=p, rng_state=rs)
+        rs, out, lse, grads = (
+            x.clone() if isinstance(x, torch.Tensor) else tuple(g.clone() for g in x) for x in static
+        )
+        res = check_attention(
+            q, k, v, out, lse, dout, grads, softmax_scale=scale, causal=True, dropout_p=p, rng_state=rs
+        )
         assert_all(res, f"replay {len(seen)}")
         seen.append((rs.cpu(), out))
     assert len({tuple(rs.tolist()) for rs, _ in seen}) == 3, "every replay draws its own rng_state"

@@ -10,7 +10,6 @@ import torch
 from helpers import (
     KernelCalls,
     assert_rule,
-    attention_ref,
     check_flash,
     make_bshd,
     oracle_and_naive,

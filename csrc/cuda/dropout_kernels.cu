@@ -1,7 +1,6 @@
 // dropout_kernels.h.
-#include <tuple>  // (before ATen/cuda/PhiloxUtils.cuh, which uses std::tuple without including it)
-
 #include <ATen/cuda/PhiloxUtils.cuh>
+#include <tuple>  // (before ATen/cuda/PhiloxUtils.cuh, which uses std::tuple without including it)
 
 #include "../philox.h"
 #include "dropout_kernels.h"
@@ -18,8 +17,8 @@ __global__ void unpack_rng_state_kernel(at::PhiloxCudaState state, int64_t* rng_
 // One thread per (row, key group): the group's 8 decisions (one Philox call)
 // scattered to their keys (philox.h's layout). Grid-stride: the count can pass
 // the grid's 2^31 blocks.
-__global__ void keep_mask_kernel(const int64_t* rng_state, uint32_t keep_threshold, int64_t heads_q,
-                                 int64_t seqlen_q, int64_t seqlen_k, int64_t groups, int64_t total, bool* keep) {
+__global__ void keep_mask_kernel(const int64_t* rng_state, uint32_t keep_threshold, int64_t heads_q, int64_t seqlen_q,
+                                 int64_t seqlen_k, int64_t groups, int64_t total, bool* keep) {
   const uint64_t seed = static_cast<uint64_t>(rng_state[0]), offset = static_cast<uint64_t>(rng_state[1]);
   for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += int64_t(gridDim.x) * blockDim.x) {

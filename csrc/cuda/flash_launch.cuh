@@ -395,9 +395,9 @@ cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
 
 // The one rule for when run_bwd tries the warp-specialized TMA backward:
 // built for sm90a, an sm90 device, TMA allowed, and a head dim KernelConfig
-// gives a BwdSm90Ws (dense and varlen batches), and no dropout (sm90_ws_declines_dropout). The binding layer allocates that kernel's
-// deterministic workspace by it (dispatch.h). The kernel can still decline
-// (launch_bwd_sm90_ws: a tensor TMA cannot describe); the ones below run then.
+// gives a BwdSm90Ws (dense and varlen batches), and no dropout (sm90_ws_declines_dropout). The binding layer allocates
+// that kernel's deterministic workspace by it (dispatch.h). The kernel can still decline (launch_bwd_sm90_ws: a tensor
+// TMA cannot describe); the ones below run then.
 template <typename T, int kHeadDim>
 bool bwd_tries_sm90_ws(const AttnBwdParams& p) {
 #ifdef FLASHATTN_SM90
