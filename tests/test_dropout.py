@@ -10,6 +10,9 @@ thread counts, deterministic), the APIs (SDPA drop-in, flash_attn_func with
 S_dmask, varlen) and torch.compile."""
 
 import math
+import os
+import shutil
+import subprocess
 import warnings
 
 import pytest
@@ -119,6 +122,22 @@ def test_cuda_rng_state_and_cross_device_mask():
     assert torch.equal(on_cuda.cpu(), ops.dropout_keep_mask(b.cpu(), *shape, 0.3))
     assert torch.equal(on_cuda.cpu(), ref.dropout_keep_mask(b, *shape, 0.3))
     assert not torch.equal(on_cuda, ops.dropout_keep_mask(a, *shape, 0.3))
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no host C++ compiler (c++)")
+def test_cuda_fragment_dropout_follows_the_mask(tmp_path):
+    """The CUDA kernels' fragment code (csrc/cuda/dropout.cuh's rows / cols
+    application and the dK/dV kernel's KeepBitsCols) compiled for the host
+    (tests/cuda_host/dropout_fragment_check.cpp): every element of every lane's
+    fragment gets philox.h's decision for its (b, h, query, key). Runs without
+    a GPU."""
+    exe = tmp_path / "dropout_fragment_check"
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_host", "dropout_fragment_check.cpp")
+    cmd = [shutil.which("c++"), "-std=c++17", "-O1", "-Wno-unknown-pragmas", "-o", str(exe), src]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert " 0 mismatches" in run.stdout and not run.stdout.startswith("0 elements"), run.stdout
 
 
 # ----------------------------------------------------------------------------- the kernels against the oracle
