@@ -318,14 +318,6 @@ def _s_dmask_varlen(q, k, lse, cu_q, cu_k, max_q, max_k, p, rng_state, scale, wl
     return out
 
 
-def _no_dropout_with_score_mods(fn, p, mods):
-    if p > 0.0 and mods:
-        raise NotImplementedError(
-            f"{fn}: dropout_p > 0 together with softcap or alibi_slopes is not supported by flashattn_ext (dropout "
-            "runs through torch's SDPA, which has neither); pass dropout_p=0.0"
-        )
-
-
 # --------------------------------------------------------------------------
 # flash_attn_func
 
