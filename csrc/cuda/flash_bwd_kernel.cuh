@@ -161,6 +161,20 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
       cp_async_commit();
     }
 
+    // Dropout: the tile's keep bits (dropout_keep_bits.cuh), drawn before the
+    // products, when only the dK / dV accumulators are live (the Philox
+    // temporaries then do not add to the S^T / dP^T tiles' peak), applied to
+    // dP^T and P^T below.
+    [[maybe_unused]] const bool dropout = kScoreMod && p.dropout.enabled();
+    [[maybe_unused]] const float dropout_scale = static_cast<float>(p.dropout.scale);
+    [[maybe_unused]] KeepBitsCols<kMT, kQT> keep;
+    if constexpr (kScoreMod) {
+      // (apply_dropout_cols: key offsets multiples of 32, or 16 with one m-tile.)
+      static_assert(Kt::kSKeys % 32 == 0 || Kt::kSKeys == 16, "dropout: a warp's keys must be whole key groups");
+      if (dropout)
+        keep = KeepBitsCols<kMT, kQT>(DropoutPlane(p.dropout, b, p.heads_q, hq), n0 + s_key0, m0 + s_q0, lane);
+    }
+
     // P^T = exp2(scale_log2 * K Q^T - lse_log2), keys as rows.
     float acc_s[kMT][kQT][4];
     clear(acc_s);
@@ -191,16 +205,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
     float acc_dp[kMT][kQT][4];
     clear(acc_dp);
     gemm_ss_nk<kMT, kQT, kHeadDim, T>(acc_dp, ldsm_v, ldsm_do_b);
-    [[maybe_unused]] const bool dropout = kScoreMod && p.dropout.enabled();
-    [[maybe_unused]] const float dropout_scale = static_cast<float>(p.dropout.scale);
-    [[maybe_unused]] KeepBitsCols<kMT, kQT> keep;  // (drawn only with dropout, below)
     if constexpr (kScoreMod) {
-      // (apply_dropout_cols: key offsets multiples of 32, or 16 with one m-tile.)
-      static_assert(Kt::kSKeys % 32 == 0 || Kt::kSKeys == 16, "dropout: a warp's keys must be whole key groups");
-      if (dropout) {
-        keep = KeepBitsCols<kMT, kQT>(DropoutPlane(p.dropout, b, p.heads_q, hq), n0 + s_key0, m0 + s_q0, lane);
-        keep.apply(acc_dp, dropout_scale);
-      }
+      if (dropout) keep.apply(acc_dp, dropout_scale);
     }
 #pragma unroll
     for (int qi = 0; qi < kQT; ++qi)
