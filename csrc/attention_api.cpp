@@ -185,26 +185,33 @@ void check_bwd_extras(const at::Tensor& dout, const at::Tensor& q, const at::Ten
   check_bwd_tensors(dout, q, out, lse, {q.size(0), q.size(2), q.size(1)}, "(batch, heads_q, seqlen_q)");
 }
 
-DropoutParams make_dropout(double dropout_p, const std::optional<at::Tensor>& rng_state, const char* backend) {
+DropoutParams make_dropout(double dropout_p, const std::optional<at::Tensor>& rng_state, const at::Device& device) {
   TORCH_CHECK_VALUE(std::isfinite(dropout_p) && dropout_p >= 0.0 && dropout_p <= 1.0,
                     "flashattn_ext: dropout_p must be in [0, 1], got ", dropout_p);
   DropoutParams d;
   if (dropout_p == 0.0) return d;
-  TORCH_CHECK_NOT_IMPLEMENTED(backend == nullptr, "flashattn_ext: dropout_p > 0 is not supported by the ", backend,
-                              " kernels yet (the Python API sends such calls to torch)");
   TORCH_CHECK_VALUE(rng_state.has_value() && rng_state->defined(),
                     "flashattn_ext: dropout_p > 0 needs rng_state, an int64 (2,) tensor [seed, offset] "
                     "(flashattn_ext::dropout_rng_state draws one)");
   const at::Tensor& s = *rng_state;
-  TORCH_CHECK_VALUE(s.scalar_type() == at::kLong && s.dim() == 1 && s.size(0) == 2 && s.device().is_cpu(),
-                    "flashattn_ext: rng_state must be an int64 (2,) CPU tensor [seed, offset], got ", s.scalar_type(),
-                    " of shape ", s.sizes(), " on ", s.device());
-  const at::Tensor c = s.contiguous();
+  // On q's device: the CPU kernels read it here, the CUDA kernels on the
+  // device (a host read would synchronise, and a captured graph would replay
+  // the captured values instead of the generator's advancing offset).
+  TORCH_CHECK_VALUE(s.scalar_type() == at::kLong && s.dim() == 1 && s.size(0) == 2 && s.device() == device,
+                    "flashattn_ext: rng_state must be an int64 (2,) tensor [seed, offset] on ", device,
+                    " (q's device), got ", s.scalar_type(), " of shape ", s.sizes(), " on ", s.device());
   d.p = dropout_p;
   d.keep_threshold = dropout_keep_threshold(dropout_p);
   d.scale = dropout_p < 1.0 ? 1.0 / (1.0 - dropout_p) : 0.0;
-  d.seed = static_cast<uint64_t>(c.data_ptr<int64_t>()[0]);
-  d.offset = static_cast<uint64_t>(c.data_ptr<int64_t>()[1]);
+  if (device.is_cpu()) {
+    const at::Tensor c = s.contiguous();
+    d.seed = static_cast<uint64_t>(c.data_ptr<int64_t>()[0]);
+    d.offset = static_cast<uint64_t>(c.data_ptr<int64_t>()[1]);
+  } else {
+    // (No copy: the kernels are queued after this returns, a copy's memory could be reused before they read it.)
+    TORCH_CHECK_VALUE(s.stride(0) == 1, "flashattn_ext: rng_state must be contiguous, got stride ", s.stride(0));
+    d.rng_state = s.data_ptr<int64_t>();
+  }
   return d;
 }
 

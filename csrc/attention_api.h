@@ -55,10 +55,10 @@ ScoreMod make_score_mod(double softcap, const std::optional<at::Tensor>& alibi_s
 
 // Validates dropout_p (finite, in [0, 1]) and, when it is > 0, rng_state
 // (int64 (2,) [seed, offset], the state flashattn_ext::dropout_rng_state
-// draws) and describes them (DropoutParams, csrc/philox.h). On the CPU the
-// seed and offset are read from rng_state; `backend` words the error of a
-// backend without dropout kernels (nullptr: it has them).
-DropoutParams make_dropout(double dropout_p, const std::optional<at::Tensor>& rng_state, const char* backend = nullptr);
+// draws, on `device`, q's) and describes them (DropoutParams, csrc/philox.h):
+// on the CPU the seed and offset are read from rng_state, on CUDA the kernels
+// read them on the device (DropoutParams::rng_state; nothing read here).
+DropoutParams make_dropout(double dropout_p, const std::optional<at::Tensor>& rng_state, const at::Device& device);
 
 // A dense call with nothing to compute: zero batch, heads or query rows (an
 // empty output), or no keys (a zero output, lse -inf), as torch's SDPA gives

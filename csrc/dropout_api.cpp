@@ -5,10 +5,10 @@
 // The CPU generator (mt19937) has no Philox offset: the seed is a fresh
 // 64-bit draw (gen->random64(), as torch's CPU bernoulli takes a seed from it
 // for its own stream), the offset 0; torch.manual_seed replays the draws, and
-// every call gets a seed of its own. The CUDA draw, once the CUDA kernels
-// take dropout, is torch's graph-safe one: philox_cuda_state(increment)
-// under the generator's mutex, unpacked on the device by a one-thread kernel
-// that writes rng_state (as FlashAttention-2 writes its rng_state), so that a
+// every call gets a seed of its own. The CUDA ops (cuda/dropout_cuda.cpp)
+// take torch's graph-safe draw instead: philox_cuda_state(increment) under
+// the generator's mutex, unpacked on the device by a one-thread kernel that
+// writes rng_state (as FlashAttention-2 writes its rng_state), so that a
 // captured graph's replays read the generator's advancing offset.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -42,7 +42,7 @@ at::Tensor dropout_keep_mask_cpu(const at::Tensor& rng_state, int64_t batch, int
                                  int64_t seqlen_k, double dropout_p) {
   TORCH_CHECK_VALUE(batch >= 0 && heads_q >= 0 && seqlen_q >= 0 && seqlen_k >= 0,
                     "flashattn_ext: dropout_keep_mask: sizes must be >= 0");
-  DropoutParams d = make_dropout(dropout_p, rng_state);
+  DropoutParams d = make_dropout(dropout_p, rng_state, at::Device(at::kCPU));
   if (!d.enabled()) d.keep_threshold = dropout_keep_threshold(0.0);  // p = 0 keeps everything
   at::Tensor keep = at::empty({batch, heads_q, seqlen_q, seqlen_k}, rng_state.options().dtype(at::kBool));
   bool* out = keep.data_ptr<bool>();

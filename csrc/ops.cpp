@@ -61,9 +61,9 @@ TORCH_LIBRARY(flashattn_ext, m) {
   // probabilities, kept ones scaled by 1 / (1 - dropout_p); lse stays that of
   // the softmax without dropout. rng_state: int64 (2,) [seed, offset] (uint64
   // bit patterns), the keep mask of csrc/philox.h, so that bwd regenerates the
-  // forward's mask from the same rng_state; on the CPU for the CPU kernels (the
-  // CUDA kernels, once they take dropout, read it on the device, written there
-  // by a graph-safe unpack of torch's Philox state). attention / varlen_attention
+  // forward's mask from the same rng_state; on q's device: the CPU kernels read
+  // it on the host, the CUDA kernels on the device (written there by a
+  // graph-safe unpack of torch's Philox state, dropout_rng_state). attention / varlen_attention
   // draw one from torch's generator (dropout_rng_state) when it is None, and
   // their backward reuses it; fwd / bwd require it with dropout_p > 0.
   //
@@ -152,8 +152,10 @@ TORCH_LIBRARY(flashattn_ext, m) {
   // [seed, offset] for a call of batch x heads_q (b, h) planes (the offset
   // advances by dropout_offset_increment of csrc/philox.h), drawn from torch's
   // default generator of q's device (torch.manual_seed reproduces it, two
-  // draws differ). Random: tagged nondeterministic_seeded, so that compilers
-  // neither fold nor deduplicate it. CPU only for now.
+  // draws differ), on q's device (CPU: a fresh seed, offset 0; CUDA: the
+  // generator's seed and Philox offset, written on the device, graph-safe).
+  // Random: tagged nondeterministic_seeded, so that compilers neither fold nor
+  // deduplicate it.
   m.def("dropout_rng_state(Tensor q, int batch, int heads_q) -> Tensor", {at::Tag::nondeterministic_seeded});
   // The keep mask of csrc/philox.h, drawn by the kernels' own code: bool
   // (batch, heads_q, seqlen_q, seqlen_k), True = kept. A probe for tests and

@@ -101,7 +101,7 @@ struct DropoutParams {
   uint32_t keep_threshold = 0;  // keep iff slice < keep_threshold (see the layout above)
   double scale = 1.0;           // 1 / (1 - p) for the kept probabilities (0 when p == 1)
   uint64_t seed = 0, offset = 0;
-  // The CUDA kernels (later) read seed and offset through these device pointers
+  // The CUDA kernels read seed and offset through these device pointers
   // when set (rng_state, int64 (2,) [seed, offset], written by a graph-safe
   // unpack of torch's PhiloxCudaState), so that CUDA graph replays draw fresh
   // masks; the CPU kernels read seed / offset above.

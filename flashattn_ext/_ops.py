@@ -340,9 +340,10 @@ def check_attn_mask(q, k, attn_mask, softcap, alibi_slopes):
             )
 
 
-def check_dropout(dropout_p, rng_state, drawn=False):
-    """csrc/attention_api.cpp make_dropout's checks (same words); drawn: the op
-    draws rng_state itself when it is None (attention, varlen_attention)."""
+def check_dropout(dropout_p, rng_state, device, drawn=False):
+    """csrc/attention_api.cpp make_dropout's checks (same words); device: q's
+    (rng_state must be on it); drawn: the op draws rng_state itself when it is
+    None (attention, varlen_attention)."""
     if not (math.isfinite(dropout_p) and 0.0 <= dropout_p <= 1.0):
         raise ValueError(f"flashattn_ext: dropout_p must be in [0, 1], got {dropout_p}")
     if dropout_p == 0.0 or (drawn and rng_state is None):
@@ -352,16 +353,18 @@ def check_dropout(dropout_p, rng_state, drawn=False):
             "flashattn_ext: dropout_p > 0 needs rng_state, an int64 (2,) tensor [seed, offset] "
             "(flashattn_ext::dropout_rng_state draws one)"
         )
-    if rng_state.dtype != torch.int64 or rng_state.shape != (2,) or rng_state.device.type != "cpu":
+    if rng_state.dtype != torch.int64 or rng_state.shape != (2,) or rng_state.device != device:
         raise ValueError(
-            f"flashattn_ext: rng_state must be an int64 (2,) CPU tensor [seed, offset], got {_c10(rng_state.dtype)} "
-            f"of shape {list(rng_state.shape)} on {rng_state.device}"
+            f"flashattn_ext: rng_state must be an int64 (2,) tensor [seed, offset] on {device} (q's device), got "
+            f"{_c10(rng_state.dtype)} of shape {list(rng_state.shape)} on {rng_state.device}"
         )
+    if device.type != "cpu" and rng_state.stride(0) != 1:
+        raise ValueError(f"flashattn_ext: rng_state must be contiguous, got stride {rng_state.stride(0)}")
 
 
 @torch.library.register_fake("flashattn_ext::dropout_rng_state")
 def _dropout_rng_state_fake(q, batch, heads_q):
-    return torch.empty(2, dtype=torch.int64, device="cpu")
+    return torch.empty(2, dtype=torch.int64, device=q.device)  # on q's device, as the CPU / CUDA ops draw it
 
 
 @torch.library.register_fake("flashattn_ext::dropout_keep_mask")
@@ -393,7 +396,7 @@ def _fwd_fake(
     res = _fwd_fake_impl(q, k, v, softmax_scale, window_left, window_right)
     check_score_mod(q, softcap, alibi_slopes, q.shape[0], q.shape[2])
     check_attn_mask(q, k, attn_mask, softcap, alibi_slopes)
-    check_dropout(dropout_p, rng_state)
+    check_dropout(dropout_p, rng_state, q.device)
     return res
 
 
@@ -419,7 +422,7 @@ def _attention_fake(
     out, lse = _fwd_fake_impl(q, k, v, softmax_scale, window_left, window_right, unit_stride=False)
     check_score_mod(q, softcap, alibi, q.shape[0], q.shape[2])
     check_attn_mask(q, k, attn_mask, softcap, alibi)
-    check_dropout(dropout_p, rng_state, drawn=True)
+    check_dropout(dropout_p, rng_state, q.device, drawn=True)
     return (out.transpose(1, 2) if bhsd else out), lse
 
 
@@ -447,7 +450,7 @@ def _bwd_fake(
     check_scalars(softmax_scale, window_left, window_right)
     check_score_mod(q, softcap, alibi, q.shape[0], q.shape[2])
     check_attn_mask(q, k, attn_mask, softcap, alibi)
-    check_dropout(dropout_p, rng_state)
+    check_dropout(dropout_p, rng_state, q.device)
     return _empty_like_each(q, k, v)
 
 
@@ -472,7 +475,7 @@ def _bwd_mask_grad_fake(
     check_bwd_extras(dout, q, out, lse)
     check_scalars(softmax_scale, window_left, window_right)
     check_attn_mask(q, k, attn_mask, 0.0, None)
-    check_dropout(dropout_p, rng_state)
+    check_dropout(dropout_p, rng_state, q.device)
     if not attn_mask.dtype.is_floating_point:
         raise TypeError(f"flashattn_ext: only a floating-point attn_mask has a gradient, got {_c10(attn_mask.dtype)}")
     return (*_empty_like_each(q, k, v), torch.empty_like(attn_mask, memory_format=torch.contiguous_format))
@@ -780,7 +783,7 @@ def _varlen_fwd_fake(
 ):
     res = _varlen_fwd_fake_impl(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, True)
     check_score_mod(q, softcap, alibi, cu_q.shape[0] - 1, q.shape[1])
-    check_dropout(dropout_p, rng_state)
+    check_dropout(dropout_p, rng_state, q.device)
     return res
 
 
@@ -805,7 +808,7 @@ def _varlen_attention_fake(
 ):
     res = _varlen_fwd_fake_impl(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window_left, window_right, False)
     check_score_mod(q, softcap, alibi_slopes, cu_q.shape[0] - 1, q.shape[1])
-    check_dropout(dropout_p, rng_state, drawn=True)
+    check_dropout(dropout_p, rng_state, q.device, drawn=True)
     return res
 
 
@@ -835,7 +838,7 @@ def _varlen_bwd_fake(
     check_varlen_bwd_extras(dout, q, out, lse)
     check_scalars(softmax_scale, window_left, window_right)
     check_score_mod(q, softcap, alibi_slopes, cu_q.shape[0] - 1, q.shape[1])
-    check_dropout(dropout_p, rng_state)
+    check_dropout(dropout_p, rng_state, q.device)
     return _empty_like_each(q, k, v)
 
 

@@ -228,23 +228,10 @@ def _check_alibi_slopes(fn, alibi_slopes, batch, heads_q, device):
         )
 
 
-def _kernel_dropout(q) -> bool:
-    """Whether the kernels of q's device apply dropout themselves: the CPU
-    kernels do; the CUDA kernels not yet (their calls go to torch's SDPA)."""
-    return q.device.type == "cpu"
-
-
-def _want_attn_probs(fn, q, return_attn_probs) -> bool:
-    """return_attn_probs, checked: True only on the CPU (whose kernels draw the
-    dropout mask S_dmask shows)."""
-    if return_attn_probs is False or not _require_bool(fn, "return_attn_probs", return_attn_probs):
-        return False
-    if not _kernel_dropout(q):
-        raise NotImplementedError(
-            f"{fn}: return_attn_probs=True is supported on the CPU only (the CUDA kernels have no dropout yet); "
-            "use return_lse=True for the log-sum-exp"
-        )
-    return True
+def _want_attn_probs(fn, return_attn_probs) -> bool:
+    """return_attn_probs, checked (the kernels of both devices draw the dropout
+    mask S_dmask shows)."""
+    return return_attn_probs is not False and _require_bool(fn, "return_attn_probs", return_attn_probs)
 
 
 def _rng_state(q, batch, heads_q):
@@ -331,14 +318,6 @@ def _s_dmask_varlen(q, k, lse, cu_q, cu_k, max_q, max_k, p, rng_state, scale, wl
     return out
 
 
-def _no_dropout_with_score_mods(fn, p, mods):
-    if p > 0.0 and mods:
-        raise NotImplementedError(
-            f"{fn}: dropout_p > 0 together with softcap or alibi_slopes is not supported by flashattn_ext (dropout "
-            "runs through torch's SDPA, which has neither); pass dropout_p=0.0"
-        )
-
-
 # --------------------------------------------------------------------------
 # flash_attn_func
 
@@ -382,16 +361,15 @@ def flash_attn_func(
     the softcap), query i, key j, as flash-attn defines it; the slopes get no
     gradient. lse is that of the modified scores.
 
-    dropout_p in (0, 1]: on the CPU the kernels drop probabilities themselves
-    (the keep mask of csrc/philox.h from a seed drawn from torch's generator:
-    torch.manual_seed reproduces it; kept ones scaled by 1 / (1 - dropout_p);
-    lse is that of the softmax without dropout), with every mask and score mod;
-    return_attn_probs=True (CPU) returns (out, lse, S_dmask) as flash-attn 2 does:
-    S_dmask (batch, heads_q, seqlen_q and seqlen_k rounded up to 128) the
-    probabilities with the dropped ones negated, None without dropout. On CUDA
-    dropout is computed by torch's scaled_dot_product_attention with an explicit
-    mask (one-time FlashAttnFallbackWarning; O(seqlen_q * seqlen_k) memory;
-    not with softcap or ALiBi) and return_attn_probs raises NotImplementedError.
+    dropout_p in (0, 1]: the kernels (CPU and CUDA) drop probabilities
+    themselves (the keep mask of csrc/philox.h, drawn from torch's generator of
+    q's device: torch.manual_seed reproduces it, a CUDA graph's replays draw
+    fresh masks; the same rng_state gives the same mask on either device; kept
+    ones scaled by 1 / (1 - dropout_p); lse is that of the softmax without
+    dropout), with every mask and score mod; return_attn_probs=True returns
+    (out, lse, S_dmask) as flash-attn 2 does: S_dmask (batch, heads_q, seqlen_q
+    and seqlen_k rounded up to 128) the probabilities with the dropped ones
+    negated, None without dropout.
     Double backward raises when attempted.
     """
     fn = "flash_attn_func"
@@ -405,7 +383,7 @@ def flash_attn_func(
         deterministic = _require_bool(fn, "deterministic", deterministic)
     if type(return_lse) is not bool:
         return_lse = _require_bool(fn, "return_lse", return_lse)
-    want_probs = return_attn_probs is not False and _want_attn_probs(fn, q, return_attn_probs)
+    want_probs = _want_attn_probs(fn, return_attn_probs)
     mods = (
         ()
         if alibi_slopes is None and type(softcap) is float and softcap == 0.0
@@ -431,12 +409,9 @@ def flash_attn_func(
     else:
         scale = _real(fn, "softmax_scale", softmax_scale)
     p = 0.0 if type(dropout_p) is float and dropout_p == 0.0 else _dropout_p(fn, dropout_p)
-    if p > 0.0 and not _kernel_dropout(q):
-        _no_dropout_with_score_mods(fn, 1.0, mods)
-        return _flash_attn_dropout_fallback(q, k, v, p, scale, window_left, window_right, return_lse)
     # The op takes any strides (it copies a strided head_dim, nothing else).
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
-    if p > 0.0:  # the CPU kernels' dropout; the rng_state drawn here so that S_dmask can show its mask
+    if p > 0.0:  # the kernels' dropout; the rng_state drawn here so that S_dmask can show its mask
         rng_state = _rng_state(q, q.shape[0], q.shape[2])
         softcap, slopes = _mods_parts(mods)
         out, lse = _ops.attention(
@@ -449,39 +424,6 @@ def flash_attn_func(
     if want_probs:  # flash-attn 2: S_dmask only with dropout, else None
         s_dmask = _s_dmask(q, k, lse, p, rng_state, scale, window_left, window_right, mods) if p > 0.0 else None
         return out, lse, s_dmask
-    return (out, lse) if return_lse else out
-
-
-def _flash_attn_dropout_fallback(q, k, v, dropout_p, scale, window_left, window_right, return_lse):
-    # The op validates the inputs (same errors as the kernel path) and gives the
-    # lse, which dropout does not change.
-    q, k, v = _ops.unit_last_stride(q), _ops.unit_last_stride(k), _ops.unit_last_stride(v)
-    with torch.no_grad():
-        _, lse = _ops.fwd_op(q, k, v, scale, window_left, window_right, True)
-    _warn_once(
-        "flash_attn_func:dropout",
-        "flashattn_ext: dropout_p > 0 is not implemented by the kernels; flash_attn_func computes it with "
-        "torch.nn.functional.scaled_dot_product_attention and an explicit mask (slower, O(seqlen_q * seqlen_k) memory)",
-        4,
-    )
-    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-    mask = None
-    if window_left >= 0 or window_right >= 0:
-        mask = visible_mask(seqlen_q, seqlen_k, window_left, window_right, seqlen_k - seqlen_q, q.device)
-    kwargs = {"enable_gqa": True} if q.shape[2] != k.shape[2] else {}
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=mask,
-        dropout_p=dropout_p,
-        scale=scale,
-        **kwargs,
-    ).transpose(1, 2)
-    if mask is not None:
-        # Rows that see no key are zero whatever the backend does with them.
-        dead = ~mask.any(dim=1)  # (seqlen_q,)
-        out = out.masked_fill(dead.view(1, seqlen_q, 1, 1), 0.0)
     return (out, lse) if return_lse else out
 
 
@@ -718,12 +660,6 @@ def _sdpa_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         reason = _mask_refusal(attn_mask, query, key, dtype, is_causal)
         if reason is not None:
             return "attn_mask", reason
-    if dropout_p != 0.0 and dev.type != "cpu":
-        return (
-            "dropout",
-            "dropout_p > 0 (the CUDA kernels have no dropout yet; note torch applies it whenever dropout_p > 0, "
-            "training or not)",
-        )
     bq, hq, lq, e = _dims(query)
     bk, hk, sk, ek = _dims(key)
     bv, hv, sv, ev = _dims(value)
@@ -835,7 +771,7 @@ def _sdpa_kernels(query, key, value, is_causal, scale, attn_mask=None, dropout_p
     """The kernel path. The op takes the (B, H, L, E) tensors as they are (bhsd=True:
     it reads them through (B, L, H, E) views, copying only a strided head_dim) and
     returns a (B, H, L, E) view of a (B, L, H, E) buffer. attn_mask goes to the
-    kernels as it is (no expansion, no copy). dropout_p > 0 (CPU): the op draws
+    kernels as it is (no expansion, no copy). dropout_p > 0: the op draws
     its rng_state from torch's generator (rank 3: batch entry b is plane b, as
     (B, L, E) is (B, 1, L, E))."""
     if query.dim() == 3:
@@ -874,8 +810,8 @@ def scaled_dot_product_attention(
     sees keys 0..i), default scale 1 / sqrt(E), GQA only with enable_gqa=True
     (a single key/value head broadcasts, as in torch), the inputs cast to the
     autocast dtype under torch.autocast. The flashattn_ext kernels run for
-    rank-3/4 inputs whose dtype/device they support (with dropout: on the CPU,
-    the kernels' own dropout, whose mask torch.manual_seed reproduces but which
+    rank-3/4 inputs whose dtype/device they support (with dropout: the
+    kernels' own dropout, whose mask torch.manual_seed reproduces but which
     is not torch's bernoulli stream), with or
     without an attn_mask (bool or float32 / the query's dtype, any broadcast
     shape and strides, read in place; not together with is_causal; a float mask
@@ -964,7 +900,7 @@ def _common_args(
         deterministic = _require_bool(fn, "deterministic", deterministic)
     if type(return_lse) is not bool:
         return_lse = _require_bool(fn, "return_lse", return_lse)
-    _want_attn_probs(fn, q, return_attn_probs)  # raises where it cannot be served
+    _want_attn_probs(fn, return_attn_probs)  # (checks its type)
     mods = _score_mods(fn, softcap, alibi_slopes)
     try:
         window_left, window_right = _window_size(window_size)
@@ -980,8 +916,6 @@ def _common_args(
             raise ValueError(f"{fn}: softmax_scale must be finite, got {scale}")
     p = 0.0 if type(dropout_p) is float and dropout_p == 0.0 else _dropout_p(fn, dropout_p)
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
-    if not _kernel_dropout(q):
-        _no_dropout_with_score_mods(fn, p, mods)
     return p, scale, window_left, window_right, deterministic, return_lse, mods
 
 
@@ -1074,13 +1008,11 @@ def flash_attn_varlen_func(
     tensors), a max_seqlen below a sequence's length cuts that sequence.
     softcap and alibi_slopes as in ``flash_attn_func`` (ALiBi's distance with
     each sequence's own lengths; (batch, heads_q) slopes: one row a sequence).
-    dropout_p > 0 and return_attn_probs as in ``flash_attn_func``: on the CPU
-    in the kernels (sequence b draws plane b of the keep mask, its queries and
-    keys counted from its own first row; S_dmask (batch, heads_q, max_seqlen_q
-    and max_seqlen_k rounded up to 128), sequence b in its top-left corner); on
-    CUDA dropout is computed per sequence by torch's
-    scaled_dot_product_attention (one-time FlashAttnFallbackWarning) and
-    return_attn_probs raises.
+    dropout_p > 0 and return_attn_probs as in ``flash_attn_func``, in the
+    kernels (sequence b draws plane b of the keep mask, its queries and keys
+    counted from its own first row; S_dmask (batch, heads_q, max_seqlen_q and
+    max_seqlen_k rounded up to 128), sequence b in its top-left corner; building
+    it reads cu_seqlens to the host, a synchronisation on CUDA: a debugging aid).
 
     block_table (flash-attn 2.8's paged KV): int32 (batch, max_blocks_per_seq);
     k and v are then paged caches (num_blocks, page_block_size, heads_kv,
@@ -1136,11 +1068,9 @@ def flash_attn_varlen_func(
             f"{fn}: cu_seqlens_q has {cu_seqlens_q.shape[0]} elements but cu_seqlens_k has {cu_seqlens_k.shape[0]}; "
             "both must be (batch + 1,)"
         )
-    if p > 0.0 and not _kernel_dropout(q):
-        return _varlen_dropout_fallback(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, p, scale, wl, wr, return_lse)
-    want_probs = return_attn_probs is not False and _want_attn_probs(fn, q, return_attn_probs)
+    want_probs = _want_attn_probs(fn, return_attn_probs)
     # The op takes any strides (it copies a strided head_dim, nothing else).
-    if p > 0.0:  # the CPU kernels' dropout (csrc/philox.h: sequence b is plane b, counted from its first row)
+    if p > 0.0:  # the kernels' dropout (csrc/philox.h: sequence b is plane b, counted from its first row)
         rng_state = _rng_state(q, cu_seqlens_q.shape[0] - 1, q.shape[1])
         softcap, slopes = _mods_parts(mods)
         out, lse = _ops.varlen_attention(
@@ -1387,30 +1317,6 @@ def _varlen_paged(
             lse[:, sq : sq + n_q] = lse_b[0]
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         out, lse = _PagedForwardOnly.apply(out, lse, q, k, v)
-    return (out, lse) if return_lse else out
-
-
-def _varlen_dropout_fallback(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, p, scale, wl, wr, return_lse):
-    """dropout_p > 0: per sequence, as flash_attn_func computes it (torch's SDPA
-    with an explicit mask). This path reads cu_seqlens to the host (a device
-    synchronisation on CUDA); the kernels' varlen op first validates the call
-    (on the CPU: the values of cu_seqlens too) and gives the lse."""
-    with torch.no_grad():
-        _, lse = _ops.varlen_attention(
-            q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, wl, wr, True, False
-        )
-    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()  # the host sync
-    heads_q, head_dim = q.shape[1], q.shape[2]
-    outs = []
-    for (sq, eq), (sk, ek) in zip(zip(bounds_q[:-1], bounds_q[1:]), zip(bounds_k[:-1], bounds_k[1:])):
-        if eq == sq:
-            continue
-        if ek == sk:  # no key to see: zeros
-            outs.append(q.new_zeros((eq - sq, heads_q, head_dim)))
-            continue
-        oi, _ = _flash_attn_dropout_fallback(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], p, scale, wl, wr, True)
-        outs.append(oi[0])
-    out = torch.cat(outs) if outs else q[:0] * 0
     return (out, lse) if return_lse else out
 
 

@@ -90,7 +90,6 @@ def _expand_long(x, dim):
 
 V = ValueError
 T = TypeError
-NI = NotImplementedError
 
 CASES = {
     # --------------------------------------------------------------- flash_attn_func: tensor arguments
@@ -230,11 +229,7 @@ CASES = {
     "faf_softcap": Case("faf", Fkw(softcap=-1.0), Raises(V, r"softcap must be a finite number >= 0")),
     "faf_softcap_str": Case("faf", Fkw(softcap="x"), Raises(T, r"softcap must be a real number")),
     "faf_alibi": Case("faf", Fkw(alibi_slopes=[1.0]), Raises(T, r"alibi_slopes must be None or a float32")),
-    "faf_return_attn_probs": Case(  # the CPU serves it (S_dmask; None without dropout)
-        "faf",
-        Fkw(return_attn_probs=True),
-        lambda d: None if d == "cpu" else Raises(NI, r"return_attn_probs=True is supported on the CPU only"),
-    ),
+    "faf_return_attn_probs": Case("faf", Fkw(return_attn_probs=True), None),  # served (S_dmask; None without dropout)
     # --------------------------------------------------------------- the SDPA drop-in: torch's behaviour
     "sdpa_query_numpy": Case("sdpa", lambda d: ((bhsd(d)[0].cpu().float().numpy(),) + bhsd(d)[1:], {}), LIKE_TORCH),
     "sdpa_key_none": Case("sdpa", S_(lambda q, k, v: (q, None, v)), LIKE_TORCH),

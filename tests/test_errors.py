@@ -250,21 +250,6 @@ def test_bwd_device_mismatch(field):
 # ----------------------------------------------------------------------------- Python-level refusals
 
 
-@pytest.mark.parametrize(
-    "kw,arg",
-    [
-        ({"return_attn_probs": True}, "return_attn_probs"),
-    ],
-    ids=["return_attn_probs"],
-)
-def test_flash_attn_func_unsupported(device, kw, arg):
-    if device == "cpu":
-        pytest.skip("the CPU serves return_attn_probs (tests/test_dropout.py)")
-    q, k, v = _qkv(device)
-    with pytest.raises(NotImplementedError, match=arg):
-        flashattn_ext.flash_attn_func(q, k, v, **kw)
-
-
 def test_lse_has_no_gradient(device):
     q, k, v = (x.requires_grad_() for x in _qkv(device))
     _, lse = flashattn_ext.flash_attn_func(q, k, v, return_lse=True)

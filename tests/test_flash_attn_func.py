@@ -10,7 +10,6 @@ import torch
 from helpers import (
     KernelCalls,
     assert_rule,
-    attention_ref,
     check_flash,
     make_bshd,
     oracle_and_naive,
@@ -242,57 +241,17 @@ def test_deterministic_flag_reaches_the_op(device, dtype, monkeypatch):
     assert seen == [False, True, True]
 
 
-def test_dropout_falls_back_to_torch(device, dtype):
-    """CUDA, dropout_p > 0: computed by torch's SDPA with the same mask; same RNG
-    draw as a direct torch call, one warning, lse of the dropout-free attention.
-    (The CPU kernels apply dropout themselves: tests/test_dropout.py.)"""
-    if device == "cpu":
-        pytest.skip("the CPU kernels take dropout (tests/test_dropout.py)")
-    q = randn((2, 20, 4, 16), dtype, device)
-    k = randn((2, 31, 2, 16), dtype, device)
-    v = randn((2, 31, 2, 16), dtype, device)
-    with pytest.warns(flashattn_ext.FlashAttnFallbackWarning, match="dropout_p") as record:
-        torch.manual_seed(1234)
-        out, lse = flashattn_ext.flash_attn_func(q, k, v, dropout_p=0.3, causal=True, return_lse=True)
-    assert record[0].filename == __file__, "the warning points at the caller"
-    from flashattn_ext.reference import visible_mask
-
-    torch.manual_seed(1234)
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=visible_mask(20, 31, -1, 0, 11, device),
-        dropout_p=0.3,
-        enable_gqa=True,
-    ).transpose(1, 2)
-    torch.testing.assert_close(out, expected, rtol=0, atol=0)
-    _, lse_ref = attention_ref(q, k, v, causal=True, return_lse=True)
-    torch.testing.assert_close(lse, lse_ref.to(lse.dtype), rtol=1e-4, atol=1e-4)
-    # Some probability mass was dropped: the output differs from the dropout-free one.
-    assert not torch.allclose(out.float(), flashattn_ext.flash_attn_func(q, k, v, causal=True).float())
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", flashattn_ext.FlashAttnFallbackWarning)
-        flashattn_ext.flash_attn_func(q, k, v, dropout_p=0.3)  # warned once only
-
-
 def test_dropout_zeroes_dead_rows(device, dtype):
-    """Rows that see no key are zero with dropout too: the CPU kernels (no
-    warning, lse -inf there) and CUDA's torch fallback (a warning)."""
+    """Rows that see no key are zero with dropout too (the kernels, no
+    warning, lse -inf there)."""
     import warnings
 
     q = randn((1, 10, 1, 8), dtype, device)
     k = randn((1, 4, 1, 8), dtype, device)
-    if device == "cpu":
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", flashattn_ext.FlashAttnFallbackWarning)
-            out, lse = flashattn_ext.flash_attn_func(q, k, k, dropout_p=0.5, causal=True, return_lse=True)
-        assert bool((lse[..., :6] == -math.inf).all())
-    else:
-        with pytest.warns(flashattn_ext.FlashAttnFallbackWarning):
-            out = flashattn_ext.flash_attn_func(q, k, k, dropout_p=0.5, causal=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", flashattn_ext.FlashAttnFallbackWarning)
+        out, lse = flashattn_ext.flash_attn_func(q, k, k, dropout_p=0.5, causal=True, return_lse=True)
+    assert bool((lse[..., :6] == -math.inf).all())
     assert (out[:, :6] == 0).all() and torch.isfinite(out).all()
 
 
@@ -464,8 +423,5 @@ def test_score_mod_errors_device_and_dropout(device):
     q, k, v = (randn((2, 5, 2, 16), torch.float32 if device == "cpu" else torch.float16, device) for _ in range(3))
     with pytest.raises(ValueError, match=r"alibi_slopes is on meta.*alibi_slopes.to\(q.device\)"):
         flashattn_ext.flash_attn_func(q, k, v, alibi_slopes=torch.ones(2, device="meta"))
-    if device == "cpu":  # the CPU kernels take dropout with the score mods (tests/test_dropout.py)
-        assert flashattn_ext.flash_attn_func(q, k, v, dropout_p=0.1, softcap=1.0).shape == q.shape
-    else:
-        with pytest.raises(NotImplementedError, match="dropout_p > 0 together with softcap or alibi_slopes"):
-            flashattn_ext.flash_attn_func(q, k, v, dropout_p=0.1, softcap=1.0)
+    # The kernels take dropout with the score mods (tests/test_dropout.py).
+    assert flashattn_ext.flash_attn_func(q, k, v, dropout_p=0.1, softcap=1.0).shape == q.shape

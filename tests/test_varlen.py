@@ -21,7 +21,6 @@ from helpers import KernelCalls, cuda_kernel_names, is_sm90, randn
 
 import flashattn_ext
 from flashattn_ext import (
-    FlashAttnFallbackWarning,
     _ops,
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -621,26 +620,6 @@ def test_varlen_vmap_and_grad(device):
         torch.func.vmap(lambda c: flash_attn_varlen_func(qs[0], ks[0], vs[0], c, ck, 7, 7))(cq.expand(2, -1))
 
 
-def test_varlen_dropout_follows_flash_attn_func(device):
-    """CUDA, dropout_p > 0: computed per sequence as flash_attn_func does (torch's
-    SDPA), same random stream. (The CPU kernels draw one plane per sequence:
-    tests/test_dropout.py.)"""
-    if device == "cpu":
-        pytest.skip("the CPU kernels take dropout (tests/test_dropout.py)")
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    lens_q, lens_k = [4, 3], [5, 3]
-    q, k, v = make_varlen(lens_q, lens_k, 2, 2, 16, dtype, device)
-    torch.manual_seed(7)
-    with pytest.warns(FlashAttnFallbackWarning, match="dropout"):
-        out = flash_attn_varlen_func(q, k, v, cu(lens_q, device), cu(lens_k, device), 4, 5, dropout_p=0.5)
-    torch.manual_seed(7)
-    ref = [
-        flash_attn_func(q[None, sq:eq], k[None, sk:ek], v[None, sk:ek], dropout_p=0.5)[0]
-        for (sq, eq), (sk, ek) in zip(bounds(lens_q), bounds(lens_k))
-    ]
-    assert torch.equal(out, torch.cat(ref))
-
-
 # ----------------------------------------------------------------------------- packed forms
 
 
@@ -788,7 +767,7 @@ def test_varlen_errors(device, case):
     flash_attn_varlen_func(**args)  # the valid call passes
     change, exc, pattern = VARLEN_ERRORS[case]
     args.update(change(args, device))
-    if device == "cpu" and case == "return_attn_probs":  # served on the CPU: S_dmask, None without dropout
+    if case == "return_attn_probs":  # served (both devices): S_dmask, None without dropout
         assert flash_attn_varlen_func(**args)[2] is None
         return
     if device == "cuda" and case in VALUE_CHECKS:
@@ -862,14 +841,9 @@ def test_packed_errors(device):
         flash_attn_varlen_kvpacked_func(qkv[0, :, 0], qkv[0], cu([5], device), cu([5], device), 5, 5)
     with pytest.raises(TypeError, match="qkv must be a torch.Tensor"):
         flash_attn_qkvpacked_func(qkv.tolist())
-    for kw, name in ((dict(return_attn_probs=True), "return_attn_probs"),):
-        if device == "cpu":  # served on the CPU (tests/test_dropout.py)
-            assert flash_attn_qkvpacked_func(qkv, **kw)[2] is None
-            continue
-        with pytest.raises(NotImplementedError, match=name):
-            flash_attn_qkvpacked_func(qkv, **kw)
-        with pytest.raises(NotImplementedError, match=name):
-            flash_attn_varlen_qkvpacked_func(qkv[0], cu([5], device), 5, **kw)
+    # return_attn_probs is served (tests/test_dropout.py): S_dmask, None without dropout.
+    assert flash_attn_qkvpacked_func(qkv, return_attn_probs=True)[2] is None
+    assert flash_attn_varlen_qkvpacked_func(qkv[0], cu([5], device), 5, return_attn_probs=True)[2] is None
     if device == "cpu":  # a value of cu_seqlens: checked on the CPU only (on CUDA it would need a host sync)
         with pytest.raises(ValueError, match="cu_seqlens_q ends at 4"):
             flash_attn_varlen_qkvpacked_func(qkv[0], cu([4], device), 5)

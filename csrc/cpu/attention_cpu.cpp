@@ -24,7 +24,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at::Tensor
   auto params = make_fwd_params(q, k, v, out, lse, softmax_scale, mask);
   params.score_mod = make_score_mod(softcap, alibi_slopes, q, q.size(0), q.size(2));
   add_attn_mask(params.score_mod, attn_mask, q, k);
-  params.dropout = make_dropout(dropout_p, rng_state);
+  params.dropout = make_dropout(dropout_p, rng_state, q.device());
   // Nothing to compute (torch's SDPA semantics): an empty output, or zeros and lse -inf without keys.
   if (is_empty_call(q, k)) return {out.zero_(), lse.fill_(-std::numeric_limits<double>::infinity())};
   run_fwd_cpu(params);
@@ -48,7 +48,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   auto params = make_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, mask, deterministic);
   params.score_mod = make_score_mod(softcap, alibi_slopes, q, q.size(0), q.size(2));
   add_attn_mask(params.score_mod, attn_mask, q, k);
-  params.dropout = make_dropout(dropout_p, rng_state);
+  params.dropout = make_dropout(dropout_p, rng_state, q.device());
   const bool empty = is_empty_call(q, k);
   // The pass that writes it stores every element (flash_cpu_bwd.cpp): no zeroing.
   const at::Tensor dmask_buffer =
@@ -109,7 +109,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cpu(const at::Tensor& q, const at:
   auto params = make_varlen_fwd_params(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse,
                                        cu_seqlens_q, cu_seqlens_k, len.max_q, len.max_k, softmax_scale, mask);
   params.score_mod = make_score_mod(softcap, alibi_slopes, q, cu_seqlens_q.size(0) - 1, q.size(1));
-  params.dropout = make_dropout(dropout_p, rng_state);
+  params.dropout = make_dropout(dropout_p, rng_state, q.device());
   run_fwd_cpu(params);
   return {out, lse};
 }
@@ -131,7 +131,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
                              dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0), cu_seqlens_q, cu_seqlens_k, len.max_q,
                              len.max_k, softmax_scale, mask, deterministic);
   params.score_mod = make_score_mod(softcap, alibi_slopes, q, cu_seqlens_q.size(0) - 1, q.size(1));
-  params.dropout = make_dropout(dropout_p, rng_state);
+  params.dropout = make_dropout(dropout_p, rng_state, q.device());
   run_bwd_cpu(params);
   return {dq, dk, dv};
 }

@@ -99,8 +99,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
                                             const std::optional<at::Tensor>& alibi_slopes,
                                             const std::optional<at::Tensor>& attn_mask, double dropout_p,
                                             const std::optional<at::Tensor>& rng_state) {
-  // No dropout kernels on CUDA yet (the DropoutParams of flash_params.h wait for them).
-  make_dropout(dropout_p, rng_state, "CUDA");
+  // (rng_state on q's device: the kernels read it there, DropoutParams::rng_state.)
+  const DropoutParams dropout = make_dropout(dropout_p, rng_state, q_in.device());
   check_qkv(q_in, k_in, v_in, kCudaSpec);
   check_device(q_in);
   const c10::cuda::CUDAGuard guard(q_in.device());
@@ -113,6 +113,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   auto params = make_fwd_params(q, k, v, out, lse, softmax_scale, mask);
   params.score_mod = make_score_mod(softcap, alibi_slopes, q, q.size(0), q.size(2));
   add_attn_mask(params.score_mod, attn_mask, q, k);
+  params.dropout = dropout;
   // Nothing to compute (torch's SDPA semantics): an empty output, or zeros and lse -inf without keys.
   if (is_empty_call(q, k)) return {unpad(out.zero_(), head_dim), lse.fill_(-INFINITY)};
   const at::Tensor mask_summary = summarize_attn_mask(params.score_mod.bias, q, k.size(1));
@@ -130,7 +131,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
     bool bottom_right, bool deterministic, double softcap, const std::optional<at::Tensor>& alibi_slopes,
     const std::optional<at::Tensor>& attn_mask, bool mask_grad, double dropout_p,
     const std::optional<at::Tensor>& rng_state) {
-  make_dropout(dropout_p, rng_state, "CUDA");
+  const DropoutParams dropout = make_dropout(dropout_p, rng_state, q_in.device());
   check_qkv(q_in, k_in, v_in, kCudaSpec);
   check_bwd_extras(dout_in, q_in, out_in, lse);
   check_device(q_in);
@@ -153,6 +154,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   auto params = make_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, mask, deterministic);
   params.score_mod = make_score_mod(softcap, alibi_slopes, q, batch, heads_q);
   add_attn_mask(params.score_mod, attn_mask, q, k);
+  params.dropout = dropout;  // (before tries_sm90_ws below: the dispatch's rule reads it)
   // The mask's gradient: the kernels add dS into a zeroed float32 buffer
   // (atomics where the mask broadcasts); the deterministic backward writes
   // the full (batch, heads, seqlen_q, seqlen_k) once per element instead and
@@ -235,7 +237,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(const at::Tensor& q_in, const
                                                    int64_t window_right, bool bottom_right, double softcap,
                                                    const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
                                                    const std::optional<at::Tensor>& rng_state) {
-  make_dropout(dropout_p, rng_state, "CUDA");
+  const DropoutParams dropout = make_dropout(dropout_p, rng_state, q_in.device());
   check_varlen_qkv(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kCudaSpec);
   check_device(q_in);
   const c10::cuda::CUDAGuard guard(q_in.device());
@@ -251,6 +253,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(const at::Tensor& q_in, const
   auto params = make_varlen_fwd_params(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                        softmax_scale, mask);
   params.score_mod = make_score_mod(softcap, alibi_slopes, q, batch, q.size(2));
+  params.dropout = dropout;
   params.device_arch = device_arch(q);
   // The warp-specialized TMA forward runs varlen batches too: the same switches as fwd_cuda's.
   params.allow_tma = !env_flag("FLASHATTN_DISABLE_TMA");
@@ -264,7 +267,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
     int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale, int64_t window_left, int64_t window_right,
     bool bottom_right, bool deterministic, double softcap, const std::optional<at::Tensor>& alibi_slopes,
     double dropout_p, const std::optional<at::Tensor>& rng_state) {
-  make_dropout(dropout_p, rng_state, "CUDA");
+  const DropoutParams dropout = make_dropout(dropout_p, rng_state, q_in.device());
   check_varlen_qkv(q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kCudaSpec);
   check_varlen_bwd_extras(dout_in, q_in, out_in, lse);
   check_device(q_in);
@@ -288,6 +291,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   auto params = make_varlen_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                        max_seqlen_k, softmax_scale, mask, deterministic);
   params.score_mod = make_score_mod(softcap, alibi_slopes, q, batch, heads_q);
+  params.dropout = dropout;  // (before tries_sm90_ws below: the dispatch's rule reads it)
   params.dsum_ptr = dsum.data_ptr();
   params.device_arch = device_arch(q);
   // The warp-specialized TMA backward runs varlen batches too: the same switches as bwd_cuda's.

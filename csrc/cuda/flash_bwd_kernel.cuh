@@ -19,6 +19,8 @@
 #include "../flash_params.h"
 #include "bwd_common.cuh"
 #include "dispatch.h"
+#include "dropout.cuh"
+#include "dropout_keep_bits.cuh"
 #include "kernel_traits.h"
 #include "mask.cuh"
 #include "mask_skip.cuh"
@@ -30,7 +32,13 @@ namespace flashattn {
 
 // kScoreMod (both kernels below): the instance for calls with softcap / ALiBi
 // (score_mod.cuh): S is modified before P is recomputed from it, and dS takes
-// softcap's derivative.
+// softcap's derivative. It also runs dropout (p.dropout.enabled(), a runtime
+// branch; the plain instances hold no dropout code), with Z the forward's keep
+// mask regenerated (dropout.cuh, philox.h) and s = 1 / (1 - p):
+//   dP = (dO V^T) o Z s,  dS = P o (dP - D),  dV += (Z o P s)^T dO
+// (D = rowsum(dO o O) unchanged; P the undropped probabilities, as the
+// softcap derivative needs them), as the CPU kernels compute it.
+
 template <typename Kt, bool kComputeDq, bool kVarlen, bool kScoreMod = false>
 __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const AttnBwdParams p) {
   using T = typename Kt::Element;
@@ -153,6 +161,20 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
       cp_async_commit();
     }
 
+    // Dropout: the tile's keep bits (dropout_keep_bits.cuh), drawn before the
+    // products, when only the dK / dV accumulators are live (the Philox
+    // temporaries then do not add to the S^T / dP^T tiles' peak), applied to
+    // dP^T and P^T below.
+    [[maybe_unused]] const bool dropout = kScoreMod && p.dropout.enabled();
+    [[maybe_unused]] const float dropout_scale = static_cast<float>(p.dropout.scale);
+    [[maybe_unused]] KeepBitsCols<kMT, kQT> keep;
+    if constexpr (kScoreMod) {
+      // (apply_dropout_cols: key offsets multiples of 32, or 16 with one m-tile.)
+      static_assert(Kt::kSKeys % 32 == 0 || Kt::kSKeys == 16, "dropout: a warp's keys must be whole key groups");
+      if (dropout)
+        keep = KeepBitsCols<kMT, kQT>(DropoutPlane(p.dropout, b, p.heads_q, hq), n0 + s_key0, m0 + s_q0, lane);
+    }
+
     // P^T = exp2(scale_log2 * K Q^T - lse_log2), keys as rows.
     float acc_s[kMT][kQT][4];
     clear(acc_s);
@@ -179,10 +201,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
       apply_mask_cols(acc_s, mask, n0 + s_key0, m0 + s_q0, lane, 0.f);
     }
 
-    // dP^T = V dO^T, then dS^T = P^T * (dP^T - D) in place.
+    // dP^T = V dO^T (with dropout: times Z s), then dS^T = P^T * (dP^T - D) in place.
     float acc_dp[kMT][kQT][4];
     clear(acc_dp);
     gemm_ss_nk<kMT, kQT, kHeadDim, T>(acc_dp, ldsm_v, ldsm_do_b);
+    if constexpr (kScoreMod) {
+      if (dropout) keep.apply(acc_dp, dropout_scale);
+    }
 #pragma unroll
     for (int qi = 0; qi < kQT; ++qi)
 #pragma unroll
@@ -209,6 +234,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dkdv_kernel(const 
     // The attn_mask's gradient: one CTA of a key block's head-dim slices adds it.
     if constexpr (kScoreMod)
       if (d0 == 0) add_bias_grad_tile<true>(acc_dp, mod, n0 + s_key0, m0 + s_q0, lane);
+
+    // dV += (Z o P s)^T dO with dropout (dS above took the undropped P).
+    if constexpr (kScoreMod) {
+      if (dropout) keep.apply(acc_s, dropout_scale);
+    }
 
     // dV += P^T dO and dK += dS^T Q over this CTA's head-dim slice.
     if constexpr (!Kt::kPInSmem) {
@@ -375,6 +405,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1) flash_bwd_dq_kernel(const At
     float acc_dp[kMT][kNT][4];
     clear(acc_dp);
     gemm_ss_nk<kMT, kNT, kHeadDim, T>(acc_dp, ldsm_do, ldsm_v);
+    if constexpr (kScoreMod) {  // dropout: dP = (dO V^T) o Z s (the forward's mask, regenerated)
+      if (p.dropout.enabled())
+        apply_dropout_rows(acc_dp, DropoutPlane(p.dropout, b, p.heads_q, h), m0 + warp_row0, n0, lane,
+                           static_cast<float>(p.dropout.scale));
+    }
 #pragma unroll
     for (int mi = 0; mi < kMT; ++mi)
 #pragma unroll

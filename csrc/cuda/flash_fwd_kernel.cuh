@@ -14,9 +14,14 @@
 //
 // kScoreMod: the instance for calls with flash-attn's softcap / ALiBi
 // (score_mod.cuh): each S tile is modified (in log2 units) before the mask.
+// It also runs dropout (p.dropout.enabled(), a runtime branch: the plain
+// instance holds no dropout code): the row sums (and lse) are those of the
+// undropped P; the dropped entries of P are zeroed before P V (dropout.cuh,
+// philox.h's mask) and O takes the 1 / (1 - p) once, at the end.
 #pragma once
 
 #include "../flash_params.h"
+#include "dropout.cuh"
 #include "kernel_traits.h"
 #include "mask.cuh"
 #include "mask_skip.cuh"
@@ -136,12 +141,17 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
     }
     if (mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0)) apply_mask_rows(acc_s, mask, m0 + warp_row0, n0, lane);
   };
-  // P = online softmax of S (rescaling O), then O += P V.
-  auto accumulate = [&](float(&acc_s)[kMT][kNT][4], int stage) {
+  // P = online softmax of S (rescaling O), then O += P V (with dropout, the
+  // kept entries of P: the row sums above saw them all).
+  auto accumulate = [&](float(&acc_s)[kMT][kNT][4], int n0, int stage) {
     if (positive_scale) {
       softmax.template update<true>(acc_s, acc_o, kScoreMod ? 1.f : p.softmax_scale_log2);
     } else {
       softmax.template update<false>(acc_s, acc_o, kScoreMod ? 1.f : p.softmax_scale_log2);
+    }
+    if constexpr (kScoreMod) {
+      if (p.dropout.enabled())
+        apply_dropout_rows(acc_s, DropoutPlane(p.dropout, b, p.heads_q, h), m0 + warp_row0, n0, lane, 1.f);
     }
     gemm_rc_kn<kMT, kDT, kBlockN, T>(acc_o, acc_s, ldsm_v, stage * Kt::kStageBytes);
   };
@@ -165,7 +175,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
         load_k(block_of(next), 0);
         cp_async_commit();
       }
-      accumulate(acc_s, 0);
+      accumulate(acc_s, n0, 0);
       step = next;
     }
   } else {
@@ -177,7 +187,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
       cp_async_wait<1>();
       __syncthreads();  // this stage has landed
       scores(acc_s, n0, stage);
-      accumulate(acc_s, stage);
+      accumulate(acc_s, n0, stage);
       __syncthreads();  // every warp is done with this stage
       const int far = ahead < blocks ? visible.next_warp(ahead + 1) : blocks;
       if (far < blocks) load_k(block_of(far), stage), load_v(block_of(far), stage);
@@ -192,6 +202,17 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
   float row_lse[kMT][2];
   cp_async_wait<0>();  // only empty groups can remain
   softmax.finalize(acc_o, kScoreMod ? 1.f : p.softmax_scale_log2, positive_scale, row_lse);
+  if constexpr (kScoreMod) {
+    if (p.dropout.enabled()) {  // O / l times 1 / (1 - p) (0 when p = 1: every entry dropped), as the CPU's
+      const float scale = static_cast<float>(p.dropout.scale);
+#pragma unroll
+      for (int mi = 0; mi < kMT; ++mi)
+#pragma unroll
+        for (int di = 0; di < kDT; ++di)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_o[mi][di][e] *= scale;
+    }
+  }
   const bool bad = nonfinite::any_bad(acc_o);
   store_acc<TileQ>(sQ, acc_o, warp_row0, 0, lane);
   if (t == 0) {

@@ -46,6 +46,17 @@ inline int sm_count() {
 // there). With one instance for both, ptxas spilled in kernels that had not
 // spilled before.
 
+// Dropout (p.dropout.enabled()) runs in the mma.sync kernels' score-mod
+// instances (kScoreMod: a runtime branch there, so the plain instances hold no
+// dropout code and there are no instances more to compile). The Hopper kernels
+// have no dropout yet: the rule below keeps calls with dropout off them (one
+// use at each of their dispatch points in run_fwd / run_bwd / bwd_tries_sm90_ws),
+// for the warp-specialized TMA kernels and the cp.async wgmma ones apart.
+inline bool sm90_ws_declines_dropout(const AttnFwdParams& p) { return p.dropout.enabled(); }
+inline bool sm90_declines_dropout(const AttnFwdParams& p) { return p.dropout.enabled(); }
+// The mma.sync instance a call runs: the score-mod one for a score mod or dropout.
+inline bool runs_score_mod_instance(const AttnFwdParams& p) { return p.score_mod.any() || p.dropout.enabled(); }
+
 // All grids are one-dimensional: blockIdx.x goes to 2^31 - 1, where y and z
 // stop at 65535 (batch x heads can exceed that). The binding layer checks the
 // block count fits. A varlen batch sizes them by max_seqlen_q / max_seqlen_k,
@@ -53,7 +64,7 @@ inline int sm_count() {
 // rejects a launch of zero blocks).
 template <typename Kt>
 cudaError_t launch_fwd(const AttnFwdParams& p, cudaStream_t stream) {
-  const bool mod = p.score_mod.any();
+  const bool mod = runs_score_mod_instance(p);
   auto kernel = p.is_varlen() ? (mod ? &flash_fwd_kernel<Kt, true, true> : &flash_fwd_kernel<Kt, true, false>)
                               : (mod ? &flash_fwd_kernel<Kt, false, true> : &flash_fwd_kernel<Kt, false, false>);
   if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
@@ -183,8 +194,8 @@ cudaError_t launch_bwd(const AttnBwdParams& p, cudaStream_t stream) {
   if (cudaError_t err = launch_bwd_preprocess<T>(p, stream); err != cudaSuccess) return err;
 
   const int64_t dkdv_blocks = int64_t(ceil_div(p.seqlen_k, Kt::kBlockN)) * Kt::kDSplit * p.heads_kv * p.batch;
-  // (Calls with softcap / ALiBi: the kScoreMod instances, flash_bwd_kernel.cuh.)
-  const bool mod = p.score_mod.any();
+  // (Calls with softcap / ALiBi / attn_mask / dropout: the kScoreMod instances, flash_bwd_kernel.cuh.)
+  const bool mod = runs_score_mod_instance(p);
   if (!p.deterministic) {
     auto kernel = p.is_varlen()
                       ? (mod ? &flash_bwd_dkdv_kernel<Kt, true, true, true> : &flash_bwd_dkdv_kernel<Kt, true, true>)
@@ -351,7 +362,7 @@ cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
   // Built for sm90a and running on an sm90 device: the wgmma kernel, for the
   // head dims KernelConfig gives one.
   if constexpr (HasFwdSm90Ws<KernelConfig<kHeadDim, T>>::value) {
-    if (p.device_arch == 90 && p.allow_tma) {  // dense and varlen batches (launch_fwd_sm90_ws)
+    if (p.device_arch == 90 && p.allow_tma && !sm90_ws_declines_dropout(p)) {  // dense and varlen (launch_fwd_sm90_ws)
       bool launched = false;
 #ifdef FLASHATTN_TUNING
       cudaError_t err = cudaSuccess;
@@ -387,7 +398,7 @@ cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
 #ifdef FLASHATTN_SM90
   // (The cp.async wgmma kernels have no score-mod instance: such calls run the mma.sync kernels.)
   if constexpr (HasFwdSm90<KernelConfig<kHeadDim, T>>::value) {
-    if (p.device_arch == 90 && !p.score_mod.any()) {
+    if (p.device_arch == 90 && !p.score_mod.any() && !sm90_declines_dropout(p)) {
 #ifdef FLASHATTN_TUNING
       return run_variant(typename TuneVariants<kHeadDim, T>::FwdSm90{}, "FLASHATTN_FWD_VARIANT",
                          [&](auto kt) { return launch_fwd_sm90<decltype(kt)>(p, stream); });
@@ -407,14 +418,14 @@ cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
 
 // The one rule for when run_bwd tries the warp-specialized TMA backward:
 // built for sm90a, an sm90 device, TMA allowed, and a head dim KernelConfig
-// gives a BwdSm90Ws (dense and varlen batches). The binding layer allocates that kernel's
-// deterministic workspace by it (dispatch.h). The kernel can still decline
-// (launch_bwd_sm90_ws: a tensor TMA cannot describe); the ones below run then.
+// gives a BwdSm90Ws (dense and varlen batches), and no dropout (sm90_ws_declines_dropout). The binding layer allocates
+// that kernel's deterministic workspace by it (dispatch.h). The kernel can still decline (launch_bwd_sm90_ws: a tensor
+// TMA cannot describe); the ones below run then.
 template <typename T, int kHeadDim>
 bool bwd_tries_sm90_ws(const AttnBwdParams& p) {
 #ifdef FLASHATTN_SM90
   if constexpr (HasBwdSm90Ws<KernelConfig<kHeadDim, T>>::value) {
-    return p.device_arch == 90 && p.allow_tma;
+    return p.device_arch == 90 && p.allow_tma && !sm90_ws_declines_dropout(p);
   }
 #endif
   return false;
@@ -444,7 +455,7 @@ cudaError_t run_bwd(const AttnBwdParams& p, cudaStream_t stream) {
     }
   }
   if constexpr (HasBwdSm90<Cfg>::value) {
-    if (p.device_arch == 90 && !p.deterministic && !p.score_mod.any()) {
+    if (p.device_arch == 90 && !p.deterministic && !p.score_mod.any() && !sm90_declines_dropout(p)) {
 #ifdef FLASHATTN_TUNING
       return run_variant(typename TuneVariants<kHeadDim, T>::BwdSm90{}, "FLASHATTN_BWD_VARIANT",
                          [&](auto kt) { return launch_bwd_sm90<decltype(kt)>(p, stream); });
