@@ -1,5 +1,5 @@
-"""Dropout inside the kernels (issue 22), CPU and CUDA (the mma.sync kernels;
-on sm90 too, the Hopper kernels have no dropout yet): the keep mask of
+"""Dropout inside the kernels (issue 22), CPU and CUDA (on sm90 the Hopper TMA
+kernels, at head dim 32 and elsewhere the mma.sync ones): the keep mask of
 csrc/philox.h against its oracle (reference.dropout_keep_mask) bit for bit and
 in its statistics, on both devices and across them (the same rng_state draws
 the same mask), the kernels' forward and backward against the oracle with that
@@ -185,7 +185,8 @@ def test_matches_oracle(device, dtype, case):
     """Output, lse (that of the softmax without dropout) and the gradients
     against the oracle with the kernels' exact mask, under the tolerance rule;
     the same check against a mask of another seed fails (the test can fail).
-    CUDA: the mma.sync kernels' score-mod instances (dropout alone runs them too)."""
+    CUDA: the score-mod instances (dropout alone runs them too) of the Hopper
+    TMA kernels on sm90, of the mma.sync kernels elsewhere."""
     p = 0.2
     (q, k, v), out, lse, rs, args, scale = _call(case, dtype, p, device=device)
     dout = randn(out.shape, dtype, device)
@@ -594,20 +595,21 @@ def test_cuda_graph_replays_draw_fresh_masks():
 
 
 @pytest.mark.cuda
-def test_cuda_dropout_runs_mma_sync_kernels():
-    """On sm90 a dropout call skips the Hopper kernels (they have no dropout
-    yet): the forward and backward run the mma.sync kernels' score-mod
-    instances; without dropout the same call runs a Hopper kernel."""
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_cuda_dropout_runs_the_hopper_kernels(head_dim):
+    """On sm90 a dropout call runs the warp-specialized TMA kernels' score-mod
+    instances, forward and backward (192 / 256: the split backward), as the
+    same call without dropout runs their plain ones; no mma.sync kernel."""
     if not is_sm90():
         pytest.skip("the Hopper dispatch exists on sm90 only")
-    q = randn((1, 256, 2, 128), CUDA_DTYPE, "cuda").requires_grad_()
+    q = randn((1, 256, 2, head_dim), CUDA_DTYPE, "cuda").requires_grad_()
 
     def call(p):
         out = flashattn_ext.flash_attn_func(q, q, q, dropout_p=p)
         out.backward(torch.ones_like(out))
 
-    with_dropout = cuda_kernel_names(lambda: call(0.1))
-    assert any("flash_fwd_kernel" in n for n in with_dropout), with_dropout
-    assert any("flash_bwd_dkdv_kernel" in n for n in with_dropout), with_dropout
-    assert not any("sm90" in n for n in with_dropout), with_dropout
-    assert any("sm90" in n for n in cuda_kernel_names(lambda: call(0.0)))
+    for p in (0.1, 0.0):
+        names = cuda_kernel_names(lambda: call(p))  # noqa: B023
+        assert any("flash_fwd_sm90_ws_kernel" in n for n in names), (p, names)
+        assert any("flash_bwd_sm90_ws" in n for n in names), (p, names)
+        assert not any("flash_fwd_kernel" in n or "flash_bwd_dkdv_kernel" in n for n in names), (p, names)

@@ -21,7 +21,6 @@
 #pragma once
 
 #include "../philox.h"
-#include "tile.cuh"
 
 namespace flashattn {
 
@@ -127,74 +126,6 @@ __device__ __forceinline__ void apply_dropout_cols(float (&s)[kMT][kNT][4], cons
           }
         }
       }
-}
-
-// The keep decisions of a transposed fragment of one m-tile, as bits (bit
-// 4 ni + 2 h + e: element [ni][2 h + e]), for the kernels that apply the mask
-// to more than one tile of the same positions (the backward: P for dV, dP for
-// dS). Rows are keys key0 + g (+8), key0 % 16 == 0; columns queries
-// q0 + ni*8 + 2t (+1). The two lanes of a key pair (g even / odd, lane ^ 4)
-// need the same calls, so they share them: lane g draws query column e = g % 2
-// of each n-tile, keeps its own key's halves of the two words and trades the
-// other key's halves for its partner's (one shuffle an n-tile): 4 of a call's
-// 8 decisions used, where each lane drawing its own would use 2. All 32 lanes
-// must call it together.
-template <int kNT>
-struct KeepBits {
-  static constexpr int kWords = (kNT * 4 + 31) / 32;
-  uint32_t w[kWords];
-  __device__ __forceinline__ bool kept(int ni, int k) const {
-    return (w[(4 * ni + k) / 32] >> ((4 * ni + k) % 32)) & 1u;
-  }
-};
-
-template <int kNT>
-__device__ __forceinline__ KeepBits<kNT> dropout_keep_bits_cols(const DropoutPlane& d, int key0, int q0, int lane) {
-  const int g = lane >> 2, t = lane & 3, odd = g & 1;
-  const uint32_t u = static_cast<uint32_t>((key0 >> 5) * 4 + (g >> 1));
-  const int word0 = (key0 & 16) ? 2 : 0;  // keys g and g + 8: words word0, word0 + 1
-  // This lane's halves (low for an even key, high for an odd one) and the
-  // partner's, each pair packed low / high = key g / key g + 8.
-  const uint32_t own_sel = odd ? 0x7632u : 0x5410u, other_sel = odd ? 0x5410u : 0x7632u;
-  KeepBits<kNT> bits;
-#pragma unroll
-  for (int i = 0; i < KeepBits<kNT>::kWords; ++i) bits.w[i] = 0u;
-#pragma unroll
-  for (int ni = 0; ni < kNT; ++ni) {
-    const Philox4 r = d.words(static_cast<uint32_t>(q0 + ni * 8 + 2 * t + odd), u);
-    const uint32_t w0 = r.x[word0], w1 = r.x[word0 + 1];
-    const uint32_t mine = __byte_perm(w0, w1, own_sel);
-    const uint32_t theirs = __shfl_xor_sync(0xffffffffu, __byte_perm(w0, w1, other_sel), 4);
-    // mine: column e = odd of keys g, g + 8; theirs: column e = 1 - odd.
-    const uint32_t k_own0 = (mine & 0xffffu) < d.threshold, k_own1 = (mine >> 16) < d.threshold;
-    const uint32_t k_oth0 = (theirs & 0xffffu) < d.threshold, k_oth1 = (theirs >> 16) < d.threshold;
-    const uint32_t e0 = odd ? k_oth0 | (k_oth1 << 2) : k_own0 | (k_own1 << 2);  // bits 2h + 0
-    const uint32_t e1 = odd ? k_own0 | (k_own1 << 2) : k_oth0 | (k_oth1 << 2);  // bits 2h + 1
-    bits.w[(4 * ni) / 32] |= (e0 | (e1 << 1)) << ((4 * ni) % 32);
-  }
-  return bits;
-}
-
-// acc_to_a (tile.cuh) of n-tiles 2 kk, 2 kk + 1 with the dropped entries 0
-// (the backward's dV operand: Z * P, the 1 / (1 - p) applied to dV at the end).
-template <typename T, int kNT>
-__device__ __forceinline__ void acc_to_a_kept(uint32_t (&a)[4], const float (&c)[kNT][4], int kk,
-                                              const KeepBits<kNT>& bits) {
-  float kept[2][4];
-#pragma unroll
-  for (int n = 0; n < 2; ++n)
-#pragma unroll
-    for (int k = 0; k < 4; ++k) kept[n][k] = bits.kept(2 * kk + n, k) ? c[2 * kk + n][k] : 0.f;
-  acc_to_a<T>(a, kept, 0);
-}
-
-// Kept entries of `s` times scale, dropped ones 0 (bits of dropout_keep_bits_cols).
-template <int kNT>
-__device__ __forceinline__ void apply_keep_bits(float (&s)[kNT][4], const KeepBits<kNT>& bits, float scale) {
-#pragma unroll
-  for (int ni = 0; ni < kNT; ++ni)
-#pragma unroll
-    for (int k = 0; k < 4; ++k) s[ni][k] = bits.kept(ni, k) ? s[ni][k] * scale : 0.f;
 }
 
 }  // namespace flashattn

@@ -85,4 +85,50 @@ struct KeepBitsCols : FragmentKeepBits<kMT, kNT> {
   }
 };
 
+// One m-tile (kMT = 1: keys key0 + g (+8), key0 % 16 == 0; the Hopper
+// backward's warps): the two lanes of a key pair (g even / odd, lane ^ 4) need
+// the same Philox calls (query, u = 4 (key0 / 32) + g / 2), of which each
+// uses its own key's 16-bit halves of two words. So they share them: lane g
+// draws query column e = g % 2 of each n-tile, keeps its own halves and trades
+// the other key's for its partner's (one shuffle an n-tile): one call an
+// n-tile where drawing alone takes two (4 of a call's 8 decisions used, not 2).
+// The draw and the bits are apart (cols_pair_draw, cols_pair_bits) so that the
+// host check can stand in for the shuffle.
+struct ColsPairDraw {
+  uint32_t mine, theirs_part;  // halves (key g in the low 16 bits, key g + 8 in the high): this lane's, the partner's
+};
+__device__ __forceinline__ ColsPairDraw cols_pair_draw(const DropoutPlane& d, int key0, int q0, int ni, int lane) {
+  const int g = lane >> 2, t = lane & 3, odd = g & 1;
+  const uint32_t u = static_cast<uint32_t>((key0 >> 5) * 4 + (g >> 1));
+  const int word0 = (key0 & 16) ? 2 : 0;  // keys g and g + 8: words word0, word0 + 1
+  const Philox4 r = d.words(static_cast<uint32_t>(q0 + ni * 8 + 2 * t + odd), u);
+  const uint32_t w0 = r.x[word0], w1 = r.x[word0 + 1];
+  const uint32_t lo = (w0 & 0xffffu) | (w1 << 16), hi = (w0 >> 16) | (w1 & 0xffff0000u);
+  return {odd ? hi : lo, odd ? lo : hi};
+}
+// Bits 2 h + e of n-tile ni from this lane's halves (column e = g % 2) and the
+// partner's (column 1 - g % 2).
+__device__ __forceinline__ uint32_t cols_pair_bits(uint32_t mine, uint32_t theirs, int lane, uint32_t threshold) {
+  const int odd = (lane >> 2) & 1;
+  const uint32_t own = ((mine & 0xffffu) < threshold) | (uint32_t((mine >> 16) < threshold) << 2);
+  const uint32_t other = ((theirs & 0xffffu) < threshold) | (uint32_t((theirs >> 16) < threshold) << 2);
+  return odd ? other | (own << 1) : own | (other << 1);
+}
+
+#if defined(__CUDACC__)
+template <int kNT>
+struct KeepBitsCols<1, kNT> : FragmentKeepBits<1, kNT> {
+  KeepBitsCols() = default;
+  // All 32 lanes together (the shuffle).
+  __device__ __forceinline__ KeepBitsCols(const DropoutPlane& d, int key0, int q0, int lane) {
+#pragma unroll
+    for (int ni = 0; ni < kNT; ++ni) {
+      const ColsPairDraw r = cols_pair_draw(d, key0, q0, ni, lane);
+      const uint32_t theirs = __shfl_xor_sync(0xffffffffu, r.theirs_part, 4);
+      this->w[(4 * ni) / 32] |= cols_pair_bits(r.mine, theirs, lane, d.threshold) << ((4 * ni) % 32);
+    }
+  }
+};
+#endif
+
 }  // namespace flashattn

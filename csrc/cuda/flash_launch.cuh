@@ -46,15 +46,14 @@ inline int sm_count() {
 // there). With one instance for both, ptxas spilled in kernels that had not
 // spilled before.
 
-// Dropout (p.dropout.enabled()) runs in the mma.sync kernels' score-mod
-// instances (kScoreMod: a runtime branch there, so the plain instances hold no
-// dropout code and there are no instances more to compile). The Hopper kernels
-// have no dropout yet: the rule below keeps calls with dropout off them (one
-// use at each of their dispatch points in run_fwd / run_bwd / bwd_tries_sm90_ws),
-// for the warp-specialized TMA kernels and the cp.async wgmma ones apart.
-inline bool sm90_ws_declines_dropout(const AttnFwdParams& p) { return p.dropout.enabled(); }
+// Dropout (p.dropout.enabled()) runs in the score-mod instances of the
+// mma.sync kernels and of the warp-specialized TMA ones (a runtime branch
+// there, so the plain instances hold no dropout code and there are no
+// instances more to compile). The cp.async wgmma kernels have no score-mod
+// instances, so no dropout: the rule below keeps such calls off them (one use
+// at each of their dispatch points in run_fwd / run_bwd).
 inline bool sm90_declines_dropout(const AttnFwdParams& p) { return p.dropout.enabled(); }
-// The mma.sync instance a call runs: the score-mod one for a score mod or dropout.
+// The instance a call runs: the score-mod one for a score mod or dropout.
 inline bool runs_score_mod_instance(const AttnFwdParams& p) { return p.score_mod.any() || p.dropout.enabled(); }
 
 // All grids are one-dimensional: blockIdx.x goes to 2^31 - 1, where y and z
@@ -105,8 +104,7 @@ cudaError_t launch_fwd_sm90(const AttnFwdParams& p, cudaStream_t stream) {
 template <typename Kt, bool kScoreModInstances = true>
 cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool* launched) {
   *launched = false;
-  // (Dropout is in the score-mod instances: a call with it alone runs one.)
-  const bool mod = p.score_mod.any() || p.dropout.enabled(), bias = p.score_mod.has_bias();
+  const bool mod = runs_score_mod_instance(p), bias = p.score_mod.has_bias();
   if (!kScoreModInstances && mod) return cudaSuccess;
   constexpr bool kBf16 = std::is_same_v<typename Kt::Element, __nv_bfloat16>;
   const bool varlen = p.is_varlen();
@@ -252,7 +250,7 @@ cudaError_t launch_bwd_sm90_ws(const AttnBwdParams& p, cudaStream_t stream, bool
   using T = typename Kt::Element;
   static_assert(kBwdBlockM % Kt::kBlockM == 0, "the dQ accumulator is padded to kBwdBlockM rows");
   *launched = false;
-  if (!kScoreModInstances && (p.score_mod.any() || p.dropout.enabled())) return cudaSuccess;
+  if (!kScoreModInstances && runs_score_mod_instance(p)) return cudaSuccess;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   const bool varlen = p.is_varlen();
   if (varlen && (p.total_q == 0 || p.total_k == 0)) return cudaSuccess;
@@ -274,8 +272,7 @@ cudaError_t launch_bwd_sm90_ws(const AttnBwdParams& p, cudaStream_t stream, bool
   constexpr ScoreModSet kFa = kScoreModInstances ? ScoreModSet::kFlashAttn : kNone;
   constexpr ScoreModSet kBias = kScoreModInstances ? ScoreModSet::kAttnBias : kNone;
   constexpr ScoreModSet kBiasGrad = kScoreModInstances ? ScoreModSet::kAttnBiasGrad : kNone;
-  // (Dropout is in the score-mod instances: a call with it alone runs one.)
-  auto kernel = [varlen, mod = p.score_mod.any() || p.dropout.enabled(), bias = p.score_mod.has_bias(),
+  auto kernel = [varlen, mod = runs_score_mod_instance(p), bias = p.score_mod.has_bias(),
                  bias_grad = p.score_mod.bias.grad != nullptr] {
     if constexpr (Kt::kSplitHeadDim)
       return varlen      ? (mod ? &flash_bwd_sm90_ws_split_kernel<Kt, true, kFa>
@@ -362,7 +359,7 @@ cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
   // Built for sm90a and running on an sm90 device: the wgmma kernel, for the
   // head dims KernelConfig gives one.
   if constexpr (HasFwdSm90Ws<KernelConfig<kHeadDim, T>>::value) {
-    if (p.device_arch == 90 && p.allow_tma && !sm90_ws_declines_dropout(p)) {  // dense and varlen (launch_fwd_sm90_ws)
+    if (p.device_arch == 90 && p.allow_tma) {  // dense and varlen batches (launch_fwd_sm90_ws)
       bool launched = false;
 #ifdef FLASHATTN_TUNING
       cudaError_t err = cudaSuccess;
@@ -380,8 +377,8 @@ cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
         // calls and for every call with a score mod or dropout (its instances
         // live there: in the three-consumer kernel's 160 registers a thread
         // they spilled, kernel_configs.h); the three-consumer one for the rest.
-        const bool mod = p.score_mod.any() || p.dropout.enabled();
-        if (mod || (p.mask.window_right >= 0 && p.seqlen_q <= Cfg::kTwoConsumersMaxSeqlen)) {  // (varlen: max_seqlen_q)
+        if (runs_score_mod_instance(p) ||
+            (p.mask.window_right >= 0 && p.seqlen_q <= Cfg::kTwoConsumersMaxSeqlen)) {  // (varlen: max_seqlen_q)
           err = launch_fwd_sm90_ws<typename Cfg::FwdSm90WsTwoConsumers>(p, stream, &launched);
           if (launched || err != cudaSuccess) return err;
         }
@@ -418,14 +415,14 @@ cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
 
 // The one rule for when run_bwd tries the warp-specialized TMA backward:
 // built for sm90a, an sm90 device, TMA allowed, and a head dim KernelConfig
-// gives a BwdSm90Ws (dense and varlen batches), and no dropout (sm90_ws_declines_dropout). The binding layer allocates
+// gives a BwdSm90Ws (dense and varlen batches). The binding layer allocates
 // that kernel's deterministic workspace by it (dispatch.h). The kernel can still decline (launch_bwd_sm90_ws: a tensor
 // TMA cannot describe); the ones below run then.
 template <typename T, int kHeadDim>
 bool bwd_tries_sm90_ws(const AttnBwdParams& p) {
 #ifdef FLASHATTN_SM90
   if constexpr (HasBwdSm90Ws<KernelConfig<kHeadDim, T>>::value) {
-    return p.device_arch == 90 && p.allow_tma && !sm90_ws_declines_dropout(p);
+    return p.device_arch == 90 && p.allow_tma;
   }
 #endif
   return false;
@@ -444,8 +441,8 @@ cudaError_t run_bwd(const AttnBwdParams& p, cudaStream_t stream) {
       bool launched = false;
       cudaError_t err;
       if constexpr (HasBwdSm90WsShortSteps<Cfg>::value) {
-        // (The short steps have no score-mod instances: such calls take the long ones.)
-        err = p.bwd_long_steps || p.score_mod.any()
+        // (The short steps have no score-mod instances: calls with a score mod or dropout take the long ones.)
+        err = p.bwd_long_steps || runs_score_mod_instance(p)
                   ? launch_bwd_sm90_ws<typename Cfg::BwdSm90Ws>(p, stream, &launched)
                   : launch_bwd_sm90_ws<typename Cfg::BwdSm90WsShortSteps, false>(p, stream, &launched);
       } else {

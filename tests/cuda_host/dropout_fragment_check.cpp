@@ -1,7 +1,8 @@
 // Host check of the CUDA kernels' dropout on their fragments
 // (csrc/cuda/dropout.cuh, dropout_keep_bits.cuh): every element that
 // apply_dropout_rows / apply_dropout_cols keep or drop, and every bit of the
-// dK/dV kernel's KeepBitsCols, must be philox.h's decision (dropout_keep) for
+// backward kernels' KeepBitsCols (the one-m-tile form's lane pairs with their
+// shuffle stood in for), must be philox.h's decision (dropout_keep) for
 // its (b, h, query, key), over all lanes, key offsets at 32-key groups (and the
 // 16-key half group of a single m-tile), seeds, planes whose counter carries
 // into the high half, and rng_state read through the device pointer or from
@@ -55,6 +56,28 @@ int main() {
           for (int b : {0, 2})
             for (int h : {0, 2}) {
               const DropoutPlane plane(d, b, heads, h);
+              // The one-m-tile KeepBitsCols (the Hopper backward's warps): each lane's draw
+              // (cols_pair_draw), the partner's halves handed over as the shuffle does
+              // (lane ^ 4), then its bits (cols_pair_bits).
+              for (int r0 : {0, 16, 1000})
+                for (int key0 : {0, 16, 48, 4096}) {
+                  constexpr int kNT = 8;
+                  ColsPairDraw draws[32][kNT];
+                  for (int lane = 0; lane < 32; ++lane)
+                    for (int ni = 0; ni < kNT; ++ni) draws[lane][ni] = cols_pair_draw(plane, key0, r0, ni, lane);
+                  for (int lane = 0; lane < 32; ++lane) {
+                    const int g = lane >> 2, t = lane & 3;
+                    for (int ni = 0; ni < kNT; ++ni) {
+                      const uint32_t bits =
+                          cols_pair_bits(draws[lane][ni].mine, draws[lane ^ 4][ni].theirs_part, lane, plane.threshold);
+                      for (int e = 0; e < 4; ++e) {
+                        const int k = key0 + g + 8 * (e / 2), q = r0 + ni * 8 + 2 * t + e % 2;
+                        expect(dropout_keep(host, b, heads, h, q, k), (bits >> e) & 1u ? 1.f : 0.f, 1.f, "cols pair",
+                               lane, k, q);
+                      }
+                    }
+                  }
+                }
               for (int lane = 0; lane < 32; ++lane) {
                 const int g = lane >> 2, t = lane & 3;
                 for (int r0 : {0, 16, 48, 1000})

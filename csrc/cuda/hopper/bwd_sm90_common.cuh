@@ -5,6 +5,7 @@
 // columns: the kBlockM queries of the step; thread column q = 8 qi + 2 t + e).
 #pragma once
 
+#include "../dropout_keep_bits.cuh"
 #include "../tile.cuh"
 #include "wgmma.cuh"
 
@@ -68,6 +69,20 @@ __device__ __forceinline__ void ds_t(float (&acc_dp)[kQT][4], const float (&acc_
         x = acc_p[qi][2 * h + e] * (x - d);
       }
     }
+}
+
+// acc_to_a (../tile.cuh) of n-tiles 2 kk, 2 kk + 1 with dropout's dropped
+// entries 0: dV's operand Z * P (its 1 / (1 - p) applied to dV at the end),
+// while the undropped P stays in the accumulator for dS.
+template <typename T, int kQT>
+__device__ __forceinline__ void acc_to_a_kept(uint32_t (&a)[4], const float (&c)[kQT][4], int kk,
+                                              const FragmentKeepBits<1, kQT>& keep) {
+  float kept[2][4];
+#pragma unroll
+  for (int n = 0; n < 2; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) kept[n][e] = keep.kept(0, 2 * kk + n, e) ? c[2 * kk + n][e] : 0.f;
+  acc_to_a<T>(a, kept, 0);
 }
 
 // Packed A fragments of a warp's 16 rows (keys) x kQSteps * 16 columns

@@ -117,7 +117,6 @@
 
 #include "../../flash_params.h"
 #include "../bwd_common.cuh"
-#include "../dropout.cuh"
 #include "../mask_skip.cuh"
 #include "../nonfinite_fixup.cuh"
 #include "../score_mod.cuh"
@@ -554,11 +553,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     // Dropout (in the score-mod instances, a runtime branch): the step's keep
     // bits, drawn while the S^T / dP^T products run. dV takes Z * P (its
     // 1 / (1 - p) at the end), dS = P (Z dP / (1 - p) - D).
-    KeepBits<kQT> keep{};
+    KeepBitsCols<1, kQT> keep;
     const bool dropout = kScoreMod && p.dropout.enabled();
     if constexpr (kScoreMod) {
-      if (dropout)
-        keep = dropout_keep_bits_cols<kQT>(DropoutPlane(p.dropout, b, p.heads_q, hq), n0 + warp_key0, m0, lane);
+      if (dropout) keep = KeepBitsCols<1, kQT>(DropoutPlane(p.dropout, b, p.heads_q, hq), n0 + warp_key0, m0, lane);
     }
     wgmma_wait<1>();
     pin_registers(acc_s[0]);
@@ -596,7 +594,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       wgmma_wait<0>();  // dP^T
     }
     pin_registers(acc_dp[0]);
-    if (dropout) apply_keep_bits(acc_dp[0], keep, static_cast<float>(p.dropout.scale));
+    if (dropout) keep.apply(acc_dp, static_cast<float>(p.dropout.scale));
     ds_t(acc_dp[0], acc_s[0], sDsums, t);
     if constexpr (holds_flash_attn_mods(kMod))
       apply_softcap_grad<true>(acc_dp, acc_s, mod, n0 + warp_key0, m0, lane,

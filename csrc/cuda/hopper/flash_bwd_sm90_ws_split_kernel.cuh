@@ -78,7 +78,6 @@
 
 #include "../../flash_params.h"
 #include "../bwd_common.cuh"
-#include "../dropout.cuh"
 #include "../mask_skip.cuh"
 #include "../nonfinite_fixup.cuh"
 #include "../score_mod.cuh"
@@ -426,8 +425,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         // Dropout (score-mod instances, a runtime branch): the keep bits, drawn
         // under the product; the 16-bit P^T (both consumers' dV operand) is
         // Z * P, the fp32 one (consumer 1's dS) P itself.
-        KeepBits<kQT> keep{};
-        if (dropout) keep = dropout_keep_bits_cols<kQT>(dropout_of(hq), n0 + warp_key0, m0, lane);
+        KeepBitsCols<1, kQT> keep;
+        if (dropout) keep = KeepBitsCols<1, kQT>(dropout_of(hq), n0 + warp_key0, m0, lane);
         wgmma_wait<0>();
         pin_registers(acc_x[0]);
         const float* sLses = sLse + s * kBlockM;
@@ -486,11 +485,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         wgmma_fence();
         issue_kmajor_product<TileKV, TileQ, T>(acc_x[0], desc_v, smem_desc(smem_u32(sdO), 16, kSbo));
         wgmma_commit();
-        KeepBits<kQT> keep{};  // dropout: drawn under the product, as consumer 0 draws them
-        if (dropout) keep = dropout_keep_bits_cols<kQT>(dropout_of(hq), n0 + warp_key0, m0, lane);
+        KeepBitsCols<1, kQT> keep;  // dropout: drawn under the product, as consumer 0 draws them
+        if (dropout) keep = KeepBitsCols<1, kQT>(dropout_of(hq), n0 + warp_key0, m0, lane);
         wgmma_wait<0>();
         pin_registers(acc_x[0]);
-        if (dropout) apply_keep_bits(acc_x[0], keep, static_cast<float>(p.dropout.scale));
+        if (dropout) keep.apply(acc_x, static_cast<float>(p.dropout.scale));
 
         mbar_wait(full_p, uint32_t(it) & 1);
         float p_t[kQT][4];
