@@ -1,6 +1,9 @@
 // dropout_kernels.h.
+// (Before ATen/cuda/PhiloxUtils.cuh, which uses std::tuple without including
+// it; a block of its own, so that include sorting keeps it first.)
+#include <tuple>
+
 #include <ATen/cuda/PhiloxUtils.cuh>
-#include <tuple>  // (before ATen/cuda/PhiloxUtils.cuh, which uses std::tuple without including it)
 
 #include "../philox.h"
 #include "dropout_kernels.h"
