@@ -244,10 +244,10 @@ ACTIVATED_MODES = ("fwd", "fwd+bwd")
 
 
 def _flash_op_calls(mode, b, h, n, d, causal, dtype, device, gen):
-    """(ctx, fn) pairs for the CPU: the CUDA path's overrides (backend._FLASH_OPS, registered for
+    """(ctx, fn) pairs for the CPU: the CUDA path's overrides (backend._register_flash_ops, registered for
     the CPU key) called as aten._scaled_dot_product_flash_attention, and the same kernels called
     directly (flashattn_ext.fwd / bwd on (B, L, H, E) views): their difference is the overrides'
-    Python and torch.library's call into it."""
+    own cost (C++ since session 14; before, Python and torch.library's call into it)."""
     import contextlib
 
     from flashattn_ext import _ops, backend
