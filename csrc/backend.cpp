@@ -191,7 +191,8 @@ std::string varlen_refusal(const at::Tensor& q, const at::Tensor& k, const at::T
   if (!has_q || !has_k) return "only one of cum_seq_q / cum_seq_k is given";
   const std::pair<const at::Tensor*, const char*> named[] = {{&q, "query"}, {&k, "key"}, {&v, "value"}};
   for (const auto& [t, name] : named) {
-    if (!dense_strided(*t) || t->dim() != 3) return std::string(name) + " is not a dense (total, heads, head_dim) tensor";
+    if (!dense_strided(*t) || t->dim() != 3)
+      return std::string(name) + " is not a dense (total, heads, head_dim) tensor";
   }
   const std::pair<const at::Tensor*, const char*> cus[] = {{&*cu_q, "cum_seq_q"}, {&*cu_k, "cum_seq_k"}};
   for (const auto& [cu, name] : cus) {
@@ -275,9 +276,9 @@ struct Original {
 };
 
 std::shared_ptr<const Original> original(const std::string& name, c10::DispatchKey key) {
-  auto state = std::make_shared<Original>(Original{
-      c10::Dispatcher::singleton().findSchemaOrThrow(("aten::" + name).c_str(), ""), std::nullopt, name,
-      c10::toString(key)});
+  auto state =
+      std::make_shared<Original>(Original{c10::Dispatcher::singleton().findSchemaOrThrow(("aten::" + name).c_str(), ""),
+                                          std::nullopt, name, c10::toString(key)});
   try {
     state->kernel = state->op.getComputedKernelForDispatchKey(key);
   } catch (const c10::Error&) {
@@ -350,12 +351,11 @@ std::tuple<at::Tensor, at::Tensor> sdpa_layout_forward(const at::Tensor& q, cons
 std::tuple<at::Tensor, at::Tensor, at::Tensor> sdpa_layout_backward(const at::Tensor& grad_out, const at::Tensor& q,
                                                                     const at::Tensor& k, const at::Tensor& v,
                                                                     const at::Tensor& out, const at::Tensor& lse,
-                                                                    const std::optional<double>& scale,
-                                                                    bool is_causal, bool bottom_right) {
+                                                                    const std::optional<double>& scale, bool is_causal,
+                                                                    bool bottom_right) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::bwd", "").typed<BwdSig>();
   return op.call(bshd(grad_out), bshd(q), bshd(k), bshd(v), bshd(out), lse.contiguous(), scale_of(scale, q), -1,
-                 is_causal ? 0 : -1, bottom_right, deterministic(), 0.0, std::nullopt, std::nullopt, 0.0,
-                 std::nullopt);
+                 is_causal ? 0 : -1, bottom_right, deterministic(), 0.0, std::nullopt, std::nullopt, 0.0, std::nullopt);
 }
 
 // ----------------------------------------------------------------------------- the overrides
@@ -382,48 +382,45 @@ static_assert(std::is_same_v<at::_ops::_scaled_dot_product_flash_attention::sche
                              SdpaFwdRet(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, bool, bool,
                                         std::optional<double>)>,
               "aten::_scaled_dot_product_flash_attention changed its schema");
-static_assert(std::is_same_v<at::_ops::_scaled_dot_product_flash_attention_backward::schema,
-                             SdpaBwdRet(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                        const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                        c10::SymInt, c10::SymInt, double, bool, const at::Tensor&, const at::Tensor&,
-                                        std::optional<double>)>,
-              "aten::_scaled_dot_product_flash_attention_backward changed its schema");
+static_assert(
+    std::is_same_v<at::_ops::_scaled_dot_product_flash_attention_backward::schema,
+                   SdpaBwdRet(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::SymInt,
+                              c10::SymInt, double, bool, const at::Tensor&, const at::Tensor&, std::optional<double>)>,
+    "aten::_scaled_dot_product_flash_attention_backward changed its schema");
 
 // torch's CPU flash op (top-left causal: query i sees keys 0..i).
 auto cpu_forward(std::shared_ptr<const Original> orig) {
-  return [orig](c10::DispatchKeySet ks, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                double dropout_p, bool is_causal, const OptTensor& attn_mask,
-                std::optional<double> scale) -> CpuFwdRet {
-    const std::string why = first_refusal([&] { return attn_mask_refusal(attn_mask); },
-                                          [&] { return dropout_refusal(dropout_p); },
-                                          [&] { return scale_refusal(scale); },
-                                          [&] { return dense_refusal(query, key, value, 2); });
-    if (!why.empty()) {
-      count_refused(kCpuFwd, why);
-      return orig->call<CpuFwdRet>(ks, query, key, value, dropout_p, is_causal, attn_mask, scale);
-    }
-    count_ours(kCpuFwd);
-    auto [out, lse] = sdpa_layout_forward(query, key, value, scale, is_causal, /*bottom_right=*/false);
-    // torch's CPU kernel (and its meta function) return lse as a (B, L, H) buffer seen as (B, H, L).
-    at::Tensor lse_t = at::empty_permuted(lse.sizes(), {0, 2, 1}, lse.options());
-    lse_t.copy_(lse);
-    return {as_like(query, out), lse_t};
-  };
+  return
+      [orig](c10::DispatchKeySet ks, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+             double dropout_p, bool is_causal, const OptTensor& attn_mask, std::optional<double> scale) -> CpuFwdRet {
+        const std::string why =
+            first_refusal([&] { return attn_mask_refusal(attn_mask); }, [&] { return dropout_refusal(dropout_p); },
+                          [&] { return scale_refusal(scale); }, [&] { return dense_refusal(query, key, value, 2); });
+        if (!why.empty()) {
+          count_refused(kCpuFwd, why);
+          return orig->call<CpuFwdRet>(ks, query, key, value, dropout_p, is_causal, attn_mask, scale);
+        }
+        count_ours(kCpuFwd);
+        auto [out, lse] = sdpa_layout_forward(query, key, value, scale, is_causal, /*bottom_right=*/false);
+        // torch's CPU kernel (and its meta function) return lse as a (B, L, H) buffer seen as (B, H, L).
+        at::Tensor lse_t = at::empty_permuted(lse.sizes(), {0, 2, 1}, lse.options());
+        lse_t.copy_(lse);
+        return {as_like(query, out), lse_t};
+      };
 }
 
 auto cpu_backward(std::shared_ptr<const Original> orig) {
   return [orig](c10::DispatchKeySet ks, const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
-                const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse, double dropout_p,
-                bool is_causal, const OptTensor& attn_mask, std::optional<double> scale) -> CpuBwdRet {
+                const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse, double dropout_p, bool is_causal,
+                const OptTensor& attn_mask, std::optional<double> scale) -> CpuBwdRet {
     const std::string why =
-        first_refusal([&] { return attn_mask_refusal(attn_mask); },
-                      [&] { return dropout_refusal(dropout_p); }, [&] { return scale_refusal(scale); },
-                      [&] { return dense_refusal(query, key, value, 2); },
+        first_refusal([&] { return attn_mask_refusal(attn_mask); }, [&] { return dropout_refusal(dropout_p); },
+                      [&] { return scale_refusal(scale); }, [&] { return dense_refusal(query, key, value, 2); },
                       [&] { return bwd_refusal(grad_out, query, out, lse, query.sizes().slice(0, 3)); });
     if (!why.empty()) {
       count_refused(kCpuBwd, why);
-      return orig->call<CpuBwdRet>(ks, grad_out, query, key, value, out, lse, dropout_p, is_causal, attn_mask,
-                                   scale);
+      return orig->call<CpuBwdRet>(ks, grad_out, query, key, value, out, lse, dropout_p, is_causal, attn_mask, scale);
     }
     count_ours(kCpuBwd);
     auto [dq, dk, dv] =
@@ -451,12 +448,10 @@ std::pair<at::Tensor, at::Tensor> rng_outputs(const at::Tensor& q) {
 // SDPA's CUDA flash op (what CUDA SDPA and torch's context parallelism call).
 auto sdpa_forward(std::shared_ptr<const Original> orig) {
   return [orig](c10::DispatchKeySet ks, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                double dropout_p, bool is_causal, bool return_debug_mask,
-                std::optional<double> scale) -> SdpaFwdRet {
-    const std::string why = first_refusal([&] { return dropout_refusal(dropout_p); },
-                                          [&] { return return_debug_mask ? "return_debug_mask" : ""; },
-                                          [&] { return scale_refusal(scale); },
-                                          [&] { return dense_refusal(query, key, value, 2); });
+                double dropout_p, bool is_causal, bool return_debug_mask, std::optional<double> scale) -> SdpaFwdRet {
+    const std::string why = first_refusal(
+        [&] { return dropout_refusal(dropout_p); }, [&] { return return_debug_mask ? "return_debug_mask" : ""; },
+        [&] { return scale_refusal(scale); }, [&] { return dense_refusal(query, key, value, 2); });
     if (!why.empty()) {
       count_refused(kSdpaFwd, why);
       return orig->call<SdpaFwdRet>(ks, query, key, value, dropout_p, is_causal, return_debug_mask, scale);
@@ -467,8 +462,8 @@ auto sdpa_forward(std::shared_ptr<const Original> orig) {
     auto [out, lse] = sdpa_layout_forward(query, key, value, scale, is_causal, /*bottom_right=*/true);
     auto [seed, offset] = rng_outputs(query);
     at::Tensor debug = at::empty({0}, query.options());
-    return {as_like(query, out), lse, at::Tensor(), at::Tensor(), c10::SymInt(query.size(2)),
-            c10::SymInt(key.size(2)), seed, offset, debug};
+    return {as_like(query, out),      lse,  at::Tensor(), at::Tensor(), c10::SymInt(query.size(2)),
+            c10::SymInt(key.size(2)), seed, offset,       debug};
   };
 }
 
@@ -608,8 +603,7 @@ TORCH_LIBRARY_FRAGMENT(flashattn_ext, m) {
   m.def("_backend_scale_refusal(float? scale) -> str",
         [](std::optional<double> scale) { return b::scale_refusal(scale); });
   m.def("_backend_dense_refusal(Tensor q, Tensor k, Tensor v, int seq_dim) -> str", &b::dense_refusal);
-  m.def("_backend_varlen_refusal(Tensor q, Tensor k, Tensor v, Tensor? cu_q, Tensor? cu_k) -> str",
-        &b::varlen_refusal);
+  m.def("_backend_varlen_refusal(Tensor q, Tensor k, Tensor v, Tensor? cu_q, Tensor? cu_k) -> str", &b::varlen_refusal);
   m.def("_backend_bwd_refusal(Tensor grad_out, Tensor q, Tensor out, Tensor lse, int[] lse_shape) -> str",
         [](const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& out, const at::Tensor& lse,
            std::vector<int64_t> lse_shape) { return b::bwd_refusal(grad_out, q, out, lse, lse_shape); });

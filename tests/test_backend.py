@@ -486,7 +486,6 @@ def test_newer_torch_forward_arguments():
     assert sum(n for (op, r), n in backend.calls().items() if r == "torch: block_table is given") == 1
 
 
-
 # ----------------------------------------------------------------------------- the C++ overrides (csrc/backend.cpp)
 
 CPU_OPS = (CPU_OP, CPU_OP + "_backward")
