@@ -36,6 +36,9 @@
 #include <ATen/ops/_scaled_dot_product_flash_attention_ops.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
+#ifdef FLASHATTN_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#endif
 
 #include <atomic>
 #include <cmath>
@@ -50,6 +53,10 @@
 
 #include "attention_api.h"
 
+#ifndef FLASHATTN_CUDA_ARCHS
+#define FLASHATTN_CUDA_ARCHS ""
+#endif
+
 namespace flashattn {
 namespace backend {
 namespace {
@@ -57,22 +64,65 @@ namespace {
 using OptTensor = std::optional<at::Tensor>;
 
 // ----------------------------------------------------------------------------- configuration
-// What the refusal rules need to know of the GPUs, set by backend.py before it
-// registers (_backend_configure), from the rules it keeps in one place in
-// Python (the drop-in's routing uses them too): the CUDA kernels' largest head
-// dim (interface._CUDA_MAX_HEAD_DIM) and, per CUDA device index, why the
-// kernels cannot run there ("" when they can: interface._cuda_arch_supported).
-struct Config {
-  int64_t cuda_max_head_dim = 0;
-  std::vector<std::string> cuda_device_refusals;
-};
 
-std::shared_ptr<const Config>& config_slot() {
-  static std::shared_ptr<const Config> slot = std::make_shared<const Config>();
-  return slot;
+// The CUDA kernels' largest head dim (interface._CUDA_MAX_HEAD_DIM, derived in
+// Python from the build's head dims, where the drop-in's routing uses it too),
+// set by backend.py before it registers (_backend_configure).
+std::atomic<int64_t> g_cuda_max_head_dim{0};
+
+#ifdef FLASHATTN_WITH_CUDA
+// The archs this build's CUDA kernels were compiled for (setup.py's
+// FLASHATTN_CUDA_ARCHS, as build_info reports them), e.g. {80, 90}.
+std::vector<int> compiled_archs() {
+  std::vector<int> archs;
+  int value = -1;
+  for (const char* c = FLASHATTN_CUDA_ARCHS;; ++c) {
+    if (*c >= '0' && *c <= '9') {
+      value = (value < 0 ? 0 : 10 * value) + (*c - '0');
+    } else {
+      if (value >= 0) archs.push_back(value);
+      value = -1;
+      if (*c == '\0') break;
+    }
+  }
+  return archs;
 }
 
-std::shared_ptr<const Config> config() { return std::atomic_load(&config_slot()); }
+// Python's repr of the archs tuple (interface._BUILD["archs"]): "(80, 90)", "(90,)".
+std::string archs_text() {
+  const auto archs = compiled_archs();
+  std::string text = "(";
+  for (size_t i = 0; i < archs.size(); ++i) text += (i ? ", " : "") + std::to_string(archs[i]);
+  return text + (archs.size() == 1 ? ",)" : ")");
+}
+
+#endif
+
+// Whether this build's CUDA kernels run on CUDA device `index`: a cubin for
+// sm_XY runs on sm_XZ with Z >= Y (same major); no PTX is shipped. The one
+// copy of the rule: interface._cuda_arch_supported (the drop-in's routing)
+// asks it through the _cuda_arch_supported op. Remembered per device (the
+// first call reads the device's properties, which initialises CUDA, as
+// torch.cuda.get_device_capability did).
+bool cuda_arch_supported(int64_t index) {
+#ifdef FLASHATTN_WITH_CUDA
+  constexpr int64_t kRemembered = 64;
+  static std::atomic<int8_t> verdicts[kRemembered];  // 0 unknown, 1 runs, 2 does not
+  if (index >= 0 && index < kRemembered) {
+    const int8_t known = verdicts[index].load(std::memory_order_relaxed);
+    if (known != 0) return known == 1;
+  }
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(index));
+  const int cap = 10 * prop->major + prop->minor;
+  bool ok = false;
+  for (const int a : compiled_archs()) ok = ok || (a / 10 == prop->major && a <= cap);
+  if (index >= 0 && index < kRemembered) verdicts[index].store(ok ? 1 : 2, std::memory_order_relaxed);
+  return ok;
+#else
+  (void)index;
+  return false;  // no CUDA kernels in this build
+#endif
+}
 
 // ----------------------------------------------------------------------------- refusal rules
 // Each returns why our kernels cannot take the call, "" when they can, in the
@@ -133,16 +183,14 @@ std::string common_refusal(const at::Tensor& q, const at::Tensor& k, const at::T
   if (!cuda && !dev.is_cpu()) {
     return std::string("no flashattn_ext kernels for device ") + c10::DeviceTypeName(dev.type(), /*lower_case=*/true);
   }
-  const auto cfg = config();
   if (cuda) {
 #ifndef FLASHATTN_WITH_CUDA
     return "this build of flashattn_ext has no CUDA kernels";
+#else
+    const int64_t index = dev.has_index() ? dev.index() : at::cuda::current_device();
+    if (!cuda_arch_supported(index))
+      return "the CUDA kernels were built for archs " + archs_text() + ", not this GPU's";
 #endif
-    const auto index = static_cast<size_t>(dev.has_index() ? dev.index() : 0);
-    if (index >= cfg->cuda_device_refusals.size()) {
-      return "CUDA device " + std::to_string(index) + " was not visible when flashattn_ext was activated";
-    }
-    if (!cfg->cuda_device_refusals[index].empty()) return cfg->cuda_device_refusals[index];
   }
   if (!(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type())) {
     return "query, key, value have different dtypes";
@@ -153,7 +201,7 @@ std::string common_refusal(const at::Tensor& q, const at::Tensor& k, const at::T
   if (!dtype_ok) return "dtype " + dtype_name(dt) + " is not supported by the " + (cuda ? "cuda" : "cpu") + " kernels";
   const int64_t e = q.size(-1);
   if (k.size(-1) != e || v.size(-1) != e) return "key / value head dim differs from the query's";
-  if (e > (cuda ? cfg->cuda_max_head_dim : int64_t{kMaxHeadDim})) {
+  if (e > (cuda ? g_cuda_max_head_dim.load(std::memory_order_relaxed) : int64_t{kMaxHeadDim})) {
     return "head dim " + std::to_string(e) + " is larger than the kernels' largest";
   }
   if (heads_k != heads_v || heads_k < 1 || heads_q % heads_k != 0) {
@@ -554,9 +602,8 @@ bool backend_unregister(int64_t handle) {
   return true;
 }
 
-void backend_configure(int64_t cuda_max_head_dim, const std::vector<std::string>& cuda_device_refusals) {
-  auto cfg = std::make_shared<const Config>(Config{cuda_max_head_dim, cuda_device_refusals});
-  std::atomic_store(&config_slot(), std::shared_ptr<const Config>(std::move(cfg)));
+void backend_configure(int64_t cuda_max_head_dim) {
+  g_cuda_max_head_dim.store(cuda_max_head_dim, std::memory_order_relaxed);
 }
 
 std::tuple<std::vector<std::string>, std::vector<std::string>, std::vector<int64_t>> backend_calls() {
@@ -593,7 +640,9 @@ void backend_reset_calls() {
 // metadata.
 TORCH_LIBRARY_FRAGMENT(flashattn_ext, m) {
   namespace b = flashattn::backend;
-  m.def("_backend_configure(int cuda_max_head_dim, str[] cuda_device_refusals) -> ()", &b::backend_configure);
+  m.def("_backend_configure(int cuda_max_head_dim) -> ()", &b::backend_configure);
+  // interface._cuda_arch_supported's answer (False in a build without CUDA kernels).
+  m.def("_cuda_arch_supported(int device_index) -> bool", &b::cuda_arch_supported);
   m.def("_backend_register(str dispatch_key, str[] ops) -> int", &b::backend_register);
   m.def("_backend_unregister(int handle) -> bool", &b::backend_unregister);
   m.def("_backend_calls() -> (str[] ops, str[] routes, int[] counts)", &b::backend_calls);

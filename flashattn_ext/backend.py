@@ -58,7 +58,7 @@ import warnings
 import torch
 
 from . import _ops
-from .interface import _BUILD, _CUDA_MAX_HEAD_DIM, _cuda_arch_supported
+from .interface import _BUILD, _CUDA_MAX_HEAD_DIM
 
 __all__ = ["IMPL_NAME", "activate", "deactivate", "is_active", "activated", "calls", "reset_calls"]
 
@@ -456,14 +456,9 @@ class _CxxLibrary:
 
 
 def _configure():
-    """Tells the C++ rules what stays Python's: the CUDA kernels' largest head
-    dim and, per visible GPU, why the kernels cannot run there ("": they can;
-    interface._cuda_arch_supported, asked once per GPU, here)."""
-    refusals = []
-    if _BUILD["cuda"] and torch.cuda.is_available():
-        msg = f"the CUDA kernels were built for archs {_BUILD['archs']}, not this GPU's"
-        refusals = ["" if _cuda_arch_supported(i) else msg for i in range(torch.cuda.device_count())]
-    _cxx._backend_configure(_CUDA_MAX_HEAD_DIM, refusals)
+    """Tells the C++ rules the CUDA kernels' largest head dim (derived here, in
+    interface, where the drop-in's routing uses it too)."""
+    _cxx._backend_configure(_CUDA_MAX_HEAD_DIM)
 
 
 class _Handle:

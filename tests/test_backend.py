@@ -652,3 +652,16 @@ def test_python_rules_are_the_cxx_ones():
     lse = torch.empty(1, 2, 8)
     assert backend._bwd_refusal(q, q, q, lse, (1, 2, 8)) is None
     assert backend._bwd_refusal(q, q, q[:, :4], lse, (1, 2, 8)) == "out does not match the query"
+
+
+def test_cuda_arch_rule():
+    """The arch rule (csrc/backend.cpp's, which interface._cuda_arch_supported asks):
+    a cubin for sm_XY runs on sm_XZ with Z >= Y; a build without CUDA kernels runs nowhere."""
+    archs = flashattn_ext.build_info()["archs"]
+    if not flashattn_ext.build_info()["cuda"]:
+        assert torch.ops.flashattn_ext._cuda_arch_supported(0) is False
+        return
+    for i in range(torch.cuda.device_count()):
+        major, minor = torch.cuda.get_device_capability(i)
+        expected = any(a // 10 == major and a <= 10 * major + minor for a in archs)
+        assert torch.ops.flashattn_ext._cuda_arch_supported(i) is expected
