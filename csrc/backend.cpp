@@ -212,8 +212,6 @@ std::string common_refusal(const at::Tensor& q, const at::Tensor& k, const at::T
   if (k.size(seq_dim) != v.size(seq_dim)) return "key and value lengths differ";
   for (const at::Tensor* t : {&q, &k, &v}) {
     if (t->numel() == 0) return "an empty input";
-  }
-  for (const at::Tensor* t : {&q, &k, &v}) {
     for (const int64_t s : t->sizes()) {
       if (s > int64_t{2147483647}) return "a dimension larger than 2^31 - 1";
     }
@@ -555,8 +553,11 @@ class OverrideWarningFilter : public c10::WarningHandler {
   c10::WarningHandler* next_;
 };
 
+// The libraries registered now, by handle. Never destroyed (a process exiting
+// while activated leaves its kernels registered rather than deregister them
+// during static destruction, when the dispatcher may be gone).
 std::mutex g_libraries_mutex;
-std::map<int64_t, std::unique_ptr<torch::Library>> g_libraries;
+auto& g_libraries = *new std::map<int64_t, std::unique_ptr<torch::Library>>();
 int64_t g_next_handle = 1;
 
 // Registers the overrides named in ops for dispatch_key ("CPU", "CUDA"),

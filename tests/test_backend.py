@@ -665,3 +665,18 @@ def test_cuda_arch_rule():
         major, minor = torch.cuda.get_device_capability(i)
         expected = any(a // 10 == major and a <= 10 * major + minor for a in archs)
         assert torch.ops.flashattn_ext._cuda_arch_supported(i) is expected
+
+
+def test_activate_does_not_warn_of_overriding():
+    """The dispatcher warns (once a process) when an aten kernel is overridden;
+    overriding is activate()'s point, so the C++ registration drops that warning
+    (a fresh process: the warning comes only once)."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import flashattn_ext; flashattn_ext.activate(); flashattn_ext.deactivate(); print('done')"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    res = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, env=env)
+    assert res.returncode == 0 and res.stdout.strip() == "done", res.stderr[-2000:]
+    assert "Overriding a previously registered kernel" not in res.stderr
