@@ -30,10 +30,6 @@
 #include <ATen/core/boxing/impl/boxing.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
-#include <ATen/ops/_scaled_dot_product_flash_attention_backward_ops.h>
-#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_backward_ops.h>
-#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_ops.h>
-#include <ATen/ops/_scaled_dot_product_flash_attention_ops.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 #ifdef FLASHATTN_WITH_CUDA
@@ -406,34 +402,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sdpa_layout_backward(const at::Te
 
 // ----------------------------------------------------------------------------- the overrides
 // Each is a lambda holding torch's kernel of its (op, key); its signature is the
-// aten op's (checked against ATen's generated one) with the DispatchKeySet
-// first, passed on to torch's kernel when ours refuse.
+// aten op's with the DispatchKeySet first, passed on to torch's kernel when ours
+// refuse. (Should a torch version change one of these schemas, registering
+// raises at activate(), naming both signatures: the dispatcher checks a C++
+// kernel's signature against the schema. A static_assert against ATen's
+// generated signature would instead fail the whole extension's build.)
 
 using CpuFwdRet = std::tuple<at::Tensor, at::Tensor>;
 using CpuBwdRet = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 using SdpaFwdRet = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::SymInt, c10::SymInt, at::Tensor,
                               at::Tensor, at::Tensor>;
 using SdpaBwdRet = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
-
-static_assert(std::is_same_v<at::_ops::_scaled_dot_product_flash_attention_for_cpu::schema,
-                             CpuFwdRet(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, bool,
-                                       const OptTensor&, std::optional<double>)>,
-              "aten::_scaled_dot_product_flash_attention_for_cpu changed its schema");
-static_assert(std::is_same_v<at::_ops::_scaled_dot_product_flash_attention_for_cpu_backward::schema,
-                             CpuBwdRet(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                       const at::Tensor&, const at::Tensor&, double, bool, const OptTensor&,
-                                       std::optional<double>)>,
-              "aten::_scaled_dot_product_flash_attention_for_cpu_backward changed its schema");
-static_assert(std::is_same_v<at::_ops::_scaled_dot_product_flash_attention::schema,
-                             SdpaFwdRet(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, bool, bool,
-                                        std::optional<double>)>,
-              "aten::_scaled_dot_product_flash_attention changed its schema");
-static_assert(
-    std::is_same_v<at::_ops::_scaled_dot_product_flash_attention_backward::schema,
-                   SdpaBwdRet(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                              const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::SymInt,
-                              c10::SymInt, double, bool, const at::Tensor&, const at::Tensor&, std::optional<double>)>,
-    "aten::_scaled_dot_product_flash_attention_backward changed its schema");
 
 // torch's CPU flash op (top-left causal: query i sees keys 0..i).
 auto cpu_forward(std::shared_ptr<const Original> orig) {
