@@ -137,15 +137,26 @@ def _dense_refusal(q, k, v, seq_dim):
 
 
 def _varlen_refusal(q, k, v, cu_q, cu_k):
-    return _cxx._backend_varlen_refusal(q, k, v, cu_q, cu_k) or None
+    """FA2's packed (total, heads, head_dim) layout, remembered per signature."""
+    compute = lambda: _cxx._backend_varlen_refusal(q, k, v, cu_q, cu_k) or None  # noqa: E731
+    if cu_q is None or cu_k is None:
+        return compute()
+    sig = _signature((q, k, v, cu_q, cu_k), "varlen")
+    return compute() if sig is None else _remembered(_refusals, sig, compute)
+
+
+# The scalar rules' verdicts, per value (a model passes the same few).
+_scalar_refusals: dict = {}
 
 
 def _dropout_refusal(dropout_p):
-    return _cxx._backend_dropout_refusal(float(dropout_p)) or None
+    p = float(dropout_p)
+    return _remembered(_scalar_refusals, ("dropout", p), lambda: _cxx._backend_dropout_refusal(p) or None)
 
 
 def _scale_refusal(scale):
-    return _cxx._backend_scale_refusal(scale) or None
+    s = None if scale is None else float(scale)
+    return _remembered(_scalar_refusals, ("scale", s), lambda: _cxx._backend_scale_refusal(s) or None)
 
 
 def _bwd_refusal(grad_out, q, out, lse, lse_shape):
