@@ -28,10 +28,10 @@ and runnable alone:
   behind torch's SDPA (activated_host_times; --activated): the same tiny call (b1 h1 n16 d64,
       causal) as torch's own SDPA runs it, as our drop-in flashattn_ext.scaled_dot_product_attention
       runs it, and as torch's SDPA runs it with flashattn_ext.activate(first=True) (our kernels
-      behind torch's op: the Python overrides of flashattn_ext/backend.py). On the CPU also the
+      behind torch's op: the C++ overrides of csrc/backend.cpp since session 14). On the CPU also the
       CUDA overrides themselves (registered for the CPU key, as tests/test_backend.py does, and
       called as aten._scaled_dot_product_flash_attention) against the kernels called directly,
-      which isolates the overrides' Python. The implementations are interleaved round by round
+      which isolates the overrides' own cost. The implementations are interleaved round by round
       (each round times every implementation once) and the median over rounds is reported,
       so that a machine whose load changes affects all of them alike.
 """
@@ -244,10 +244,10 @@ ACTIVATED_MODES = ("fwd", "fwd+bwd")
 
 
 def _flash_op_calls(mode, b, h, n, d, causal, dtype, device, gen):
-    """(ctx, fn) pairs for the CPU: the CUDA path's overrides (backend._FLASH_OPS, registered for
+    """(ctx, fn) pairs for the CPU: the CUDA path's overrides (backend._register_flash_ops, registered for
     the CPU key) called as aten._scaled_dot_product_flash_attention, and the same kernels called
     directly (flashattn_ext.fwd / bwd on (B, L, H, E) views): their difference is the overrides'
-    Python and torch.library's call into it."""
+    own cost (C++ since session 14; before, Python and torch.library's call into it)."""
     import contextlib
 
     from flashattn_ext import _ops, backend

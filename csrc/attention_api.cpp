@@ -520,4 +520,11 @@ AttnBwdParams make_varlen_bwd_params(const at::Tensor& dout, const at::Tensor& q
   return p;
 }
 
+// (A size-1 head_dim keeps any stride through contiguous(), hence the clone.)
+at::Tensor unit_last_stride(const at::Tensor& x) {
+  if (x.dim() == 0 || x.stride(-1) == 1) return x;
+  at::Tensor y = x.contiguous();
+  return y.stride(-1) == 1 ? y : y.clone(at::MemoryFormat::Contiguous);
+}
+
 }  // namespace flashattn

@@ -91,6 +91,12 @@ at::Tensor attn_mask_grad_result(const at::Tensor& buffer, const at::Tensor& att
 // Accumulation dtype of lse (float64 for float64 inputs, float32 otherwise).
 at::ScalarType lse_dtype(at::ScalarType input);
 
+// x, or a copy with stride 1 on its last dimension (head_dim) when it has
+// another: the kernels need a unit head_dim stride; copy only when needed.
+// (The attention ops' autograd, csrc/autograd.cpp, and the activated overrides
+// of aten's flash ops, csrc/backend.cpp.)
+at::Tensor unit_last_stride(const at::Tensor& x);
+
 // Allocates out (batch, seqlen_q, heads_q, head_dim) and lse (batch, heads_q, seqlen_q).
 std::tuple<at::Tensor, at::Tensor> alloc_fwd_outputs(const at::Tensor& q);
 

@@ -210,13 +210,7 @@ auto varlen_planes(const at::Tensor& q, const at::Tensor& cu_seqlens_q) {
   };
 }
 
-// The kernels need stride 1 on head_dim; copy only when it is not already so
-// (a size-1 head_dim keeps any stride through contiguous(), hence the clone).
-at::Tensor unit_last_stride(const at::Tensor& x) {
-  if (x.dim() == 0 || x.stride(-1) == 1) return x;
-  at::Tensor y = x.contiguous();
-  return y.stride(-1) == 1 ? y : y.clone(at::MemoryFormat::Contiguous);
-}
+using flashattn::unit_last_stride;
 
 // An input of attention as fwd / bwd take it: (batch, seqlen, heads, head_dim)
 // with a unit head_dim stride. A view unless the head_dim was strided. (A

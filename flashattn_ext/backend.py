@@ -9,7 +9,7 @@
 (``torch.nn.attention.register_flash_attention_impl`` /
 ``activate_flash_attention_impl`` / ``restore_flash_attention_impl``, torch >=
 2.11; the mechanism torch uses for FlashAttention-3/4). What it registers, as
-``torch.library.Library("aten", "IMPL")`` overrides:
+overrides of aten's kernels for one dispatch key:
 
 * CUDA (builds with CUDA kernels): ``_flash_attention_forward`` /
   ``_flash_attention_backward`` (FlashAttention-2's layout (B, S, H, D), dense or
@@ -22,6 +22,17 @@
 * CPU: ``_scaled_dot_product_flash_attention_for_cpu`` / ``_backward``, torch's
   CPU flash op (what SDPA runs on the CPU for most calls; top-left causal as
   torch's), so that all of this is exercised where CI runs.
+
+The SDPA-layout ones (``_scaled_dot_product_flash_attention`` / ``_backward``,
+``_scaled_dot_product_flash_attention_for_cpu`` / ``_backward``: what SDPA
+calls) are C++ kernels (csrc/backend.cpp: a ``torch::Library`` that
+``flashattn_ext::_backend_register`` creates and ``_backend_unregister``
+destroys), so that a call behind SDPA never enters Python: a Python kernel of
+``torch.library`` is called boxed, with the GIL, which cost more host time than
+the rest of the call. FA2's ``_flash_attention_*`` stay ``torch.library``
+overrides written here (their schemas differ between torch versions; SDPA does
+not reach them while ours take its flash op). The refusal rules are the C++
+ones either way (this module calls them through ``_backend_*_refusal``).
 
 torch's autograd formulas, meta kernels and backend selection stay torch's:
 every output has the shape, dtype and strides torch's own kernel (and its meta
@@ -47,7 +58,7 @@ import warnings
 import torch
 
 from . import _ops
-from .interface import _BUILD, _CUDA_MAX_HEAD_DIM, _MAX_HEAD_DIM, _cuda_arch_supported
+from .interface import _BUILD, _CUDA_MAX_HEAD_DIM
 
 __all__ = ["IMPL_NAME", "activate", "deactivate", "is_active", "activated", "calls", "reset_calls"]
 
@@ -56,12 +67,11 @@ MIN_TORCH = (2, 11)
 
 aten = torch.ops.aten
 
-_DTYPES = {
-    "cpu": (torch.float32, torch.float64, torch.bfloat16, torch.float16),
-    "cuda": (torch.float16, torch.bfloat16),
-}
+# The C++ overrides (csrc/backend.cpp) and their refusal rules.
+_cxx = torch.ops.flashattn_ext
 
-# (op, route) -> number of calls; route is IMPL_NAME or "torch: <why ours refused>".
+# (op, route) -> number of calls of the Python overrides (FA2's ops); the C++
+# ones count their own (_backend_calls). route is IMPL_NAME or "torch: <why ours refused>".
 _calls: collections.Counter = collections.Counter()
 
 
@@ -69,22 +79,29 @@ def calls() -> dict:
     """{(aten op, route): count} since the last reset_calls(): route is
     ``"flashattn_ext"`` for calls our kernels ran, ``"torch: <reason>"`` for
     calls handed to torch's kernel."""
-    return dict(_calls)
+    merged = collections.Counter(_calls)
+    for op, route, n in zip(*_cxx._backend_calls()):
+        merged[(op, route)] += n
+    return dict(merged)
 
 
 def reset_calls() -> None:
     _calls.clear()
+    _cxx._backend_reset_calls()
 
 
 # ----------------------------------------------------------------------------- eligibility
-# Small predicates, each naming why it refused (None: our kernels take it).
+# The refusal rules are csrc/backend.cpp's (the C++ overrides apply them there,
+# unremembered: in C++ they cost less than a lookup would); the Python overrides
+# of FA2's ops call them through these ops, each naming why it refused (None:
+# our kernels take it).
 
 
-# The tensor predicates read only each tensor's layout, shape, dtype and device
-# (and the build, which does not change), so their verdict is remembered per
-# signature of those: a model calls the same few shapes again and again, and
-# reading the signature costs a fraction of the checks (the overrides run on
-# every call: benchmarks/host_overhead.py --activated times them).
+# The tensor rules read only each tensor's layout, shape, dtype and device (and
+# the build and GPUs, which do not change), so for the Python overrides their
+# verdict is remembered per signature of those: a model calls the same few
+# shapes again and again, and reading the signature costs a fraction of a call
+# into the rules.
 _MEMO_MAX = 4096
 _refusals: dict = {}  # signature -> reason (None: ours take it)
 _MISS = object()
@@ -111,80 +128,45 @@ def _remembered(memo, key, compute):
 
 
 def _dense_refusal(q, k, v, seq_dim):
-    """_dense_refusal_of, remembered per signature of q, k, v."""
+    """Rank-4 q, k, v with the sequence at ``seq_dim`` (2: SDPA's (B, H, L, E),
+    1: FlashAttention's (B, S, H, D)), remembered per signature."""
     sig = _signature((q, k, v), ("dense", seq_dim))
     if sig is None:
-        return _dense_refusal_of(q, k, v, seq_dim)
-    return _remembered(_refusals, sig, lambda: _dense_refusal_of(q, k, v, seq_dim))
+        return _cxx._backend_dense_refusal(q, k, v, seq_dim) or None
+    return _remembered(_refusals, sig, lambda: _cxx._backend_dense_refusal(q, k, v, seq_dim) or None)
 
 
-def _dense_refusal_of(q, k, v, seq_dim):
-    """Rank-4 q, k, v with the sequence at ``seq_dim`` (2: SDPA's (B, H, L, E),
-    1: FlashAttention's (B, S, H, D)); heads at the other of dims 1, 2."""
-    for name, t in (("query", q), ("key", k), ("value", v)):
-        if t.layout != torch.strided or t.is_nested:
-            return f"{name} is not a dense strided tensor"
-        if t.dim() != 4:
-            return f"{name} has {t.dim()} dimensions, not 4"
-    head_dim = 3 - seq_dim
-    return _common_refusal(q, k, v, q.shape[head_dim], k.shape[head_dim], v.shape[head_dim], seq_dim)
+def _varlen_refusal(q, k, v, cu_q, cu_k):
+    """FA2's packed (total, heads, head_dim) layout, remembered per signature."""
+    compute = lambda: _cxx._backend_varlen_refusal(q, k, v, cu_q, cu_k) or None  # noqa: E731
+    if cu_q is None or cu_k is None:
+        return compute()
+    sig = _signature((q, k, v, cu_q, cu_k), "varlen")
+    return compute() if sig is None else _remembered(_refusals, sig, compute)
 
 
-def _common_refusal(q, k, v, heads_q, heads_k, heads_v, seq_dim):
-    dev = q.device
-    if k.device != dev or v.device != dev:
-        return "query, key, value are on different devices"
-    if dev.type not in _DTYPES:
-        return f"no flashattn_ext kernels for device {dev.type}"
-    if dev.type == "cuda":
-        if not _BUILD["cuda"]:
-            return "this build of flashattn_ext has no CUDA kernels"
-        if not _cuda_arch_supported(dev.index if dev.index is not None else torch.cuda.current_device()):
-            return f"the CUDA kernels were built for archs {_BUILD['archs']}, not this GPU's"
-    if not (q.dtype == k.dtype == v.dtype):
-        return "query, key, value have different dtypes"
-    if q.dtype not in _DTYPES[dev.type]:
-        return f"dtype {q.dtype} is not supported by the {dev.type} kernels"
-    e = q.shape[-1]
-    if k.shape[-1] != e or v.shape[-1] != e:
-        return "key / value head dim differs from the query's"
-    if e > (_CUDA_MAX_HEAD_DIM if dev.type == "cuda" else _MAX_HEAD_DIM):
-        return f"head dim {e} is larger than the kernels' largest"
-    if heads_k != heads_v or heads_k < 1 or heads_q % heads_k != 0:
-        return f"{heads_q} query heads and {heads_k} / {heads_v} key / value heads"
-    if q.dim() == 4 and not (q.shape[0] == k.shape[0] == v.shape[0]):
-        return "batch sizes differ"
-    if k.shape[seq_dim] != v.shape[seq_dim]:
-        return "key and value lengths differ"
-    for t in (q, k, v):
-        if t.numel() == 0:
-            return "an empty input"
-        if max(t.shape) > 2**31 - 1:
-            return "a dimension larger than 2^31 - 1"
-    return None
+# The scalar rules' verdicts, per value (a model passes the same few).
+_scalar_refusals: dict = {}
+
+
+def _dropout_refusal(dropout_p):
+    p = float(dropout_p)
+    return _remembered(_scalar_refusals, ("dropout", p), lambda: _cxx._backend_dropout_refusal(p) or None)
 
 
 def _scale_refusal(scale):
-    if scale is not None and not math.isfinite(scale):
-        return f"scale {scale} is not finite"
-    return None
+    s = None if scale is None else float(scale)
+    return _remembered(_scalar_refusals, ("scale", s), lambda: _cxx._backend_scale_refusal(s) or None)
 
 
 def _bwd_refusal(grad_out, q, out, lse, lse_shape):
-    """_bwd_refusal_of, remembered per signature of its tensors."""
-    sig = _signature((grad_out, q, out, lse), ("bwd", tuple(lse_shape)))
+    """grad_out, out and lse against q, remembered per signature of its tensors."""
+    lse_shape = tuple(lse_shape)
+    sig = _signature((grad_out, q, out, lse), ("bwd", lse_shape))
+    compute = lambda: _cxx._backend_bwd_refusal(grad_out, q, out, lse, list(lse_shape)) or None  # noqa: E731
     if sig is None:
-        return _bwd_refusal_of(grad_out, q, out, lse, lse_shape)
-    return _remembered(_refusals, sig, lambda: _bwd_refusal_of(grad_out, q, out, lse, lse_shape))
-
-
-def _bwd_refusal_of(grad_out, q, out, lse, lse_shape):
-    for name, t in (("grad_out", grad_out), ("out", out)):
-        if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device or t.layout != torch.strided:
-            return f"{name} does not match the query"
-    if lse.dtype != _ops._lse_dtype(q.dtype) or tuple(lse.shape) != tuple(lse_shape) or lse.device != q.device:
-        return "the log-sum-exp is not the forward's of our kernels"
-    return None
+        return compute()
+    return _remembered(_refusals, sig, compute)
 
 
 def _window(left, right, is_causal):
@@ -217,20 +199,6 @@ def _as_like(ref, x):
     return y
 
 
-def _sdpa_layout_forward(query, key, value, scale, is_causal, bottom_right):
-    """Our forward on SDPA's (B, H, L, E) tensors: out (a (B, H, L, E) view of a
-    (B, L, H, E) buffer) and lse (B, H, L). The attention op with bhsd=True makes
-    the transposed views in C++; called from these kernels, below autograd, it is
-    the forward kernels alone (csrc/autograd.cpp attention_below_autograd)."""
-    wr = 0 if is_causal else -1
-    return _ops.attention(query, key, value, _scale_of(scale, query), -1, wr, bottom_right, False, True)
-
-
-def _bshd(*tensors):
-    """(B, H, L, E) -> (B, L, H, E) views with unit stride on E (the kernels' layout)."""
-    return [_ops.unit_last_stride(t.transpose(1, 2)) for t in tensors]
-
-
 def _scale_of(scale, q):
     return float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
@@ -245,71 +213,14 @@ def _rng_outputs(q):
     return torch.empty((2,), dtype=torch.uint64, device=q.device), torch.empty((), dtype=torch.uint64, device=q.device)
 
 
-# ----------------------------------------------------------------------------- CPU: torch's CPU flash op
-
-
-def _cpu_flash_forward(orig):
-    op = "_scaled_dot_product_flash_attention_for_cpu"
-
-    def impl(keyset, query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
-        why = (
-            ("attn_mask is given" if attn_mask is not None else None)
-            or ("dropout_p > 0" if dropout_p != 0.0 else None)
-            or _scale_refusal(scale)
-            or _dense_refusal(query, key, value, 2)
-        )
-        if why is not None:
-            _calls[(op, "torch: " + why)] += 1
-            return orig.call_boxed(keyset, query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
-        _calls[(op, IMPL_NAME)] += 1
-        # torch's CPU flash is top-left causal (query i sees keys 0..i): bottom_right=False.
-        out, lse = _sdpa_layout_forward(query, key, value, scale, is_causal, False)
-        # torch's CPU kernel (and its meta function) return lse as a (B, L, H) buffer seen as (B, H, L).
-        lse_t = torch.empty_permuted(lse.shape, (0, 2, 1), dtype=lse.dtype, device=lse.device)
-        lse_t.copy_(lse)
-        return _as_like(query, out), lse_t
-
-    return op, impl
-
-
-def _cpu_flash_backward(orig):
-    op = "_scaled_dot_product_flash_attention_for_cpu_backward"
-
-    def impl(keyset, grad_out, query, key, value, out, lse, dropout_p, is_causal, *, attn_mask=None, scale=None):
-        why = (
-            ("attn_mask is given" if attn_mask is not None else None)
-            or ("dropout_p > 0" if dropout_p != 0.0 else None)
-            or _scale_refusal(scale)
-            or _dense_refusal(query, key, value, 2)
-            or _bwd_refusal(grad_out, query, out, lse, query.shape[:3])
-        )
-        if why is not None:
-            _calls[(op, "torch: " + why)] += 1
-            return orig.call_boxed(
-                keyset, grad_out, query, key, value, out, lse, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
-            )
-        _calls[(op, IMPL_NAME)] += 1
-        go, q, k, v, o = _bshd(grad_out, query, key, value, out)
-        wr = 0 if is_causal else -1
-        dq, dk, dv = _ops.bwd(
-            go, q, k, v, o, lse.contiguous(), _scale_of(scale, query), -1, wr, False, _deterministic()
-        )
-        # torch's CPU backward returns (B, L, H, E) buffers seen as (B, H, L, E): ours are the same.
-        return tuple(g.transpose(1, 2) if g.is_contiguous() else _as_permuted(g.transpose(1, 2)) for g in (dq, dk, dv))
-
-    return op, impl
-
-
-def _as_permuted(x):
-    """x in a (B, L, H, E) buffer seen as (B, H, L, E) (torch.empty_permuted(..., (0, 2, 1, 3)))."""
-    if x.transpose(1, 2).is_contiguous():
-        return x
-    y = torch.empty_permuted(x.shape, (0, 2, 1, 3), dtype=x.dtype, device=x.device)
-    y.copy_(x)
-    return y
-
-
-# ----------------------------------------------------------------------------- CUDA: FA2's ops
+# ----------------------------------------------------------------------------- CUDA: FA2's ops, in Python
+# These stay Python overrides: their schemas differ between torch versions
+# (newer torch adds out, block_table, num_splits, compute_auxiliary and the
+# _no_dropout_inplace variant), which a C++ kernel would have to be built for,
+# and SDPA does not reach them while ours take its flash op
+# (_scaled_dot_product_flash_attention, in C++): they serve direct callers
+# (flash_attn-style code, torch's varlen_attn) and the calls torch's SDPA flash
+# kernel makes when ours refuse (those then refuse too: dropout).
 # Written device-agnostic: tests/test_backend.py registers the same functions
 # for the CPU dispatch key (_register_flash_ops) and runs them there.
 
@@ -329,7 +240,7 @@ def _fa2_forward_refusal(query, key, value, cum_seq_q, cum_seq_k, dropout_p, ret
     )
     out = kwargs.get("out")
     return (
-        ("dropout_p > 0" if dropout_p != 0.0 else None)
+        _dropout_refusal(dropout_p)
         or ("return_debug_mask" if return_debug_mask else None)
         or ("seqused_k is given" if kwargs.get("seqused_k") is not None else None)
         or ("alibi_slopes are given" if kwargs.get("alibi_slopes") is not None else None)
@@ -425,20 +336,6 @@ def _flash_forward_inplace(orig):
     return op, impl
 
 
-def _varlen_refusal(q, k, v, cu_q, cu_k):
-    if cu_q is None or cu_k is None:
-        return "only one of cum_seq_q / cum_seq_k is given"
-    for name, t in (("query", q), ("key", k), ("value", v)):
-        if t.layout != torch.strided or t.is_nested or t.dim() != 3:
-            return f"{name} is not a dense (total, heads, head_dim) tensor"
-    for name, cu in (("cum_seq_q", cu_q), ("cum_seq_k", cu_k)):
-        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.device != q.device or cu.shape[0] < 2:
-            return f"{name} is not an int32 (batch + 1,) tensor on the query's device"
-    if cu_q.shape[0] != cu_k.shape[0]:
-        return "cum_seq_q and cum_seq_k differ in length"
-    return _common_refusal(q, k, v, q.shape[1], k.shape[1], v.shape[1], 0)
-
-
 def _flash_backward(orig):
     op = "_flash_attention_backward"
 
@@ -473,7 +370,7 @@ def _flash_backward(orig):
             lse_shape = (query.shape[0], query.shape[2], query.shape[1])
             shape_why = _dense_refusal(query, key, value, 1)
         why = (
-            ("dropout_p > 0" if dropout_p != 0.0 else None)
+            _dropout_refusal(dropout_p)
             or ("a window size below -1" if window is None else None)
             or ("unknown arguments " + ", ".join(sorted(extra)) if extra else None)
             or _scale_refusal(scale)
@@ -503,88 +400,18 @@ def _flash_backward(orig):
     return op, impl
 
 
-def _sdpa_flash_forward(orig):
-    op = "_scaled_dot_product_flash_attention"
-
-    def impl(keyset, query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
-        why = (
-            ("dropout_p > 0" if dropout_p != 0.0 else None)
-            or ("return_debug_mask" if return_debug_mask else None)
-            or _scale_refusal(scale)
-            or _dense_refusal(query, key, value, 2)
-        )
-        if why is not None:
-            _calls[(op, "torch: " + why)] += 1
-            return orig.call_boxed(keyset, query, key, value, dropout_p, is_causal, return_debug_mask, scale=scale)
-        _calls[(op, IMPL_NAME)] += 1
-        # torch's kernel hands this call to FA2, whose causal is bottom-right (SDPA
-        # itself only selects it for causal calls with equal lengths): the same here.
-        out, lse = _sdpa_layout_forward(query, key, value, scale, is_causal, True)
-        seed, offset = _rng_outputs(query)
-        debug = torch.empty(0, dtype=query.dtype, device=query.device)
-        return _as_like(query, out), lse, None, None, query.shape[2], key.shape[2], seed, offset, debug
-
-    return op, impl
-
-
-def _sdpa_flash_backward(orig):
-    op = "_scaled_dot_product_flash_attention_backward"
-
-    def impl(
-        keyset,
-        grad_out,
-        query,
-        key,
-        value,
-        out,
-        logsumexp,
-        cum_seq_q,
-        cum_seq_k,
-        max_q,
-        max_k,
-        dropout_p,
-        is_causal,
-        philox_seed,
-        philox_offset,
-        *,
-        scale=None,
-    ):
-        why = (
-            ("dropout_p > 0" if dropout_p != 0.0 else None)
-            or _scale_refusal(scale)
-            or _dense_refusal(query, key, value, 2)
-            or _bwd_refusal(grad_out, query, out, logsumexp, query.shape[:3])
-        )
-        if why is not None:
-            _calls[(op, "torch: " + why)] += 1
-            return orig.call_boxed(
-                keyset, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
-                is_causal, philox_seed, philox_offset, scale=scale,
-            )  # fmt: skip
-        _calls[(op, IMPL_NAME)] += 1
-        go, q, k, v, o = _bshd(grad_out, query, key, value, out)
-        wr = 0 if is_causal else -1
-        dq, dk, dv = _ops.bwd(
-            go, q, k, v, o, logsumexp.contiguous(), _scale_of(scale, query), -1, wr, True, _deterministic()
-        )
-        return tuple(_as_like(x, g.transpose(1, 2)) for x, g in zip((query, key, value), (dq, dk, dv)))
-
-    return op, impl
-
-
-_CPU_OPS = (_cpu_flash_forward, _cpu_flash_backward)
-_FLASH_OPS = (_flash_forward, _flash_backward, _sdpa_flash_forward, _sdpa_flash_backward)
+_FA2_OPS = (_flash_forward, _flash_backward)
 if hasattr(aten, "_flash_attention_forward_no_dropout_inplace"):  # torch > 2.11
-    _FLASH_OPS += (_flash_forward_inplace,)
+    _FA2_OPS += (_flash_forward_inplace,)
 _OP_NAMES = {
-    _cpu_flash_forward: "_scaled_dot_product_flash_attention_for_cpu",
-    _cpu_flash_backward: "_scaled_dot_product_flash_attention_for_cpu_backward",
     _flash_forward: "_flash_attention_forward",
     _flash_forward_inplace: "_flash_attention_forward_no_dropout_inplace",
     _flash_backward: "_flash_attention_backward",
-    _sdpa_flash_forward: "_scaled_dot_product_flash_attention",
-    _sdpa_flash_backward: "_scaled_dot_product_flash_attention_backward",
 }
+
+# The C++ overrides (csrc/backend.cpp), by dispatch key of torch's kernels.
+_CPU_OPS_CXX = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward")
+_SDPA_OPS_CXX = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward")
 
 
 # ----------------------------------------------------------------------------- registration
@@ -624,6 +451,27 @@ def _library(dispatch_key, makers):
     return lib
 
 
+class _CxxLibrary:
+    """The C++ overrides (csrc/backend.cpp) of ops for dispatch_key, each falling
+    back to the kernel torch has there now: a torch::Library that
+    flashattn_ext::_backend_register creates and _destroy() destroys (which
+    deregisters its kernels), as torch.library.Library's _destroy() does."""
+
+    def __init__(self, dispatch_key, ops):
+        self.handle = _cxx._backend_register(dispatch_key, list(ops))
+
+    def _destroy(self):
+        if self.handle is not None:
+            _cxx._backend_unregister(self.handle)
+            self.handle = None
+
+
+def _configure():
+    """Tells the C++ rules the CUDA kernels' largest head dim (derived here, in
+    interface, where the drop-in's routing uses it too)."""
+    _cxx._backend_configure(_CUDA_MAX_HEAD_DIM)
+
+
 class _Handle:
     """What torch's registry keeps while we are active; remove() undoes all of it."""
 
@@ -641,10 +489,12 @@ class _Handle:
 
 
 def _register_flash_ops(dispatch_key):
-    """The FA2 / SDPA flash overrides for another dispatch key (the tests run the
-    CUDA path's code on the CPU this way; torch has no CPU kernels for these ops,
-    so a call ours refuse raises there). Returns a handle; remove() undoes it."""
-    return _Handle([_library(dispatch_key, _FLASH_OPS)], None)
+    """The CUDA key's overrides (the SDPA flash ops in C++, FA2's in Python) for
+    another dispatch key (the tests run the CUDA path's code on the CPU this way;
+    torch has no CPU kernels for these ops, so a call ours refuse raises there).
+    Returns a handle; remove() undoes it."""
+    _configure()
+    return _Handle([_CxxLibrary(dispatch_key, _SDPA_OPS_CXX), _library(dispatch_key, _FA2_OPS)], None)
 
 
 def _torch_registry():
@@ -666,9 +516,10 @@ _first = False  # the argument of the pending activate() (read by _register_fn)
 
 
 def _register_fn():
-    libraries = [_library("CPU", _CPU_OPS)]
+    _configure()
+    libraries = [_CxxLibrary("CPU", _CPU_OPS_CXX)]
     if _BUILD["cuda"]:
-        libraries.append(_library("CUDA", _FLASH_OPS))
+        libraries += [_CxxLibrary("CUDA", _SDPA_OPS_CXX), _library("CUDA", _FA2_OPS)]
     priority = None
     if _first:
         priority = list(torch._C._get_sdp_priority_order())

@@ -97,10 +97,9 @@ _cuda_arch_ok: dict = {}  # device index -> whether the compiled archs run there
 def _cuda_arch_supported(device_index: int) -> bool:
     ok = _cuda_arch_ok.get(device_index)
     if ok is None:
-        major, minor = torch.cuda.get_device_capability(device_index)
-        cap = 10 * major + minor
-        # A cubin for sm_XY runs on sm_XZ with Z >= Y (same major); no PTX is shipped.
-        ok = _cuda_arch_ok[device_index] = any(a // 10 == major and a <= cap for a in _BUILD["archs"])
+        # The rule (a cubin for sm_XY runs on sm_XZ, Z >= Y) is csrc/backend.cpp's,
+        # which the activated overrides apply too.
+        ok = _cuda_arch_ok[device_index] = torch.ops.flashattn_ext._cuda_arch_supported(device_index)
     return ok
 
 

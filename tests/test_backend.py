@@ -484,3 +484,199 @@ def test_newer_torch_forward_arguments():
     with pytest.raises(NotImplementedError, match="refused"):
         inplace(None, buf, *args, **kw, block_table=torch.zeros(2, 1, dtype=torch.int32), num_splits=None)
     assert sum(n for (op, r), n in backend.calls().items() if r == "torch: block_table is given") == 1
+
+
+# ----------------------------------------------------------------------------- the C++ overrides (csrc/backend.cpp)
+
+CPU_OPS = (CPU_OP, CPU_OP + "_backward")
+SDPA_OPS = (CUDA_OP, CUDA_OP + "_backward")
+
+
+def _kernel_reprs(names, key="CPU"):
+    return [repr(torch.library.get_kernel(f"aten::{n}", key)) for n in names]
+
+
+def test_overrides_are_cxx_kernels(active):
+    """activate() registers the SDPA-layout overrides as C++ kernels (csrc/backend.cpp:
+    no Python in the call), _register_flash_ops the SDPA flash op's too; the FA2 ones
+    stay Python (torch.library)."""
+    for r in _kernel_reprs(CPU_OPS):
+        assert "backend.cpp" in r, r
+    handle = backend._register_flash_ops("CPU")
+    try:
+        for r in _kernel_reprs(SDPA_OPS):
+            assert "backend.cpp" in r, r
+        for r in _kernel_reprs(("_flash_attention_forward", "_flash_attention_backward")):
+            assert "backend.cpp" not in r, r
+    finally:
+        handle.remove()
+
+
+def test_cxx_refusal_reasons(active):
+    """The C++ rules refuse with backend.py's words (calls() reports them), and the
+    call then runs torch's kernel, with the arguments it was given: its answer or
+    its error. (Shapes torch's CPU kernel does not check, which crash it or make
+    it read out of bounds, are in test_python_rules_are_the_cxx_ones.)"""
+    q = torch.randn(1, 2, 8, 16)
+    cases = [
+        (dict(scale=float("inf")), "scale inf is not finite"),
+        (dict(scale=float("nan")), "scale nan is not finite"),
+        (dict(k=q.double()), "query, key, value have different dtypes"),
+        (dict(q=q.to(torch.int64), k=q.to(torch.int64), v=q.to(torch.int64)), None),
+        (dict(k=torch.randn(1, 2, 8, 8)), "key / value head dim differs from the query's"),
+        (dict(q=torch.randn(2, 8, 16)), "query has 3 dimensions, not 4"),
+    ]
+    for case, why in cases:
+        args = dict(q=q, k=q, v=q, scale=None)
+        args.update(case)
+        backend.reset_calls()
+        try:
+            ours = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                args["q"], args["k"], args["v"], 0.0, False, scale=args["scale"]
+            )
+        except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+            ours = type(exc)
+        refused = _refused(CPU_OP)
+        if why is None:  # the dtype's name as Python writes it
+            assert refused == {"torch: dtype torch.int64 is not supported by the cpu kernels": 1}, refused
+        else:
+            assert refused == {"torch: " + why: 1}, (case, refused)
+        assert _ours(CPU_OP) == 0
+        backend.deactivate()
+        try:
+            try:
+                theirs = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    args["q"], args["k"], args["v"], 0.0, False, scale=args["scale"]
+                )
+            except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+                theirs = type(exc)
+        finally:
+            backend.activate(first=True)
+        if isinstance(theirs, type):
+            assert ours is theirs, (case, ours, theirs)
+        else:
+            assert all(torch.equal(a, b) or (a.isnan() == b.isnan()).all() for a, b in zip(ours, theirs)), case
+
+
+def test_cxx_backward_refusal_runs_torchs_backward(active):
+    """The backward refuses a log-sum-exp that is not our forward's (another
+    dtype): torch's CPU backward runs it, bitwise as without the registration."""
+    q, k, v, go = (torch.randn(1, 2, 8, 16) for _ in range(4))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+    args = (go, q, k, v, out, lse.double(), 0.0, True)
+    backend.reset_calls()
+    try:
+        ours = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*args)
+    except RuntimeError as exc:
+        ours = type(exc)
+    assert _refused(CPU_OP + "_backward") == {"torch: the log-sum-exp is not the forward's of our kernels": 1}
+    backend.deactivate()
+    try:
+        try:
+            theirs = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*args)
+        except RuntimeError as exc:
+            theirs = type(exc)
+    finally:
+        backend.activate(first=True)
+    if isinstance(theirs, type):
+        assert ours is theirs
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+def test_repeated_activate_deactivate():
+    """Each activate() creates the C++ libraries, each deactivate() destroys them:
+    torch's kernels are back every time, our calls are counted only while active,
+    and a removed handle is gone from the C++ side."""
+    before = _kernel_reprs(CPU_OPS)
+    q = torch.randn(1, 2, 8, 16, requires_grad=True)
+    backend.reset_calls()
+    for i in range(10):
+        backend.activate(first=bool(i % 2))
+        F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+        assert "backend.cpp" in _kernel_reprs(CPU_OPS)[0]
+        backend.deactivate()
+        assert _kernel_reprs(CPU_OPS) == before
+        F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    assert _ours(CPU_OP) == 10 and _ours(CPU_OP + "_backward") == 10, backend.calls()
+    lib = backend._CxxLibrary("CPU", CPU_OPS)
+    handle = lib.handle
+    lib._destroy()
+    assert torch.ops.flashattn_ext._backend_unregister(handle) is False
+    assert _kernel_reprs(CPU_OPS) == before
+
+
+def test_stacked_cxx_registrations_fall_back_in_order(flash_ops_on_cpu):
+    """A second registration of the same (op, key) falls back to the first (the
+    kernel there when it was registered), which falls back to torch's: each
+    refusal is counted once per layer, and torch having no CPU kernel for the op
+    raises its "not implemented" error in the end. Removing the second leaves the first."""
+    q = torch.randn(1, 2, 8, 16)
+    second = backend._CxxLibrary("CPU", SDPA_OPS)
+    try:
+        backend.reset_calls()
+        with pytest.raises(NotImplementedError, match="refused this call and torch has no CPU kernel"):
+            torch.ops.aten._scaled_dot_product_flash_attention(q, q, q, 0.0, False, True)
+        assert _refused(CUDA_OP) == {"torch: return_debug_mask": 2}
+        torch.ops.aten._scaled_dot_product_flash_attention(q, q, q, 0.0, False)
+        assert _ours(CUDA_OP) == 1
+    finally:
+        second._destroy()
+    assert "backend.cpp" in _kernel_reprs(SDPA_OPS)[0]
+    backend.reset_calls()
+    with pytest.raises(NotImplementedError):
+        torch.ops.aten._scaled_dot_product_flash_attention(q, q, q, 0.0, False, True)
+    assert _refused(CUDA_OP) == {"torch: return_debug_mask": 1}
+
+
+def test_python_rules_are_the_cxx_ones():
+    """FA2's Python overrides ask the C++ rules (one copy of each): the same verdicts."""
+    q = torch.randn(1, 8, 2, 16)
+    assert backend._dense_refusal(q, q, q, 1) is None
+    assert backend._dense_refusal(q, q, q.double(), 1) == "query, key, value have different dtypes"
+    k3 = torch.randn(1, 8, 3, 16)
+    assert backend._dense_refusal(q, k3, k3, 1) == "2 query heads and 3 / 3 key / value heads"
+    assert backend._dense_refusal(q, q, k3, 1) == "2 query heads and 2 / 3 key / value heads"
+    k2 = torch.randn(2, 8, 2, 16)
+    assert backend._dense_refusal(q, k2, k2, 1) == "batch sizes differ"
+    assert backend._dense_refusal(q, q, torch.randn(1, 9, 2, 16), 1) == "key and value lengths differ"
+    assert backend._dense_refusal(torch.randn(1, 0, 2, 16), q, q, 1) == "an empty input"
+    t = q.transpose(1, 2)
+    assert backend._dense_refusal(t, t, t, 2) is None and backend._dense_refusal(t, q, q, 2) is not None
+    assert backend._dense_refusal(q[..., :8], q, q, 1) == "key / value head dim differs from the query's"
+    assert backend._dropout_refusal(0.1) == "dropout_p > 0" and backend._dropout_refusal(0.0) is None
+    assert backend._scale_refusal(float("-inf")) == "scale -inf is not finite" and backend._scale_refusal(0.5) is None
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    assert backend._varlen_refusal(q[0], q[0], q[0], cu, None) == "only one of cum_seq_q / cum_seq_k is given"
+    assert backend._varlen_refusal(q[0], q[0], q[0], cu, cu.long()).startswith("cum_seq_k is not an int32")
+    lse = torch.empty(1, 2, 8)
+    assert backend._bwd_refusal(q, q, q, lse, (1, 2, 8)) is None
+    assert backend._bwd_refusal(q, q, q[:, :4], lse, (1, 2, 8)) == "out does not match the query"
+
+
+def test_cuda_arch_rule():
+    """The arch rule (csrc/backend.cpp's, which interface._cuda_arch_supported asks):
+    a cubin for sm_XY runs on sm_XZ with Z >= Y; a build without CUDA kernels runs nowhere."""
+    archs = flashattn_ext.build_info()["archs"]
+    if not flashattn_ext.build_info()["cuda"]:
+        assert torch.ops.flashattn_ext._cuda_arch_supported(0) is False
+        return
+    for i in range(torch.cuda.device_count()):
+        major, minor = torch.cuda.get_device_capability(i)
+        expected = any(a // 10 == major and a <= 10 * major + minor for a in archs)
+        assert torch.ops.flashattn_ext._cuda_arch_supported(i) is expected
+
+
+def test_activate_does_not_warn_of_overriding():
+    """The dispatcher warns (once a process) when an aten kernel is overridden;
+    overriding is activate()'s point, so the C++ registration drops that warning
+    (a fresh process: the warning comes only once)."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import flashattn_ext; flashattn_ext.activate(); flashattn_ext.deactivate(); print('done')"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    res = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, env=env)
+    assert res.returncode == 0 and res.stdout.strip() == "done", res.stderr[-2000:]
+    assert "Overriding a previously registered kernel" not in res.stderr
