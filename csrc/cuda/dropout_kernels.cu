@@ -1,9 +1,10 @@
 // dropout_kernels.h.
-// (Before ATen/cuda/PhiloxUtils.cuh, which uses std::tuple without including
-// it; a block of its own, so that include sorting keeps it first.)
+// <tuple> before ATen/cuda/PhiloxUtils.cuh, which uses std::tuple without
+// including it (include sorting would put it after: the H200 build failed so).
+// clang-format off
 #include <tuple>
-
 #include <ATen/cuda/PhiloxUtils.cuh>
+// clang-format on
 
 #include "../philox.h"
 #include "dropout_kernels.h"
