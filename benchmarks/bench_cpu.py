@@ -110,8 +110,15 @@ def code_description():
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
+# --dropout P: every implementation applies dropout with probability P to the
+# probabilities (each call drawing its own mask, as training does).
+DROPOUT = 0.0
+
+
 def ours_fn(q, k, v, causal):
     # q, k, v: (b, n, h, d). Causal, top-left aligned like SDPA's is_causal (equal lengths here anyway).
+    if DROPOUT > 0:
+        return flashattn_ext.flash_attn_func(q, k, v, dropout_p=DROPOUT, causal=causal)
     scale = 1.0 / math.sqrt(q.shape[-1])
     out, _ = flashattn_ext._ops.fwd(q, k, v, scale, -1, 0 if causal else -1, False, False)
     return out
@@ -119,7 +126,7 @@ def ours_fn(q, k, v, causal):
 
 def sdpa_fn(q, k, v, causal):
     # q, k, v: (b, h, n, d)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=DROPOUT)
 
 
 def naive_fn(q, k, v, causal):
@@ -128,7 +135,7 @@ def naive_fn(q, k, v, causal):
     if causal:
         n_q, n_k = scores.shape[-2:]
         scores = scores.masked_fill(~visible_mask(n_q, n_k, -1, 0, 0), float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
+    return F.dropout(torch.softmax(scores, dim=-1), DROPOUT) @ v
 
 
 IMPLS = {"ours": (ours_fn, "bnhd"), "sdpa": (sdpa_fn, "bhnd"), "naive": (naive_fn, "bhnd")}
@@ -214,6 +221,7 @@ def main(argv=None):
     ap.add_argument("--decode-dim", type=int, default=128, help="decode mode: head dim")
     ap.add_argument("--threads", help="thread counts to time in turn, e.g. 1,4,16 (default: torch's)")
     ap.add_argument("--quick", action="store_true", help="one seqlen (1024), fewer reps")
+    ap.add_argument("--dropout", type=float, default=0.0, help="dropout_p of every implementation (fwd, fwd+bwd)")
     ap.add_argument("--markdown", help="write the table (ours over each peer) to this file")
     args = ap.parse_args(argv)
     if args.quick:
@@ -277,7 +285,10 @@ def bench_grid(args):
     seqlens = [int(x) for x in args.seqlens.split(",")]
     impls = args.impls.split(",")
     b, h, d = args.batch, args.heads, args.head_dim
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, b{b} h{h} d{d}, median of {args.reps}")
+    global DROPOUT
+    DROPOUT = args.dropout
+    drop = f", dropout_p {DROPOUT:g}" if DROPOUT > 0 else ""
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, b{b} h{h} d{d}{drop}, median of {args.reps}")
     print(f"ours: {ours_runtime()}")
 
     rows = []
@@ -308,6 +319,7 @@ def bench_grid(args):
                                 causal=causal,
                                 ms=ms[impl],
                                 ms_min=ms_min[impl],
+                                dropout=DROPOUT,
                             )
                         )
                     print_row(mode, dtype_name, str(causal), n, ms, impls, ratio_cols)
