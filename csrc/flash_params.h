@@ -168,9 +168,9 @@ struct AttnFwdParams : QkvoParams {
   // Dropout on the probabilities (philox.h: the keep mask, its layout and the
   // seed / offset); p = 0: none. The log-sum-exp stays that of the softmax
   // without dropout; the output and the gradients are those of the dropped,
-  // 1 / (1 - p)-scaled probabilities. CUDA: the mma.sync kernels' score-mod
-  // instances (cuda/flash_launch.cuh; the Hopper kernels have no dropout yet),
-  // which read seed / offset on the device (rng_state).
+  // 1 / (1 - p)-scaled probabilities. CUDA: the score-mod instances of the
+  // Hopper TMA and mma.sync kernels (cuda/flash_launch.cuh), which read seed /
+  // offset on the device (rng_state).
   DropoutParams dropout;
 
   // Compute capability x 10 of the device the CUDA kernels run on (90 for

@@ -12,7 +12,9 @@
 //   cols: rows are keys, columns queries (the backward's S^T); a call gives 8
 //         keys of one query, of which a thread holds 2 per 16-key m-tile (keys
 //         g and g + 8 of it): 4 of the 8 when it holds both m-tiles of the 32,
-//         2 when it holds one (the Hopper backward's warps).
+//         2 when it holds one (the Hopper backward's warps: there the lanes of
+//         a key pair share each call instead, KeepBitsCols<1, kNT> of
+//         dropout_keep_bits.cuh).
 // Dropped entries become 0 and kept ones are multiplied by `scale` (1 / (1 - p)
 // where the caller does not fold the scale in elsewhere; 1 costs a multiply).
 //
