@@ -15,7 +15,8 @@
 #           (killed by a signal, e.g. a segfault) is reported as CRASH and fails the stage
 # selftest: python -m flashattn_ext (the README's main job)
 # sanitize: compute-sanitizer memcheck and racecheck on a small case per Hopper backward kernel
-#           (SAN_CASES=mask: only the attn_mask tile-skipping case; SAN_CASES=dropout: only dropout's)
+#           (SAN_CASES=mask: only the attn_mask tile-skipping case; SAN_CASES=dropout: only dropout's;
+#           SAN_CASES=paged: only the paged-KV cases)
 # bench:    benchmarks/bench_gpu.py, the standard grid (BENCH_ARGS to narrow it,
 #           e.g. BENCH_ARGS=--quick); JSON, markdown and its summary under $OUT
 # tune:     only when named in STAGES, on a FLASHATTN_TUNING=1 build (export it
@@ -115,6 +116,38 @@ from flashattn_ext import _ops
 # Racecheck runs a subset ("race": one configuration of each kernel): the
 # whole list at 130 x 200 ran past 300 s under it (session 6, visit 3).
 race = sys.argv[1:] == ["race"]
+# Paged k/v read in place (issue 25): flash_attn_varlen_func with block_table on the
+# TMA forward (pages of 16, 48, 256 keys: boxes of 16 / 16 / whole tiles) and the
+# mma.sync one, a table with unused entries out of range and a sequence past its
+# last page; paged, cache_batch_idx and cache_leftpad prefills on the TMA forward.
+if os.environ.get("SAN_CASES", "paged") == "paged":
+    for route in ("tma", "sm80"):
+        os.environ["FLASHATTN_DISABLE_SM90"] = "1" if route == "sm80" else "0"
+        for d, page in ((64, 16), (128, 48), (128, 256), (256, 16)):
+            lens = [70, 0, 300, 129]
+            per = max(-(-n // page) for n in lens) + 1
+            kp = torch.randn(per * len(lens) + 2, page, 2, d, device="cuda", dtype=torch.bfloat16)
+            table = torch.randperm(per * len(lens), device="cuda").view(len(lens), per).int()
+            table[:, -1] = 10**6  # never a visible key's page
+            cu = torch.tensor([0, 70, 70, 370, 499], dtype=torch.int32, device="cuda")
+            q = torch.randn(499, 4, d, device="cuda", dtype=torch.bfloat16)
+            for causal in (False, True):
+                flashattn_ext.flash_attn_varlen_func(q, kp, kp, cu, cu, 300, 300, causal=causal, block_table=table)
+    os.environ["FLASHATTN_DISABLE_SM90"] = "0"
+    q = torch.randn(2, 100, 4, 128, device="cuda", dtype=torch.bfloat16)
+    kc = torch.randn(3, 512, 2, 128, device="cuda", dtype=torch.bfloat16)
+    seqlens = torch.tensor([450, 100], dtype=torch.int32, device="cuda")
+    flashattn_ext.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=seqlens,
+                                         cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32, device="cuda"))
+    flashattn_ext.flash_attn_with_kvcache(q, kc[:2], kc[:2], cache_seqlens=seqlens, causal=True,
+                                         cache_leftpad=torch.tensor([3, 90], dtype=torch.int32, device="cuda"))
+    table = torch.tensor([[3, 0, 6, 1], [2, 7, 4, 5]], dtype=torch.int32, device="cuda")
+    kp = torch.randn(8, 128, 2, 128, device="cuda", dtype=torch.bfloat16)
+    flashattn_ext.flash_attn_with_kvcache(q, kp, kp, cache_seqlens=seqlens, block_table=table, causal=True)
+    if os.environ.get("SAN_CASES") == "paged":
+        torch.cuda.synchronize()
+        print("sanitizer case ran")
+        sys.exit(0)
 # Dropout in the Hopper forward and both backward kernels (and the mma.sync ones at
 # head dim 32), causal and not, with a bool mask, varlen, deterministic.
 if os.environ.get("SAN_CASES", "dropout") == "dropout":

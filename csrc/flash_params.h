@@ -146,6 +146,46 @@ struct QkvoParams {
   void* lse_ptr = nullptr;  // contiguous (batch, heads_q, seqlen_q), accumulation type
 };
 
+// Where a sequence's keys are when they are not the rows of k's batch entry
+// (or packed rows) the layout at the top describes: the KV caches of
+// flash-attn's serving calls, forward only, with per_sequence() (each
+// sequence's key count from cu_seqlens_k or seqused_k). SeqInfo applies it
+// (k_batch, k_start, key_offset) for every kernel that reads it: the
+// warp-specialized TMA forward, the mma.sync forward and their non-finite
+// slow paths; run_fwd keeps such calls off the other kernels.
+//   paged (block_table != nullptr; flash-attn's paged KV): k, v are
+//     (num_blocks, page_size, heads_kv, head_dim), their batch strides the
+//     stride between blocks; key position pos of sequence b is row
+//     pos % page_size of block block_table[b * table_batch_stride + pos / page_size];
+//   contiguous (seqused_k only: the KV-cache prefill): batch entry b reads
+//     cache row batch_idx[b] (nullptr: b) from key position leftpad[b]
+//     (nullptr: 0) on; never together with block_table.
+// Indices out of range (the CUDA path cannot check them without a host
+// synchronisation) are clamped into the cache: wrong keys, never an access
+// outside the tensors.
+struct KvCacheView {
+  const int32_t* block_table = nullptr;  // (batch, max_blocks) int32; nullptr: not paged
+  int64_t table_batch_stride = 0;
+  int max_blocks = 0;  // block_table's columns: a sequence holds at most max_blocks * page_size keys
+  int page_size = 0;   // a multiple of 16
+  int cache_rows = 0;  // k's dimension 0: num_blocks (paged) or batch_cache; 0: no cache view
+  const int32_t* batch_idx = nullptr;  // (batch,) int32 or nullptr
+  const int32_t* leftpad = nullptr;    // (batch,) int32 or nullptr
+  FLASHATTN_HOST_DEVICE bool paged() const { return block_table != nullptr; }
+  FLASHATTN_HOST_DEVICE int capacity() const { return max_blocks * page_size; }
+  // Element offset of key position pos of a sequence whose page-table row is
+  // `table_row` (paged; pos < capacity()).
+  FLASHATTN_HOST_DEVICE int64_t page_offset(const int32_t* table_row, int pos, int64_t block_stride,
+                                            int64_t row_stride) const {
+    int slot = pos / page_size;
+    slot = slot < max_blocks ? slot : max_blocks - 1;
+    int block = table_row[slot];
+    block = block < 0 ? 0 : (block < cache_rows ? block : cache_rows - 1);
+    const int row = pos - slot * page_size;
+    return int64_t(block) * block_stride + int64_t(row < page_size ? row : page_size - 1) * row_stride;
+  }
+};
+
 struct AttnFwdParams : QkvoParams {
   // Sizes.
   int batch = 0;
@@ -198,6 +238,9 @@ struct AttnFwdParams : QkvoParams {
   // (batch, heads_q, seqlen_q)); only with cu_seqlens_q == nullptr, forward
   // only. nullptr otherwise.
   const int* seqused_k = nullptr;
+  // The KV caches of flash-attn's serving calls (KvCacheView above): paged k / v
+  // (with cu_seqlens or seqused_k), cache_batch_idx and cache_leftpad (with seqused_k).
+  KvCacheView kv;
 
   FLASHATTN_HOST_DEVICE int heads_ratio() const { return heads_q / heads_kv; }
   // The one test the dispatch asks before it picks a kernel: a kernel that
@@ -266,6 +309,7 @@ struct AttnBwdParams : AttnFwdParams {
 // [0, seqlen_k] for the same reason), the tensors' dense layout.
 struct SeqInfo {
   int q_start = 0, k_start = 0;  // first row of the sequence in the packed tensors (int: fewer registers)
+  int k_batch = 0;               // the batch coordinate of its keys: b, 0 when packed, the cache row (KvCacheView)
   int seqlen_q = 0, seqlen_k = 0;
   int diag_offset = 0;
   bool varlen = false;  // lengths of its own (varlen, or seqused_k where the kernel reads it)
@@ -281,6 +325,7 @@ struct SeqInfo {
   // packed == varlen, a constant (no code for the seqused_k layout).
   FLASHATTN_HOST_DEVICE SeqInfo(const AttnFwdParams& p, int b, bool varlen_, bool seqused = false)
       : varlen(varlen_), packed(varlen_ && (!seqused || p.is_varlen())) {
+    k_batch = b;
     if (!varlen) {
       seqlen_q = p.seqlen_q;
       seqlen_k = p.seqlen_k;
@@ -290,21 +335,45 @@ struct SeqInfo {
     if (packed) {
       rows_of(p.cu_seqlens_q, b, p.total_q, p.seqlen_q, q_start, seqlen_q);
       rows_of(p.cu_seqlens_k, b, p.total_k, p.seqlen_k, k_start, seqlen_k);
-    } else {  // dense with seqused_k: start rows 0 of batch entry b
+      k_batch = 0;
+      if (p.kv.paged()) {  // cu_seqlens_k gives the length only: positions from 0 in the page table
+        k_start = 0;
+        seqlen_k = seqlen_k < p.kv.capacity() ? seqlen_k : p.kv.capacity();
+      }
+    } else {  // dense with seqused_k: batch entry b's keys [leftpad, seqused_k) of its cache row
       const int used = p.seqused_k[b];
       seqlen_q = p.seqlen_q;
       seqlen_k = used < 0 ? 0 : (used > p.seqlen_k ? p.seqlen_k : used);
+      if (p.kv.leftpad != nullptr) {
+        const int lp = p.kv.leftpad[b];
+        k_start = lp < 0 ? 0 : (lp > seqlen_k ? seqlen_k : lp);
+        seqlen_k -= k_start;
+      }
+      if (p.kv.batch_idx != nullptr) {
+        const int row = p.kv.batch_idx[b];
+        k_batch = row < 0 ? 0 : (row < p.kv.cache_rows ? row : p.kv.cache_rows - 1);
+      }
     }
     diag_offset = p.mask.bottom_right ? seqlen_k - seqlen_q : 0;
   }
 
   // Element offset of row 0 of sequence b in a q-like (k-like) tensor: the
-  // batch stride is 0 in a packed batch and the start row 0 in a dense one.
+  // batch stride is 0 in a packed batch and the start row 0 in a dense one
+  // (a KV-cache row: its cache row and first visible key; not paged).
   FLASHATTN_HOST_DEVICE int64_t q_offset(int64_t batch_stride, int64_t row_stride, int b) const {
     return packed ? int64_t(q_start) * row_stride : b * batch_stride;
   }
-  FLASHATTN_HOST_DEVICE int64_t k_offset(int64_t batch_stride, int64_t row_stride, int b) const {
-    return packed ? int64_t(k_start) * row_stride : b * batch_stride;
+  FLASHATTN_HOST_DEVICE int64_t k_offset(int64_t batch_stride, int64_t row_stride, int /*b*/) const {
+    return int64_t(k_batch) * batch_stride + int64_t(k_start) * row_stride;
+  }
+  // Element offset of key j of the sequence (of kv head 0) in a k-like
+  // tensor, through the page table when k is paged (p.kv.paged(), only in a
+  // varlen instance); else k_offset plus j rows.
+  FLASHATTN_HOST_DEVICE int64_t key_offset(const AttnFwdParams& p, int b, int64_t batch_stride, int64_t row_stride,
+                                           int j) const {
+    if (varlen && p.kv.paged())
+      return p.kv.page_offset(p.kv.block_table + b * p.kv.table_batch_stride, k_start + j, batch_stride, row_stride);
+    return k_offset(batch_stride, row_stride, b) + int64_t(j) * row_stride;
   }
   // Index of (b, h, row 0) in lse or dsum: (batch, heads_q, seqlen_q), or (heads_q, total_q) when packed.
   FLASHATTN_HOST_DEVICE int64_t rowvec_offset(const AttnFwdParams& p, int b, int h) const {

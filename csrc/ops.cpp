@@ -128,6 +128,17 @@ TORCH_LIBRARY(flashattn_ext, m) {
       "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, int window_left, "
       "int window_right, bool bottom_right, bool deterministic, float softcap=0., Tensor? alibi_slopes=None, "
       "float dropout_p=0., Tensor? rng_state=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+  // flash_attn_varlen_func with block_table (flash-attn 2.8's paged KV;
+  // csrc/paged_varlen_api.h): q packed as in varlen_fwd, k_cache / v_cache
+  // (num_blocks, page_size, heads_kv, head_dim) with page_size a multiple of
+  // 16, block_table (batch, max_blocks) int32; sequence b has cu_seqlens_k[b +
+  // 1] - cu_seqlens_k[b] keys at positions 0.. of its page-table row; causal
+  // and windows bottom-right. Forward only (flash-attn has no backward with
+  // block_table), no dropout. Returns out with q's shape and lse (heads_q, total_q).
+  m.def(
+      "varlen_fwd_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "Tensor block_table, int max_seqlen_q, int max_seqlen_k, float softmax_scale, int window_left, "
+      "int window_right, float softcap=0., Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)");
 
   // Attention of q (batch, seqlen_q, heads_q, head_dim) against a KV cache, for
   // inference (flash_attn_with_kvcache calls it after appending the new keys):

@@ -25,6 +25,7 @@ fwd_op = torch.ops.flashattn_ext.fwd.default  # the forward kernels alone
 bwd = torch.ops.flashattn_ext.bwd.default
 bwd_mask_grad = torch.ops.flashattn_ext.bwd_mask_grad.default
 fwd_kvcache = torch.ops.flashattn_ext.fwd_kvcache.default  # attention against a KV cache (inference)
+varlen_fwd_paged = torch.ops.flashattn_ext.varlen_fwd_paged.default  # flash_attn_varlen_func with block_table
 # The benchmarks (benchmarks/kernel_check.py, tune.py, bench_cpu.py) call
 # _ops.fwd(q, k, v, scale, window_left, window_right, bottom_right, deterministic)
 # and backpropagate through it: the differentiable op, under its old name.
@@ -600,6 +601,21 @@ def _fwd_kvcache_fake(
     check_score_mod(q, softcap, alibi_slopes, q.shape[0], q.shape[2])
     out, lse = _fwd_outputs(q, (q.shape[0], q.shape[2], q.shape[1]))
     return (out.transpose(1, 2) if bhsd else out), lse
+
+
+@torch.library.register_fake("flashattn_ext::varlen_fwd_paged")
+def _varlen_fwd_paged_fake(
+    q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, max_q, max_k, scale, wl, wr, softcap=0.0, alibi=None
+):
+    # The shapes the outputs need (csrc/paged_varlen_api.cpp checks the rest in eager
+    # mode; flash_attn_varlen_func has checked the call before it gets here).
+    if q.dim() != 3 or k_cache.dim() != 4:
+        raise ValueError(
+            "flashattn_ext: varlen_fwd_paged takes q (total_q, heads_q, head_dim) and k_cache / v_cache "
+            f"(num_blocks, page_size, heads_kv, head_dim), got {tuple(q.shape)} and {tuple(k_cache.shape)}"
+        )
+    check_score_mod(q, softcap, alibi, cu_seqlens_q.shape[0] - 1, q.shape[1])
+    return _fwd_outputs(q, (q.shape[1], q.shape[0]))
 
 
 # ----------------------------------------------------------------------------- vmap rules

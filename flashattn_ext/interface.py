@@ -1019,8 +1019,10 @@ def flash_attn_varlen_func(
     key position p of sequence b is row p % page_block_size of block
     block_table[b, p // page_block_size]; cu_seqlens_k gives only the lengths
     (cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys, from position 0). Forward
-    only, on the CPU only (see _varlen_paged); on CUDA it raises
-    NotImplementedError.
+    only (the backward raises NotImplementedError, as flash-attn has none), no
+    dropout; causal, windows, GQA, softcap and ALiBi as without it. One call of
+    the kernels, which read the page table on the device (on sm90 the TMA
+    forward, one box per page); values unchecked on CUDA as above.
     """
     fn = "flash_attn_varlen_func"
     # Before the shape checks: with block_table, k and v are flash-attn's paged
@@ -1119,13 +1121,13 @@ def flash_attn_varlen_func(
 # autograd node calls the dense varlen backward, which fails on the 4-D k):
 # here the forward runs and the backward raises NotImplementedError.
 #
-# The CPU path is one flashattn_ext::fwd_kvcache call per sequence (that op's
-# paging rule, csrc/cpu/kvcache_cpu.cpp, one place for it): a batch of one,
-# the sequence's queries against its keys [0, len_k) of its page table row.
-# That op gathers the sequence's visible keys from their pages (not the whole
-# cache) before its forward call; reading the pages in place inside the
-# forward kernels is left to do. The CUDA path raises (the kernels' paged
-# varlen prefill is issue 25's GPU part).
+# One flashattn_ext::varlen_fwd_paged call (csrc/paged_varlen_api.h): on
+# CUDA the forward kernels read the keys through the page table on the device
+# (the TMA forward's per-page boxes on sm90, the mma.sync forward elsewhere);
+# the CPU op gathers each sequence's keys from their pages. The checks that
+# read the integers' values run where that is free (CPU tensors; on CUDA only
+# with FLASHATTN_KVCACHE_CHECK=1, a host synchronisation), as for
+# flash_attn_with_kvcache.
 
 
 class _PagedForwardOnly(torch.autograd.Function):
@@ -1146,12 +1148,11 @@ class _PagedForwardOnly(torch.autograd.Function):
 
 
 def _paged_served(fn, q):
-    """Raises, before any shape check, where the build has no paged varlen path."""
-    if q.device.type != "cpu":
+    """Raises, before any shape check, where no kernel reads paged k/v."""
+    if q.device.type not in ("cpu", "cuda"):
         raise NotImplementedError(
-            f"{fn}: block_table (paged k/v) is supported on the CPU only so far, not on {q.device.type}; on "
-            "the GPU pass contiguous packed k/v (total_k, heads_kv, head_dim) with block_table=None (gather each "
-            "sequence's pages), or call flash_attn_with_kvcache(..., block_table=...) per sequence"
+            f"{fn}: block_table (paged k/v) is supported on the CPU and CUDA only, not on {q.device.type}; pass "
+            "contiguous packed k/v (total_k, heads_kv, head_dim) with block_table=None"
         )
 
 
@@ -1266,57 +1267,49 @@ def _varlen_paged(
     _check_block_table(fn, block_table, batch, q)
     softcap, slopes = _mods_parts(mods)
     _check_alibi_slopes(fn, slopes, batch, q.shape[1], q.device)
-    lens_q = _paged_lengths(fn, cu_seqlens_q, "cu_seqlens_q", max_q, "max_seqlen_q", total=q.shape[0])
+    if _kvcache_host_checks(q.device):
+        _check_paged_values(fn, q, k, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table)
+    with torch.no_grad():
+        qd = q.detach() if q.stride(-1) == 1 else _ops.unit_last_stride(q.detach())
+        out, lse = _ops.varlen_fwd_paged(
+            qd,
+            k.detach(),
+            v.detach(),
+            cu_seqlens_q,
+            cu_seqlens_k,
+            block_table,
+            max_q,
+            max_k,
+            scale,
+            wl,
+            wr,
+            softcap,
+            slopes,
+        )
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        out, lse = _PagedForwardOnly.apply(out, lse, q, k, v)
+    return (out, lse) if return_lse else out
+
+
+def _check_paged_values(fn, q, k, cu_seqlens_q, cu_seqlens_k, max_q, max_k, block_table):
+    """The checks that read cu_seqlens' and block_table's values (host reads)."""
+    _paged_lengths(fn, cu_seqlens_q, "cu_seqlens_q", max_q, "max_seqlen_q", total=q.shape[0])
     lens_k = _paged_lengths(fn, cu_seqlens_k, "cu_seqlens_k", max_k, "max_seqlen_k")
     page, num_blocks = k.shape[1], k.shape[0]
     capacity = block_table.shape[1] * page
+    table = block_table.cpu()
     for b, n in enumerate(lens_k):
         if n > capacity:
             raise ValueError(
                 f"{fn}: sequence {b} has {n} keys (cu_seqlens_k) but block_table holds {block_table.shape[1]} "
                 f"blocks of {page} keys ({capacity}) per sequence"
             )
-        used = block_table[b, : (n + page - 1) // page]
+        used = table[b, : (n + page - 1) // page]
         if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
             raise ValueError(
                 f"{fn}: block_table[{b}] holds block indices outside [0, {num_blocks}) (k's num_blocks) in the "
                 "blocks the sequence uses"
             )
-
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    out = q.new_zeros(q.shape)  # a sequence without keys: zeros, lse -inf (as the dense varlen path)
-    lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=acc)
-    with torch.no_grad():
-        qd = q.detach() if q.stride(-1) == 1 else _ops.unit_last_stride(q.detach())
-        kd, vd = k.detach(), v.detach()
-        starts = cu_seqlens_q.tolist()
-        for b in range(batch):
-            sq, n_q, n_k = starts[b], lens_q[b], lens_k[b]
-            if n_q == 0 or n_k == 0:
-                continue
-            seqlens = torch.tensor([n_k], dtype=torch.int32)
-            slopes_b = slopes if slopes is None or slopes.dim() == 1 else slopes[b]
-            o_b, lse_b = _ops.fwd_kvcache(
-                qd[None, sq : sq + n_q],
-                kd,
-                vd,
-                seqlens,
-                None,
-                None,
-                block_table[b : b + 1],
-                scale,
-                wl,
-                wr,
-                0,
-                False,
-                softcap,
-                slopes_b,
-            )
-            out[sq : sq + n_q] = o_b[0]
-            lse[:, sq : sq + n_q] = lse_b[0]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        out, lse = _PagedForwardOnly.apply(out, lse, q, k, v)
-    return (out, lse) if return_lse else out
 
 
 def _unpack(fn, name, t, n, dim, layout):
@@ -1638,10 +1631,11 @@ def flash_attn_with_kvcache(
     of parts each row's keys are split into (split-KV decoding; 0 picks it from
     the SM count and the shapes; clamped to the 64-key blocks of a row);
     ignored on the CPU. On an sm90 GPU a prefill (seqlen_q >= 32; the environment
-    variable FLASHATTN_KVCACHE_PREFILL_MIN_Q moves the threshold) on a contiguous
-    cache without cache_batch_idx or cache_leftpad, num_splits 0 or 1, runs the
-    warp-specialized forward kernel with per-row key counts instead (same
-    results within the tolerance rule). Returns out (batch, seqlen_q, heads_q, head_dim) and,
+    variable FLASHATTN_KVCACHE_PREFILL_MIN_Q moves the threshold) with num_splits
+    0 or 1, on a contiguous cache (cache_batch_idx and cache_leftpad included) or
+    a paged one without cache_leftpad, runs the warp-specialized forward kernel
+    with per-row key counts instead, reading the cache's rows or pages in place
+    (same results within the tolerance rule). Returns out (batch, seqlen_q, heads_q, head_dim) and,
     with return_softmax_lse, lse (batch, heads_q, seqlen_q) in float32 (float64
     for float64). A row with no visible key outputs zeros (lse -inf).
 

@@ -1160,43 +1160,65 @@ def test_prefill_route_matches_decode_kernel(poison, mask, monkeypatch):
     torch.testing.assert_close(lse_d[seen], lse[seen], atol=1e-3, rtol=1e-3)
 
 
+# Which kernel a prefill (128 queries) with each cache view runs on an H200:
+# the TMA forward reads contiguous caches with cache_batch_idx / cache_leftpad
+# and paged ones (pages of 16 or 256 keys) through KvCacheView; a paged cache
+# with cache_leftpad, an explicit split count and a short query stay on the
+# decoding kernel.
+PREFILL_VIEWS = {
+    "leftpad": True,
+    "batch_idx": True,
+    "paged16": True,
+    "paged256": True,
+    "paged16-leftpad": False,
+    "short": False,
+    "num_splits": False,
+}
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("extra", ["leftpad", "batch_idx", "paged", "short", "num_splits"])
-def test_prefill_route_not_taken(poison, extra):
-    """Calls the TMA forward does not take stay on the decoding kernel: a paged
-    cache, cache_batch_idx, cache_leftpad, an explicit split count > 1, fewer
-    than 32 queries."""
-    device, dtype, d, hq, hkv, cap = "cuda", torch.bfloat16, 64, 4, 2, 256
+@pytest.mark.parametrize("window", [False, True])
+@pytest.mark.parametrize("extra", list(PREFILL_VIEWS))
+def test_prefill_route_cache_views(poison, extra, window):
+    """A prefill through each cache view against the oracle; on an H200 the
+    kernel it ran is the one PREFILL_VIEWS names."""
+    device, dtype, d, hq, hkv, cap = "cuda", torch.bfloat16, 64, 4, 2, 512
     batch, seqlen_q = 3, (16 if extra == "short" else 128)
     q = randn((batch, seqlen_q, hq, d), dtype, device)
-    kc, vc = randn((batch, cap, hkv, d), dtype, device), randn((batch, cap, hkv, d), dtype, device)
-    seqlens = [200, 0, 130]
-    kw = dict(cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device=device), causal=True)
+    lk, lv = randn((batch, cap, hkv, d), dtype, device), randn((batch, cap, hkv, d), dtype, device)
+    seqlens = [400, 0, 130]
+    mask = dict(window_size=(40, 0)) if window else dict(causal=True)
+    kw = dict(cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device=device), **mask)
     leftpad = [0] * batch
-    if extra == "leftpad":
-        leftpad = [5, 0, 1]
+    kc, vc = lk, lv
+    if "leftpad" in extra:
+        leftpad = [5, 0, 17]
         kw["cache_leftpad"] = torch.tensor(leftpad, dtype=torch.int32, device=device)
-    elif extra == "batch_idx":
-        kw["cache_batch_idx"] = torch.arange(batch, dtype=torch.int32, device=device)
+    if extra == "batch_idx":  # the rows in a larger cache, permuted
+        rows = [4, 0, 2]
+        kc, vc = randn((5, cap, hkv, d), dtype, device), randn((5, cap, hkv, d), dtype, device)
+        kc[rows], vc[rows] = lk, lv
+        kw["cache_batch_idx"] = torch.tensor(rows, dtype=torch.int32, device=device)
     elif extra == "num_splits":
         kw["num_splits"] = 3
-    lk, lv = kc, vc
-    if extra == "paged":
-        kc, table = to_paged(lk)
-        vc = torch.empty_like(kc).copy_(kc)
-        vc[table.long().flatten()] = lv.reshape(-1, PAGE, hkv, d)
+    elif extra.startswith("paged"):
+        page = 256 if extra == "paged256" else 16
+        kc, table = to_paged(lk, page=page)
+        vc = randn(kc.shape, dtype, device)
+        vc[table.long().flatten()] = lv.reshape(-1, page, hkv, d)
         kw["block_table"] = table
 
     def call():
         return flash_attn_with_kvcache(q, kc, vc, return_softmax_lse=True, **kw)
 
     out, lse = call()
-    _, _, rows = oracle(q, lk, lv, None, None, seqlens, leftpad, causal=True)
-    bad = check_rows(out, lse, rows, causal=True)
+    _, _, rows_ = oracle(q, lk, lv, None, None, seqlens, leftpad, **mask)
+    bad = check_rows(out, lse, rows_, **mask)
     assert not bad, "; ".join(bad)
     if is_sm90():
         names = cuda_kernel_names(call)
-        assert any("flash_decode_kernel" in n for n in names) and not any("sm90_ws" in n for n in names), names
+        tma = any("sm90_ws" in n for n in names)
+        assert tma == PREFILL_VIEWS[extra] and tma != any("flash_decode_kernel" in n for n in names), names
 
 
 @pytest.mark.parametrize("mask", ["none", "causal", "window"])

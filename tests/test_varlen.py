@@ -865,22 +865,23 @@ def test_exported():
 # flash-attn 2.8's flash_attn_varlen_func(..., block_table=...): k and v are
 # paged caches (num_blocks, page_block_size, heads_kv, head_dim), key position
 # p of sequence b at block_table[b, p // page], row p % page; cu_seqlens_k
-# gives the lengths only. The CPU serves it (forward only); other devices raise
-# NotImplementedError naming block_table (checked here on the meta device).
+# gives the lengths only. The CPU and CUDA serve it (forward only); other
+# devices raise NotImplementedError naming block_table (checked here on the
+# meta device).
 
 
-def make_paged(keys, page, dtype, device, generator=None):
+def make_paged(keys, page, dtype, device, generator=None, fill=float("nan")):
     """Each sequence's contiguous keys (n_b, h, d) scattered into shuffled pages
     of a paged cache, every other row (unused pages, the tail of a sequence's
-    last page) NaN, and the table's unused entries out of range: a kernel
-    reading anything but the sequence's own keys fails the checks.
+    last page) `fill` (NaN: a kernel reading anything but the sequence's own
+    keys fails the checks), and the table's unused entries out of range.
     Returns (paged (num_blocks, page, h, d), block_table (batch, max_blocks))."""
     h, d = keys[0].shape[1:]
     used = [-(-k.shape[0] // page) for k in keys]
     num_blocks = sum(used) + 3
     per = max(used) + 1
     perm = torch.randperm(num_blocks, generator=generator).tolist()
-    paged = torch.full((num_blocks, page, h, d), float("nan"), dtype=torch.float32).to(dtype)
+    paged = torch.full((num_blocks, page, h, d), fill, dtype=torch.float32).to(dtype)
     table = torch.full((len(keys), per), num_blocks + 7, dtype=torch.int32)
     for b, kb in enumerate(keys):
         for j in range(used[b]):
@@ -901,10 +902,13 @@ PAGED_CASES = {
     "softcap-causal": ([9, 0, 30], [18, 4, 270], 4, 2, 32, {"softcap": 1.5, "causal": True}),
     "alibi-bh": ([4, 11, 3], [40, 11, 0], 4, 2, 16, {"alibi_slopes": "bh", "causal": True}),
     "alibi-h-window": ([6, 2], [25, 300], 2, 1, 16, {"alibi_slopes": "h", "window_size": (20, 2)}),
+    # The head dims of the Hopper TMA forward (64 above; 128: 128-key tiles, 256: 64-key tiles).
+    "d128-causal-gqa": ([70, 0, 200, 3], [300, 5, 450, 130], 4, 2, 128, {"causal": True}),
+    "d256-window": ([40, 9], [190, 333], 2, 1, 256, {"window_size": (100, 0)}),
 }
 
 
-def _paged_case(case, dtype, device, page):
+def _paged_case(case, dtype, device, page, fill=float("nan")):
     lens_q, lens_k, hq, hkv, d, kw = PAGED_CASES[case]
     kw = dict(kw)
     if kw.get("alibi_slopes") == "bh":
@@ -914,10 +918,9 @@ def _paged_case(case, dtype, device, page):
     q = randn((sum(lens_q), hq, d), dtype, device)
     keys = [randn((n, hkv, d), dtype, device) for n in lens_k]
     values = [randn((n, hkv, d), dtype, device) for n in lens_k]
-    kc, table = make_paged(keys, page, dtype, device)
-    vc, _ = make_paged(values, page, dtype, device)
-    # v's pages in k's places (one table for both): rebuild v's cache with k's table.
-    vc = torch.full_like(kc, float("nan"))
+    kc, table = make_paged(keys, page, dtype, device, fill=fill)
+    # v's pages in k's places (one table for both).
+    vc = torch.full_like(kc, fill)
     for b, vb in enumerate(values):
         for j in range(-(-vb.shape[0] // page)):
             rows = vb[j * page : (j + 1) * page]
@@ -930,7 +933,7 @@ def _paged_case(case, dtype, device, page):
 @pytest.mark.parametrize("case", list(PAGED_CASES))
 def test_varlen_paged_matches_gathered_calls_and_oracle(device, dtype, case, page):
     if device != "cpu":
-        pytest.skip("the paged varlen forward is served on the CPU only (test_varlen_paged_errors: the refusal)")
+        pytest.skip("CPU (the CUDA kernels: test_varlen_paged_cuda)")
     lens_q, lens_k, q, keys, values, kc, vc, table, kw = _paged_case(case, dtype, device, page)
     cq, ck = cu(lens_q, device), cu(lens_k, device)
     out, lse = flash_attn_varlen_func(
@@ -960,6 +963,78 @@ def test_varlen_paged_matches_gathered_calls_and_oracle(device, dtype, case, pag
         )
         bad += [f"sequence {b} (len_q {n_q}, len_k {n_k}): {c.message()}" for c in res if not c.ok]
     assert not bad, "; ".join(bad)
+
+
+PAGED_ROUTES = {"tma": {}, "sm80": {"FLASHATTN_DISABLE_SM90": "1"}}
+
+
+@pytest.mark.cuda
+@pytest.mark.dtypes(torch.bfloat16, torch.float16)
+@pytest.mark.parametrize("tails", ["finite", "nan"])
+@pytest.mark.parametrize("page", [16, 48, 256])
+@pytest.mark.parametrize("case", list(PAGED_CASES))
+@pytest.mark.parametrize("route", list(PAGED_ROUTES))
+def test_varlen_paged_cuda(device, dtype, case, page, tails, route, monkeypatch):
+    """The CUDA kernels reading the pages in place (on an H200 the TMA forward,
+    one box per page or per 16-row part of one; FLASHATTN_DISABLE_SM90=1 the
+    mma.sync forward, row by row): bitwise the same call on the gathered,
+    packed contiguous keys (the same kernel, the same tiles), when the rows
+    past a sequence's keys are finite; NaN there (what a cache from
+    torch.empty may hold) is masked, and the non-finite rule's exact recompute
+    of the rows it reaches keeps them within the tolerance of the oracle."""
+    for name, value in PAGED_ROUTES[route].items():
+        monkeypatch.setenv(name, value)
+    fill = 0.25 if tails == "finite" else float("nan")
+    lens_q, lens_k, q, keys, values, kc, vc, table, kw = _paged_case(case, dtype, device, page, fill=fill)
+    cq, ck = cu(lens_q, device), cu(lens_k, device)
+    out, lse = flash_attn_varlen_func(
+        q, kc, vc, cq, ck, max(lens_q), max(lens_k), block_table=table, return_lse=True, **kw
+    )
+    assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0])
+    if tails == "finite":
+        ref, ref_lse = flash_attn_varlen_func(
+            q, torch.cat(keys), torch.cat(values), cq, ck, max(lens_q), max(lens_k), return_lse=True, **kw
+        )
+        assert torch.equal(out, ref), "out differs from the call on the gathered keys"
+        assert torch.equal(lse, ref_lse), "lse differs from the call on the gathered keys"
+    bad = []
+    for b, (sq, eq) in enumerate(bounds(lens_q)):
+        if eq == sq:
+            continue
+        if lens_k[b] == 0:
+            assert torch.equal(out[sq:eq], torch.zeros_like(out[sq:eq])) and torch.isneginf(lse[:, sq:eq]).all()
+            continue
+        seq_kw = dict(kw)
+        if seq_kw.get("alibi_slopes") is not None and seq_kw["alibi_slopes"].dim() == 2:
+            seq_kw["alibi_slopes"] = seq_kw["alibi_slopes"][b]
+        res = check_attention(
+            q[None, sq:eq], keys[b][None], values[b][None], out[None, sq:eq], lse[None, :, sq:eq], **seq_kw
+        )
+        bad += [f"sequence {b}: {c.message()}" for c in res if not c.ok]
+    assert not bad, "; ".join(bad)
+
+
+@pytest.mark.cuda
+def test_varlen_paged_cuda_graph(device):
+    """The paged varlen forward reads nothing on the host: it captures in a CUDA
+    graph, and a replay after the page table changed reads the new pages."""
+    lens_q, lens_k, q, keys, values, kc, vc, table, kw = _paged_case("causal-mqa", torch.bfloat16, device, 16, 0.0)
+    cq, ck = cu(lens_q, device), cu(lens_k, device)
+    args = (q, kc, vc, cq, ck, max(lens_q), max(lens_k))
+    eager = flash_attn_varlen_func(*args, block_table=table, **kw)
+    static_table = table.clone()
+    graph = torch.cuda.CUDAGraph()
+    flash_attn_varlen_func(*args, block_table=static_table, **kw)  # warm-up outside the capture
+    with torch.cuda.graph(graph):
+        captured = flash_attn_varlen_func(*args, block_table=static_table, **kw)
+    graph.replay()
+    assert torch.equal(captured, eager)
+    swapped = table.clone()
+    swapped[3, [0, 3]] = table[3, [3, 0]]
+    static_table.copy_(swapped)
+    graph.replay()
+    assert torch.equal(captured, flash_attn_varlen_func(*args, block_table=swapped, **kw))
+    assert not torch.equal(captured, eager)
 
 
 def test_varlen_paged_check_can_fail(device):
@@ -1081,19 +1156,17 @@ def test_varlen_paged_errors(device, case):
     assert "flash_attn_varlen_func" in str(info.value)
 
 
-@pytest.mark.parametrize("where", ["meta", "cuda"])
 @pytest.mark.parametrize("form", ["varlen", "kvpacked"])
-def test_varlen_paged_unserved_device(where, form):
-    """Issue 25 must-have 4: where the build has no paged varlen path (CUDA for
-    now; meta stands in for it on any machine), the call raises
+def test_varlen_paged_unserved_device(form):
+    """Issue 25 must-have 4: where no kernel reads paged k/v (a device other than
+    the CPU and CUDA; meta stands in for one on any machine), the call raises
     NotImplementedError naming block_table and the fix, before any shape check
     (flash-attn's paged k of rank 4, and a wrong rank too, never a rank error)."""
-    if where == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
+    where = "meta"
     a = _paged_valid("cpu")
     a = {n: (t.to(where) if isinstance(t, torch.Tensor) else t) for n, t in a.items()}
     for k in (a["k"], a["k"][0]):  # the paged rank, and a wrong one
-        with pytest.raises(NotImplementedError, match=r"block_table .*CPU only.*block_table=None") as info:
+        with pytest.raises(NotImplementedError, match=r"block_table .*CPU and CUDA only.*block_table=None") as info:
             if form == "varlen":
                 flash_attn_varlen_func(**dict(a, k=k, v=k))
             else:

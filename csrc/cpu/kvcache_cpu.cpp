@@ -14,6 +14,7 @@
 
 #include "../kvcache_api.h"
 #include "flash_cpu.h"
+#include "paged_gather.h"
 
 namespace flashattn {
 namespace {
@@ -81,11 +82,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_impl(
     }
     at::Tensor kb, vb;  // (1, n, heads_kv, head_dim)
     if (block_table) {
-      const auto pos = at::arange(lp, sk[b], table.options());
-      const auto blocks = table[b].index_select(0, at::floor_divide(pos, page));
-      const auto offs = at::remainder(pos, page);
-      kb = k_cache.index({blocks, offs}).unsqueeze(0);
-      vb = v_cache.index({blocks, offs}).unsqueeze(0);
+      kb = gather_paged_keys(k_cache, table[b], lp, sk[b]);
+      vb = gather_paged_keys(v_cache, table[b], lp, sk[b]);
       gathered.push_back(kb);
       gathered.push_back(vb);
     } else {

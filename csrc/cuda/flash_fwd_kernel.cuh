@@ -57,10 +57,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
 
   const T* gQ = static_cast<const T*>(p.q_ptr) + seq.q_offset(p.q_batch_stride, p.q_row_stride, b) +
                 h * p.q_head_stride + m0 * p.q_row_stride;
-  const T* gK =
-      static_cast<const T*>(p.k_ptr) + seq.k_offset(p.k_batch_stride, p.k_row_stride, b) + h_kv * p.k_head_stride;
-  const T* gV =
-      static_cast<const T*>(p.v_ptr) + seq.k_offset(p.v_batch_stride, p.v_row_stride, b) + h_kv * p.v_head_stride;
+  // Row 0 of the sequence's keys of kv head h_kv (paged: of the cache's kv head h_kv; key_offset locates the rows).
+  const bool paged_kv = kVarlen && p.kv.paged();
+  const T* gK = static_cast<const T*>(p.k_ptr) + (paged_kv ? 0 : seq.k_offset(p.k_batch_stride, p.k_row_stride, b)) +
+                h_kv * p.k_head_stride;
+  const T* gV = static_cast<const T*>(p.v_ptr) + (paged_kv ? 0 : seq.k_offset(p.v_batch_stride, p.v_row_stride, b)) +
+                h_kv * p.v_head_stride;
   T* gO = static_cast<T*>(p.o_ptr) + seq.q_offset(p.o_batch_stride, p.o_row_stride, b) + h * p.o_head_stride +
           m0 * p.o_row_stride;
   float* gLse = static_cast<float*>(p.lse_ptr) + seq.rowvec_offset(p, b, h) + m0;
@@ -91,13 +93,30 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
   // With a score mod the scores reach the softmax scaled, in log2 units.
   const bool positive_scale = kScoreMod || p.softmax_scale > 0.f;
 
+  // A paged cache is read row by row through its page table.
   auto load_k = [&](int n_block, int stage) {
-    copy_tile_async<TileKV, kNThreads>(sK + stage * Kt::kStageElems, gK + int64_t(n_block) * kBlockN * p.k_row_stride,
-                                       p.k_row_stride, seqlen_k - n_block * kBlockN, p.head_dim, tid);
+    const int n0 = n_block * kBlockN;
+    if (paged_kv) {
+      copy_tile_rows_async<TileKV, kNThreads>(
+          sK + stage * Kt::kStageElems,
+          [&](int r) { return gK + seq.key_offset(p, b, p.k_batch_stride, p.k_row_stride, n0 + r); }, gK,
+          seqlen_k - n0, p.head_dim, tid);
+      return;
+    }
+    copy_tile_async<TileKV, kNThreads>(sK + stage * Kt::kStageElems, gK + int64_t(n0) * p.k_row_stride,
+                                       p.k_row_stride, seqlen_k - n0, p.head_dim, tid);
   };
   auto load_v = [&](int n_block, int stage) {
-    copy_tile_async<TileKV, kNThreads>(sV + stage * Kt::kStageElems, gV + int64_t(n_block) * kBlockN * p.v_row_stride,
-                                       p.v_row_stride, seqlen_k - n_block * kBlockN, p.head_dim, tid);
+    const int n0 = n_block * kBlockN;
+    if (paged_kv) {
+      copy_tile_rows_async<TileKV, kNThreads>(
+          sV + stage * Kt::kStageElems,
+          [&](int r) { return gV + seq.key_offset(p, b, p.v_batch_stride, p.v_row_stride, n0 + r); }, gV,
+          seqlen_k - n0, p.head_dim, tid);
+      return;
+    }
+    copy_tile_async<TileKV, kNThreads>(sV + stage * Kt::kStageElems, gV + int64_t(n0) * p.v_row_stride,
+                                       p.v_row_stride, seqlen_k - n0, p.head_dim, tid);
   };
 
   // Prologue: Q and the first (last) key block in flight; with two stages,

@@ -3,6 +3,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <numeric>
 #include <type_traits>
 
 #include "dispatch.h"
@@ -110,14 +111,22 @@ cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool
   const bool varlen = p.is_varlen();
   if (varlen && (p.total_q == 0 || p.total_k == 0)) return cudaSuccess;
   const int batch = varlen ? 1 : p.batch;
-  const int rows_q = varlen ? p.total_q : p.seqlen_q, rows_k = varlen ? p.total_k : p.seqlen_k;
+  int rows_q = varlen ? p.total_q : p.seqlen_q, rows_k = varlen ? p.total_k : p.seqlen_k, batch_k = batch;
   FwdTmaMaps maps;
+  int box_k = Kt::kBlockN;
+  if (p.kv.paged()) {  // (num_blocks, page_size) in boxes that never cross a page (fwd_sm90_producer.cuh)
+    rows_k = p.kv.page_size, batch_k = p.kv.cache_rows;
+    box_k = std::gcd(p.kv.page_size, Kt::kBlockN);
+    maps.kv_box_rows = box_k;
+  } else if (p.kv.cache_rows > 0) {  // a KV cache's rows (cache_batch_idx): its own batch size
+    batch_k = p.kv.cache_rows;
+  }
   const bool described = make_tensor_map_bshd(&maps.q, p.q_ptr, kBf16, batch, rows_q, p.heads_q, p.head_dim,
                                               p.q_batch_stride, p.q_row_stride, p.q_head_stride, Kt::kBlockM) &&
-                         make_tensor_map_bshd(&maps.k, p.k_ptr, kBf16, batch, rows_k, p.heads_kv, p.head_dim,
-                                              p.k_batch_stride, p.k_row_stride, p.k_head_stride, Kt::kBlockN) &&
-                         make_tensor_map_bshd(&maps.v, p.v_ptr, kBf16, batch, rows_k, p.heads_kv, p.head_dim,
-                                              p.v_batch_stride, p.v_row_stride, p.v_head_stride, Kt::kBlockN) &&
+                         make_tensor_map_bshd(&maps.k, p.k_ptr, kBf16, batch_k, rows_k, p.heads_kv, p.head_dim,
+                                              p.k_batch_stride, p.k_row_stride, p.k_head_stride, box_k) &&
+                         make_tensor_map_bshd(&maps.v, p.v_ptr, kBf16, batch_k, rows_k, p.heads_kv, p.head_dim,
+                                              p.v_batch_stride, p.v_row_stride, p.v_head_stride, box_k) &&
                          make_tensor_map_bshd(&maps.o, p.o_ptr, kBf16, batch, rows_q, p.heads_q, p.head_dim,
                                               p.o_batch_stride, p.o_row_stride, p.o_head_stride, Kt::kOStoreRows);
   if (!described) return cudaSuccess;
@@ -393,9 +402,10 @@ cudaError_t run_fwd(const AttnFwdParams& p, cudaStream_t stream) {
 #endif
   if (p.seqused_k != nullptr) return cudaErrorNotSupported;  // the TMA kernel did not run it (above)
 #ifdef FLASHATTN_SM90
-  // (The cp.async wgmma kernels have no score-mod instance: such calls run the mma.sync kernels.)
+  // (The cp.async wgmma kernels have no score-mod instance and read no paged
+  // cache: such calls run the mma.sync kernels.)
   if constexpr (HasFwdSm90<KernelConfig<kHeadDim, T>>::value) {
-    if (p.device_arch == 90 && !p.score_mod.any() && !sm90_declines_dropout(p)) {
+    if (p.device_arch == 90 && !p.score_mod.any() && !sm90_declines_dropout(p) && !p.kv.paged()) {
 #ifdef FLASHATTN_TUNING
       return run_variant(typename TuneVariants<kHeadDim, T>::FwdSm90{}, "FLASHATTN_FWD_VARIANT",
                          [&](auto kt) { return launch_fwd_sm90<decltype(kt)>(p, stream); });

@@ -77,28 +77,32 @@ int64_t prefill_min_seqlen_q() {
   return (end != nullptr && *end == '\0' && n >= 1) ? n : kPrefillMinSeqlenQ;
 }
 
-// Whether a call is a prefill the TMA forward can run as a dense batch with
-// per-entry key lengths: a long query, a contiguous cache (no block_table) of
-// one row per batch row (no cache_batch_idx), keys from position 0 (no
-// cache_leftpad), and num_splits automatic or 1 (an explicit split count is
-// the decoding kernel's). The Python side has applied rotary to q and appended
-// k / v before the op (seqlens_k is then cache_seqlens + seqlen_new), and
-// softcap / alibi never reach the op. An sm90 device (FLASHATTN_DISABLE_SM90
-// keeps it off, as for the forward); run_fwd may still decline (TMA disabled
-// or unable to describe a tensor, a head dim without the kernel): the
-// decoding kernel runs then.
+// Whether a call is a prefill the TMA forward runs as a dense batch with
+// per-entry key lengths: a long query and num_splits automatic or 1 (an
+// explicit split count is the decoding kernel's), against a contiguous cache
+// (with or without cache_batch_idx / cache_leftpad) or a paged one (pages of
+// a multiple of 16 keys, without cache_leftpad: flash-attn has no paged cache
+// with left padding, the decoding kernel runs that); the forward reads the
+// cache through KvCacheView (flash_params.h). The Python side has applied
+// rotary to q and appended k / v before the op (seqlens_k is then
+// cache_seqlens + seqlen_new). An sm90 device (FLASHATTN_DISABLE_SM90 keeps
+// it off, as for the forward); run_fwd may still decline (TMA disabled or
+// unable to describe a tensor, a head dim without the kernel): the decoding
+// kernel runs then.
 bool prefill_route(const KvcacheInputs& in, int64_t num_splits) {
-  if (in.q.size(1) < prefill_min_seqlen_q()) return false;
-  if (in.block_table || in.batch_idx || in.leftpad || num_splits > 1) return false;
+  if (in.q.size(1) < prefill_min_seqlen_q() || num_splits > 1) return false;
+  if (in.block_table && (in.leftpad || in.k_cache.size(1) % 16 != 0)) return false;
   if (device_arch(in.q) != 90) return false;
   // The forward's persistent scheduler counts tiles in an int (64-row bound, as fwd_cuda checks).
   return (in.q.size(1) + 63) / 64 * in.q.size(0) * in.q.size(2) <= std::numeric_limits<int32_t>::max();
 }
 
 // The prefill as a forward call: the KvcacheParams' pointers and strides (the
-// same QkvoParams: q, cache, out, lse in the dense layouts), the cache's
-// capacity as seqlen_k, cache_seqlens (after the append) as seqused_k, the
-// windows bottom-right per batch row. cudaErrorNotSupported: nothing ran.
+// same QkvoParams: q, cache, out, lse in the dense layouts; a paged cache's
+// batch stride is its block stride), the cache's capacity as seqlen_k,
+// cache_seqlens (after the append) as seqused_k, the page table, cache rows
+// and left padding as the KvCacheView, the windows bottom-right per batch
+// row. cudaErrorNotSupported: nothing ran.
 template <typename T, int kHeadDim>
 cudaError_t run_prefill(const KvcacheParams& kp, cudaStream_t stream) {
   AttnFwdParams p;
@@ -119,6 +123,15 @@ cudaError_t run_prefill(const KvcacheParams& kp, cudaStream_t stream) {
   p.device_arch = 90;
   p.allow_tma = !env_flag("FLASHATTN_DISABLE_TMA");
   p.seqused_k = kp.seqlens_k;
+  p.kv.cache_rows = kp.cache_rows;
+  p.kv.batch_idx = kp.batch_idx;
+  p.kv.leftpad = kp.leftpad;
+  if (kp.block_table != nullptr) {
+    p.kv.block_table = kp.block_table;
+    p.kv.table_batch_stride = kp.block_table_batch_stride;
+    p.kv.page_size = kp.page_size;
+    p.kv.max_blocks = kp.capacity / kp.page_size;
+  }
   return run_fwd<T, kHeadDim>(p, stream);
 }
 

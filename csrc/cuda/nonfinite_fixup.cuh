@@ -164,6 +164,12 @@ struct FixupArgs {
   BlockMask mask;
   int head_dim, ratio;
   float scale;
+  // A paged cache (KvCacheView, forward only): the sequence's page-table row
+  // (nullptr: k and v rows k_row / v_row apart from k / v), the view, and the
+  // block strides of k and v.
+  const int32_t* page_row = nullptr;
+  KvCacheView kv;
+  int64_t k_block = 0, v_block = 0;
 };
 
 // The score of query i, key j of head h from q.k (natural-log units) and
@@ -221,6 +227,12 @@ __device__ __forceinline__ FixupArgs fixup_args(const AttnFwdParams& p, const Se
   a.vec_head = seq.rowvec_head_stride(p);
   a.head_dim = p.head_dim, a.ratio = p.heads_ratio();
   a.scale = static_cast<float>(p.softmax_scale);
+  if (seq.varlen && p.kv.paged()) {
+    a.k = p.k_ptr, a.v = p.v_ptr;
+    a.page_row = p.kv.block_table + b * p.kv.table_batch_stride;
+    a.kv = p.kv;
+    a.k_block = p.k_batch_stride, a.v_block = p.v_batch_stride;
+  }
   return a;
 }
 
@@ -242,11 +254,13 @@ __device__ __forceinline__ const T* do_row(const FixupArgs& a, int h, int i) {
 }
 template <typename T>
 __device__ __forceinline__ const T* k_row(const FixupArgs& a, int h_kv, int j) {
-  return static_cast<const T*>(a.k) + int64_t(j) * a.k_row + h_kv * a.k_head;
+  const int64_t row = a.page_row ? a.kv.page_offset(a.page_row, j, a.k_block, a.k_row) : int64_t(j) * a.k_row;
+  return static_cast<const T*>(a.k) + row + h_kv * a.k_head;
 }
 template <typename T>
 __device__ __forceinline__ const T* v_row(const FixupArgs& a, int h_kv, int j) {
-  return static_cast<const T*>(a.v) + int64_t(j) * a.v_row + h_kv * a.v_head;
+  const int64_t row = a.page_row ? a.kv.page_offset(a.page_row, j, a.v_block, a.v_row) : int64_t(j) * a.v_row;
+  return static_cast<const T*>(a.v) + row + h_kv * a.v_head;
 }
 
 // P of a visible pair from the saved lse (natural log); a row that saw no key has P = 0.

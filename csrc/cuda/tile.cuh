@@ -67,6 +67,34 @@ __device__ __forceinline__ void copy_tile_async(T* smem, const T* gmem, int64_t 
   }
 }
 
+// copy_tile_async for rows that are not one stride apart (a paged KV cache):
+// row_of(r) gives row r's start in global memory, asked once per row a lane
+// copies (the lane's rows are the same in every panel); `any` is a global
+// address the zero-filled chunks name (nothing is read there).
+template <typename Tile, int kNThreads, typename T, typename RowOf>
+__device__ __forceinline__ void copy_tile_rows_async(T* smem, const RowOf& row_of, const T* any, int valid_rows,
+                                                     int valid_cols, int tid) {
+  constexpr int kChunksPerPanelRow = Tile::kPanel / 8;
+  constexpr int kRowStep = kNThreads / kChunksPerPanelRow;
+  constexpr int kItersPerPanel = Tile::kRows / kRowStep;
+  constexpr int kPanels = Tile::kCols / Tile::kPanel;
+  static_assert(kNThreads % kChunksPerPanelRow == 0 && kRowStep % 8 == 0 && Tile::kRows % kRowStep == 0, "copy layout");
+  const int row0 = tid / kChunksPerPanelRow;
+  const int col0 = (tid % kChunksPerPanelRow) * 8;
+  const uint32_t dst0 = smem_u32(smem + Tile::offset(row0, col0));
+#pragma unroll
+  for (int i = 0; i < kItersPerPanel; ++i) {
+    const bool row_ok = row0 + i * kRowStep < valid_rows;
+    const T* src_row = row_ok ? row_of(row0 + i * kRowStep) + col0 : nullptr;
+#pragma unroll
+    for (int pi = 0; pi < kPanels; ++pi) {
+      const bool pred = row_ok && pi * Tile::kPanel + col0 < valid_cols;
+      const uint32_t dst = dst0 + 2 * (pi * Tile::kRows * Tile::kPanel + i * kRowStep * Tile::kPanel);
+      cp_async_16(dst, pred ? src_row + pi * Tile::kPanel : any, pred);
+    }
+  }
+}
+
 // Copies rows [0, valid_rows) and columns [col0, min(col0 + kColsOut, valid_cols))
 // of a tile to global memory (gmem points at column 0), 16 bytes at a time.
 template <typename Tile, int kNThreads, int kColsOut = Tile::kCols, typename T>

@@ -174,8 +174,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   if (wg == 0) {
     // ---- producer -------------------------------------------------------
     warpgroup_reg_dealloc<Kt::kProducerRegs>();
-    // (The attn_mask instance: the whole warp, for its lookups of hidden blocks.)
-    if (warp == 0 && (kSkipHidden || lane == 0))
+    // (The attn_mask instance and a paged call: the whole warp, for its
+    // lookups of hidden blocks or of pages.)
+    if (warp == 0 && (kSkipHidden || lane == 0 || (kVarlen && p.kv.paged())))
       fwd_sm90_producer<Kt, kVarlen, kSkipHidden>(p, maps, sched, mask, sm, lane);
     return;
   }

@@ -13,9 +13,12 @@ namespace flashattn {
 // The tensor maps of one forward call (built on the host, tma_host.h): q, k,
 // v are read and o written as 4-D (head_dim, heads, seqlen, batch) tensors
 // through boxes of 64 columns (one 128-byte swizzled panel) x rows; a varlen
-// batch as (head_dim, heads, total rows, 1).
+// batch as (head_dim, heads, total rows, 1); a paged k / v (KvCacheView) as
+// (head_dim, heads_kv, page_size, num_blocks) in boxes of kv_box_rows rows,
+// which divides both the page size and kBlockN (0: not paged).
 struct FwdTmaMaps {
   CUtensorMap q, k, v, o;
+  int kv_box_rows = 0;
 };
 
 // The CTA's shared memory: the Q tile, the O tile (or O staged in Q), the
@@ -73,6 +76,8 @@ struct FwdSm90Coords {
   static __device__ __forceinline__ int batch_of(const AttnFwdParams& p, const Tile& tl) {
     return kVarlen && p.is_varlen() ? 0 : tl.b;
   }
+  // The keys' batch coordinate: the sequence's (0 when packed; a KV cache's row, SeqInfo::k_batch).
+  static __device__ __forceinline__ int k_batch_of(const Tile& tl) { return kVarlen ? tl.seq.k_batch : tl.b; }
   // Use n of ring slot s (n counts the K or V blocks loaded so far) waits for parity n & 1.
   static __device__ __forceinline__ int stage(int it) { return it % Kt::kStages; }
   static __device__ __forceinline__ uint32_t parity(int it) { return uint32_t(it / Kt::kStages) & 1; }

@@ -9,12 +9,38 @@
 // both roles). Then the whole warp runs this (`lane` 0 issues), so that the
 // lookup takes 32 blocks at a time (../mask_skip.cuh): one thread walking the
 // blocks paid a load latency per hidden block, most of a document mask's.
+// A paged KV cache (kVarlen, p.kv.paged()) also runs the whole warp, each
+// lane loading one box of a tile (tma_load_paged_tile).
 #pragma once
 
 #include "../mask_skip.cuh"
 #include "fwd_sm90_common.cuh"
 
 namespace flashattn {
+
+// One K or V tile of a paged cache (KvCacheView; the kVarlen instance, where
+// the whole producer warp runs for a paged call): kBlockN / box boxes of
+// `box` rows, each inside one page (box divides the page size and kBlockN),
+// at (row in its page, block); lane i reads box i's page-table entry and
+// issues its loads, so that the entries' latencies overlap (one thread
+// walking them paid one a box: 8 a tile with 16-key pages). The boxes
+// complete on the stage's barrier whose transaction count the leader set (a
+// count may run below zero until then). A box past the table's last column
+// (a tile running past the sequence's last page) reads block -1, outside the
+// map: TMA fills it with zeros and still counts its bytes, as it does for a
+// block index a caller got wrong.
+template <typename Kt, typename T>
+__device__ __forceinline__ void tma_load_paged_tile(T* dst, const CUtensorMap* map, uint64_t* bar,
+                                                    const KvCacheView& kv, const int32_t* table_row, int h_kv,
+                                                    int pos0, int box, int lane) {
+  if (lane >= Kt::kBlockN / box) return;
+  const int pos = pos0 + lane * box, slot = pos / kv.page_size;
+  const int block = slot < kv.max_blocks ? table_row[slot] : -1;
+#pragma unroll
+  for (int pn = 0; pn < Kt::kPanels; ++pn)
+    tma_load_4d(dst + pn * Kt::TileKV::kRows * 64 + lane * box * 64, map, bar, pn * 64, h_kv, pos - slot * kv.page_size,
+                block);
+}
 
 template <typename Kt, bool kVarlen, bool kSkipHidden = false>
 __device__ __forceinline__ void fwd_sm90_producer(const AttnFwdParams& p, const FwdTmaMaps& maps,
@@ -26,7 +52,7 @@ __device__ __forceinline__ void fwd_sm90_producer(const AttnFwdParams& p, const 
   using C = FwdSm90Coords<Kt, kVarlen>;
   using Tile = typename C::Tile;
   constexpr int kBlockN = Kt::kBlockN;
-  const bool leader = lane == 0;  // (without kSkipHidden the only thread here)
+  const bool leader = lane == 0;  // (the only thread here unless kSkipHidden or paged)
   if (leader) {
     prefetch_tensor_map(&maps.q);
     prefetch_tensor_map(&maps.k);
@@ -55,16 +81,23 @@ __device__ __forceinline__ void fwd_sm90_producer(const AttnFwdParams& p, const 
     // so the consumers need not look it up), as FwdSm90Smem::pack_next.
     auto load = [&](const CUtensorMap* map, T* ring, uint64_t* full, uint64_t* empty, int i, int j, int after,
                     int code) {
-      const int s = C::stage(it0 + i), row0 = C::k_row_of(tl, (n_max - 1 - j) * kBlockN);
+      const int s = C::stage(it0 + i), n0 = (n_max - 1 - j) * kBlockN;
       mbar_wait(&empty[s], C::parity(it0 + i) ^ 1);
+      if (kVarlen && p.kv.paged()) {  // (never kSkipHidden: attn_mask has no varlen form)
+        if (leader) mbar_arrive_expect_tx(&full[s], Kt::kBytesKV);
+        tma_load_paged_tile<Kt>(ring + s * TileKV::kElems, map, &full[s], p.kv,
+                                p.kv.block_table + tl.b * p.kv.table_batch_stride, tl.h_kv, tl.seq.k_start + n0,
+                                maps.kv_box_rows, lane);
+        return;
+      }
       if (!leader) return;
       if (kSkipHidden && after >= 0)
         sm.next_step[s] = FwdSm90Smem<Kt>::pack_next(after, code);  // (the arrive releases it)
       mbar_arrive_expect_tx(&full[s], Kt::kBytesKV);
 #pragma unroll
       for (int pn = 0; pn < Kt::kPanels; ++pn)
-        tma_load_4d(ring + s * TileKV::kElems + pn * TileKV::kRows * 64, map, &full[s], pn * 64, tl.h_kv, row0,
-                    C::batch_of(p, tl));
+        tma_load_4d(ring + s * TileKV::kElems + pn * TileKV::kRows * 64, map, &full[s], pn * 64, tl.h_kv,
+                    C::k_row_of(tl, n0), C::k_batch_of(tl));
     };
     load(&maps.k, sm.sK, sm.full_k, sm.empty_k, 0, step, next, step_code);
     mbar_wait(sm.empty_q, (q_iter & 1) ^ 1);  // the previous tile's last S GEMM (or O store) is done with sQ
