@@ -723,6 +723,16 @@ def test_append_rotary_against_reference(device, dtype, layout, rotary, q_per_to
     assert changed.sum() <= len(args[5]) * seqlen_new
 
 
+@pytest.mark.parametrize("rotary", ["gptj-partial", "neox"])
+@pytest.mark.parametrize("d", [20, 128, 256])
+def test_append_rotary_head_dims(device, d, rotary):
+    """Head dims that are not a warp multiple (20: a partial warp on CUDA), and
+    the largest ones (one thread per element up to 256)."""
+    args = _append_args(device, torch.bfloat16, "paged", 2, 2, rotary, True, d=d)
+    got, expected = _append_both(args)
+    _assert_append_equal(got, expected)
+
+
 @pytest.mark.parametrize("which", ["no-q", "no-kv", "no-kv-no-rotary"])
 def test_append_rotary_optional_parts(device, which):
     """q None: only the append (an empty result); k / v None: only q rotated
