@@ -41,6 +41,12 @@ prefill  q length 512 appended to a cache of 8k (causal bottom-right: the chunk'
          decoding kernel (FLASHATTN_KVCACHE_PREFILL_MIN_Q); `kernel` names what ran (profiler).
          `prefill_sweep`: both kernels at q 16 .. 256 (same cache, batch), to place the
          route's threshold.
+append   (--append-rotary, alone) a decode step with the append and rotary
+         (flash_attn_with_kvcache with k, v of one token and rotary_cos / rotary_sin, NeoX
+         halves, causal: one kvcache_append_rotary launch, then the attention) against the
+         plain step (no append, no rotary), batch 8, 8k cache (both attend 8192 keys),
+         32/8 heads, d128, bf16, eager and as a replayed CUDA graph; `ratio` =
+         append_rotary_ms / plain_ms (issue 25's bar: <= 1.2).
 varlen   flash_attn_varlen_func vs flash_attn_func at the same token count (16k tokens,
          16 heads, d128, bf16, causal), forward + backward: `equal` has every sequence 2k
          long (the same FLOPs both ways: the cost of the varlen path itself); `mixed` has
@@ -609,6 +615,59 @@ def text_summary(data):
     return "\n".join(lines)
 
 
+def _graphed(fn):
+    """fn captured in a CUDA graph (warmed on a side stream first): its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def append_rotary_cases(cfg, device, bench, gen, smoke):
+    """The decode step with append + rotary against the plain one (module docstring)."""
+    batch, n = (2, 128) if smoke else (8, 8192)
+    hq, hkv, d, dt = cfg["heads_q"], cfg["heads_kv"], cfg["d"], cfg["dtype"]
+    q = _rand((batch, 1, hq, d), dt, device, gen)
+    k, v = _rand((batch, 1, hkv, d), dt, device, gen), _rand((batch, 1, hkv, d), dt, device, gen)
+    kc, vc = _rand((batch, n, hkv, d), dt, device, gen), _rand((batch, n, hkv, d), dt, device, gen)
+    angles = torch.arange(n, dtype=torch.float64)[:, None] / 10000.0 ** (torch.arange(0, d, 2) / d)
+    cos, sin = angles.cos().to(dt).to(device), angles.sin().to(dt).to(device)
+    full = torch.full((batch,), n, dtype=torch.int32, device=device)
+    before = full - 1  # the appended token is key n - 1: both steps attend n keys
+    kvcache = OURS.flash_attn_with_kvcache
+
+    def plain():
+        return kvcache(q, kc, vc, cache_seqlens=full, causal=True)
+
+    def appended():
+        return kvcache(q, kc, vc, k, v, cos, sin, before, causal=True, rotary_interleaved=False)
+
+    rows = []
+    for mode in ("eager", "graph") if device.type == "cuda" else ("eager",):
+        fns = (plain, appended) if mode == "eager" else (_graphed(plain), _graphed(appended))
+        plain_ms, append_ms = (bench(f) for f in fns)
+        rows.append(
+            dict(
+                mode=mode,
+                batch=batch,
+                cache_len=n,
+                heads_q=hq,
+                heads_kv=hkv,
+                d=d,
+                dtype=str(dt).replace("torch.", ""),
+                plain_ms=round(plain_ms, 5),
+                append_rotary_ms=round(append_ms, 5),
+                ratio=round(append_ms / plain_ms, 3),
+            )
+        )
+    return rows
+
+
 # ----------------------------------------------------------------------------- driver
 
 
@@ -624,6 +683,11 @@ def parse_args(argv=None):
     p.add_argument("--impls", default=",".join(DECODE_IMPLS), help="decode/prefill implementations (default all)")
     p.add_argument("--no-prefill", action="store_true")
     p.add_argument("--no-varlen", action="store_true")
+    p.add_argument(
+        "--append-rotary",
+        action="store_true",
+        help="only the decode step with append + rotary against the plain step (eager and CUDA graph)",
+    )
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -688,6 +752,17 @@ def main(argv=None):
 
     progress = Progress()
     print(f"bench_decode: {data.get('gpu') or 'CPU'}, torch {data['torch']}", file=sys.stderr)
+    if args.append_rotary:
+        progress.update("decode with append + rotary")
+        data["append_rotary"] = append_rotary_cases(cfg, device, bench, gen, args.smoke)
+        progress.done()
+        save()
+        for r in data["append_rotary"]:
+            print(
+                f"append+rotary {r['mode']:5s} b{r['batch']} cache {r['cache_len']}: plain {r['plain_ms']:.4f} ms, "
+                f"with append + rotary {r['append_rotary_ms']:.4f} ms, ratio {r['ratio']:.3f} (bar 1.2)"
+            )
+        return 0
     points = decode_points(cfg, args.quick)
     # The three most important decode points, then prefill and varlen (cheap), then the rest.
     head, tail = points[:3], points[3:]

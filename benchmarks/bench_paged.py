@@ -79,7 +79,9 @@ def prefill_points(device, dtype, bench, gen, smoke):
         q, kb, vb, cache_seqlens=seqlens, cache_batch_idx=idx, causal=True
     )
     pad = torch.full((b,), 64, dtype=torch.int32, device=device)
-    calls["leftpad64"] = lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, cache_leftpad=pad, causal=True)
+    calls["leftpad64"] = lambda: flash_attn_with_kvcache(
+        q, kc, vc, cache_seqlens=seqlens, cache_leftpad=pad, causal=True
+    )
     ref = calls["contiguous"]()
     out = []
     for name, fn in calls.items():
@@ -150,9 +152,13 @@ def main(argv=None):
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    print(f"{meta['device']}, torch {meta['torch']}; time ratio paged / contiguous (bars: prefill <= 1.1, varlen <= 1.11)")
+    print(
+        f"{meta['device']}, torch {meta['torch']}; time ratio paged / contiguous (bars: prefill <= 1.1, varlen <= 1.11)"
+    )
     for r in rows:
-        print(f"{r['section']:8s} {r['case']:11s} {r['ms']:8.3f} ms  x{r['ratio_to_contiguous']:.3f}  {','.join(r['kernels'])}")
+        print(
+            f"{r['section']:8s} {r['case']:11s} {r['ms']:8.3f} ms  x{r['ratio_to_contiguous']:.3f}  {','.join(r['kernels'])}"
+        )
 
 
 if __name__ == "__main__":

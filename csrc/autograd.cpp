@@ -29,7 +29,11 @@
 // passes it through): it reads a cache of one dtype in place, which a cast
 // would copy, and requires q in that dtype.
 //
-// Catch-all (CompositeExplicitAutograd): for fwd, bwd and fwd_kvcache, every backend
+// kvcache_append_rotary (no gradient: inference, its caches updated in place)
+// has no Autograd kernel: torch's fallback bumps the caches' version counters;
+// flash_attn_with_kvcache calls it under torch.no_grad().
+//
+// Catch-all (CompositeExplicitAutograd): for fwd, bwd, fwd_kvcache and kvcache_append_rotary, every backend
 // without kernels of its own reaches a kernel that raises an error naming the
 // offending argument; for attention it is fwd itself (so inference mode, which
 // skips the Autograd key, still runs the kernels).
@@ -704,6 +708,24 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_unsupported(const at::Tensor& q, 
                              {block_table ? &*block_table : &none, "block_table"}});
 }
 
+at::Tensor kvcache_append_rotary_unsupported(const OptTensor& q, const OptTensor& k, const OptTensor& v,
+                                             at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& cache_seqlens,
+                                             const OptTensor& batch_idx, const OptTensor& block_table,
+                                             const OptTensor& rotary_cos, const OptTensor& rotary_sin, bool, bool) {
+  const at::Tensor none;
+  auto opt = [&](const OptTensor& t) { return t ? &*t : &none; };
+  flashattn::reject_backend({{opt(q), "q"},
+                             {opt(k), "k"},
+                             {opt(v), "v"},
+                             {&k_cache, "k_cache"},
+                             {&v_cache, "v_cache"},
+                             {&cache_seqlens, "cache_seqlens"},
+                             {opt(batch_idx), "cache_batch_idx"},
+                             {opt(block_table), "block_table"},
+                             {opt(rotary_cos), "rotary_cos"},
+                             {opt(rotary_sin), "rotary_sin"}});
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flashattn_ext, Autograd, m) {
@@ -738,4 +760,5 @@ TORCH_LIBRARY_IMPL(flashattn_ext, CompositeExplicitAutograd, m) {
   m.impl("varlen_fwd", &varlen_fwd_unsupported);
   m.impl("varlen_bwd", &varlen_bwd_unsupported);
   m.impl("fwd_kvcache", &fwd_kvcache_unsupported);
+  m.impl("kvcache_append_rotary", &kvcache_append_rotary_unsupported);
 }

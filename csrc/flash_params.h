@@ -166,9 +166,9 @@ struct QkvoParams {
 struct KvCacheView {
   const int32_t* block_table = nullptr;  // (batch, max_blocks) int32; nullptr: not paged
   int64_t table_batch_stride = 0;
-  int max_blocks = 0;  // block_table's columns: a sequence holds at most max_blocks * page_size keys
-  int page_size = 0;   // a multiple of 16
-  int cache_rows = 0;  // k's dimension 0: num_blocks (paged) or batch_cache; 0: no cache view
+  int max_blocks = 0;                  // block_table's columns: a sequence holds at most max_blocks * page_size keys
+  int page_size = 0;                   // a multiple of 16
+  int cache_rows = 0;                  // k's dimension 0: num_blocks (paged) or batch_cache; 0: no cache view
   const int32_t* batch_idx = nullptr;  // (batch,) int32 or nullptr
   const int32_t* leftpad = nullptr;    // (batch,) int32 or nullptr
   FLASHATTN_HOST_DEVICE bool paged() const { return block_table != nullptr; }

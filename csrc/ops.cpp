@@ -159,6 +159,24 @@ TORCH_LIBRARY(flashattn_ext, m) {
       "fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens_k, Tensor? cache_batch_idx, "
       "Tensor? cache_leftpad, Tensor? block_table, float softmax_scale, int window_left, int window_right, "
       "int num_splits, bool bhsd=False, float softcap=0., Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)");
+  // flash_attn_with_kvcache's step before fwd_kvcache, one kernel: q rotated
+  // (returned, a new contiguous tensor; a copy without rotary tables; an
+  // empty (0,) tensor when q is None) and the new k (rotated) and v, (batch,
+  // seqlen_new, heads_kv, head_dim), written into k_cache / v_cache in place at
+  // positions cache_seqlens[b] + i of cache row cache_batch_idx[b] (default
+  // b), or through block_table (paged; not with cache_batch_idx). Rotary
+  // (rotary_cos / rotary_sin (seqlen_ro, rotary_dim / 2), the caches' dtype)
+  // on the first rotary_dim dims, computed in float32 (float64 for float32 /
+  // float64 inputs) and rounded once: interleaved GPT-J pairs (2i, 2i + 1),
+  // else GPT-NeoX halves; the new key i at its cache position, q row i at
+  // cache_seqlens[b] + i when q_per_token (causal / local attention), else
+  // every q row at cache_seqlens[b]. The integer values are read by the kernels
+  // (on CUDA on the device: no host synchronisation, capturable in a CUDA
+  // graph) and clamped to the tensors, not checked (csrc/append_rotary_params.h).
+  m.def(
+      "kvcache_append_rotary(Tensor? q, Tensor? k, Tensor? v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor cache_seqlens, Tensor? cache_batch_idx, Tensor? block_table, Tensor? rotary_cos, Tensor? rotary_sin, "
+      "bool interleaved, bool q_per_token) -> Tensor");
   // Dropout's random state for one call (csrc/dropout_api.cpp): int64 (2,)
   // [seed, offset] for a call of batch x heads_q (b, h) planes (the offset
   // advances by dropout_offset_increment of csrc/philox.h), drawn from torch's

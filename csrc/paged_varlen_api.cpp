@@ -42,8 +42,8 @@ void check_paged_varlen(const PagedVarlenInputs& in, double softmax_scale, int64
   const int64_t head_dim = q.size(2), heads_q = q.size(1), heads_kv = k.size(2), page = k.size(1);
   TORCH_CHECK_VALUE(k.size(3) == head_dim, "flashattn_ext: k_cache has head_dim ", k.size(3), " but q has ", head_dim,
                     "; they must match");
-  TORCH_CHECK_VALUE(head_dim >= 1 && head_dim <= kMaxHeadDim, "flashattn_ext: head_dim ", head_dim,
-                    " is outside [1, ", kMaxHeadDim, "], the head dims the kernels support");
+  TORCH_CHECK_VALUE(head_dim >= 1 && head_dim <= kMaxHeadDim, "flashattn_ext: head_dim ", head_dim, " is outside [1, ",
+                    kMaxHeadDim, "], the head dims the kernels support");
   TORCH_CHECK_VALUE(heads_q >= 1 && heads_kv >= 1 && heads_q % heads_kv == 0, "flashattn_ext: q has ", heads_q,
                     " heads, not a multiple of the ", heads_kv,
                     " heads of k_cache/v_cache; for GQA/MQA the key/value heads must divide the query heads");

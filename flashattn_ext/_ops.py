@@ -26,6 +26,8 @@ bwd = torch.ops.flashattn_ext.bwd.default
 bwd_mask_grad = torch.ops.flashattn_ext.bwd_mask_grad.default
 fwd_kvcache = torch.ops.flashattn_ext.fwd_kvcache.default  # attention against a KV cache (inference)
 varlen_fwd_paged = torch.ops.flashattn_ext.varlen_fwd_paged.default  # flash_attn_varlen_func with block_table
+# rotary on q and the new keys, the append into the cache (flash_attn_with_kvcache's step before fwd_kvcache)
+kvcache_append_rotary = torch.ops.flashattn_ext.kvcache_append_rotary.default
 # The benchmarks (benchmarks/kernel_check.py, tune.py, bench_cpu.py) call
 # _ops.fwd(q, k, v, scale, window_left, window_right, bottom_right, deterministic)
 # and backpropagate through it: the differentiable op, under its old name.
@@ -616,6 +618,141 @@ def _varlen_fwd_paged_fake(
         )
     check_score_mod(q, softcap, alibi, cu_seqlens_q.shape[0] - 1, q.shape[1])
     return _fwd_outputs(q, (q.shape[1], q.shape[0]))
+
+
+_APPEND = "flashattn_ext: kvcache_append_rotary: "
+_APPEND_DTYPE_HINT = {"cuda": "; cast the cache to bfloat16 or float16 (the CUDA attention kernels take those)"}
+
+
+def _like_cache(t, name, k_cache):
+    if t.device != k_cache.device:
+        raise ValueError(
+            f"{_APPEND}{name} is on {t.device} but k_cache is on {k_cache.device}; move them to one device"
+        )
+    if t.dtype != k_cache.dtype:
+        raise TypeError(
+            f"{_APPEND}{name} has dtype {_c10(t.dtype)} but k_cache has {_c10(k_cache.dtype)}; cast them to one dtype"
+        )
+
+
+def _append_int32(t, name, k_cache):
+    if t.dtype != torch.int32:
+        raise TypeError(
+            f"{_APPEND}{name} must have dtype torch.int32, got {_c10(t.dtype)}; pass {name}.to(torch.int32)"
+        )
+    if t.device != k_cache.device:
+        raise ValueError(
+            f"{_APPEND}{name} is on {t.device} but k_cache is on {k_cache.device}; move them to one device"
+        )
+
+
+def check_append_rotary(q, k, v, k_cache, v_cache, seqlens, batch_idx, block_table, cos, sin):
+    """csrc/append_rotary_api.cpp check_append_rotary, in its order and words."""
+    kc, vc = k_cache, v_cache
+    if kc.dim() != 4:
+        raise ValueError(f"{_APPEND}k_cache must have 4 dimensions {_CACHE_LAYOUT}, got shape {_sizes(kc)}")
+    if vc.shape != kc.shape:
+        raise ValueError(f"{_APPEND}v_cache has shape {_sizes(vc)} but k_cache has {_sizes(kc)}; they must match")
+    _like_cache(vc, "v_cache", kc)
+    backend = kc.device.type
+    dtypes = _KERNEL_DTYPES.get(backend, _KERNEL_DTYPES["cpu"])
+    if backend == "cpu":  # the C++ BackendSpec's order
+        dtypes = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+    if kc.dtype not in dtypes:
+        name = {"cpu": "CPU", "cuda": "CUDA"}.get(backend, backend)
+        raise TypeError(
+            f"{_APPEND}k_cache has dtype {_c10(kc.dtype)}, which the {name} kernels do not support; use one of "
+            f"{', '.join(_c10(d) for d in dtypes)}{_APPEND_DTYPE_HINT.get(backend, '')}"
+        )
+    for t, name in ((kc, "k_cache"), (vc, "v_cache")):
+        if t.stride(3) != 1 and t.shape[3] != 1:
+            raise ValueError(
+                f"{_APPEND}{name} must have stride 1 in its last (head_dim) dimension; the cache is updated in "
+                "place: allocate it contiguous in head_dim"
+            )
+    heads_kv, head_dim = kc.shape[2], kc.shape[3]
+    _append_int32(seqlens, "cache_seqlens", kc)
+    if seqlens.dim() != 1:
+        raise ValueError(f"{_APPEND}cache_seqlens must have shape (batch,), got {_sizes(seqlens)}")
+    batch = seqlens.shape[0]
+    if q is not None:
+        if q.dim() != 4 or q.shape[0] != batch or q.shape[3] != head_dim:
+            raise ValueError(
+                f"{_APPEND}q must have shape (batch, seqlen_q, heads_q, head_dim) = ({batch}, *, *, {head_dim}), "
+                f"got {_sizes(q)}"
+            )
+        _like_cache(q, "q", kc)
+    if (k is None) != (v is None):
+        raise ValueError(f"{_APPEND}k and v must be given together, got only {'k' if v is None else 'v'}")
+    if k is not None:
+        for t, name in ((k, "k"), (v, "v")):
+            if t.dim() != 4 or t.shape[0] != batch or t.shape[2] != heads_kv or t.shape[3] != head_dim:
+                raise ValueError(
+                    f"{_APPEND}{name} must have shape (batch, seqlen_new, heads_kv, head_dim) = ({batch}, *, "
+                    f"{heads_kv}, {head_dim}), got {_sizes(t)}"
+                )
+            _like_cache(t, name, kc)
+        if v.shape[1] != k.shape[1]:
+            raise ValueError(f"{_APPEND}v has shape {_sizes(v)} but k has {_sizes(k)}; they must match")
+    if batch_idx is not None:
+        _append_int32(batch_idx, "cache_batch_idx", kc)
+        if batch_idx.dim() != 1 or batch_idx.shape[0] != batch:
+            raise ValueError(f"{_APPEND}cache_batch_idx must have shape (batch,) = ({batch},), got {_sizes(batch_idx)}")
+    capacity = kc.shape[1]
+    if block_table is not None:
+        _append_int32(block_table, "block_table", kc)
+        if block_table.dim() != 2 or block_table.shape[0] != batch:
+            raise ValueError(
+                f"{_APPEND}block_table must have shape (batch, max_blocks_per_seq) = ({batch}, *), got "
+                f"{_sizes(block_table)}"
+            )
+        if batch_idx is not None:
+            raise ValueError(
+                f"{_APPEND}cache_batch_idx cannot be combined with block_table (as in flash-attn); pass None"
+            )
+        capacity = block_table.shape[1] * kc.shape[1]
+    elif batch_idx is None and kc.shape[0] != batch:
+        raise ValueError(
+            f"{_APPEND}k_cache has {kc.shape[0]} rows but cache_seqlens has batch {batch}; they must match unless "
+            "cache_batch_idx maps batch rows to cache rows"
+        )
+    seqlen_new = k.shape[1] if k is not None else 0
+    if seqlen_new > capacity:
+        raise ValueError(f"{_APPEND}{seqlen_new} new tokens do not fit in a cache of {capacity} positions per row")
+    if seqlen_new and batch and kc.shape[0] == 0:
+        raise ValueError(
+            f"{_APPEND}k_cache has no rows (blocks) to append the new keys to; pass a cache with at least one"
+        )
+    if (cos is None) != (sin is None):
+        raise ValueError(f"{_APPEND}rotary_cos and rotary_sin must be given together")
+    if cos is not None:
+        for t, name in ((cos, "rotary_cos"), (sin, "rotary_sin")):
+            if t.dim() != 2:
+                raise ValueError(f"{_APPEND}{name} must be 2-D (seqlen_ro, rotary_dim / 2), got shape {_sizes(t)}")
+            _like_cache(t, name, kc)
+        if sin.shape != cos.shape:
+            raise ValueError(
+                f"{_APPEND}rotary_sin has shape {_sizes(sin)} but rotary_cos has {_sizes(cos)}; they must match"
+            )
+        if not 1 <= cos.shape[1] <= head_dim // 2:
+            raise ValueError(
+                f"{_APPEND}rotary_cos/rotary_sin have {cos.shape[1]} columns (rotary_dim / 2); rotary_dim = "
+                f"{2 * cos.shape[1]} must be in [2, head_dim = {head_dim}]"
+            )
+        if cos.shape[0] < 1:
+            raise ValueError(
+                f"{_APPEND}rotary_cos/rotary_sin have no rows (seqlen_ro = 0); pass the tables of the positions to rotate"
+            )
+
+
+@torch.library.register_fake("flashattn_ext::kvcache_append_rotary")
+def _kvcache_append_rotary_fake(
+    q, k, v, k_cache, v_cache, seqlens, batch_idx, block_table, cos, sin, interleaved, q_per_token
+):
+    check_append_rotary(q, k, v, k_cache, v_cache, seqlens, batch_idx, block_table, cos, sin)
+    if q is None:
+        return k_cache.new_empty((0,))
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
 # ----------------------------------------------------------------------------- vmap rules

@@ -1561,25 +1561,6 @@ def _check_kvcache_values(fn, seqlens, leftpad, batch_idx, block_table, capacity
             )
 
 
-def _rotary(x, cos, sin, positions, interleaved):
-    """x (..., heads, d) rotated on its first rotary_dim = 2 * cos.shape[1] dims,
-    the entry at x[idx] by the angle of position positions[idx] (a LongTensor of
-    x's leading shape), in the accumulation dtype, then rounded to x's dtype.
-    interleaved: GPT-J pairs (2i, 2i + 1); else GPT-NeoX halves (i, i + rotary_dim / 2)."""
-    ro = 2 * cos.shape[1]
-    dt = compute_dtype(x.dtype)
-    c = cos[positions].to(dt).unsqueeze(-2)  # (..., 1, ro / 2)
-    s = sin[positions].to(dt).unsqueeze(-2)
-    xr = x[..., :ro].to(dt)
-    if interleaved:
-        x1, x2 = xr[..., 0::2], xr[..., 1::2]
-        rot = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
-    else:
-        x1, x2 = xr[..., : ro // 2], xr[..., ro // 2 :]
-        rot = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
-    return torch.cat((rot.to(x.dtype), x[..., ro:]), dim=-1)
-
-
 def flash_attn_with_kvcache(
     q: Tensor,
     k_cache: Tensor,
@@ -1998,37 +1979,27 @@ def _flash_attn_with_kvcache_checked(
         )
 
     with torch.no_grad():
-        # (batch, 1): the first new position of each row; only rotary and the append
-        # need it (on CUDA the cast is a kernel launch, kept off the plain decode call).
-        base = seqlens.long().unsqueeze(1) if rotary_cos is not None or seqlen_new else None
-        if rotary_cos is not None:
-            steps = torch.arange(max(seqlen_new, seqlen_q), device=q.device)
-            pos_q = base + steps[:seqlen_q] if local else base.expand(batch, seqlen_q)
-            if not checked:
-                pos_q = pos_q.clamp(0, rotary_cos.shape[0] - 1)
-            q = _rotary(q, rotary_cos, rotary_sin, pos_q, rotary_interleaved)
-        if seqlen_new:
-            pos = base + torch.arange(seqlen_new, device=q.device)  # (batch, seqlen_new) cache positions
-            if not checked:
-                pos = pos.clamp(0, max(capacity - 1, 0))
+        if rotary_cos is not None or seqlen_new:
+            # Rotary on q and the new keys and the append, in place: one op
+            # (csrc/append_rotary_params.h has its position and clamping rules;
+            # reference.kvcache_append_rotary_ref is the same in plain torch).
+            q_rot = _ops.kvcache_append_rotary(
+                q if rotary_cos is not None else None,
+                k,
+                v,
+                k_cache,
+                v_cache,
+                seqlens,
+                cache_batch_idx,
+                block_table,
+                rotary_cos,
+                rotary_sin,
+                rotary_interleaved,
+                local,
+            )
             if rotary_cos is not None:
-                pos_k = pos if checked else pos.clamp(max=rotary_cos.shape[0] - 1)
-                k = _rotary(k, rotary_cos, rotary_sin, pos_k, rotary_interleaved)
-            if paged:
-                rows = torch.gather(block_table, 1, pos // len_cache).long()
-                if not checked:
-                    rows = rows.clamp(0, max(n_cache - 1, 0))
-                index = (rows, pos % len_cache)
-            elif cache_batch_idx is not None:
-                rows = cache_batch_idx.long()
-                if not checked:
-                    rows = rows.clamp(0, max(n_cache - 1, 0))
-                index = (rows.unsqueeze(1), pos)  # broadcast against pos
-            else:
-                index = (torch.arange(batch, device=q.device).unsqueeze(1), pos)
-            k_cache.index_put_(index, k)
-            v_cache.index_put_(index, v)
-            seqlens = seqlens + seqlen_new
+                q = q_rot
+            seqlens = seqlens + seqlen_new if seqlen_new else seqlens
         out, lse = _ops.fwd_kvcache(
             _ops.unit_last_stride(q),
             k_cache,

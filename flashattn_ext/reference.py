@@ -68,6 +68,8 @@ __all__ = [
     "dropout_keep_threshold",
     "dropout_offset_increment",
     "dropout_keep_mask",
+    "rotary_ref",
+    "kvcache_append_rotary_ref",
 ]
 
 
@@ -375,3 +377,60 @@ def sdpa_ref(
         dropout_p=dropout_p,
         dropout_keep=dropout_keep,
     )
+
+
+def rotary_ref(x, cos, sin, positions, interleaved):
+    """x (..., heads, d) rotated on its first rotary_dim = 2 * cos.shape[1] dims,
+    the entry at x[idx] by the angle of position positions[idx] (a LongTensor of
+    x's leading shape): x1 * c - x2 * s, x1 * s + x2 * c in the accumulation
+    dtype (compute_dtype), then rounded to x's dtype. interleaved: GPT-J pairs
+    (2i, 2i + 1); else GPT-NeoX halves (i, i + rotary_dim / 2)."""
+    ro = 2 * cos.shape[1]
+    dt = compute_dtype(x.dtype)
+    c = cos[positions].to(dt).unsqueeze(-2)  # (..., 1, ro / 2)
+    s = sin[positions].to(dt).unsqueeze(-2)
+    xr = x[..., :ro].to(dt)
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        rot = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., : ro // 2], xr[..., ro // 2 :]
+        rot = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return torch.cat((rot.to(x.dtype), x[..., ro:]), dim=-1)
+
+
+def kvcache_append_rotary_ref(
+    q, k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, cos, sin, interleaved, q_per_token
+):
+    """flashattn_ext::kvcache_append_rotary in plain torch ops (the op's oracle;
+    its rules: csrc/append_rotary_params.h). Writes k (rotated) and v into
+    k_cache / v_cache in place at positions cache_seqlens[b] + i, of cache row
+    cache_batch_idx[b] (default b) or through block_table; returns q rotated
+    (q_per_token: row i at cache_seqlens[b] + i, else every row at
+    cache_seqlens[b]; a copy without cos / sin), None when q is None.
+    Out-of-range values are clamped to the tensors, as the op does."""
+    batch = cache_seqlens.shape[0]
+    n_cache, page = k_cache.shape[0], k_cache.shape[1]
+    capacity = page * block_table.shape[1] if block_table is not None else page
+    base = cache_seqlens.long().unsqueeze(1)  # (batch, 1)
+    q_out = None
+    if q is not None:
+        q_out = q.clone(memory_format=torch.contiguous_format)
+        if cos is not None:
+            steps = torch.arange(q.shape[1], device=q.device)
+            pos_q = base + steps if q_per_token else base.expand(batch, q.shape[1])
+            q_out = rotary_ref(q, cos, sin, pos_q.clamp(0, cos.shape[0] - 1), interleaved)
+    if k is not None and k.shape[1]:
+        pos = (base + torch.arange(k.shape[1], device=k.device)).clamp(0, max(capacity - 1, 0))  # (batch, seqlen_new)
+        if cos is not None:
+            k = rotary_ref(k, cos, sin, pos.clamp(max=cos.shape[0] - 1), interleaved)
+        if block_table is not None:
+            rows = torch.gather(block_table, 1, pos // page).long().clamp(0, max(n_cache - 1, 0))
+            index = (rows, pos % page)
+        elif cache_batch_idx is not None:
+            index = (cache_batch_idx.long().clamp(0, max(n_cache - 1, 0)).unsqueeze(1), pos)
+        else:
+            index = (torch.arange(batch, device=k.device).unsqueeze(1), pos)
+        k_cache.index_put_(index, k)
+        v_cache.index_put_(index, v)
+    return q_out

@@ -15,7 +15,7 @@ import torch
 from helpers import KernelCalls, cuda_kernel_names, is_sm90, randn
 
 from flashattn_ext import flash_attn_func, flash_attn_with_kvcache
-from flashattn_ext.reference import compute_dtype
+from flashattn_ext.reference import compute_dtype, kvcache_append_rotary_ref
 from flashattn_ext.tolerance import check_attention
 
 PAGE = 16
@@ -644,6 +644,231 @@ def test_fwd_kvcache_fake_validates():
             fwd_kvcache(q, kc, kc, s.long(), None, None, None, 0.25, -1, 0, 0)
         with pytest.raises(ValueError, match="cache_batch_idx cannot be combined with block_table"):
             fwd_kvcache(q, kc, kc, s, s, None, torch.empty(3, 2, dtype=torch.int32), 0.25, -1, 0, 0)
+
+
+# ----------------------------------------------------------------------------- the append + rotary op
+# flashattn_ext::kvcache_append_rotary (rotary on q and the new keys, the
+# append in place; what flash_attn_with_kvcache runs before fwd_kvcache)
+# against reference.kvcache_append_rotary_ref, the same rules in plain torch
+# ops: bit for bit (the same roundings in the same order, on either device).
+
+kvcache_append_rotary = torch.ops.flashattn_ext.kvcache_append_rotary.default
+APPEND_CAP = 48  # 3 pages of 16
+# name: (rotary_dim as a fraction of d or None, interleaved)
+APPEND_ROTARY = {
+    "gptj": (1, True),
+    "neox": (1, False),
+    "gptj-partial": (2, True),
+    "neox-partial": (2, False),
+    "none": (None, True),
+}
+
+
+def _append_args(device, dtype, layout, seqlen_q, seqlen_new, rotary, q_per_token, seqlens=(5, 0, 27), d=32):
+    """The op's arguments, (q, k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx,
+    block_table, rotary_cos, rotary_sin, interleaved, q_per_token); q and k as
+    strided views (the op reads any strides)."""
+    batch, hq, hkv = len(seqlens), 4, 2
+    q = randn((batch, hq, seqlen_q, d), dtype, device).transpose(1, 2)  # (batch, seqlen_q, hq, d), strided
+    k = randn((batch, seqlen_new, hkv, d + 8), dtype, device)[..., :d]
+    v = randn((batch, seqlen_new, hkv, d), dtype, device)
+    n_cache = 5 if layout == "batch-idx" else batch
+    kc, vc = randn((n_cache, APPEND_CAP, hkv, d), dtype, device), randn((n_cache, APPEND_CAP, hkv, d), dtype, device)
+    idx = table = None
+    if layout == "batch-idx":
+        idx = torch.tensor([3, 0, 4][:batch], dtype=torch.int32, device=device)
+    elif layout == "paged":
+        kc, table = to_paged(kc)
+        vc = randn(kc.shape, dtype, device)
+    frac, interleaved = APPEND_ROTARY[rotary]
+    cos = sin = None
+    if frac is not None:
+        cos, sin = rotary_tables(APPEND_CAP, d // frac, dtype, device)
+    lens = torch.tensor(seqlens, dtype=torch.int32, device=device)
+    return [q, k, v, kc, vc, lens, idx, table, cos, sin, interleaved, q_per_token]
+
+
+def _append_both(args):
+    """(op's q, k_cache, v_cache), (reference's), each on its own copy of the caches."""
+    op_args, ref_args = list(args), list(args)
+    op_args[3:5] = (args[3].clone(), args[4].clone())
+    ref_args[3:5] = (args[3].clone(), args[4].clone())
+    q_op = kvcache_append_rotary(*op_args)
+    q_ref = kvcache_append_rotary_ref(*ref_args)
+    return (q_op, op_args[3], op_args[4]), (q_ref, ref_args[3], ref_args[4])
+
+
+def _assert_append_equal(got, expected):
+    (q, kc, vc), (q_e, kc_e, vc_e) = got, expected
+    if q_e is None:
+        assert q.shape == (0,)
+    else:
+        assert q.is_contiguous() and q.dtype == q_e.dtype
+        assert torch.equal(q, q_e), (q.double() - q_e.double()).abs().max()
+    assert torch.equal(kc, kc_e), (kc.double() - kc_e.double()).abs().max()
+    assert torch.equal(vc, vc_e)
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_new", [(1, 1), (4, 4), (3, 5)], ids=["decode", "spec4", "q3-new5"])
+@pytest.mark.parametrize("q_per_token", [True, False], ids=["q-per-token", "q-at-seqlen"])
+@pytest.mark.parametrize("rotary", list(APPEND_ROTARY))
+@pytest.mark.parametrize("layout", ["contiguous", "batch-idx", "paged"])
+def test_append_rotary_against_reference(device, dtype, layout, rotary, q_per_token, seqlen_q, seqlen_new):
+    args = _append_args(device, dtype, layout, seqlen_q, seqlen_new, rotary, q_per_token)
+    got, expected = _append_both(args)
+    _assert_append_equal(got, expected)
+    # The append wrote the rows it should: nothing else of the caches changed.
+    kc0, (_, kc, _) = args[3], got
+    changed = (kc != kc0).flatten(2).any(-1)  # (rows, positions)
+    assert changed.sum() <= len(args[5]) * seqlen_new
+
+
+@pytest.mark.parametrize("rotary", ["gptj-partial", "neox"])
+@pytest.mark.parametrize("d", [20, 128, 256])
+def test_append_rotary_head_dims(device, d, rotary):
+    """Head dims that are not a warp multiple (20: a partial warp on CUDA), and
+    the largest ones (one thread per element up to 256)."""
+    args = _append_args(device, torch.bfloat16, "paged", 2, 2, rotary, True, d=d)
+    got, expected = _append_both(args)
+    _assert_append_equal(got, expected)
+
+
+@pytest.mark.parametrize("which", ["no-q", "no-kv", "no-kv-no-rotary"])
+def test_append_rotary_optional_parts(device, which):
+    """q None: only the append (an empty result); k / v None: only q rotated
+    (caches untouched); neither rotary nor k / v: a copy of q."""
+    dtype = torch.bfloat16
+    args = _append_args(device, dtype, "contiguous", 2, 2, "neox" if which != "no-kv-no-rotary" else "none", True)
+    if which == "no-q":
+        args[0] = None
+    else:
+        args[1] = args[2] = None
+    got, expected = _append_both(args)
+    _assert_append_equal(got, expected)
+    if which != "no-q":
+        assert torch.equal(got[1], args[3]) and torch.equal(got[2], args[4])
+    if which == "no-kv-no-rotary":
+        assert torch.equal(got[0], args[0])
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "batch-idx", "paged"])
+def test_append_rotary_clamps_out_of_range_values(device, layout):
+    """Unchecked values (CUDA's default) are clamped to the tensors, as the
+    reference clamps them: lengths below 0 and past the cache, cache rows and
+    blocks outside the cache, positions past the rotary table."""
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    args = _append_args(device, dtype, layout, 2, 1, "gptj", True, seqlens=(-5, 1000, 10))
+    args[8], args[9] = args[8][:7], args[9][:7]  # seqlen_ro 7: row 2's positions clamp to 6
+    if layout == "batch-idx":
+        args[6] = torch.tensor([9, -1, 2], dtype=torch.int32, device=device)  # -> rows 4, 0, 2
+    elif layout == "paged":
+        table = args[7].clone()
+        table[0, 0], table[1, 2] = -7, 60  # -> block 0, the last block (both unused by the rows' own blocks)
+        args[7] = table
+    got, expected = _append_both(args)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    _assert_append_equal(got, expected)
+
+
+def test_flash_attn_with_kvcache_runs_the_op(device):
+    """A decode step with rotary and an append: the op, then fwd_kvcache, nothing else of ours."""
+    q, kc, vc, k, v, seqlens, cos, sin, table = _decode_inputs(device, torch.bfloat16, False)
+    with KernelCalls() as spy:
+        _decode_step(q, kc, vc, k, v, seqlens, cos, sin, table)
+    assert [name for name, _ in spy.calls] == ["kvcache_append_rotary", "fwd_kvcache"]
+    args = spy.calls[0][1]
+    assert args[1] is k and args[3] is kc and args[5] is seqlens and args[-1] is True  # causal: q per token
+
+
+def test_opcheck_kvcache_append_rotary(device):
+    lo = torch.float32 if device == "cpu" else torch.float16
+    for layout, rotary in (("contiguous", "gptj"), ("batch-idx", "neox-partial"), ("paged", "none")):
+        torch.library.opcheck(kvcache_append_rotary, _append_args(device, lo, layout, 2, 3, rotary, True))
+
+
+def test_kvcache_append_rotary_fake_validates():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        args = _append_args("cpu", torch.float16, "contiguous", 2, 1, "gptj", False)
+        q = kvcache_append_rotary(*args)
+        assert q.shape == args[0].shape and q.is_contiguous()
+        bad = list(args)
+        bad[5] = args[5].long()
+        with pytest.raises(TypeError, match="cache_seqlens must have dtype torch.int32"):
+            kvcache_append_rotary(*bad)
+        bad = list(args)
+        bad[8] = bad[9] = torch.empty(48, 17, dtype=torch.float16)
+        with pytest.raises(ValueError, match=re.escape("rotary_dim = 34 must be in [2, head_dim = 32]")):
+            kvcache_append_rotary(*bad)
+
+
+@pytest.mark.parametrize(
+    "mutate, exc, match",
+    [
+        (lambda a: a.__setitem__(2, None), ValueError, "k and v must be given together"),
+        (lambda a: a.__setitem__(4, a[4][:, :, :1]), ValueError, "v_cache has shape"),
+        (lambda a: a.__setitem__(9, None), ValueError, "rotary_cos and rotary_sin must be given together"),
+        (lambda a: a.__setitem__(0, a[0][:2]), ValueError, "q must have shape"),
+        (lambda a: a.__setitem__(1, a[1][:, :, :1]), ValueError, "k must have shape"),
+        (lambda a: a.__setitem__(8, a[8].double()), TypeError, "rotary_cos has dtype Double"),
+    ],
+)
+def test_kvcache_append_rotary_errors_match_fake(device, mutate, exc, match):
+    """The real op and its fake kernel refuse the same call in the same words."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = _append_args(device, torch.float16, "contiguous", 2, 1, "gptj", True)
+    mutate(args)
+    with pytest.raises(exc, match=match) as real:
+        kvcache_append_rotary(*args)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with pytest.raises(exc, match=match) as fake:
+            kvcache_append_rotary(*args)
+    assert str(real.value).split("\n")[0] == str(fake.value).split("\n")[0]
+
+
+def _append_step(q, k, v, kc, vc, lens, idx, table, cos, sin, interleaved, q_per_token):
+    return kvcache_append_rotary(q, k, v, kc, vc, lens, idx, table, cos, sin, interleaved, q_per_token)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_append_rotary_compile_fullgraph(device, layout):
+    """The op traces under torch.compile(fullgraph=True) (its fake kernel; the
+    caches' mutation functionalized and written back) and gives the eager bits."""
+    if device == "cpu" and layout == "paged":
+        pytest.skip("one CPU compile is enough (slow to compile on small machines)")
+    torch._dynamo.reset()
+    dtype = torch.bfloat16
+    args = _append_args(device, dtype, layout, 1, 1, "neox", True)
+    eager = list(args)
+    eager[3:5] = (args[3].clone(), args[4].clone())
+    q_e = _append_step(*eager)
+    backend = "inductor" if device == "cuda" else "aot_eager"
+    q_c = torch.compile(_append_step, fullgraph=True, backend=backend)(*args)
+    assert torch.equal(q_c, q_e) and torch.equal(args[3], eager[3]) and torch.equal(args[4], eager[4])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout", ["contiguous", "batch-idx", "paged"])
+def test_append_rotary_cuda_graph(layout):
+    """One launch, no host synchronisation, captured in a CUDA graph: the replays
+    read the new lengths (and block table) written into the captured inputs."""
+    device, dtype = "cuda", torch.bfloat16
+    args = _append_args(device, dtype, layout, 1, 1, "gptj", True)
+    graph, q_out = _no_sync_then_capture(lambda: _append_step(*args))
+    for lens in ((9, 3, 40), (0, 47, 12)):
+        args[5].copy_(torch.tensor(lens, dtype=torch.int32, device=device))
+        for t in (args[0], args[1], args[2]):
+            t.copy_(torch.randn_like(t))
+        expected = list(args)
+        expected[3:5] = (args[3].clone(), args[4].clone())
+        q_e = kvcache_append_rotary_ref(*expected)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(q_out, q_e)
+        assert torch.equal(args[3], expected[3]) and torch.equal(args[4], expected[4])
 
 
 # ----------------------------------------------------------------------------- compile, graphs

@@ -42,11 +42,12 @@ std::vector<int64_t> lengths_of(const at::Tensor& cu_t, const char* name, int64_
   return lens;
 }
 
-std::tuple<at::Tensor, at::Tensor> varlen_fwd_paged_cpu(
-    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q,
-    const at::Tensor& cu_seqlens_k, const at::Tensor& block_table, int64_t max_seqlen_q, int64_t max_seqlen_k,
-    double softmax_scale, int64_t window_left, int64_t window_right, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes) {
+std::tuple<at::Tensor, at::Tensor> varlen_fwd_paged_cpu(const at::Tensor& q, const at::Tensor& k_cache,
+                                                        const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q,
+                                                        const at::Tensor& cu_seqlens_k, const at::Tensor& block_table,
+                                                        int64_t max_seqlen_q, int64_t max_seqlen_k,
+                                                        double softmax_scale, int64_t window_left, int64_t window_right,
+                                                        double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   const PagedVarlenInputs in{q,           k_cache,      v_cache,      cu_seqlens_q, cu_seqlens_k,
                              block_table, max_seqlen_q, max_seqlen_k, softcap,      alibi_slopes};
   check_paged_varlen(in, softmax_scale, window_left, window_right, kCpuSpec);

@@ -99,24 +99,24 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm) flash_fwd_
     if (paged_kv) {
       copy_tile_rows_async<TileKV, kNThreads>(
           sK + stage * Kt::kStageElems,
-          [&](int r) { return gK + seq.key_offset(p, b, p.k_batch_stride, p.k_row_stride, n0 + r); }, gK,
-          seqlen_k - n0, p.head_dim, tid);
+          [&](int r) { return gK + seq.key_offset(p, b, p.k_batch_stride, p.k_row_stride, n0 + r); }, gK, seqlen_k - n0,
+          p.head_dim, tid);
       return;
     }
-    copy_tile_async<TileKV, kNThreads>(sK + stage * Kt::kStageElems, gK + int64_t(n0) * p.k_row_stride,
-                                       p.k_row_stride, seqlen_k - n0, p.head_dim, tid);
+    copy_tile_async<TileKV, kNThreads>(sK + stage * Kt::kStageElems, gK + int64_t(n0) * p.k_row_stride, p.k_row_stride,
+                                       seqlen_k - n0, p.head_dim, tid);
   };
   auto load_v = [&](int n_block, int stage) {
     const int n0 = n_block * kBlockN;
     if (paged_kv) {
       copy_tile_rows_async<TileKV, kNThreads>(
           sV + stage * Kt::kStageElems,
-          [&](int r) { return gV + seq.key_offset(p, b, p.v_batch_stride, p.v_row_stride, n0 + r); }, gV,
-          seqlen_k - n0, p.head_dim, tid);
+          [&](int r) { return gV + seq.key_offset(p, b, p.v_batch_stride, p.v_row_stride, n0 + r); }, gV, seqlen_k - n0,
+          p.head_dim, tid);
       return;
     }
-    copy_tile_async<TileKV, kNThreads>(sV + stage * Kt::kStageElems, gV + int64_t(n0) * p.v_row_stride,
-                                       p.v_row_stride, seqlen_k - n0, p.head_dim, tid);
+    copy_tile_async<TileKV, kNThreads>(sV + stage * Kt::kStageElems, gV + int64_t(n0) * p.v_row_stride, p.v_row_stride,
+                                       seqlen_k - n0, p.head_dim, tid);
   };
 
   // Prologue: Q and the first (last) key block in flight; with two stages,

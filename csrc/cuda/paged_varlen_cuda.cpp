@@ -19,11 +19,13 @@
 namespace flashattn {
 namespace {
 
-std::tuple<at::Tensor, at::Tensor> varlen_fwd_paged_cuda(
-    const at::Tensor& q_in, const at::Tensor& k_cache_in, const at::Tensor& v_cache_in, const at::Tensor& cu_seqlens_q,
-    const at::Tensor& cu_seqlens_k, const at::Tensor& block_table_in, int64_t max_seqlen_q, int64_t max_seqlen_k,
-    double softmax_scale, int64_t window_left, int64_t window_right, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes) {
+std::tuple<at::Tensor, at::Tensor> varlen_fwd_paged_cuda(const at::Tensor& q_in, const at::Tensor& k_cache_in,
+                                                         const at::Tensor& v_cache_in, const at::Tensor& cu_seqlens_q,
+                                                         const at::Tensor& cu_seqlens_k,
+                                                         const at::Tensor& block_table_in, int64_t max_seqlen_q,
+                                                         int64_t max_seqlen_k, double softmax_scale,
+                                                         int64_t window_left, int64_t window_right, double softcap,
+                                                         const std::optional<at::Tensor>& alibi_slopes) {
   check_paged_varlen({q_in, k_cache_in, v_cache_in, cu_seqlens_q, cu_seqlens_k, block_table_in, max_seqlen_q,
                       max_seqlen_k, softcap, alibi_slopes},
                      softmax_scale, window_left, window_right, kCudaSpec);

@@ -31,8 +31,8 @@ namespace flashattn {
 // block index a caller got wrong.
 template <typename Kt, typename T>
 __device__ __forceinline__ void tma_load_paged_tile(T* dst, const CUtensorMap* map, uint64_t* bar,
-                                                    const KvCacheView& kv, const int32_t* table_row, int h_kv,
-                                                    int pos0, int box, int lane) {
+                                                    const KvCacheView& kv, const int32_t* table_row, int h_kv, int pos0,
+                                                    int box, int lane) {
   if (lane >= Kt::kBlockN / box) return;
   const int pos = pos0 + lane * box, slot = pos / kv.page_size;
   const int block = slot < kv.max_blocks ? table_row[slot] : -1;
