@@ -5,7 +5,8 @@ ratio paged / contiguous measured in the same run:
 prefill  flash_attn_with_kvcache: q 512 appended to (attending) an 8k cache,
          batch 4, 32 / 8 heads, d128, bf16, causal bottom-right; the contiguous
          cache against pages of 256 and of 16 keys in a random order (bar: at
-         most 1.1x), and cache_batch_idx / cache_leftpad on the contiguous one.
+         most 1.1x; also 128, 64, 32), and cache_batch_idx / cache_leftpad on
+         the contiguous one.
 varlen   flash_attn_varlen_func: 8 sequences of 1k..4k keys (queries as many),
          32 / 8 heads, d128, bf16, causal; packed contiguous k / v against the same
          keys in pages of 256 and of 16 (bar: paged at 0.9x or better of the
@@ -56,6 +57,10 @@ def kernels_of(fn, device):
     return sorted(n for n in names if "flash" in n)
 
 
+# 256 and 16: the bar's; 128 .. 32: the cost of a box per page between them.
+PREFILL_PAGES = (256, 128, 64, 32, 16)
+
+
 def prefill_points(device, dtype, bench, gen, smoke):
     b, hq, hkv, d = (2, 4, 2, 64) if smoke else (4, 32, 8, 128)
     n_q, n_cache = (64, 512) if smoke else (512, 8192)
@@ -64,7 +69,7 @@ def prefill_points(device, dtype, bench, gen, smoke):
     vc = torch.randn((b, n_cache, hkv, d), generator=gen).to(dtype).to(device)
     seqlens = torch.full((b,), n_cache, dtype=torch.int32, device=device)
     calls = {"contiguous": lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True)}
-    for page in (256, 16):
+    for page in PREFILL_PAGES:
         kp, table = paged(kc, page, gen)
         vp = torch.empty_like(kp)
         vp[table.long().flatten()] = vc.reshape(-1, page, hkv, d)

@@ -10,36 +10,97 @@
 // lookup takes 32 blocks at a time (../mask_skip.cuh): one thread walking the
 // blocks paid a load latency per hidden block, most of a document mask's.
 // A paged KV cache (kVarlen, p.kv.paged()) also runs the whole warp, each
-// lane loading one box of a tile (tma_load_paged_tile).
+// lane loading one box of a tile (PagedBox).
 #pragma once
+
+#include <type_traits>
 
 #include "../mask_skip.cuh"
 #include "fwd_sm90_common.cuh"
+#include "wgmma.cuh"
 
 namespace flashattn {
 
 // One K or V tile of a paged cache (KvCacheView; the kVarlen instance, where
-// the whole producer warp runs for a paged call): kBlockN / box boxes of
+// the whole producer warp runs for a paged call) is kBlockN / box boxes of
 // `box` rows, each inside one page (box divides the page size and kBlockN),
-// at (row in its page, block); lane i reads box i's page-table entry and
-// issues its loads, so that the entries' latencies overlap (one thread
-// walking them paid one a box: 8 a tile with 16-key pages). The boxes
-// complete on the stage's barrier whose transaction count the leader set (a
-// count may run below zero until then). A box past the table's last column
-// (a tile running past the sequence's last page) reads block -1, outside the
-// map: TMA fills it with zeros and still counts its bytes, as it does for a
-// block index a caller got wrong.
-template <typename Kt, typename T>
-__device__ __forceinline__ void tma_load_paged_tile(T* dst, const CUtensorMap* map, uint64_t* bar,
-                                                    const KvCacheView& kv, const int32_t* table_row, int h_kv, int pos0,
-                                                    int box, int lane) {
-  if (lane >= Kt::kBlockN / box) return;
-  const int pos = pos0 + lane * box, slot = pos / kv.page_size;
-  const int block = slot < kv.max_blocks ? table_row[slot] : -1;
+// at (row in its page, block): lane i loads box i, so that the page table's
+// entries are read at once. PagedBox is lane i's box, read before the
+// producer waits for the ring stage (the entry's latency under the wait, not
+// after it); tma_load then issues it. The boxes complete on the stage's barrier whose transaction
+// count the leader set (a count may run below zero until then). A box past
+// the table's last column (a tile running past the sequence's last page)
+// reads block -1, outside the map: TMA fills it with zeros and still counts
+// its bytes, as it does for a block index a caller got wrong.
+struct PagedBox {
+  int row = 0, block = -1;
+  bool active = false;  // a lane past the tile's boxes loads nothing
+
+  __device__ __forceinline__ PagedBox(const KvCacheView& kv, const int32_t* table_row, int pos0, int box, int lane,
+                                      int block_n) {
+    if (lane >= block_n / box) return;
+    const int pos = pos0 + lane * box, slot = pos / kv.page_size;
+    active = true;
+    block = slot < kv.max_blocks ? table_row[slot] : -1;
+    row = pos - slot * kv.page_size;
+  }
+
+  template <typename Kt, typename T>
+  __device__ __forceinline__ void tma_load(T* dst, const CUtensorMap* map, uint64_t* bar, int h_kv, int box,
+                                           int lane) const {
+    if (!active) return;
 #pragma unroll
-  for (int pn = 0; pn < Kt::kPanels; ++pn)
-    tma_load_4d(dst + pn * Kt::TileKV::kRows * 64 + lane * box * 64, map, bar, pn * 64, h_kv, pos - slot * kv.page_size,
-                block);
+    for (int pn = 0; pn < Kt::kPanels; ++pn)
+      tma_load_4d(dst + pn * Kt::TileKV::kRows * 64 + lane * box * 64, map, bar, pn * 64, h_kv, row, block);
+  }
+};
+
+// A paged tile gathered by the producer warp with cp.async instead
+// (FwdTmaMaps::kv_gather: pages whose boxes would be under 64 rows, where the
+// TMA unit's cost per box showed: 1.20x the contiguous prefill's time at
+// 32-key pages, 1.39x at 16, H200): the tile's kBlockN / box parts, each
+// inside one page, one page-table read per part; lane l copies the 16-byte
+// chunk l % 8 of every panel row of the part's rows l / 8, l / 8 + 4, ..., to
+// the swizzled place TMA would have written (SmemTile::offset is the 128-byte
+// swizzle). A row past the table's last column is zero-filled. The strides
+// are read from the params where they are used (constant operands: the
+// producer runs in 24 registers).
+template <typename Kt, bool kIsK, typename T>
+__device__ __forceinline__ void cp_async_paged_tile(const AttnFwdParams& p, T* dst, const int32_t* table_row, int h_kv,
+                                                    int pos0, int box, int lane) {
+  using TileKV = typename Kt::TileKV;
+  const int64_t block_stride = kIsK ? p.k_batch_stride : p.v_batch_stride;
+  const int64_t row_stride = kIsK ? p.k_row_stride : p.v_row_stride;
+  const T* head = static_cast<const T*>(kIsK ? p.k_ptr : p.v_ptr) +
+                  int64_t(h_kv) * (kIsK ? p.k_head_stride : p.v_head_stride) + (lane & 7) * 8;
+  const uint32_t dst0 = smem_u32(dst);
+  int slot = pos0 / p.kv.page_size, row = pos0 - slot * p.kv.page_size;
+  for (int r0 = 0; r0 < Kt::kBlockN; r0 += box) {
+    const bool in_table = slot < p.kv.max_blocks;
+    int block = in_table ? table_row[slot] : 0;
+    block = block < 0 ? 0 : (block < p.kv.cache_rows ? block : p.kv.cache_rows - 1);
+    const T* src = head + int64_t(block) * block_stride + int64_t(row) * row_stride;
+    for (int r = lane >> 3; r < box; r += 4) {
+#pragma unroll
+      for (int pn = 0; pn < Kt::kPanels; ++pn)
+        cp_async_16(dst0 + 2 * TileKV::offset(r0 + r, pn * 64 + (lane & 7) * 8), src + r * row_stride + pn * 64,
+                    in_table);
+    }
+    row += box;
+    if (row == p.kv.page_size) row = 0, ++slot;
+  }
+}
+
+// The completion of gathered loads: a load's full barrier is arrived on once
+// its copies have landed and are fenced for the consumers' wgmma (async
+// proxy), which the warp checks when it has issued the next load (cp.async
+// groups complete in order), so that one load is in flight while the next is
+// issued; the producer's end does it for the last one. `pending` is the
+// shared address of the barrier of the load issued last (0: none).
+__device__ __forceinline__ void complete_gathered_load(uint32_t pending, bool leader) {
+  fence_proxy_async_smem();  // this lane's copies, for the async proxy
+  __syncwarp();              // every lane's
+  if (leader) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(pending) : "memory");
 }
 
 template <typename Kt, bool kVarlen, bool kSkipHidden = false>
@@ -58,6 +119,7 @@ __device__ __forceinline__ void fwd_sm90_producer(const AttnFwdParams& p, const 
     prefetch_tensor_map(&maps.k);
     prefetch_tensor_map(&maps.v);
   }
+  uint32_t gathered = 0;  // a paged call's gathered load in flight (complete_gathered_load)
   int it0 = 0, q_iter = 0;
   for (int round = 0; round < sched.rounds; ++round) {
     const int tile = fwd_tile_of_round(sched, round, blockIdx.x, gridDim.x);
@@ -79,17 +141,32 @@ __device__ __forceinline__ void fwd_sm90_producer(const AttnFwdParams& p, const 
     // stage also carries, for the consumers, the step after j (`after`) and
     // j's summary code (kMaskIdentity: the mask leaves the whole block alone,
     // so the consumers need not look it up), as FwdSm90Smem::pack_next.
-    auto load = [&](const CUtensorMap* map, T* ring, uint64_t* full, uint64_t* empty, int i, int j, int after,
-                    int code) {
+    // (is_k: std::true_type for K, std::false_type for V.)
+    auto load = [&](auto is_k, const CUtensorMap* map, T* ring, uint64_t* full, uint64_t* empty, int i, int j,
+                    int after, int code) {
       const int s = C::stage(it0 + i), n0 = (n_max - 1 - j) * kBlockN;
-      mbar_wait(&empty[s], C::parity(it0 + i) ^ 1);
       if (kVarlen && p.kv.paged()) {  // (never kSkipHidden: attn_mask has no varlen form)
+        const int32_t* table_row = p.kv.block_table + tl.b * p.kv.table_batch_stride;
+        const int pos0 = tl.seq.k_start + n0;
+        if (maps.kv_gather) {
+          mbar_wait(&empty[s], C::parity(it0 + i) ^ 1);
+          cp_async_paged_tile<Kt, decltype(is_k)::value>(p, ring + s * TileKV::kElems, table_row, tl.h_kv, pos0,
+                                                         maps.kv_box_rows, lane);
+          cp_async_commit();
+          if (gathered != 0) {
+            cp_async_wait<1>();
+            complete_gathered_load(gathered, leader);
+          }
+          gathered = smem_u32(&full[s]);
+          return;
+        }
+        const PagedBox page(p.kv, table_row, pos0, maps.kv_box_rows, lane, kBlockN);
+        mbar_wait(&empty[s], C::parity(it0 + i) ^ 1);
         if (leader) mbar_arrive_expect_tx(&full[s], Kt::kBytesKV);
-        tma_load_paged_tile<Kt>(ring + s * TileKV::kElems, map, &full[s], p.kv,
-                                p.kv.block_table + tl.b * p.kv.table_batch_stride, tl.h_kv, tl.seq.k_start + n0,
-                                maps.kv_box_rows, lane);
+        page.tma_load<Kt>(ring + s * TileKV::kElems, map, &full[s], tl.h_kv, maps.kv_box_rows, lane);
         return;
       }
+      mbar_wait(&empty[s], C::parity(it0 + i) ^ 1);
       if (!leader) return;
       if (kSkipHidden && after >= 0)
         sm.next_step[s] = FwdSm90Smem<Kt>::pack_next(after, code);  // (the arrive releases it)
@@ -99,7 +176,7 @@ __device__ __forceinline__ void fwd_sm90_producer(const AttnFwdParams& p, const 
         tma_load_4d(ring + s * TileKV::kElems + pn * TileKV::kRows * 64, map, &full[s], pn * 64, tl.h_kv,
                     C::k_row_of(tl, n0), C::k_batch_of(tl));
     };
-    load(&maps.k, sm.sK, sm.full_k, sm.empty_k, 0, step, next, step_code);
+    load(std::true_type{}, &maps.k, sm.sK, sm.full_k, sm.empty_k, 0, step, next, step_code);
     mbar_wait(sm.empty_q, (q_iter & 1) ^ 1);  // the previous tile's last S GEMM (or O store) is done with sQ
     if (leader) {
       mbar_arrive_expect_tx(sm.full_q, Kt::kBytesQ);
@@ -114,18 +191,22 @@ __device__ __forceinline__ void fwd_sm90_producer(const AttnFwdParams& p, const 
       if (next < blocks) {
         const int after = visible.next_warp(next + 1);
         const int after_code = visible.code_of(after);
-        load(&maps.k, sm.sK, sm.full_k, sm.empty_k, i + 1, next, after, next_code);
-        load(&maps.v, sm.sV, sm.full_v, sm.empty_v, i, step, -1, 0);
+        load(std::true_type{}, &maps.k, sm.sK, sm.full_k, sm.empty_k, i + 1, next, after, next_code);
+        load(std::false_type{}, &maps.v, sm.sV, sm.full_v, sm.empty_v, i, step, -1, 0);
         step = next;
         next = after;
         next_code = after_code;
       } else {
-        load(&maps.v, sm.sV, sm.full_v, sm.empty_v, i, step, -1, 0);
+        load(std::false_type{}, &maps.v, sm.sV, sm.full_v, sm.empty_v, i, step, -1, 0);
         break;
       }
     }
     it0 += i + 1;
     ++q_iter;
+  }
+  if (kVarlen && gathered != 0) {
+    cp_async_wait<0>();
+    complete_gathered_load(gathered, leader);
   }
 }
 
