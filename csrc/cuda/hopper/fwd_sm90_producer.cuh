@@ -13,11 +13,8 @@
 // lane loading one box of a tile (PagedBox).
 #pragma once
 
-#include <type_traits>
-
 #include "../mask_skip.cuh"
 #include "fwd_sm90_common.cuh"
-#include "wgmma.cuh"
 
 namespace flashattn {
 
@@ -27,8 +24,9 @@ namespace flashattn {
 // at (row in its page, block): lane i loads box i, so that the page table's
 // entries are read at once. PagedBox is lane i's box, read before the
 // producer waits for the ring stage (the entry's latency under the wait, not
-// after it); tma_load then issues it. The boxes complete on the stage's barrier whose transaction
-// count the leader set (a count may run below zero until then). A box past
+// after it); tma_load then issues it. The boxes complete on the stage's
+// barrier whose transaction count the leader set (a count may run below zero
+// until then). A box past
 // the table's last column (a tile running past the sequence's last page)
 // reads block -1, outside the map: TMA fills it with zeros and still counts
 // its bytes, as it does for a block index a caller got wrong.
@@ -55,54 +53,6 @@ struct PagedBox {
   }
 };
 
-// A paged tile gathered by the producer warp with cp.async instead
-// (FwdTmaMaps::kv_gather: pages whose boxes would be under 64 rows, where the
-// TMA unit's cost per box showed: 1.20x the contiguous prefill's time at
-// 32-key pages, 1.39x at 16, H200): the tile's kBlockN / box parts, each
-// inside one page, one page-table read per part; lane l copies the 16-byte
-// chunk l % 8 of every panel row of the part's rows l / 8, l / 8 + 4, ..., to
-// the swizzled place TMA would have written (SmemTile::offset is the 128-byte
-// swizzle). A row past the table's last column is zero-filled. The strides
-// are read from the params where they are used (constant operands: the
-// producer runs in 24 registers).
-template <typename Kt, bool kIsK, typename T>
-__device__ __forceinline__ void cp_async_paged_tile(const AttnFwdParams& p, T* dst, const int32_t* table_row, int h_kv,
-                                                    int pos0, int box, int lane) {
-  using TileKV = typename Kt::TileKV;
-  const int64_t block_stride = kIsK ? p.k_batch_stride : p.v_batch_stride;
-  const int64_t row_stride = kIsK ? p.k_row_stride : p.v_row_stride;
-  const T* head = static_cast<const T*>(kIsK ? p.k_ptr : p.v_ptr) +
-                  int64_t(h_kv) * (kIsK ? p.k_head_stride : p.v_head_stride) + (lane & 7) * 8;
-  const uint32_t dst0 = smem_u32(dst);
-  int slot = pos0 / p.kv.page_size, row = pos0 - slot * p.kv.page_size;
-  for (int r0 = 0; r0 < Kt::kBlockN; r0 += box) {
-    const bool in_table = slot < p.kv.max_blocks;
-    int block = in_table ? table_row[slot] : 0;
-    block = block < 0 ? 0 : (block < p.kv.cache_rows ? block : p.kv.cache_rows - 1);
-    const T* src = head + int64_t(block) * block_stride + int64_t(row) * row_stride;
-    for (int r = lane >> 3; r < box; r += 4) {
-#pragma unroll
-      for (int pn = 0; pn < Kt::kPanels; ++pn)
-        cp_async_16(dst0 + 2 * TileKV::offset(r0 + r, pn * 64 + (lane & 7) * 8), src + r * row_stride + pn * 64,
-                    in_table);
-    }
-    row += box;
-    if (row == p.kv.page_size) row = 0, ++slot;
-  }
-}
-
-// The completion of gathered loads: a load's full barrier is arrived on once
-// its copies have landed and are fenced for the consumers' wgmma (async
-// proxy), which the warp checks when it has issued the next load (cp.async
-// groups complete in order), so that one load is in flight while the next is
-// issued; the producer's end does it for the last one. `pending` is the
-// shared address of the barrier of the load issued last (0: none).
-__device__ __forceinline__ void complete_gathered_load(uint32_t pending, bool leader) {
-  fence_proxy_async_smem();  // this lane's copies, for the async proxy
-  __syncwarp();              // every lane's
-  if (leader) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(pending) : "memory");
-}
-
 template <typename Kt, bool kVarlen, bool kSkipHidden = false>
 __device__ __forceinline__ void fwd_sm90_producer(const AttnFwdParams& p, const FwdTmaMaps& maps,
                                                   const FwdSchedule& sched, const BlockMask& mask,
@@ -119,7 +69,6 @@ __device__ __forceinline__ void fwd_sm90_producer(const AttnFwdParams& p, const 
     prefetch_tensor_map(&maps.k);
     prefetch_tensor_map(&maps.v);
   }
-  uint32_t gathered = 0;  // a paged call's gathered load in flight (complete_gathered_load)
   int it0 = 0, q_iter = 0;
   for (int round = 0; round < sched.rounds; ++round) {
     const int tile = fwd_tile_of_round(sched, round, blockIdx.x, gridDim.x);
@@ -141,25 +90,12 @@ __device__ __forceinline__ void fwd_sm90_producer(const AttnFwdParams& p, const 
     // stage also carries, for the consumers, the step after j (`after`) and
     // j's summary code (kMaskIdentity: the mask leaves the whole block alone,
     // so the consumers need not look it up), as FwdSm90Smem::pack_next.
-    // (is_k: std::true_type for K, std::false_type for V.)
-    auto load = [&](auto is_k, const CUtensorMap* map, T* ring, uint64_t* full, uint64_t* empty, int i, int j,
-                    int after, int code) {
+    auto load = [&](const CUtensorMap* map, T* ring, uint64_t* full, uint64_t* empty, int i, int j, int after,
+                    int code) {
       const int s = C::stage(it0 + i), n0 = (n_max - 1 - j) * kBlockN;
       if (kVarlen && p.kv.paged()) {  // (never kSkipHidden: attn_mask has no varlen form)
         const int32_t* table_row = p.kv.block_table + tl.b * p.kv.table_batch_stride;
         const int pos0 = tl.seq.k_start + n0;
-        if (maps.kv_gather) {
-          mbar_wait(&empty[s], C::parity(it0 + i) ^ 1);
-          cp_async_paged_tile<Kt, decltype(is_k)::value>(p, ring + s * TileKV::kElems, table_row, tl.h_kv, pos0,
-                                                         maps.kv_box_rows, lane);
-          cp_async_commit();
-          if (gathered != 0) {
-            cp_async_wait<1>();
-            complete_gathered_load(gathered, leader);
-          }
-          gathered = smem_u32(&full[s]);
-          return;
-        }
         const PagedBox page(p.kv, table_row, pos0, maps.kv_box_rows, lane, kBlockN);
         mbar_wait(&empty[s], C::parity(it0 + i) ^ 1);
         if (leader) mbar_arrive_expect_tx(&full[s], Kt::kBytesKV);
@@ -176,7 +112,7 @@ __device__ __forceinline__ void fwd_sm90_producer(const AttnFwdParams& p, const 
         tma_load_4d(ring + s * TileKV::kElems + pn * TileKV::kRows * 64, map, &full[s], pn * 64, tl.h_kv,
                     C::k_row_of(tl, n0), C::k_batch_of(tl));
     };
-    load(std::true_type{}, &maps.k, sm.sK, sm.full_k, sm.empty_k, 0, step, next, step_code);
+    load(&maps.k, sm.sK, sm.full_k, sm.empty_k, 0, step, next, step_code);
     mbar_wait(sm.empty_q, (q_iter & 1) ^ 1);  // the previous tile's last S GEMM (or O store) is done with sQ
     if (leader) {
       mbar_arrive_expect_tx(sm.full_q, Kt::kBytesQ);
@@ -191,22 +127,18 @@ __device__ __forceinline__ void fwd_sm90_producer(const AttnFwdParams& p, const 
       if (next < blocks) {
         const int after = visible.next_warp(next + 1);
         const int after_code = visible.code_of(after);
-        load(std::true_type{}, &maps.k, sm.sK, sm.full_k, sm.empty_k, i + 1, next, after, next_code);
-        load(std::false_type{}, &maps.v, sm.sV, sm.full_v, sm.empty_v, i, step, -1, 0);
+        load(&maps.k, sm.sK, sm.full_k, sm.empty_k, i + 1, next, after, next_code);
+        load(&maps.v, sm.sV, sm.full_v, sm.empty_v, i, step, -1, 0);
         step = next;
         next = after;
         next_code = after_code;
       } else {
-        load(std::false_type{}, &maps.v, sm.sV, sm.full_v, sm.empty_v, i, step, -1, 0);
+        load(&maps.v, sm.sV, sm.full_v, sm.empty_v, i, step, -1, 0);
         break;
       }
     }
     it0 += i + 1;
     ++q_iter;
-  }
-  if (kVarlen && gathered != 0) {
-    cp_async_wait<0>();
-    complete_gathered_load(gathered, leader);
   }
 }
 
