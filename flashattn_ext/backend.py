@@ -515,6 +515,21 @@ def _torch_registry():
 _first = False  # the argument of the pending activate() (read by _register_fn)
 
 
+def _init_cuda_sdp_priority():
+    """Makes torch set its default CUDA backend order now, before we change it.
+
+    torch sets it lazily, at the first CUDA SDPA backend selection
+    (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, priority_order's
+    priority_order_init_: cuDNN first on sm90 / sm100), overwriting an order set
+    before that call: activate(first=True) before a process's first CUDA SDPA call
+    had FLASH first only until that call (test_backend's first CUDA case ran cuDNN).
+    One selection on tiny tensors (no kernel runs) makes torch do it here."""
+    if not torch.cuda.is_available():
+        return
+    t = torch.zeros((1, 1, 1, 8), dtype=torch.float16, device="cuda")
+    torch._fused_sdp_choice(t, t, t)
+
+
 def _register_fn():
     _configure()
     libraries = [_CxxLibrary("CPU", _CPU_OPS_CXX)]
@@ -522,6 +537,7 @@ def _register_fn():
         libraries += [_CxxLibrary("CUDA", _SDPA_OPS_CXX), _library("CUDA", _FA2_OPS)]
     priority = None
     if _first:
+        _init_cuda_sdp_priority()
         priority = list(torch._C._get_sdp_priority_order())
         flash = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
         torch._C._set_sdp_priority_order([flash] + [b for b in priority if b != flash])
