@@ -1041,6 +1041,21 @@ def test_varlen_paged_cuda_graph(device):
     assert not torch.equal(captured, eager)
 
 
+def test_varlen_paged_compile(device):
+    """torch.compile(fullgraph=True) traces the paged call (the op's fake kernel;
+    the value checks stay out of the graph) and gives the eager answer."""
+    lens_q, lens_k, q, keys, values, kc, vc, table, kw = _paged_case("causal-mqa", torch.float32, device, 16, 0.0)
+    if device == "cuda":
+        q, kc, vc = q.bfloat16(), kc.bfloat16(), vc.bfloat16()
+    cq, ck = cu(lens_q, device), cu(lens_k, device)
+
+    def f(q, kc, vc, t):
+        return flash_attn_varlen_func(q, kc, vc, cq, ck, max(lens_q), max(lens_k), block_table=t, **kw)
+
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(q, kc, vc, table)
+    assert torch.equal(out, f(q, kc, vc, table))
+
+
 def test_varlen_paged_check_can_fail(device):
     """The checks above see a wrong page: the same causal call with two of a
     sequence's pages swapped in its table row no longer matches the gathered
