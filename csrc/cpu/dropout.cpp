@@ -148,7 +148,8 @@ __attribute__((target("arch=x86-64-v3"))) void philox_chunk(uint32_t u, uint32_t
 
 // The versions are resolved at load time, like FLASHATTN_SIMD_CLONES; every
 // clone of dropout_keep_tile calls them through the ifunc, out of line: one
-// call per 64 queries of 8 keys, noise next to its 1280 products.
+// call per 64 queries of 8 keys, noise next to its 1280 products. (The kernels
+// reach one version per CPU; tests/cpu_host/philox_chunk_check.cpp calls each.)
 __attribute__((target("default"))) void philox_chunk(uint32_t u, uint32_t i0, uint64_t plane, uint64_t seed,
                                                      uint32_t (&x0)[kChunk], uint32_t (&x1)[kChunk],
                                                      uint32_t (&x2)[kChunk], uint32_t (&x3)[kChunk]) {
