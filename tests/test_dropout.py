@@ -140,6 +140,21 @@ def test_cuda_fragment_dropout_follows_the_mask(tmp_path):
     assert " 0 mismatches" in run.stdout and not run.stdout.startswith("0 elements"), run.stdout
 
 
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no host C++ compiler (c++)")
+def test_cpu_philox_versions_follow_philox_h(tmp_path):
+    """Every version of the CPU kernels' Philox draw (csrc/cpu/dropout.cpp's
+    philox_chunk: AVX-512, AVX2 and portable) that this CPU can run, each
+    called directly (tests/cpu_host/philox_chunk_check.cpp), gives philox.h's
+    words: the tests above only reach the one the CPU's features select."""
+    exe = tmp_path / "philox_chunk_check"
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_host", "philox_chunk_check.cpp")
+    cmd = [shutil.which("c++"), "-std=c++17", "-O1", "-o", str(exe), src]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert " 0 mismatches" in run.stdout and not run.stdout.startswith("0 words"), run.stdout
+
+
 # ----------------------------------------------------------------------------- the kernels against the oracle
 
 CASES = {

@@ -16,7 +16,8 @@ namespace cpu {
 
 // keep (keys x queries, ld keep_ld): 1 where element (query q0 + c, key k0 + r)
 // is kept, 0 where it is dropped. (Compiled for AVX-512 / AVX2 / baseline,
-// simd_clones.h: the queries' Philox calls vectorize, ~1.5x faster than baseline.)
+// simd_clones.h; the queries' Philox calls run as vectors: intrinsics for
+// AVX-512 and AVX2, a loop the compiler vectorizes elsewhere, dropout.cpp.)
 void dropout_keep_tile(const DropoutParams& d, uint64_t plane, int64_t k0, int keys, int64_t q0, int queries,
                        uint8_t* keep, int64_t keep_ld);
 

@@ -12,6 +12,13 @@
 // out of line would run the baseline code. Elsewhere both expand to (almost)
 // nothing.
 //
+// FLASHATTN_HAVE_SIMD_CLONES: 1 where FLASHATTN_SIMD_CLONES clones. A clone
+// cannot tell which target it is compiled for, so code that needs one ISA's
+// intrinsics (dropout.cpp's Philox rounds) is written as GCC function versions
+// instead, __attribute__((target("arch=x86-64-v4"))) / ("arch=x86-64-v3") /
+// ("default") of one function, resolved at load time like the clones, under
+// #if FLASHATTN_HAVE_SIMD_CLONES with a portable version in the #else.
+//
 // FLASHATTN_VECTOR_EXT: 1 where GCC-style vector types with
 // __builtin_shufflevector / __builtin_convertvector exist (GCC 12+, Clang);
 // the 8 x 8 transposes and the double GEMM block use them, with scalar loops
@@ -34,7 +41,9 @@
 #endif
 
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__) && (__GNUC__ >= 11)
+#define FLASHATTN_HAVE_SIMD_CLONES 1
 #define FLASHATTN_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
+#define FLASHATTN_HAVE_SIMD_CLONES 0
 #define FLASHATTN_SIMD_CLONES
 #endif
