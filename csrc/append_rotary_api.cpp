@@ -6,19 +6,12 @@
 #include <sstream>
 #include <string>
 
+#include "kvcache_api.h"
+
 namespace flashattn {
 namespace {
 
 constexpr const char* kOp = "flashattn_ext: kvcache_append_rotary: ";
-constexpr const char* kCacheLayout =
-    "(batch_cache, seqlen_cache, heads_kv, head_dim), or with block_table (num_blocks, page_size, heads_kv, "
-    "head_dim)";
-
-std::string sizes_str(const at::Tensor& t) {
-  std::ostringstream os;
-  os << t.sizes();
-  return os.str();
-}
 
 // t (called name) on k_cache's device, in its dtype.
 void check_like_cache(const at::Tensor& t, const char* name, const at::Tensor& k_cache) {
@@ -40,9 +33,10 @@ void check_int32(const at::Tensor& t, const char* name, const at::Tensor& k_cach
 
 void check_append_rotary(const AppendRotaryInputs& in, const BackendSpec& spec) {
   const at::Tensor &kc = in.k_cache, &vc = in.v_cache;
-  TORCH_CHECK_VALUE(kc.dim() == 4, kOp, "k_cache must have 4 dimensions ", kCacheLayout, ", got shape ", sizes_str(kc));
-  TORCH_CHECK_VALUE(vc.sizes() == kc.sizes(), kOp, "v_cache has shape ", sizes_str(vc), " but k_cache has ",
-                    sizes_str(kc), "; they must match");
+  TORCH_CHECK_VALUE(kc.dim() == 4, kOp, "k_cache must have 4 dimensions ", kKvCacheLayout, ", got shape ",
+                    shape_str(kc));
+  TORCH_CHECK_VALUE(vc.sizes() == kc.sizes(), kOp, "v_cache has shape ", shape_str(vc), " but k_cache has ",
+                    shape_str(kc), "; they must match");
   check_like_cache(vc, "v_cache", kc);
   bool dtype_ok = false;
   std::ostringstream names;
@@ -60,13 +54,13 @@ void check_append_rotary(const AppendRotaryInputs& in, const BackendSpec& spec) 
   const int64_t heads_kv = kc.size(2), head_dim = kc.size(3);
   const at::Tensor& seqlens = in.cache_seqlens;
   check_int32(seqlens, "cache_seqlens", kc);
-  TORCH_CHECK_VALUE(seqlens.dim() == 1, kOp, "cache_seqlens must have shape (batch,), got ", sizes_str(seqlens));
+  TORCH_CHECK_VALUE(seqlens.dim() == 1, kOp, "cache_seqlens must have shape (batch,), got ", shape_str(seqlens));
   const int64_t batch = seqlens.size(0);
   if (in.q) {
     const at::Tensor& q = *in.q;
     TORCH_CHECK_VALUE(q.dim() == 4 && q.size(0) == batch && q.size(3) == head_dim, kOp,
                       "q must have shape (batch, seqlen_q, heads_q, head_dim) = (", batch, ", *, *, ", head_dim,
-                      "), got ", sizes_str(q));
+                      "), got ", shape_str(q));
     check_like_cache(q, "q", kc);
   }
   TORCH_CHECK_VALUE(in.k.has_value() == in.v.has_value(), kOp, "k and v must be given together, got only ",
@@ -75,16 +69,16 @@ void check_append_rotary(const AppendRotaryInputs& in, const BackendSpec& spec) 
     for (const auto& [t, name] : {std::pair{&*in.k, "k"}, std::pair{&*in.v, "v"}}) {
       TORCH_CHECK_VALUE(t->dim() == 4 && t->size(0) == batch && t->size(2) == heads_kv && t->size(3) == head_dim, kOp,
                         name, " must have shape (batch, seqlen_new, heads_kv, head_dim) = (", batch, ", *, ", heads_kv,
-                        ", ", head_dim, "), got ", sizes_str(*t));
+                        ", ", head_dim, "), got ", shape_str(*t));
       check_like_cache(*t, name, kc);
     }
-    TORCH_CHECK_VALUE(in.v->size(1) == in.k->size(1), kOp, "v has shape ", sizes_str(*in.v), " but k has ",
-                      sizes_str(*in.k), "; they must match");
+    TORCH_CHECK_VALUE(in.v->size(1) == in.k->size(1), kOp, "v has shape ", shape_str(*in.v), " but k has ",
+                      shape_str(*in.k), "; they must match");
   }
   if (in.batch_idx) {
     check_int32(*in.batch_idx, "cache_batch_idx", kc);
     TORCH_CHECK_VALUE(in.batch_idx->dim() == 1 && in.batch_idx->size(0) == batch, kOp,
-                      "cache_batch_idx must have shape (batch,) = (", batch, ",), got ", sizes_str(*in.batch_idx));
+                      "cache_batch_idx must have shape (batch,) = (", batch, ",), got ", shape_str(*in.batch_idx));
   }
   int64_t capacity = kc.size(1);
   if (in.block_table) {
@@ -92,7 +86,7 @@ void check_append_rotary(const AppendRotaryInputs& in, const BackendSpec& spec) 
     check_int32(bt, "block_table", kc);
     TORCH_CHECK_VALUE(bt.dim() == 2 && bt.size(0) == batch, kOp,
                       "block_table must have shape (batch, max_blocks_per_seq) = (", batch, ", *), got ",
-                      sizes_str(bt));
+                      shape_str(bt));
     TORCH_CHECK_VALUE(!in.batch_idx, kOp,
                       "cache_batch_idx cannot be combined with block_table (as in flash-attn); pass None");
     capacity = bt.size(1) * kc.size(1);
@@ -112,11 +106,11 @@ void check_append_rotary(const AppendRotaryInputs& in, const BackendSpec& spec) 
     const at::Tensor &cos = *in.rotary_cos, &sin = *in.rotary_sin;
     for (const auto& [t, name] : {std::pair{&cos, "rotary_cos"}, std::pair{&sin, "rotary_sin"}}) {
       TORCH_CHECK_VALUE(t->dim() == 2, kOp, name, " must be 2-D (seqlen_ro, rotary_dim / 2), got shape ",
-                        sizes_str(*t));
+                        shape_str(*t));
       check_like_cache(*t, name, kc);
     }
-    TORCH_CHECK_VALUE(sin.sizes() == cos.sizes(), kOp, "rotary_sin has shape ", sizes_str(sin), " but rotary_cos has ",
-                      sizes_str(cos), "; they must match");
+    TORCH_CHECK_VALUE(sin.sizes() == cos.sizes(), kOp, "rotary_sin has shape ", shape_str(sin), " but rotary_cos has ",
+                      shape_str(cos), "; they must match");
     TORCH_CHECK_VALUE(cos.size(1) >= 1 && 2 * cos.size(1) <= head_dim, kOp, "rotary_cos/rotary_sin have ", cos.size(1),
                       " columns (rotary_dim / 2); rotary_dim = ", 2 * cos.size(1),
                       " must be in [2, head_dim = ", head_dim, "]");

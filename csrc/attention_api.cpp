@@ -9,13 +9,14 @@
 #include <string>
 
 namespace flashattn {
-namespace {
 
 std::string shape_str(const at::Tensor& t) {
   std::ostringstream os;
   os << t.sizes();
   return os.str();
 }
+
+namespace {
 
 std::string strides_str(const at::Tensor& t) {
   std::ostringstream os;
@@ -401,6 +402,8 @@ void check_rank3(const at::Tensor& t, const char* name, const char* layout) {
                     " (the sequences packed along dimension 0), got shape ", shape_str(t));
 }
 
+}  // namespace
+
 void check_cu_seqlens(const at::Tensor& cu, const char* name, const at::Tensor& q) {
   TORCH_CHECK_TYPE(cu.scalar_type() == at::kInt, "flashattn_ext: ", name, " must have dtype int32, got ",
                    cu.scalar_type(), "; pass ", name, ".to(torch.int32)");
@@ -416,8 +419,6 @@ void check_max_seqlen(int64_t max_seqlen, const char* name) {
   TORCH_CHECK_VALUE(max_seqlen >= 0 && max_seqlen <= INT32_MAX, "flashattn_ext: ", name,
                     " must be in [0, 2^31 - 1] (a bound on the sequence lengths), got ", max_seqlen);
 }
-
-}  // namespace
 
 void check_varlen_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
                       const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,

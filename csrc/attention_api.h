@@ -22,6 +22,9 @@ struct BackendSpec {
 
 constexpr int kMaxHeadDim = 256;
 
+// A tensor's sizes as torch prints them, for error messages.
+std::string shape_str(const at::Tensor& t);
+
 // Raises unless t (called name in the error) is on q's device.
 void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& q);
 
@@ -118,6 +121,11 @@ AttnBwdParams make_bwd_params(const at::Tensor& dout, const at::Tensor& q, const
 // k, v (total_k, heads_kv, head_dim), cu_seqlens_q / cu_seqlens_k int32
 // (batch + 1,) on q's device, max_seqlen_q / max_seqlen_k the bounds the
 // kernels' grids are sized by.
+
+// cu_seqlens-like arguments: int32 (batch + 1,) with batch >= 1, contiguous, on q's device.
+void check_cu_seqlens(const at::Tensor& cu, const char* name, const at::Tensor& q);
+// A max_seqlen bound: in [0, 2^31 - 1].
+void check_max_seqlen(int64_t max_seqlen, const char* name);
 
 // Validates everything that needs no read of cu_seqlens' values: ranks,
 // dtypes, devices, sizes, strides (totals may be 0).

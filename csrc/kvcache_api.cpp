@@ -4,28 +4,17 @@
 
 #include <cmath>
 #include <limits>
-#include <sstream>
 #include <string>
 
 namespace flashattn {
 namespace {
-
-constexpr const char* kCacheLayout =
-    "(batch_cache, seqlen_cache, heads_kv, head_dim), or with block_table (num_blocks, page_size, heads_kv, "
-    "head_dim)";
-
-std::string sizes_str(const at::Tensor& t) {
-  std::ostringstream os;
-  os << t.sizes();
-  return os.str();
-}
 
 // cache_seqlens-like arguments: int32 (batch,) on q's device.
 void check_int_vector(const at::Tensor& t, const char* name, const at::Tensor& q) {
   TORCH_CHECK_TYPE(t.scalar_type() == at::kInt, "flashattn_ext: ", name, " must have dtype torch.int32, got ",
                    t.scalar_type(), "; pass ", name, ".to(torch.int32)");
   TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == q.size(0), "flashattn_ext: ", name, " must have shape (batch,) = (",
-                    q.size(0), ",), got ", sizes_str(t));
+                    q.size(0), ",), got ", shape_str(t));
   check_same_device(t, name, q);
 }
 
@@ -35,14 +24,14 @@ void check_kvcache(const KvcacheInputs& in, double softmax_scale, int64_t window
                    int64_t num_splits, const BackendSpec& spec) {
   const at::Tensor& q = in.q;
   TORCH_CHECK_VALUE(q.dim() == 4, "flashattn_ext: q must have 4 dimensions (batch, seqlen_q, heads_q, head_dim), ",
-                    "got shape ", sizes_str(q));
-  TORCH_CHECK_VALUE(in.k_cache.dim() == 4, "flashattn_ext: k_cache must have 4 dimensions ", kCacheLayout,
-                    ", got shape ", sizes_str(in.k_cache));
-  TORCH_CHECK_VALUE(in.v_cache.dim() == 4, "flashattn_ext: v_cache must have 4 dimensions ", kCacheLayout,
-                    ", got shape ", sizes_str(in.v_cache));
+                    "got shape ", shape_str(q));
+  TORCH_CHECK_VALUE(in.k_cache.dim() == 4, "flashattn_ext: k_cache must have 4 dimensions ", kKvCacheLayout,
+                    ", got shape ", shape_str(in.k_cache));
+  TORCH_CHECK_VALUE(in.v_cache.dim() == 4, "flashattn_ext: v_cache must have 4 dimensions ", kKvCacheLayout,
+                    ", got shape ", shape_str(in.v_cache));
   check_devices_and_dtypes(q, in.k_cache, "k_cache", in.v_cache, "v_cache", spec);
   TORCH_CHECK_VALUE(in.v_cache.sizes() == in.k_cache.sizes(), "flashattn_ext: v_cache has shape ",
-                    sizes_str(in.v_cache), " but k_cache has ", sizes_str(in.k_cache), "; they must match");
+                    shape_str(in.v_cache), " but k_cache has ", shape_str(in.k_cache), "; they must match");
   const int64_t head_dim = q.size(3), heads_q = q.size(2), heads_kv = in.k_cache.size(2);
   TORCH_CHECK_VALUE(in.k_cache.size(3) == head_dim, "flashattn_ext: k_cache has head_dim ", in.k_cache.size(3),
                     " but q has ", head_dim, "; they must match");
@@ -70,7 +59,7 @@ void check_kvcache(const KvcacheInputs& in, double softmax_scale, int64_t window
                      bt.scalar_type(), "; pass block_table.to(torch.int32)");
     TORCH_CHECK_VALUE(bt.dim() == 2 && bt.size(0) == q.size(0),
                       "flashattn_ext: block_table must have shape (batch, max_blocks_per_seq) = (", q.size(0),
-                      ", *), got ", sizes_str(bt));
+                      ", *), got ", shape_str(bt));
     check_same_device(bt, "block_table", q);
     TORCH_CHECK_VALUE(!in.batch_idx,
                       "flashattn_ext: cache_batch_idx cannot be combined with block_table (as in "

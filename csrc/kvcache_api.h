@@ -16,6 +16,11 @@
 
 namespace flashattn {
 
+// k_cache / v_cache as the KV-cache ops take them, for error messages.
+constexpr const char* kKvCacheLayout =
+    "(batch_cache, seqlen_cache, heads_kv, head_dim), or with block_table (num_blocks, page_size, heads_kv, "
+    "head_dim)";
+
 struct KvcacheInputs {
   const at::Tensor& q;
   const at::Tensor& k_cache;

@@ -4,7 +4,6 @@
 
 #include <cmath>
 #include <limits>
-#include <sstream>
 #include <string>
 
 namespace flashattn {
@@ -12,32 +11,17 @@ namespace {
 
 constexpr const char* kPagedLayout = "(num_blocks, page_size, heads_kv, head_dim)";
 
-std::string sizes_str(const at::Tensor& t) {
-  std::ostringstream os;
-  os << t.sizes();
-  return os.str();
-}
-
-void check_cu(const at::Tensor& cu, const char* name, const at::Tensor& q) {
-  TORCH_CHECK_TYPE(cu.scalar_type() == at::kInt, "flashattn_ext: ", name, " must have dtype int32, got ",
-                   cu.scalar_type(), "; pass ", name, ".to(torch.int32)");
-  TORCH_CHECK_VALUE(cu.dim() == 1 && cu.size(0) >= 2, "flashattn_ext: ", name,
-                    " must be 1-D (batch + 1,) with batch >= 1, got shape ", sizes_str(cu));
-  check_same_device(cu, name, q);
-  TORCH_CHECK_VALUE(cu.is_contiguous(), "flashattn_ext: ", name, " must be contiguous; pass ", name, ".contiguous()");
-}
-
 }  // namespace
 
 void check_paged_varlen(const PagedVarlenInputs& in, double softmax_scale, int64_t window_left, int64_t window_right,
                         const BackendSpec& spec) {
   const at::Tensor &q = in.q, &k = in.k_cache, &v = in.v_cache;
   TORCH_CHECK_VALUE(q.dim() == 3, "flashattn_ext: q must have 3 dimensions (total_q, heads_q, head_dim), got shape ",
-                    sizes_str(q));
+                    shape_str(q));
   TORCH_CHECK_VALUE(k.dim() == 4, "flashattn_ext: with block_table, k_cache is a paged cache ", kPagedLayout,
-                    "; got shape ", sizes_str(k));
-  TORCH_CHECK_VALUE(v.sizes() == k.sizes(), "flashattn_ext: v_cache has shape ", sizes_str(v), " but k_cache has ",
-                    sizes_str(k), "; they must match ", kPagedLayout);
+                    "; got shape ", shape_str(k));
+  TORCH_CHECK_VALUE(v.sizes() == k.sizes(), "flashattn_ext: v_cache has shape ", shape_str(v), " but k_cache has ",
+                    shape_str(k), "; they must match ", kPagedLayout);
   check_devices_and_dtypes(q, k, "k_cache", v, "v_cache", spec);
   const int64_t head_dim = q.size(2), heads_q = q.size(1), heads_kv = k.size(2), page = k.size(1);
   TORCH_CHECK_VALUE(k.size(3) == head_dim, "flashattn_ext: k_cache has head_dim ", k.size(3), " but q has ", head_dim,
@@ -57,8 +41,8 @@ void check_paged_varlen(const PagedVarlenInputs& in, double softmax_scale, int64
       TORCH_CHECK_VALUE(t->size(i) <= std::numeric_limits<int32_t>::max(), "flashattn_ext: ", name, " dimension ", i,
                         " has size ", t->size(i), ", larger than 2^31 - 1; split the call");
   }
-  check_cu(in.cu_seqlens_q, "cu_seqlens_q", q);
-  check_cu(in.cu_seqlens_k, "cu_seqlens_k", q);
+  check_cu_seqlens(in.cu_seqlens_q, "cu_seqlens_q", q);
+  check_cu_seqlens(in.cu_seqlens_k, "cu_seqlens_k", q);
   TORCH_CHECK_VALUE(in.cu_seqlens_q.size(0) == in.cu_seqlens_k.size(0), "flashattn_ext: cu_seqlens_q has ",
                     in.cu_seqlens_q.size(0), " elements but cu_seqlens_k has ", in.cu_seqlens_k.size(0),
                     "; both must be (batch + 1,)");
@@ -68,13 +52,12 @@ void check_paged_varlen(const PagedVarlenInputs& in, double softmax_scale, int64
                    bt.scalar_type(), "; pass block_table.to(torch.int32)");
   TORCH_CHECK_VALUE(bt.dim() == 2 && bt.size(0) == batch,
                     "flashattn_ext: block_table must have shape (batch, max_blocks_per_seq) = (", batch, ", *), got ",
-                    sizes_str(bt));
+                    shape_str(bt));
   check_same_device(bt, "block_table", q);
   TORCH_CHECK_VALUE(bt.size(1) * page <= std::numeric_limits<int32_t>::max(), "flashattn_ext: block_table holds ",
                     bt.size(1), " blocks of ", page, " keys per sequence, more than 2^31 - 1 keys; split the cache");
-  for (const auto& [m, name] : {std::pair{in.max_seqlen_q, "max_seqlen_q"}, std::pair{in.max_seqlen_k, "max_seqlen_k"}})
-    TORCH_CHECK_VALUE(m >= 0 && m <= std::numeric_limits<int32_t>::max(), "flashattn_ext: ", name,
-                      " must be in [0, 2^31 - 1] (a bound on the sequence lengths), got ", m);
+  check_max_seqlen(in.max_seqlen_q, "max_seqlen_q");
+  check_max_seqlen(in.max_seqlen_k, "max_seqlen_k");
   TORCH_CHECK_VALUE(window_left >= -1 && window_right >= -1,
                     "flashattn_ext: window sizes must be -1 (unbounded) or >= 0, got window_left=", window_left,
                     ", window_right=", window_right);

@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "append_rotary_kernel.h"
+#include "ptx.cuh"  // to_float / from_float (round to nearest)
 
 namespace flashattn {
 namespace {
@@ -37,19 +38,6 @@ __device__ __forceinline__ float sub_rn(float a, float b) {
   float r;
   asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
-}
-
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) {
-  return __float2half_rn(x);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
 }
 
 // Element j of one head row: rotated by table row pos when j < rotary_dim
