@@ -33,12 +33,13 @@ from bench_gpu import make_timer  # noqa: E402
 from flashattn_ext import flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: E402
 
 
-def paged(cache, page, gen):
-    """(b, n, h, d) -> pages (b * n / page + 3, page, h, d) in a random order and the block table."""
+def paged(cache, page, gen, shuffled=True):
+    """(b, n, h, d) -> pages (b * n / page + 3, page, h, d) in a random order (else in the
+    cache's order) and the block table."""
     b, n, h, d = cache.shape
     per = n // page
     blocks = b * per + 3
-    perm = torch.randperm(blocks, generator=gen)[: b * per]
+    perm = torch.randperm(blocks, generator=gen)[: b * per] if shuffled else torch.arange(b * per)
     pages = torch.randn((blocks, page, h, d), generator=gen).to(cache.dtype).to(cache.device)
     pages[perm.to(cache.device)] = cache.reshape(b * per, page, h, d)
     return pages, perm.view(b, per).to(device=cache.device, dtype=torch.int32)
@@ -61,7 +62,33 @@ def kernels_of(fn, device):
 PREFILL_PAGES = (256, 128, 64, 32, 16)
 
 
-def prefill_points(device, dtype, bench, gen, smoke):
+def with_gather_ab(calls, gather_ab):
+    """--gather-ab (a FLASHATTN_TUNING=1 build): each paged call twice, its tiles
+    loaded as TMA boxes (-boxes) and gathered with cp.async (-gather), the switch
+    set around each call so that the two time in one process."""
+    if not gather_ab:
+        return calls
+
+    def under(fn, value):
+        def call():
+            os.environ["FLASHATTN_PAGED_GATHER"] = value
+            try:
+                return fn()
+            finally:
+                del os.environ["FLASHATTN_PAGED_GATHER"]
+
+        return call
+
+    out = {}
+    for name, fn in calls.items():
+        if name.startswith("paged"):
+            out[name + "-boxes"], out[name + "-gather"] = under(fn, "0"), under(fn, "1")
+        else:
+            out[name] = fn
+    return out
+
+
+def prefill_points(device, dtype, bench, gen, smoke, gather_ab=False):
     b, hq, hkv, d = (2, 4, 2, 64) if smoke else (4, 32, 8, 128)
     n_q, n_cache = (64, 512) if smoke else (512, 8192)
     q = torch.randn((b, n_q, hq, d), generator=gen).to(dtype).to(device)
@@ -69,12 +96,14 @@ def prefill_points(device, dtype, bench, gen, smoke):
     vc = torch.randn((b, n_cache, hkv, d), generator=gen).to(dtype).to(device)
     seqlens = torch.full((b,), n_cache, dtype=torch.int32, device=device)
     calls = {"contiguous": lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True)}
-    for page in PREFILL_PAGES:
-        kp, table = paged(kc, page, gen)
+    # (inorder: the pages in the cache's order, the table an identity: what the
+    # random order itself costs, apart from the page size.)
+    for page, shuffled in [(p, True) for p in PREFILL_PAGES] + [(32, False), (16, False)]:
+        kp, table = paged(kc, page, gen, shuffled)
         vp = torch.empty_like(kp)
         vp[table.long().flatten()] = vc.reshape(-1, page, hkv, d)
-        calls[f"paged{page}"] = lambda kp=kp, vp=vp, t=table: flash_attn_with_kvcache(
-            q, kp, vp, cache_seqlens=seqlens, block_table=t, causal=True
+        calls[f"paged{page}" + ("" if shuffled else "-inorder")] = lambda kp=kp, vp=vp, t=table: (
+            flash_attn_with_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=t, causal=True)
         )
     rows_big = torch.randn((b + 2, n_cache, hkv, d), generator=gen).to(dtype).to(device)
     idx = torch.randperm(b + 2, generator=gen)[:b].to(torch.int32).to(device)
@@ -87,6 +116,7 @@ def prefill_points(device, dtype, bench, gen, smoke):
     calls["leftpad64"] = lambda: flash_attn_with_kvcache(
         q, kc, vc, cache_seqlens=seqlens, cache_leftpad=pad, causal=True
     )
+    calls = with_gather_ab(calls, gather_ab)
     ref = calls["contiguous"]()
     out = []
     for name, fn in calls.items():
@@ -96,7 +126,7 @@ def prefill_points(device, dtype, bench, gen, smoke):
     return out
 
 
-def varlen_points(device, dtype, bench, gen, smoke):
+def varlen_points(device, dtype, bench, gen, smoke, gather_ab=False):
     hq, hkv, d = (4, 2, 64) if smoke else (32, 8, 128)
     lens = [64, 128, 96] if smoke else [1024, 4096, 2048, 3072, 1536, 4096, 2560, 1024]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
@@ -125,6 +155,7 @@ def varlen_points(device, dtype, bench, gen, smoke):
         calls[f"paged{page}"] = lambda kp=kp, vp=vp, t=table: flash_attn_varlen_func(
             q, kp, vp, cu, cu, mx, mx, causal=True, block_table=t
         )
+    calls = with_gather_ab(calls, gather_ab)
     ref = calls["contiguous"]()
     out = []
     for name, fn in calls.items():
@@ -138,12 +169,19 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
+    ap.add_argument(
+        "--gather-ab",
+        action="store_true",
+        help="time each paged call with TMA boxes and with the cp.async gather (needs a FLASHATTN_TUNING=1 build)",
+    )
     a = ap.parse_args(argv)
+    if a.gather_ab:
+        assert "tuning=1" in torch.ops.flashattn_ext.build_info(), "--gather-ab needs a FLASHATTN_TUNING=1 build"
     device = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
     bench, how = make_timer(device)
     gen = torch.Generator().manual_seed(0)
-    rows = prefill_points(device, torch.bfloat16, bench, gen, a.smoke)
-    rows += varlen_points(device, torch.bfloat16, bench, gen, a.smoke)
+    rows = prefill_points(device, torch.bfloat16, bench, gen, a.smoke, a.gather_ab)
+    rows += varlen_points(device, torch.bfloat16, bench, gen, a.smoke, a.gather_ab)
     for sec in ("prefill", "varlen"):
         base = next(r["ms"] for r in rows if r["section"] == sec and r["case"] == "contiguous")
         for r in rows:
@@ -162,7 +200,7 @@ def main(argv=None):
     )
     for r in rows:
         print(
-            f"{r['section']:8s} {r['case']:11s} {r['ms']:8.3f} ms  x{r['ratio_to_contiguous']:.3f}  {','.join(r['kernels'])}"
+            f"{r['section']:8s} {r['case']:20s} {r['ms']:8.3f} ms  x{r['ratio_to_contiguous']:.3f}  {','.join(r['kernels'])}"
         )
 
 

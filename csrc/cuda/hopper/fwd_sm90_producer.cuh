@@ -10,7 +10,9 @@
 // lookup takes 32 blocks at a time (../mask_skip.cuh): one thread walking the
 // blocks paid a load latency per hidden block, most of a document mask's.
 // A paged KV cache (kVarlen, p.kv.paged()) also runs the whole warp, each
-// lane loading one box of a tile (PagedBox).
+// lane loading one box of a tile (PagedBox); with pages under 64 keys
+// (FwdTmaMaps::kv_gather) the whole warpgroup runs it and gathers the tiles
+// with cp.async (PagedGather).
 #pragma once
 
 #include "../mask_skip.cuh"
@@ -53,17 +55,96 @@ struct PagedBox {
   }
 };
 
+// A paged K or V tile gathered by the producer warpgroup's 128 threads with
+// cp.async instead (FwdTmaMaps::kv_gather: pages whose boxes would be under
+// 64 rows, where the TMA unit's cost per box showed: 1.20x the contiguous
+// prefill's time at 32-key pages, 1.39x at 16, H200, session 15). Thread t
+// copies the 16-byte chunk t % 8 of rows t / 8 + 16 i of every panel to the
+// place TMA's 128-byte swizzle would have written (SmemTile::offset: fixed
+// per thread, so each copy's shared address is a constant step); a warp's four
+// rows never cross a page (pages are multiples of 16 keys). Lane l of every
+// warp reads the page-table entry of the tile's l-th page before the stage
+// wait and the rows take theirs by shuffle, so a tile costs one table read a
+// thread. Rows past the sequence's keys, past the table or in a block outside
+// the cache, and columns past head_dim are zero-filled (TMA's out-of-map rule;
+// a sequence's unused cache rows never reach the consumers). Each thread's
+// copies arrive on the stage's full barrier when they land
+// (cp.async.mbarrier.arrive.noinc: the barrier counts 128 arrivals a phase;
+// no producer wait), and the consumers fence the async proxy after their
+// wait, before wgmma reads the tile.
+struct PagedGather {
+  static constexpr int kThreads = 128;
+  static constexpr int kRowStep = kThreads / 8;  // rows a pass: 8 chunks of 16 bytes a panel row
+  const char* page = nullptr;                    // this lane's page (the tile's lane-th) at kv head h_kv; null: none
+  int in_page0 = 0;                              // the tile's first key's row in its page
+
+  // (Bytes, not elements: one address form for K and V, whose strides differ.)
+  __device__ __forceinline__ PagedGather(const AttnFwdParams& p, bool is_k, const int32_t* table_row, int pos0,
+                                         int h_kv, int lane) {
+    const KvCacheView& kv = p.kv;
+    const int slot0 = pos0 / kv.page_size, slot = slot0 + lane;
+    in_page0 = pos0 - slot0 * kv.page_size;
+    const int block = slot < kv.max_blocks ? table_row[slot] : -1;
+    if (block < 0 || block >= kv.cache_rows) return;
+    const int64_t elems = uint64_t(uint32_t(block)) * uint64_t(is_k ? p.k_batch_stride : p.v_batch_stride) +
+                          int64_t(h_kv) * (is_k ? p.k_head_stride : p.v_head_stride);
+    page = static_cast<const char*>(is_k ? p.k_ptr : p.v_ptr) + 2 * elems;
+  }
+
+  // (t, the thread's index in the producer warpgroup, is read here, not
+  // passed: ptxas would otherwise hoist what it derives from t out of the
+  // tile loop and spill it at the producer's 24 registers.)
+  template <typename Kt, typename T>
+  __device__ __forceinline__ void copy(const AttnFwdParams& p, bool is_k, T* dst, int rows) const {
+    using TileKV = typename Kt::TileKV;
+    uint32_t t;
+    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));  // (the producer is warpgroup 0: t < 128)
+    constexpr int kPasses = Kt::kBlockN / kRowStep;
+    static_assert(Kt::kBlockN % kRowStep == 0 && Kt::kBlockN / 16 + 1 <= 32, "gather layout");
+    static_assert(sizeof(T) == 2, "16-bit elements");
+    const int r0 = t / 8, col = (t % 8) * 8;  // (t < 128)
+    const uint64_t row_bytes = 2 * uint64_t(is_k ? p.k_row_stride : p.v_row_stride);
+    // (The address of the zero-filled copies: row 0 of the tensor; nothing is read.)
+    const char* any = static_cast<const char*>(is_k ? p.k_ptr : p.v_ptr);
+    const uint32_t dst0 = smem_u32(dst + TileKV::offset(r0, col));
+    int row = in_page0 + r0, slot = 0;  // (row in its page, page of the tile)
+    if (row >= p.kv.page_size) row -= p.kv.page_size, slot = 1;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const auto* base = reinterpret_cast<const char*>(__shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(page), slot));
+      const bool ok = base != nullptr && r0 + i * kRowStep < rows;
+      const char* src = ok ? base + uint64_t(uint32_t(row)) * row_bytes + 2 * col : any;
+#pragma unroll
+      for (int pn = 0; pn < Kt::kPanels; ++pn)
+        cp_async_16(dst0 + 2 * (pn * TileKV::kRows * 64 + i * kRowStep * 64), src + pn * 128,
+                    ok && pn * 64 + col < p.head_dim);
+      row += kRowStep;
+      if (row >= p.kv.page_size) row -= p.kv.page_size, ++slot;
+    }
+  }
+};
+
+// Arrives on `bar` when this thread's cp.async copies so far have landed,
+// without adding to the phase's count (the barrier was initialized for it).
+__device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+
+// ptid: the thread's index in the producer warpgroup (0..127; only warp 0
+// runs here unless the tiles are gathered).
 template <typename Kt, bool kVarlen, bool kSkipHidden = false>
 __device__ __forceinline__ void fwd_sm90_producer(const AttnFwdParams& p, const FwdTmaMaps& maps,
                                                   const FwdSchedule& sched, const BlockMask& mask,
-                                                  const FwdSm90Smem<Kt>& sm, int lane) {
+                                                  const FwdSm90Smem<Kt>& sm, int ptid) {
   using T = typename Kt::Element;
   using TileQ = typename Kt::TileQ;
   using TileKV = typename Kt::TileKV;
   using C = FwdSm90Coords<Kt, kVarlen>;
   using Tile = typename C::Tile;
   constexpr int kBlockN = Kt::kBlockN;
-  const bool leader = lane == 0;  // (the only thread here unless kSkipHidden or paged)
+  const int lane = ptid & 31;
+  const bool leader = ptid == 0;  // (the only thread here unless kSkipHidden or paged)
+  const bool gather = kVarlen && maps.kv_gather;
   if (leader) {
     prefetch_tensor_map(&maps.q);
     prefetch_tensor_map(&maps.k);
@@ -90,12 +171,19 @@ __device__ __forceinline__ void fwd_sm90_producer(const AttnFwdParams& p, const 
     // stage also carries, for the consumers, the step after j (`after`) and
     // j's summary code (kMaskIdentity: the mask leaves the whole block alone,
     // so the consumers need not look it up), as FwdSm90Smem::pack_next.
-    auto load = [&](const CUtensorMap* map, T* ring, uint64_t* full, uint64_t* empty, int i, int j, int after,
-                    int code) {
+    auto load = [&](bool is_k, const CUtensorMap* map, T* ring, uint64_t* full, uint64_t* empty, int i, int j,
+                    int after, int code) {
       const int s = C::stage(it0 + i), n0 = (n_max - 1 - j) * kBlockN;
       if (kVarlen && p.kv.paged()) {  // (never kSkipHidden: attn_mask has no varlen form)
         const int32_t* table_row = p.kv.block_table + tl.b * p.kv.table_batch_stride;
         const int pos0 = tl.seq.k_start + n0;
+        if (gather) {
+          const PagedGather pages(p, is_k, table_row, pos0, tl.h_kv, lane);
+          mbar_wait(&empty[s], C::parity(it0 + i) ^ 1);
+          pages.copy<Kt>(p, is_k, ring + s * TileKV::kElems, tl.seq.seqlen_k - n0);
+          cp_async_arrive_noinc(&full[s]);
+          return;
+        }
         const PagedBox page(p.kv, table_row, pos0, maps.kv_box_rows, lane, kBlockN);
         mbar_wait(&empty[s], C::parity(it0 + i) ^ 1);
         if (leader) mbar_arrive_expect_tx(&full[s], Kt::kBytesKV);
@@ -112,7 +200,7 @@ __device__ __forceinline__ void fwd_sm90_producer(const AttnFwdParams& p, const 
         tma_load_4d(ring + s * TileKV::kElems + pn * TileKV::kRows * 64, map, &full[s], pn * 64, tl.h_kv,
                     C::k_row_of(tl, n0), C::k_batch_of(tl));
     };
-    load(&maps.k, sm.sK, sm.full_k, sm.empty_k, 0, step, next, step_code);
+    load(true, &maps.k, sm.sK, sm.full_k, sm.empty_k, 0, step, next, step_code);
     mbar_wait(sm.empty_q, (q_iter & 1) ^ 1);  // the previous tile's last S GEMM (or O store) is done with sQ
     if (leader) {
       mbar_arrive_expect_tx(sm.full_q, Kt::kBytesQ);
@@ -127,19 +215,20 @@ __device__ __forceinline__ void fwd_sm90_producer(const AttnFwdParams& p, const 
       if (next < blocks) {
         const int after = visible.next_warp(next + 1);
         const int after_code = visible.code_of(after);
-        load(&maps.k, sm.sK, sm.full_k, sm.empty_k, i + 1, next, after, next_code);
-        load(&maps.v, sm.sV, sm.full_v, sm.empty_v, i, step, -1, 0);
+        load(true, &maps.k, sm.sK, sm.full_k, sm.empty_k, i + 1, next, after, next_code);
+        load(false, &maps.v, sm.sV, sm.full_v, sm.empty_v, i, step, -1, 0);
         step = next;
         next = after;
         next_code = after_code;
       } else {
-        load(&maps.v, sm.sV, sm.full_v, sm.empty_v, i, step, -1, 0);
+        load(false, &maps.v, sm.sV, sm.full_v, sm.empty_v, i, step, -1, 0);
         break;
       }
     }
     it0 += i + 1;
     ++q_iter;
   }
+  if (gather) cp_async_wait<0>();  // (a thread's copies land before it exits)
 }
 
 }  // namespace flashattn
