@@ -62,33 +62,7 @@ def kernels_of(fn, device):
 PREFILL_PAGES = (256, 128, 64, 32, 16)
 
 
-def with_gather_ab(calls, gather_ab):
-    """--gather-ab (a FLASHATTN_TUNING=1 build): each paged call twice, its tiles
-    loaded as TMA boxes (-boxes) and gathered with cp.async (-gather), the switch
-    set around each call so that the two time in one process."""
-    if not gather_ab:
-        return calls
-
-    def under(fn, value):
-        def call():
-            os.environ["FLASHATTN_PAGED_GATHER"] = value
-            try:
-                return fn()
-            finally:
-                del os.environ["FLASHATTN_PAGED_GATHER"]
-
-        return call
-
-    out = {}
-    for name, fn in calls.items():
-        if name.startswith("paged"):
-            out[name + "-boxes"], out[name + "-gather"] = under(fn, "0"), under(fn, "1")
-        else:
-            out[name] = fn
-    return out
-
-
-def prefill_points(device, dtype, bench, gen, smoke, gather_ab=False):
+def prefill_points(device, dtype, bench, gen, smoke):
     b, hq, hkv, d = (2, 4, 2, 64) if smoke else (4, 32, 8, 128)
     n_q, n_cache = (64, 512) if smoke else (512, 8192)
     q = torch.randn((b, n_q, hq, d), generator=gen).to(dtype).to(device)
@@ -116,7 +90,6 @@ def prefill_points(device, dtype, bench, gen, smoke, gather_ab=False):
     calls["leftpad64"] = lambda: flash_attn_with_kvcache(
         q, kc, vc, cache_seqlens=seqlens, cache_leftpad=pad, causal=True
     )
-    calls = with_gather_ab(calls, gather_ab)
     ref = calls["contiguous"]()
     out = []
     for name, fn in calls.items():
@@ -126,7 +99,7 @@ def prefill_points(device, dtype, bench, gen, smoke, gather_ab=False):
     return out
 
 
-def varlen_points(device, dtype, bench, gen, smoke, gather_ab=False):
+def varlen_points(device, dtype, bench, gen, smoke):
     hq, hkv, d = (4, 2, 64) if smoke else (32, 8, 128)
     lens = [64, 128, 96] if smoke else [1024, 4096, 2048, 3072, 1536, 4096, 2560, 1024]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
@@ -155,7 +128,6 @@ def varlen_points(device, dtype, bench, gen, smoke, gather_ab=False):
         calls[f"paged{page}"] = lambda kp=kp, vp=vp, t=table: flash_attn_varlen_func(
             q, kp, vp, cu, cu, mx, mx, causal=True, block_table=t
         )
-    calls = with_gather_ab(calls, gather_ab)
     ref = calls["contiguous"]()
     out = []
     for name, fn in calls.items():
@@ -169,19 +141,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
-    ap.add_argument(
-        "--gather-ab",
-        action="store_true",
-        help="time each paged call with TMA boxes and with the cp.async gather (needs a FLASHATTN_TUNING=1 build)",
-    )
     a = ap.parse_args(argv)
-    if a.gather_ab:
-        assert "tuning=1" in torch.ops.flashattn_ext.build_info(), "--gather-ab needs a FLASHATTN_TUNING=1 build"
     device = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
     bench, how = make_timer(device)
     gen = torch.Generator().manual_seed(0)
-    rows = prefill_points(device, torch.bfloat16, bench, gen, a.smoke, a.gather_ab)
-    rows += varlen_points(device, torch.bfloat16, bench, gen, a.smoke, a.gather_ab)
+    rows = prefill_points(device, torch.bfloat16, bench, gen, a.smoke)
+    rows += varlen_points(device, torch.bfloat16, bench, gen, a.smoke)
     for sec in ("prefill", "varlen"):
         base = next(r["ms"] for r in rows if r["section"] == sec and r["case"] == "contiguous")
         for r in rows:

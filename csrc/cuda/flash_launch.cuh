@@ -118,12 +118,6 @@ cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool
     rows_k = p.kv.page_size, batch_k = p.kv.cache_rows;
     box_k = std::gcd(p.kv.page_size, Kt::kBlockN);
     maps.kv_box_rows = box_k;
-    maps.kv_gather = box_k < 64;
-#ifdef FLASHATTN_TUNING
-    // Tuning builds: FLASHATTN_PAGED_GATHER=0 / 1 loads every paged tile as TMA
-    // boxes / gathers it with cp.async (bench_paged.py --gather-ab).
-    if (const char* g = std::getenv("FLASHATTN_PAGED_GATHER")) maps.kv_gather = std::atoi(g) != 0;
-#endif
   } else if (p.kv.cache_rows > 0) {  // a KV cache's rows (cache_batch_idx): its own batch size
     batch_k = p.kv.cache_rows;
   }

@@ -7,9 +7,9 @@
 //   producer  (warpgroup 0, one thread): TMA loads of Q once, then of K and V
 //             block by block into a ring of kStages stages, each guarded by a
 //             full / empty mbarrier pair (tma.cuh). It gives its registers
-//             away (setmaxnreg) to the consumers. (A paged KV cache with
-//             pages under 64 keys: the whole warpgroup gathers K and V with
-//             cp.async instead, fwd_sm90_producer.cuh.)
+//             away (setmaxnreg) to the consumers. (A paged KV cache: the
+//             whole warpgroup issues the page-sized TMA loads,
+//             fwd_sm90_producer.cuh.)
 //   consumers (warpgroups 1..kConsumers): 64 query rows each, O and the
 //             softmax statistics in registers. Per key block j:
 //               issue S_{j+1} = Q K_{j+1}^T and O += P_j V_j   (wgmma, async)
@@ -160,16 +160,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   auto stage = [](int it) { return it % kStages; };
   auto parity = [](int it) { return uint32_t(it / kStages) & 1; };
 
-  // Paged tiles gathered by the producer warpgroup (fwd_sm90_producer.cuh,
-  // PagedGather): each of its threads arrives on a stage's full barrier, and
-  // the consumers fence the async proxy after their wait (cp.async writes
-  // shared memory through the generic proxy, wgmma reads it through the async
-  // one). Else one TMA transaction a stage.
-  const bool gathered = kVarlen && maps.kv_gather;
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full_k[s], gathered ? PagedGather::kThreads : 1);
-      mbar_init(&full_v[s], gathered ? PagedGather::kThreads : 1);
+      mbar_init(&full_k[s], 1);
+      mbar_init(&full_v[s], 1);
       mbar_init(&empty_k[s], kConsumers * 128);
       mbar_init(&empty_v[s], kConsumers * 128);
     }
@@ -182,10 +176,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   if (wg == 0) {
     // ---- producer -------------------------------------------------------
     warpgroup_reg_dealloc<Kt::kProducerRegs>();
-    // (The attn_mask instance and a paged call: the whole warp, for its
-    // lookups of hidden blocks or of pages; gathered pages: the warpgroup.)
-    if (gathered || (warp == 0 && (kSkipHidden || lane == 0 || (kVarlen && p.kv.paged()))))
-      fwd_sm90_producer<Kt, kVarlen, kSkipHidden>(p, maps, sched, mask, sm, gathered ? tid : lane);
+    // (The attn_mask instance: the whole warp, for its lookups of hidden
+    // blocks; a paged call: the whole warpgroup, for its TMA issue.)
+    const bool paged = kVarlen && p.kv.paged();
+    if (paged || (warp == 0 && (kSkipHidden || lane == 0)))
+      fwd_sm90_producer<Kt, kVarlen, kSkipHidden>(p, maps, sched, mask, sm, paged ? tid : lane);
     return;
   }
 
@@ -254,7 +249,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     mbar_wait(full_q, q_iter & 1);
 
     // The first visible block and its softmax (O is zero: no rescale).
-    mbar_wait_fence_async(&full_k[stage(it0)], parity(it0), gathered);
+    mbar_wait(&full_k[stage(it0)], parity(it0));
     mainloop.turn_begin();
     wgmma_fence();
     mainloop.issue_scores(acc_s, it0);
@@ -271,7 +266,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a<T>(a_p[kk], acc_s[0], kk);
       mbar_wait(&full_k[stage(it0 + i + 1)], parity(it0 + i + 1));
-      mbar_wait_fence_async(&full_v[stage(it0 + i)], parity(it0 + i), gathered);  // (after both waits)
+      mbar_wait(&full_v[stage(it0 + i)], parity(it0 + i));
       mainloop.turn_begin();
       wgmma_fence();
       mainloop.issue_scores(acc_s, it0 + i + 1);
@@ -291,7 +286,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       uint32_t a_p[kBlockN / 16][4];
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a<T>(a_p[kk], acc_s[0], kk);
-      mbar_wait_fence_async(&full_v[stage(it0 + i)], parity(it0 + i), gathered);
+      mbar_wait(&full_v[stage(it0 + i)], parity(it0 + i));
       mainloop.turn_begin();
       wgmma_fence();
       mainloop.issue_pv(a_p, it0 + i);

@@ -15,14 +15,10 @@ namespace flashattn {
 // through boxes of 64 columns (one 128-byte swizzled panel) x rows; a varlen
 // batch as (head_dim, heads, total rows, 1); a paged k / v (KvCacheView) as
 // (head_dim, heads_kv, page_size, num_blocks) in boxes of kv_box_rows rows,
-// which divides both the page size and kBlockN (0: not paged); kv_gather:
-// boxes under 64 rows, so the producer warpgroup gathers the pages with
-// cp.async instead (fwd_sm90_producer.cuh, PagedGather; k and v are then read
-// through their pointers and strides, not these maps).
+// which divides both the page size and kBlockN (0: not paged).
 struct FwdTmaMaps {
   CUtensorMap q, k, v, o;
   int kv_box_rows = 0;
-  bool kv_gather = false;
 };
 
 // The CTA's shared memory: the Q tile, the O tile (or O staged in Q), the

@@ -52,24 +52,6 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
-// mbar_wait, then (when `fence`) a fence of the async proxy: the stage was
-// written by cp.async (generic proxy) and is read next by wgmma (async
-// proxy). One asm statement with a predicated fence, so that a runtime
-// choice costs the waiting code no branch (and ptxas no registers).
-__device__ __forceinline__ void mbar_wait_fence_async(uint64_t* bar, uint32_t parity, bool fence) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done, fence;\n"
-      "setp.ne.b32 fence, %2, 0;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n"
-      "@fence fence.proxy.async.shared::cta;\n"
-      "}\n" ::"r"(smem_u32(bar)),
-      "r"(parity), "r"(int(fence))
-      : "memory");
-}
-
 // 4-D tiled TMA load of the box at coordinates (c0 innermost .. c3) into
 // shared memory, completing `bytes` on `bar`. Coordinates outside the tensor
 // read as zeros (and still count towards the transaction bytes).
