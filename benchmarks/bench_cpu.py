@@ -14,8 +14,10 @@ random output gradient); decode (a decoding step: one query against a KV
 cache of n keys, --decode-heads query / kv heads (default 32/8, GQA),
 --decode-dim, batches --decode-batches, as transformers calls SDPA at a
 decode step): ours is flash_attn_with_kvcache on the (b, n, h_kv, d) cache,
-sdpa torch's SDPA on (b, h_kv, n, d) caches with enable_gqa=True, naive the
-three steps on K/V expanded to the query heads. Figures are medians over
+ours_paged the same on the cache in pages of --decode-page keys in a random
+order (block_table; decode mode only), sdpa torch's SDPA on (b, h_kv, n, d)
+caches with enable_gqa=True, naive the three steps on K/V expanded to the
+query heads. Figures are medians over
 --reps runs after warm-up; the implementations take turns within each
 repetition; torch's default thread count is used, or each of --threads in
 turn (torch.set_num_threads, for every implementation).
@@ -143,11 +145,20 @@ IMPLS = {"ours": (ours_fn, "bnhd"), "sdpa": (sdpa_fn, "bhnd"), "naive": (naive_f
 
 def make_decode_step(impl, dtype, b, heads, heads_kv, n, d):
     """One decoding step of impl: a query token per batch row against a full cache of n keys."""
-    if impl == "ours":
+    if impl in ("ours", "ours_paged"):
         q = torch.randn(b, 1, heads, d, dtype=dtype)
         k_cache, v_cache = (torch.randn(b, n, heads_kv, d, dtype=dtype) for _ in range(2))
         seqlens = torch.full((b,), n, dtype=torch.int32)
-        return lambda: flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
+        if impl == "ours":
+            return lambda: flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
+        blocks = b * n // DECODE_PAGE
+        table = torch.randperm(blocks).view(b, -1).to(torch.int32)
+        k_pages, v_pages = (torch.empty(blocks, DECODE_PAGE, heads_kv, d, dtype=dtype) for _ in range(2))
+        k_pages[table.long().flatten()] = k_cache.reshape(blocks, DECODE_PAGE, heads_kv, d)
+        v_pages[table.long().flatten()] = v_cache.reshape(blocks, DECODE_PAGE, heads_kv, d)
+        return lambda: flashattn_ext.flash_attn_with_kvcache(
+            q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table
+        )
     q = torch.randn(b, 1, heads, d, dtype=dtype).transpose(1, 2)  # (b, h, 1, d), a view of the projection
     k, v = (torch.randn(b, heads_kv, n, d, dtype=dtype) for _ in range(2))
     if impl == "sdpa":
@@ -219,6 +230,7 @@ def main(argv=None):
     ap.add_argument("--decode-batches", default="1,4", help="decode mode: batch sizes")
     ap.add_argument("--decode-heads", default="32,8", help="decode mode: query heads, kv heads")
     ap.add_argument("--decode-dim", type=int, default=128, help="decode mode: head dim")
+    ap.add_argument("--decode-page", type=int, default=16, help="decode mode: ours_paged's page size")
     ap.add_argument("--threads", help="thread counts to time in turn, e.g. 1,4,16 (default: torch's)")
     ap.add_argument("--quick", action="store_true", help="one seqlen (1024), fewer reps")
     ap.add_argument("--dropout", type=float, default=0.0, help="dropout_p of every implementation (fwd, fwd+bwd)")
@@ -285,8 +297,8 @@ def bench_grid(args):
     seqlens = [int(x) for x in args.seqlens.split(",")]
     impls = args.impls.split(",")
     b, h, d = args.batch, args.heads, args.head_dim
-    global DROPOUT
-    DROPOUT = args.dropout
+    global DROPOUT, DECODE_PAGE
+    DROPOUT, DECODE_PAGE = args.dropout, args.decode_page
     drop = f", dropout_p {DROPOUT:g}" if DROPOUT > 0 else ""
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, b{b} h{h} d{d}{drop}, median of {args.reps}")
     print(f"ours: {ours_runtime()}")
@@ -300,13 +312,14 @@ def bench_grid(args):
         if mode == "decode":
             rows += bench_decode(args, impls, ratio_cols)
             continue
+        grid_impls = [i for i in impls if i in IMPLS]  # (ours_paged: decode only)
         for dtype_name in args.dtypes.split(","):
             for causal in (False, True):
                 for n in seqlens:
                     ms, ms_min = bench_config(
-                        impls, mode, DTYPES[dtype_name], b, h, n, d, causal, args.warmup, args.reps
+                        grid_impls, mode, DTYPES[dtype_name], b, h, n, d, causal, args.warmup, args.reps
                     )
-                    for impl in impls:
+                    for impl in grid_impls:
                         rows.append(
                             dict(
                                 impl=impl,
@@ -322,7 +335,7 @@ def bench_grid(args):
                                 dropout=DROPOUT,
                             )
                         )
-                    print_row(mode, dtype_name, str(causal), n, ms, impls, ratio_cols)
+                    print_row(mode, dtype_name, str(causal), n, ms, grid_impls, ratio_cols)
     return rows
 
 

@@ -86,9 +86,12 @@ bench() {  # $1: name, $2: time limit (s); the rest: bench_cpu.py's arguments
 GRID=(--batch 4 --heads 16 --head-dim 128)
 QUICK=()
 [[ ${CPU_VISIT_QUICK:-0} == 1 ]] && QUICK=(--seqlens 128 --decode-caches 512 --reps 1 --warmup 0 --threads 2)
-bench 16threads 130 "${GRID[@]}" --seqlens 1024,4096 --modes fwd,fwd+bwd,decode --reps 5 --warmup 1 --threads 16
+# (ours_paged: decoding on 16-key pages, read in place; decode rows only)
+bench 16threads 180 "${GRID[@]}" --seqlens 1024,4096 --modes fwd,fwd+bwd,decode --reps 5 --warmup 1 --threads 16 \
+  --impls ours,sdpa,ours_paged
 bench default_16threads 25 --seqlens 512,1024,2048 --modes fwd,fwd+bwd --reps 5 --warmup 1 --threads 16
-bench 4threads 30 "${GRID[@]}" --seqlens 1024 --modes fwd,fwd+bwd,decode --reps 3 --warmup 1 --threads 4
+bench 4threads 30 "${GRID[@]}" --seqlens 1024 --modes fwd,fwd+bwd,decode --reps 3 --warmup 1 --threads 4 \
+  --impls ours,sdpa,ours_paged
 bench 1threads 30 "${GRID[@]}" --seqlens 1024 --modes fwd,decode --reps 3 --warmup 1 --threads 1
 say done
 for name in 16threads default_16threads 4threads 1threads; do

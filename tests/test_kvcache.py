@@ -329,6 +329,32 @@ def test_paged_equals_contiguous(device, dtype, case):
     assert torch.equal(logical(pv, pargs["block_table"]), vc)
 
 
+@pytest.mark.parametrize("leftpad", [None, [37, 5]])
+@pytest.mark.parametrize("seqlen_q", [1, 8, 9])
+def test_paged_long_cache_equals_contiguous(device, dtype, seqlen_q, leftpad):
+    """Decoding-shaped calls against long caches, paged (16-key pages, shuffled) and
+    contiguous, give the same outputs and lse bit for bit. On the CPU up to 8
+    queries read the pages in place on the few-queries path, with the keys split
+    over the cores (1200 keys: several parts); 9 queries take the tiled path on
+    the row's gathered keys."""
+    gen = torch.Generator().manual_seed(7)
+    q = randn((2, seqlen_q, 8, 64), dtype, device)
+    kc, vc = randn((2, 1280, 2, 64), dtype, device), randn((2, 1280, 2, 64), dtype, device)
+    pk, table = to_paged(kc, generator=gen)
+    pv = torch.empty_like(pk)
+    pv[table.long().flatten()] = vc.reshape(-1, PAGE, 2, 64)
+    kw = dict(cache_seqlens=torch.tensor([1200, 700], dtype=torch.int32, device=device), causal=True)
+    if leftpad is not None:
+        kw["cache_leftpad"] = torch.tensor(leftpad, dtype=torch.int32, device=device)
+    out, lse = flash_attn_with_kvcache(q, kc, vc, return_softmax_lse=True, **kw)
+    pout, plse = flash_attn_with_kvcache(q, pk, pv, block_table=table, return_softmax_lse=True, **kw)
+    assert torch.equal(out, pout) and torch.equal(lse, plse)
+    lp = leftpad or [0, 0]
+    rows = [(q[b], kc[b, lp[b] : n], vc[b, lp[b] : n]) for b, n in enumerate((1200, 700))]
+    bad = check_rows(out, lse, rows, causal=True)
+    assert not bad, "; ".join(bad)
+
+
 def test_equals_flash_attn_func_on_full_cache(device, dtype):
     """cache_seqlens = None attends to the whole cache: flash_attn_func on it
     (the same kernel on the CPU, so bitwise; the decoding kernel on CUDA, so

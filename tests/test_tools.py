@@ -646,6 +646,7 @@ def test_bench_cpu_decode_mode(tmp_path):
             os.path.join(BENCH, "bench_cpu.py"),
             *("--modes", "decode", "--dtypes", "float32,bfloat16", "--decode-caches", "64,96"),
             *("--decode-batches", "1,2", "--decode-heads", "4,2", "--decode-dim", "32"),
+            *("--impls", "ours,sdpa,naive,ours_paged", "--decode-page", "16"),
             *("--reps", "1", "--warmup", "0", "--json", str(out), "--markdown", str(tmp_path / "cpu.md")),
         ]
     )
@@ -655,14 +656,16 @@ def test_bench_cpu_decode_mode(tmp_path):
     assert all({"cpu", "isa", "threads", "commit", "cpu_src", "cuda_build"} <= row.keys() for row in rows)
     assert len({row["cpu_src"] for row in rows}) == 1 and len(rows[0]["cpu_src"]) == 12
     table = (tmp_path / "cpu.md").read_text().splitlines()
-    assert table[2].startswith("| threads | mode |") and table[2].endswith("| ours / sdpa | ours / naive |")
+    assert table[2].startswith("| threads | mode |") and table[2].endswith(
+        "| ours / sdpa | ours / naive | ours / ours_paged |"
+    )
     assert len(table) == 4 + 2 * 2 * 2  # header lines, then one line per (dtype, cache, batch)
     assert {(row["dtype"], row["n"], row["b"], row["impl"]) for row in rows} == {
         (dt, n, b, impl)
         for dt in ("float32", "bfloat16")
         for n in (64, 96)
         for b in (1, 2)
-        for impl in ("ours", "sdpa", "naive")
+        for impl in ("ours", "sdpa", "naive", "ours_paged")
     }
     assert all(row["mode"] == "decode" and row["h"] == 4 and row["h_kv"] == 2 and row["ms"] > 0 for row in rows)
 

@@ -17,6 +17,12 @@ void run_fwd_cpu(const AttnFwdParams& params);
 // the items of all.
 void run_fwd_cpu(const AttnFwdParams* calls, int64_t num_calls);
 
+// Whether run_fwd_cpu takes a call on its few-queries (decoding) path, the one
+// that also reads a paged KV cache in place (AttnFwdParams::kv; the tiled path
+// takes keys one row stride apart: a paged call it would run must be gathered
+// first, paged_gather.h).
+bool fwd_cpu_runs_few_queries(const AttnFwdParams& p);
+
 // Fills dq, dk, dv from dout, q, k, v, o, lse; deterministic.
 void run_bwd_cpu(const AttnBwdParams& params);
 

@@ -339,7 +339,7 @@ constexpr int kFewQueries = 8;
 constexpr int kFewRows = 16;
 constexpr int kFewBlockK = 256;
 
-template <typename acc_t>
+template <typename scalar_t, typename acc_t>
 struct FewQueriesScratch {
   explicit FewQueriesScratch(int d)
       : q(kFewRows * d),
@@ -349,7 +349,9 @@ struct FewQueriesScratch {
         row_max(kFewRows),
         row_sum(kFewRows),
         key_lo(kFewRows),
-        key_hi(kFewRows) {}
+        key_hi(kFewRows),
+        k_rows(kFewBlockK),
+        v_rows(kFewBlockK) {}
 
   ScratchArray<acc_t> q;       // rows x d           scale * Q
   ScratchArray<acc_t> o;       // rows x d           unnormalized O
@@ -357,7 +359,49 @@ struct FewQueriesScratch {
   ScratchArray<acc_t> kv_row;  // kFewKvRows x d     k or v rows in acc_t
   ScratchArray<acc_t> row_max, row_sum;
   ScratchArray<int> key_lo, key_hi;
+  ScratchArray<const scalar_t*> k_rows, v_rows;  // kFewBlockK: the block's key and value rows
 };
+
+// Where key j of (batch b, kv head h_kv) of a few-queries call is, for k (or
+// v: the same rule with its own pointer and strides): j rows past the
+// sequence's first key, or, for a paged cache (p.kv.paged(): a KV-cache
+// row's call, fwd_kvcache_cpu), row j + leftpad of the row's page table, read
+// in place (KvCacheView::page_offset) instead of gathered first.
+template <typename scalar_t>
+struct KeyRows {
+  const scalar_t* first;  // key 0 (not paged) or the cache at kv head h_kv (paged)
+  int64_t batch_stride, row_stride;
+  const int32_t* table_row = nullptr;  // paged: the row's page table
+  int first_pos = 0;                   // paged: key 0's position in it
+  const KvCacheView& kv;
+
+  KeyRows(const void* ptr, int64_t batch_stride_, int64_t row_stride_, int64_t head_stride, int64_t h_kv,
+          const AttnFwdParams& p, const SeqInfo& seq, int b)
+      : first(static_cast<const scalar_t*>(ptr) + h_kv * head_stride),
+        batch_stride(batch_stride_),
+        row_stride(row_stride_),
+        kv(p.kv) {
+    if (kv.paged()) {
+      table_row = kv.block_table + b * kv.table_batch_stride;
+      first_pos = kv.leftpad ? kv.leftpad[b] : 0;
+    } else {
+      first += seq.k_offset(batch_stride, row_stride, b);
+    }
+  }
+  bool paged() const { return table_row != nullptr; }
+  const scalar_t* row(int64_t j) const {
+    if (!table_row) return first + j * row_stride;
+    return first + kv.page_offset(table_row, static_cast<int>(first_pos + j), batch_stride, row_stride);
+  }
+};
+
+// The few-queries path (attend_few_queries) forms its scores row by row
+// inside tile_ops.cpp and has no score mod: softcap / ALiBi calls take the
+// tiled path (key split included), which has. Dropout likewise (the tiled
+// path holds it).
+bool runs_few_queries(const AttnFwdParams& p) {
+  return p.seqlen_q <= kFewQueries && !p.score_mod.any() && !p.dropout.enabled();
+}
 
 // Query heads [h0, h0 + heads) of batch entry b, all of kv head h0 / ratio:
 // row r of the item is query r % seqlen_q of head h0 + r / seqlen_q.
@@ -366,16 +410,16 @@ struct FewQueriesScratch {
 template <typename scalar_t, typename acc_t>
 void fwd_few_queries(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask& mask, int b, int h0, int heads,
                      int64_t part_begin, int64_t part_end, const PartialOutputs<acc_t>* partial, int part,
-                     FewQueriesScratch<acc_t>& scratch) {
+                     FewQueriesScratch<scalar_t, acc_t>& scratch) {
   const int d = p.head_dim;
   const int seqlen_q = seq.seqlen_q;
   const int rows = heads * seqlen_q;
   const int64_t h_kv = h0 / p.heads_ratio();
   const scalar_t* q0 = static_cast<const scalar_t*>(p.q_ptr) + seq.q_offset(p.q_batch_stride, p.q_row_stride, b);
-  const scalar_t* k = static_cast<const scalar_t*>(p.k_ptr) + seq.k_offset(p.k_batch_stride, p.k_row_stride, b) +
-                      h_kv * p.k_head_stride;
-  const scalar_t* v = static_cast<const scalar_t*>(p.v_ptr) + seq.k_offset(p.v_batch_stride, p.v_row_stride, b) +
-                      h_kv * p.v_head_stride;
+  const KeyRows<scalar_t> k(p.k_ptr, p.k_batch_stride, p.k_row_stride, p.k_head_stride, h_kv, p, seq, b);
+  const KeyRows<scalar_t> v(p.v_ptr, p.v_batch_stride, p.v_row_stride, p.v_head_stride, h_kv, p, seq, b);
+  const scalar_t** k_rows = scratch.k_rows.get();
+  const scalar_t** v_rows = scratch.v_rows.get();
   scalar_t* o0 = static_cast<scalar_t*>(p.o_ptr) + seq.q_offset(p.o_batch_stride, p.o_row_stride, b);
   // Row r's query, head and place in q / out / lse.
   auto query_of = [&](int r) { return r % seqlen_q; };
@@ -410,9 +454,11 @@ void fwd_few_queries(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
       key_lo = scratch.key_lo.get();
       key_hi = scratch.key_hi.get();
     }
-    attend_few_queries(scratch.q.get(), rows, d, k + k0 * p.k_row_stride, p.k_row_stride, v + k0 * p.v_row_stride,
-                       p.v_row_stride, cols, key_lo, key_hi, row_max, row_sum, o_acc, scratch.scores.get(),
-                       scratch.kv_row.get());
+    if (k.paged())  // (else the rows are one stride apart)
+      for (int j = 0; j < cols; ++j) k_rows[j] = k.row(k0 + j), v_rows[j] = v.row(k0 + j);
+    attend_few_queries(scratch.q.get(), rows, d, k.row(k0), p.k_row_stride, v.row(k0), p.v_row_stride,
+                       k.paged() ? k_rows : nullptr, k.paged() ? v_rows : nullptr, cols, key_lo, key_hi, row_max,
+                       row_sum, o_acc, scratch.scores.get(), scratch.kv_row.get());
   }
 
   if (partial) {
@@ -518,11 +564,8 @@ void plan_calls(const AttnFwdParams* calls, int64_t num_calls, std::vector<FwdPl
     const AttnFwdParams& p = calls[c];
     FwdPlan<scalar_t, acc_t>& plan = plans[c];
     plan.p = &p;
-    // The few-queries path (attend_few_queries) forms its scores row by row
-    // inside tile_ops.cpp and has no score mod: softcap / ALiBi calls take
-    // the tiled path (key split included), which has.
-    // Dropout likewise (the tiled path holds it).
-    plan.few = p.seqlen_q <= kFewQueries && !p.score_mod.any() && !p.dropout.enabled();
+    plan.few = runs_few_queries(p);
+    TORCH_INTERNAL_ASSERT(plan.few || !p.kv.paged(), "flashattn_ext: a paged cache reaches the tiled CPU forward");
     if (plan.few) {
       plan.units = static_cast<int64_t>(p.batch) * p.heads_kv;
     } else {
@@ -609,7 +652,7 @@ void transpose_value_tiles(FwdPlan<scalar_t, acc_t>& plan, int64_t item) {
 template <typename scalar_t, typename acc_t>
 struct FwdWorker {
   std::optional<FwdScratch<scalar_t, acc_t>> tiled;
-  std::optional<FewQueriesScratch<acc_t>> few;
+  std::optional<FewQueriesScratch<scalar_t, acc_t>> few;
   int tiled_d = 0, few_d = 0;
   ScratchArray<acc_t> merge_row;  // d: one row of O in the merge
   int merge_d = 0;
@@ -627,7 +670,7 @@ struct FwdWorker {
     used_lowp = used_lowp || lowp;
     return *tiled;
   }
-  FewQueriesScratch<acc_t>& few_for(int d) {
+  FewQueriesScratch<scalar_t, acc_t>& few_for(int d) {
     if (!few || few_d != d) few.emplace(d), few_d = d;
     return *few;
   }
@@ -753,6 +796,8 @@ void fwd(const AttnFwdParams* calls, int64_t num_calls) {
 
 }  // namespace
 }  // namespace cpu
+
+bool fwd_cpu_runs_few_queries(const AttnFwdParams& p) { return cpu::runs_few_queries(p); }
 
 void run_fwd_cpu(const AttnFwdParams& params) { run_fwd_cpu(&params, 1); }
 

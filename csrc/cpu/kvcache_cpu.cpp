@@ -3,8 +3,9 @@
 // parallel loop) on a (1, seqlen_q, heads_q, head_dim) view of q against the
 // row's visible keys [leftpad, seqlens_k) of its cache row, causal and
 // windows aligned bottom-right against them. A contiguous cache is used in
-// place (a view); a paged one is gathered row by row (the CPU path reads
-// every visible key once either way). The integer arguments are host tensors
+// place (a view); a paged one is read in place by decoding-shaped calls (the
+// forward's few-queries path follows the page table) and gathered row by row
+// for the others. The integer arguments are host tensors
 // here, so their values are checked, each error naming the argument.
 #include <torch/library.h>
 
@@ -52,7 +53,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_impl(
                         cache_rows, ") (k_cache's rows)");
     }
   }
-  at::Tensor table = block_table ? block_table->to(at::kLong) : at::Tensor();  // (batch, max_blocks)
+  at::Tensor table = block_table ? block_table->to(at::kLong) : at::Tensor();           // (batch, max_blocks)
+  const at::Tensor table_i32 = block_table ? block_table->contiguous() : at::Tensor();  // (int32: checked)
   if (block_table) {
     for (int64_t b = 0; b < batch; ++b) {
       const int64_t used = (sk[b] + page - 1) / page;
@@ -80,25 +82,41 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_impl(
       lse_b.fill_(-std::numeric_limits<double>::infinity());
       continue;
     }
-    at::Tensor kb, vb;  // (1, n, heads_kv, head_dim)
-    if (block_table) {
-      kb = gather_paged_keys(k_cache, table[b], lp, sk[b]);
-      vb = gather_paged_keys(v_cache, table[b], lp, sk[b]);
-      gathered.push_back(kb);
-      gathered.push_back(vb);
-    } else {
-      const int64_t row = batch_idx ? idx_t.data_ptr<int32_t>()[b] : b;
-      kb = k_cache.narrow(0, row, 1).narrow(1, lp, n);
-      vb = v_cache.narrow(0, row, 1).narrow(1, lp, n);
-    }
     const auto mask = make_mask(window_left, window_right, /*bottom_right=*/true, seqlen_q, n);
-    calls.push_back(make_fwd_params(q.narrow(0, b, 1), kb, vb, out_b, lse_b, softmax_scale, mask));
     // The row's call is a batch of one whose keys are [lp, seqlens_k): its
     // ALiBi distance i + n - seqlen_q - (j - lp) is the row's
     // i + seqlens_k[b] - seqlen_q - j, and its slopes are row b's.
-    ScoreMod& row_mod = calls.back().score_mod;
-    row_mod = score_mod;
-    if (row_mod.has_alibi()) row_mod.alibi_slopes += b * score_mod.alibi_batch_stride, row_mod.alibi_batch_stride = 0;
+    auto row_call = [&](const at::Tensor& kb, const at::Tensor& vb) {
+      AttnFwdParams p = make_fwd_params(q.narrow(0, b, 1), kb, vb, out_b, lse_b, softmax_scale, mask);
+      p.score_mod = score_mod;
+      if (p.score_mod.has_alibi())
+        p.score_mod.alibi_slopes += b * score_mod.alibi_batch_stride, p.score_mod.alibi_batch_stride = 0;
+      return p;
+    };
+    if (block_table) {
+      // Decoding-shaped calls read the pages in place (the few-queries path:
+      // key j is position lp + j of the row's table, KvCacheView); the rest
+      // gather the row's visible keys first.
+      AttnFwdParams p = row_call(k_cache.narrow(0, 0, 1), v_cache.narrow(0, 0, 1));
+      p.seqlen_k = static_cast<int>(n);
+      p.kv.block_table = table_i32.data_ptr<int32_t>() + b * table_i32.stride(0);
+      p.kv.max_blocks = static_cast<int>(table_i32.size(1));
+      p.kv.page_size = static_cast<int>(page);
+      p.kv.cache_rows = static_cast<int>(cache_rows);
+      p.kv.leftpad = leftpad ? lp_t.data_ptr<int32_t>() + b : nullptr;
+      if (fwd_cpu_runs_few_queries(p)) {
+        calls.push_back(p);
+        continue;
+      }
+      const auto kb = gather_paged_keys(k_cache, table[b], lp, sk[b]);  // (1, n, heads_kv, head_dim)
+      const auto vb = gather_paged_keys(v_cache, table[b], lp, sk[b]);
+      gathered.push_back(kb);
+      gathered.push_back(vb);
+      calls.push_back(row_call(kb, vb));
+    } else {
+      const int64_t row = batch_idx ? idx_t.data_ptr<int32_t>()[b] : b;
+      calls.push_back(row_call(k_cache.narrow(0, row, 1).narrow(1, lp, n), v_cache.narrow(0, row, 1).narrow(1, lp, n)));
+    }
   }
   run_fwd_cpu(calls.data(), static_cast<int64_t>(calls.size()));
   return {out, lse};

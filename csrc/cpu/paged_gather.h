@@ -1,9 +1,9 @@
-// The CPU path's reading of a paged KV cache (flash-attn's block_table): the
-// keys of one row gathered into a dense (1, n, heads_kv, head_dim) tensor, for
-// the forward kernels, which take keys one row stride apart. Both CPU ops with
-// paged caches (fwd_kvcache, varlen_fwd_paged) read a row's visible keys once
-// either way; reading the pages in place inside the forward kernels would save
-// the copy.
+// The CPU path's reading of a paged KV cache (flash-attn's block_table) where
+// the forward's tiled path runs (it takes keys one row stride apart): the keys
+// of one row gathered into a dense (1, n, heads_kv, head_dim) tensor. The
+// decoding-shaped calls of fwd_kvcache read the pages in place instead (the
+// few-queries path, flash_cpu.h's fwd_cpu_runs_few_queries); varlen_fwd_paged
+// gathers every sequence.
 #pragma once
 
 #include <ATen/ATen.h>

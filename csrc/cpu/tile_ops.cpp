@@ -545,17 +545,20 @@ FLASHATTN_SIMD_CLONES void probs_and_dscores_t(acc_t* s_t, acc_t* dp_t, int64_t 
 
 template <typename scalar_t, typename acc_t>
 FLASHATTN_SIMD_CLONES void attend_few_queries(const acc_t* q, int rows, int head_dim, const scalar_t* k, int64_t k_ld,
-                                              const scalar_t* v, int64_t v_ld, int cols, const int* key_lo,
+                                              const scalar_t* v, int64_t v_ld, const scalar_t* const* k_rows,
+                                              const scalar_t* const* v_rows, int cols, const int* key_lo,
                                               const int* key_hi, acc_t* row_max, acc_t* row_sum, acc_t* o,
                                               acc_t* scores, acc_t* kv_row) {
   constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
   const int d = head_dim;
+  auto k_row_of = [&](int j) { return k_rows ? k_rows[j] : k + j * k_ld; };
+  auto v_row_of = [&](int j) { return v_rows ? v_rows[j] : v + j * v_ld; };
   // S = Q K^T, one key row at a time (shared by every query row).    rows x cols
   constexpr int kAhead = 16;           // rows
   constexpr int kPvKeys = kFewKvRows;  // value rows per pass over O
   for (int j = 0; j < cols; ++j) {
-    if (j + kAhead < cols) prefetch_row(k + (j + kAhead) * k_ld, d);
-    const acc_t* k_row = row_as_acc(k + j * k_ld, d, kv_row);
+    if (j + kAhead < cols) prefetch_row(k_row_of(j + kAhead), d);
+    const acc_t* k_row = row_as_acc(k_row_of(j), d, kv_row);
     dot_rows(q, rows, d, k_row, scores + j, cols);
   }
   // Online softmax per query row, as in online_softmax_step.
@@ -587,11 +590,11 @@ FLASHATTN_SIMD_CLONES void attend_few_queries(const acc_t* q, int rows, int head
   // key at a time.
   for (int j0 = 0; j0 < cols; j0 += kPvKeys) {
     const int keys = std::min(kPvKeys, cols - j0);
-    const acc_t* v_rows[kPvKeys];
+    const acc_t* v_acc[kPvKeys];
     for (int t = 0; t < keys; ++t) {
       const int j = j0 + t;
-      if (j + kAhead < cols) prefetch_row(v + (j + kAhead) * v_ld, d);
-      v_rows[t] = row_as_acc(v + j * v_ld, d, kv_row + t * d);
+      if (j + kAhead < cols) prefetch_row(v_row_of(j + kAhead), d);
+      v_acc[t] = row_as_acc(v_row_of(j), d, kv_row + t * d);
     }
     for (int r = 0; r < rows; ++r) {
       const int lo = key_lo ? key_lo[r] : 0;
@@ -599,10 +602,10 @@ FLASHATTN_SIMD_CLONES void attend_few_queries(const acc_t* q, int rows, int head
       const acc_t* p = scores + r * cols + j0;
       acc_t* __restrict o_row = o + r * d;
       if (keys == kPvKeys && lo <= j0 && j0 + kPvKeys <= hi) {
-        const acc_t* __restrict v0 = v_rows[0];
-        const acc_t* __restrict v1 = v_rows[1];
-        const acc_t* __restrict v2 = v_rows[2];
-        const acc_t* __restrict v3 = v_rows[3];
+        const acc_t* __restrict v0 = v_acc[0];
+        const acc_t* __restrict v1 = v_acc[1];
+        const acc_t* __restrict v2 = v_acc[2];
+        const acc_t* __restrict v3 = v_acc[3];
         static_assert(kPvKeys == 4, "the pass below adds four value rows");
         for (int c = 0; c < d; ++c) {
           acc_t x = o_row[c];
@@ -616,7 +619,7 @@ FLASHATTN_SIMD_CLONES void attend_few_queries(const acc_t* q, int rows, int head
       }
       for (int t = 0; t < keys; ++t) {
         if (j0 + t < lo || j0 + t >= hi) continue;
-        const acc_t* __restrict v_row = v_rows[t];
+        const acc_t* __restrict v_row = v_acc[t];
         for (int c = 0; c < d; ++c) o_row[c] += p[t] * v_row[c];
       }
     }
@@ -784,8 +787,8 @@ FLASHATTN_SIMD_CLONES int nonfinite_rows(const scalar_t* t, int64_t ld, int rows
                                                        scalar_t*, int64_t);                                            \
   template void row_dot<scalar_t, acc_t>(const scalar_t*, int64_t, const scalar_t*, int64_t, int, int, acc_t*);        \
   template void attend_few_queries<scalar_t, acc_t>(const acc_t*, int, int, const scalar_t*, int64_t, const scalar_t*, \
-                                                    int64_t, int, const int*, const int*, acc_t*, acc_t*, acc_t*,      \
-                                                    acc_t*, acc_t*);                                                   \
+                                                    int64_t, const scalar_t* const*, const scalar_t* const*, int,      \
+                                                    const int*, const int*, acc_t*, acc_t*, acc_t*, acc_t*, acc_t*);   \
   template int nonfinite_rows<scalar_t, acc_t>(const scalar_t*, int64_t, int, int, int*);
 
 FLASHATTN_INSTANTIATE_IO(float, float)

@@ -79,7 +79,9 @@ void probs_and_dscores_t(acc_t* s_t, acc_t* dp_t, int64_t ld, int keys, int quer
 // decode-shaped problems, where a query block is too short for GEMMs (padded
 // to vector width) and for transposing a value tile per block to pay off.
 //   q         rows x head_dim (ld head_dim), scaled queries
-//   k, v      cols rows of the input with strides k_ld, v_ld
+//   k, v      cols rows of the input with strides k_ld, v_ld, or, where
+//             k_rows / v_rows are given, one pointer a row there (the rows of
+//             a paged cache's pages); the arithmetic is the same either way
 //   key_lo, key_hi  per query, the visible keys [lo, hi) in tile coordinates;
 //             nullptr when every query sees every key
 //   row_max, row_sum, o  the online-softmax state (m, l, unnormalized O,
@@ -88,8 +90,9 @@ void probs_and_dscores_t(acc_t* s_t, acc_t* dp_t, int64_t ld, int keys, int quer
 constexpr int kFewKvRows = 4;  // value rows attend_few_queries adds in one pass over O
 template <typename scalar_t, typename acc_t>
 void attend_few_queries(const acc_t* q, int rows, int head_dim, const scalar_t* k, int64_t k_ld, const scalar_t* v,
-                        int64_t v_ld, int cols, const int* key_lo, const int* key_hi, acc_t* row_max, acc_t* row_sum,
-                        acc_t* o, acc_t* scores, acc_t* kv_row);
+                        int64_t v_ld, const scalar_t* const* k_rows, const scalar_t* const* v_rows, int cols,
+                        const int* key_lo, const int* key_hi, acc_t* row_max, acc_t* row_sum, acc_t* o, acc_t* scores,
+                        acc_t* kv_row);
 
 // Operands of the low-precision products in tile_gemm.h's pairs panels
 // (lowp_t: c10::BFloat16 or c10::Half). The B side of a k x n product (k
