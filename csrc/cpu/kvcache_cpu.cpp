@@ -98,13 +98,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_impl(
       // key j is position lp + j of the row's table, KvCacheView); the rest
       // gather the row's visible keys first.
       AttnFwdParams p = row_call(k_cache.narrow(0, 0, 1), v_cache.narrow(0, 0, 1));
-      p.seqlen_k = static_cast<int>(n);
-      p.kv.block_table = table_i32.data_ptr<int32_t>() + b * table_i32.stride(0);
-      p.kv.max_blocks = static_cast<int>(table_i32.size(1));
-      p.kv.page_size = static_cast<int>(page);
-      p.kv.cache_rows = static_cast<int>(cache_rows);
-      p.kv.leftpad = leftpad ? lp_t.data_ptr<int32_t>() + b : nullptr;
-      if (fwd_cpu_runs_few_queries(p)) {
+      if (read_pages_in_place(p, table_i32, b, n, k_cache, leftpad ? lp_t.data_ptr<int32_t>() + b : nullptr)) {
         calls.push_back(p);
         continue;
       }

@@ -1,8 +1,9 @@
 // CPU implementation of flashattn_ext::varlen_fwd_paged (flash_attn_varlen_func
 // with block_table): each sequence is one call of the forward kernels
 // (flash_cpu_fwd.cpp; the calls run as one parallel loop) on its packed
-// queries against its keys [0, len_k) gathered from their pages
-// (paged_gather.h), causal and windows aligned bottom-right. The integer
+// queries against its keys [0, len_k), read from their pages in place by
+// decoding-shaped sequences and gathered for the others (paged_gather.h),
+// causal and windows aligned bottom-right. The integer
 // arguments are host tensors here, so their values are checked first, each
 // error naming the argument: a rejected call computes nothing.
 #include <torch/library.h>
@@ -57,6 +58,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_paged_cpu(const at::Tensor& q, con
   const auto lens_q = lengths_of(starts_q, "cu_seqlens_q", max_seqlen_q, "max_seqlen_q", q.size(0));
   const auto lens_k = lengths_of(cu_seqlens_k.contiguous(), "cu_seqlens_k", max_seqlen_k, "max_seqlen_k", -1);
   const at::Tensor table = block_table.to(at::kLong);
+  const at::Tensor table_i32 = block_table.contiguous();  // (int32: checked)
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK_VALUE(lens_k[b] <= block_table.size(1) * page, "flashattn_ext: sequence ", b, " has ", lens_k[b],
                       " keys (cu_seqlens_k) but block_table holds ", block_table.size(1), " blocks of ", page,
@@ -79,17 +81,27 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_paged_cpu(const at::Tensor& q, con
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t n_q = lens_q[b], n_k = lens_k[b];
     if (n_q == 0 || n_k == 0) continue;
-    const auto kb = gather_paged_keys(k_cache, table[b], 0, n_k), vb = gather_paged_keys(v_cache, table[b], 0, n_k);
     const auto q_b = q.narrow(0, sq[b], n_q).unsqueeze(0), out_b = out.narrow(0, sq[b], n_q).unsqueeze(0);
     auto lse_b = at::empty({1, q.size(1), n_q}, lse.options());  // the kernels' (batch, heads, seqlen) layout
-    held.insert(held.end(), {kb, vb});
+    held.push_back(lse_b);
     lse_parts.emplace_back(sq[b], lse_b);
     const auto mask = make_mask(window_left, window_right, /*bottom_right=*/true, n_q, n_k);
-    calls.push_back(make_fwd_params(q_b, kb, vb, out_b, lse_b, softmax_scale, mask));
-    // A batch of one: sequence b's slopes.
-    ScoreMod& mod = calls.back().score_mod;
-    mod = score_mod;
-    if (mod.has_alibi()) mod.alibi_slopes += b * score_mod.alibi_batch_stride, mod.alibi_batch_stride = 0;
+    auto seq_call = [&](const at::Tensor& kb, const at::Tensor& vb) {
+      AttnFwdParams p = make_fwd_params(q_b, kb, vb, out_b, lse_b, softmax_scale, mask);
+      p.score_mod = score_mod;  // a batch of one: sequence b's slopes
+      if (p.score_mod.has_alibi())
+        p.score_mod.alibi_slopes += b * score_mod.alibi_batch_stride, p.score_mod.alibi_batch_stride = 0;
+      return p;
+    };
+    // Decoding-shaped sequences read their pages in place; the rest are gathered.
+    AttnFwdParams p = seq_call(k_cache.narrow(0, 0, 1), v_cache.narrow(0, 0, 1));
+    if (read_pages_in_place(p, table_i32, b, n_k, k_cache, nullptr)) {
+      calls.push_back(p);
+      continue;
+    }
+    const auto kb = gather_paged_keys(k_cache, table[b], 0, n_k), vb = gather_paged_keys(v_cache, table[b], 0, n_k);
+    held.insert(held.end(), {kb, vb});
+    calls.push_back(seq_call(kb, vb));
   }
   run_fwd_cpu(calls.data(), static_cast<int64_t>(calls.size()));
   for (const auto& [start, part] : lse_parts) lse.narrow(1, start, part.size(2)).copy_(part[0]);
