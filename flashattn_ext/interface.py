@@ -1124,7 +1124,8 @@ def flash_attn_varlen_func(
 # One flashattn_ext::varlen_fwd_paged call (csrc/paged_varlen_api.h): on
 # CUDA the forward kernels read the keys through the page table on the device
 # (the TMA forward's per-page boxes on sm90, the mma.sync forward elsewhere);
-# the CPU op gathers each sequence's keys from their pages. The checks that
+# the CPU op reads the pages in place for sequences of up to 8 queries and
+# gathers the others' keys from their pages. The checks that
 # read the integers' values run where that is free (CPU tensors; on CUDA only
 # with FLASHATTN_KVCACHE_CHECK=1, a host synchronisation), as for
 # flash_attn_with_kvcache.
