@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CPU-only measurement of issue 23 on the GPU machine's Xeon, one visit
-# (no GPU used; about 3-4 minutes on its 16 cores with a build there, ~1 more
+# (no GPU used; about 4-5 minutes on its 16 cores with a build there, ~1 more
 # without):
 #
 #   OUT=/path bash benchmarks/cpu_visit.sh      # results under $OUT (default /tmp/cpu_visit)
@@ -90,7 +90,7 @@ QUICK=()
 bench 16threads 180 "${GRID[@]}" --seqlens 1024,4096 --modes fwd,fwd+bwd,decode --reps 5 --warmup 1 --threads 16 \
   --impls ours,sdpa,ours_paged
 bench default_16threads 25 --seqlens 512,1024,2048 --modes fwd,fwd+bwd --reps 5 --warmup 1 --threads 16
-bench 4threads 30 "${GRID[@]}" --seqlens 1024 --modes fwd,fwd+bwd,decode --reps 3 --warmup 1 --threads 4 \
+bench 4threads 60 "${GRID[@]}" --seqlens 1024 --modes fwd,fwd+bwd,decode --reps 3 --warmup 1 --threads 4 \
   --impls ours,sdpa,ours_paged
 bench 1threads 30 "${GRID[@]}" --seqlens 1024 --modes fwd,decode --reps 3 --warmup 1 --threads 1
 say done
