@@ -5,8 +5,9 @@ ratio paged / contiguous measured in the same run:
 prefill  flash_attn_with_kvcache: q 512 appended to (attending) an 8k cache,
          batch 4, 32 / 8 heads, d128, bf16, causal bottom-right; the contiguous
          cache against pages of 256 and of 16 keys in a random order (bar: at
-         most 1.1x; also 128, 64, 32), and cache_batch_idx / cache_leftpad on
-         the contiguous one.
+         most 1.1x; also 128, 64, 32; and 32, 16 in the cache's order, -inorder:
+         what the random order itself costs), and cache_batch_idx /
+         cache_leftpad on the contiguous one.
 varlen   flash_attn_varlen_func: 8 sequences of 1k..4k keys (queries as many),
          32 / 8 heads, d128, bf16, causal; packed contiguous k / v against the same
          keys in pages of 256 and of 16 (bar: paged at 0.9x or better of the
