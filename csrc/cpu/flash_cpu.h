@@ -23,6 +23,14 @@ void run_fwd_cpu(const AttnFwdParams* calls, int64_t num_calls);
 // first, paged_gather.h).
 bool fwd_cpu_runs_few_queries(const AttnFwdParams& p);
 
+// The score mod of batch row b as a call of its own (a batch of one: row b's
+// ALiBi slopes): the CPU KV-cache ops run one call per row.
+inline ScoreMod score_mod_of_row(const ScoreMod& m, int64_t b) {
+  ScoreMod row = m;
+  if (row.has_alibi()) row.alibi_slopes += b * m.alibi_batch_stride, row.alibi_batch_stride = 0;
+  return row;
+}
+
 // Fills dq, dk, dv from dout, q, k, v, o, lse; deterministic.
 void run_bwd_cpu(const AttnBwdParams& params);
 

@@ -88,9 +88,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu_impl(
     // i + seqlens_k[b] - seqlen_q - j, and its slopes are row b's.
     auto row_call = [&](const at::Tensor& kb, const at::Tensor& vb) {
       AttnFwdParams p = make_fwd_params(q.narrow(0, b, 1), kb, vb, out_b, lse_b, softmax_scale, mask);
-      p.score_mod = score_mod;
-      if (p.score_mod.has_alibi())
-        p.score_mod.alibi_slopes += b * score_mod.alibi_batch_stride, p.score_mod.alibi_batch_stride = 0;
+      p.score_mod = score_mod_of_row(score_mod, b);
       return p;
     };
     if (block_table) {

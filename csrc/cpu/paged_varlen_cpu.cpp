@@ -88,9 +88,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_paged_cpu(const at::Tensor& q, con
     const auto mask = make_mask(window_left, window_right, /*bottom_right=*/true, n_q, n_k);
     auto seq_call = [&](const at::Tensor& kb, const at::Tensor& vb) {
       AttnFwdParams p = make_fwd_params(q_b, kb, vb, out_b, lse_b, softmax_scale, mask);
-      p.score_mod = score_mod;  // a batch of one: sequence b's slopes
-      if (p.score_mod.has_alibi())
-        p.score_mod.alibi_slopes += b * score_mod.alibi_batch_stride, p.score_mod.alibi_batch_stride = 0;
+      p.score_mod = score_mod_of_row(score_mod, b);  // a batch of one: sequence b's slopes
       return p;
     };
     // Decoding-shaped sequences read their pages in place; the rest are gathered.
