@@ -241,8 +241,19 @@ struct AttnFwdParams : QkvoParams {
   // The KV caches of flash-attn's serving calls (KvCacheView above): paged k / v
   // (with cu_seqlens or seqused_k), cache_batch_idx and cache_leftpad (with seqused_k).
   KvCacheView kv;
+  // Hopper's persistent forward (cuda/hopper/tile_scheduler.cuh): a zeroed
+  // int32 on the device with which its CTAs take tiles in the dynamic order,
+  // for calls whose tiles differ in weight (tiles_differ()); the binding's
+  // (cuda/binding_util.h), nullptr: the static order.
+  int* tile_counter = nullptr;
 
   FLASHATTN_HOST_DEVICE int heads_ratio() const { return heads_q / heads_kv; }
+  // Whether the query tiles of a call see different numbers of key blocks: a
+  // mask (causal, a window), sequences of their own lengths, or an attn_mask
+  // (whose hidden blocks are skipped).
+  FLASHATTN_HOST_DEVICE bool tiles_differ() const {
+    return mask.window_left >= 0 || mask.window_right >= 0 || per_sequence() || score_mod.has_bias();
+  }
   // The one test the dispatch asks before it picks a kernel: a kernel that
   // does not go through SeqInfo (every kernel does now; a new one might not)
   // must not run a varlen batch. It also says which layout the tensors have

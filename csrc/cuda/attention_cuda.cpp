@@ -119,6 +119,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   const at::Tensor mask_summary = summarize_attn_mask(params.score_mod.bias, q, k.size(1));
   params.device_arch = device_arch(q);
   params.allow_tma = !env_flag("FLASHATTN_DISABLE_TMA");
+  const at::Tensor tile_counter = add_tile_counter(params, q);
   launch(params, kdim, q);
   return {unpad(out, head_dim), lse};
 }
@@ -257,6 +258,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(const at::Tensor& q_in, const
   params.device_arch = device_arch(q);
   // The warp-specialized TMA forward runs varlen batches too: the same switches as fwd_cuda's.
   params.allow_tma = !env_flag("FLASHATTN_DISABLE_TMA");
+  const at::Tensor tile_counter = add_tile_counter(params, q);
   launch(params, kdim, q);
   return {unpad(out, head_dim)[0], lse};
 }

@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -73,6 +74,27 @@ inline int device_arch(const at::Tensor& q) {
 // dependency controls need sm90), unless FLASHATTN_DISABLE_PDL=1 (read on every
 // call), which keeps the plain launch so that both can be timed in one build.
 inline bool pdl_enabled(const at::Tensor& q) { return device_arch(q) >= 90 && !env_flag("FLASHATTN_DISABLE_PDL"); }
+
+// The zeroed int32 with which the CTAs of Hopper's persistent forward take
+// their tiles in the dynamic order (AttnFwdParams::tile_counter,
+// cuda/hopper/tile_scheduler.cuh): one a call, from the caching allocator,
+// zeroed on the current stream (a 4-byte memset, no synchronisation; a graph
+// capture records it as a memset node). The caller keeps the tensor alive
+// until the kernel is queued.
+inline at::Tensor zeroed_tile_counter(const at::Tensor& q) {
+  at::Tensor counter = at::empty({1}, q.options().dtype(at::kInt));
+  C10_CUDA_CHECK(cudaMemsetAsync(counter.data_ptr(), 0, sizeof(int), at::cuda::getCurrentCUDAStream().stream()));
+  return counter;
+}
+
+// ... for a forward call that runs on the TMA forward (an sm90 device, TMA
+// allowed) and whose tiles differ in weight; reads device_arch and allow_tma.
+inline at::Tensor add_tile_counter(AttnFwdParams& params, const at::Tensor& q) {
+  if (params.device_arch != 90 || !params.allow_tma || !params.tiles_differ()) return {};
+  at::Tensor counter = zeroed_tile_counter(q);
+  params.tile_counter = counter.data_ptr<int>();
+  return counter;
+}
 
 // The smallest compiled kernel head dim that holds head_dim (the kernels
 // zero-fill the columns past head_dim).

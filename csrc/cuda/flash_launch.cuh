@@ -1,6 +1,7 @@
 // Grid shapes and launches of the forward and backward kernels.
 #pragma once
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
@@ -141,7 +142,16 @@ cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool
                        : mod ? &flash_fwd_sm90_ws_kernel<Kt, false, kFa>
                              : &flash_fwd_sm90_ws_kernel<Kt, false, kNone>);
   if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
-  FwdSchedule sched = FwdSchedule::make(p, Kt::kBlockM, sm_count());
+  // Pairs before the dynamic order above head dim 128 and from 64 query blocks (tile_scheduler.cuh; session
+  // 17, tune.py, causal, dynamic / paired TFLOP/s in three runs: d256 4k 558/620, 571/623, 578/635, 8k
+  // 604/665, 605/669, 572/668; d128 8k 589/624, 628/634, 616/641; d128 2k 563/540, 561/535, 567/541, 4k
+  // 591/579, 622/600, 633/613; d64 4k 434/420, 437/421, 439/424, 8k 474/464, 477/451, 493/468;
+  // benchmarks/NOTES.md).
+  constexpr bool kPairsFirst = Kt::kHeadDim > 128;
+  FwdSchedule sched = FwdSchedule::make(p, Kt::kBlockM, sm_count(), kPairsFirst);
+  // The kVarlen instance has only the dynamic order (tile_scheduler.cuh),
+  // which needs the binding's counter (every binding gives one).
+  if (p.per_sequence() && !sched.dynamic()) return cudaSuccess;
   int ctas = sched.num_units() < sm_count() ? sched.num_units() : sm_count();  // persistent: one CTA an SM
 #ifdef FLASHATTN_TUNING
   // Tuning builds time the tile schedule's alternatives beside the default
@@ -149,12 +159,35 @@ cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool
   // `tiles` launches one CTA a tile in the global order (heaviest first in
   // each L2 group), so the hardware's CTA dispatch balances the SMs as a
   // longest-first list schedule would, at the price of the next tile's loads
-  // under the current one's epilogue.
+  // under the current one's epilogue; `static` the static orders (pairs
+  // where their rule says so, tile_scheduler.cuh), `unbalanced` those with
+  // the L2 groups before they were made equal; `dynamic` the dynamic order
+  // where the default pairs (a call with a counter). Varlen batches: the
+  // dynamic order only.
   if (const char* grid = std::getenv("FLASHATTN_FWD_GRID")) {
     const bool tiles = std::strcmp(grid, "tiles") == 0;
-    if (tiles || std::strcmp(grid, "single") == 0) {
+    if (p.per_sequence()) {
+      // (only the dynamic order)
+    } else if (tiles || std::strcmp(grid, "single") == 0) {
       sched.paired = false;
+      sched.tile_counter = nullptr;
       ctas = tiles ? sched.num_tiles : (sched.num_tiles < sm_count() ? sched.num_tiles : sm_count());
+    } else if (std::strcmp(grid, "static") == 0) {  // pairs by the rule, else static striding
+      sched = FwdSchedule::make(p, Kt::kBlockM, sm_count(), true);
+      sched.tile_counter = nullptr;
+      ctas = sched.num_units() < sm_count() ? sched.num_units() : sm_count();
+    } else if (std::strcmp(grid, "unbalanced") == 0) {  // static, the L2 groups before they were made equal
+      sched = FwdSchedule::make(p, Kt::kBlockM, sm_count(), true);
+      sched.tile_counter = nullptr;
+      ctas = sched.num_units() < sm_count() ? sched.num_units() : sm_count();
+      const int64_t num_bh = int64_t(p.batch) * p.heads_q;
+      const int64_t group =
+          FwdSchedule::kL2GroupBytes / std::max<int64_t>(1, int64_t(p.seqlen_k) * p.head_dim * 4 / p.heads_ratio());
+      sched.group_bh = static_cast<int>(std::clamp<int64_t>(group, 1, std::max<int64_t>(num_bh, 1)));
+    } else if (std::strcmp(grid, "dynamic") == 0 && p.tile_counter != nullptr) {
+      sched.paired = false;
+      sched.tile_counter = p.tile_counter;
+      ctas = sched.num_tiles < sm_count() ? sched.num_tiles : sm_count();
     }
   }
 #endif
@@ -450,6 +483,17 @@ cudaError_t run_bwd(const AttnBwdParams& p, cudaStream_t stream) {
     if (bwd_tries_sm90_ws<T, kHeadDim>(p) && (!p.deterministic || p.dq_semaphore_ptr != nullptr)) {
       bool launched = false;
       cudaError_t err;
+#ifdef FLASHATTN_TUNING
+      // FLASHATTN_BWD_DQ_FIRST=0: the step's last products in the order before FlashAttention-3's
+      // (BwdSm90WsTraits::kDqFirst false; no score mods).
+      if constexpr (HasBwdSm90WsDqLast<TuneVariants<kHeadDim, T>>::value) {
+        const char* dq_first = std::getenv("FLASHATTN_BWD_DQ_FIRST");
+        if (dq_first != nullptr && dq_first[0] == '0' && !runs_score_mod_instance(p)) {
+          err = launch_bwd_sm90_ws<typename TuneVariants<kHeadDim, T>::BwdSm90WsDqLast, false>(p, stream, &launched);
+          if (launched || err != cudaSuccess) return err;
+        }
+      }
+#endif
       if constexpr (HasBwdSm90WsShortSteps<Cfg>::value) {
         // (The short steps have no score-mod instances: calls with a score mod or dropout take the long ones.)
         err = p.bwd_long_steps || runs_score_mod_instance(p)

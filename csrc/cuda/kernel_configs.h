@@ -44,7 +44,7 @@ struct KernelConfig<64, T> {
   static constexpr int kTwoConsumersMaxSeqlen = 2048;
   using BwdSm90 = BwdSm90Traits<64, 128, T>;  // 128 queries a step: half the dQ atomics per flop of 64
   // 128 queries a step: twice the products per step's fixed costs (barriers, waits, the dQ tile's bulk add).
-  using BwdSm90Ws = BwdSm90WsTraits<64, 128, 2, T>;
+  using BwdSm90Ws = BwdSm90WsTraits<64, 128, 2, T, true>;
   // The 64-query steps it replaced (session 7), for the A/B (p.bwd_long_steps = false): one dQ block a step, the
   // consumers in turn; short steps: 4 stages.
   using BwdSm90WsShortSteps = BwdSm90WsTraits<64, 64, 4, T>;
@@ -58,7 +58,7 @@ struct KernelConfig<96, T> {
   // load and clips them from every store (a quarter of the products wasted,
   // still about twice the mma.sync kernels' rate).
   using FwdSm90Ws = FwdSm90WsTraits<128, 128, 2, 2, T>;
-  using BwdSm90Ws = BwdSm90WsTraits<128, 64, 2, T>;
+  using BwdSm90Ws = BwdSm90WsTraits<128, 64, 2, T, true>;
 };
 template <typename T>
 struct KernelConfig<128, T> {
@@ -68,7 +68,7 @@ struct KernelConfig<128, T> {
   using FwdSm90 = FwdSm90Traits<128, 128, T>;
   using FwdSm90Ws = FwdSm90WsTraits<128, 128, 2, 2, T>;
   using BwdSm90 = BwdSm90Traits<128, 64, T>;
-  using BwdSm90Ws = BwdSm90WsTraits<128, 64, 2, T>;
+  using BwdSm90Ws = BwdSm90WsTraits<128, 64, 2, T, true>;
 };
 template <typename T>
 struct KernelConfig<192, T> {
@@ -120,6 +120,10 @@ template <typename... Kts>
 struct Variants {};
 
 template <typename Tv, typename = void>
+struct HasBwdSm90WsDqLast : std::false_type {};
+template <typename Tv>
+struct HasBwdSm90WsDqLast<Tv, std::void_t<typename Tv::BwdSm90WsDqLast>> : std::true_type {};
+template <typename Tv, typename = void>
 struct HasFwdSm90WsVariants : std::false_type {};
 template <typename Tv>
 struct HasFwdSm90WsVariants<Tv, std::void_t<typename Tv::FwdSm90Ws>> : std::true_type {};
@@ -142,6 +146,7 @@ struct TuneVariants<64, T> {
                              FwdSm90WsTraits<64, 128, 3, 2, T, 8>, FwdSm90WsTraits<64, 128, 2, 2, T, 8>>;
   using BwdSm90 =
       Variants<typename KernelConfig<64, T>::BwdSm90, BwdSm90Traits<64, 128, T, 1>, BwdSm90Traits<64, 64, T>>;
+  using BwdSm90WsDqLast = BwdSm90WsTraits<64, 128, 2, T, false>;  // FLASHATTN_BWD_DQ_FIRST=0
 };
 template <typename T>
 struct TuneVariants<128, T> {
@@ -152,6 +157,7 @@ struct TuneVariants<128, T> {
   using FwdSm90Ws = Variants<typename KernelConfig<128, T>::FwdSm90Ws, FwdSm90WsTraits<128, 192, 2, 2, T>,
                              FwdSm90WsTraits<128, 128, 2, 2, T, 4>, FwdSm90WsTraits<128, 128, 2, 2, T, 8>>;
   using BwdSm90 = Variants<typename KernelConfig<128, T>::BwdSm90>;
+  using BwdSm90WsDqLast = BwdSm90WsTraits<128, 64, 2, T, false>;  // FLASHATTN_BWD_DQ_FIRST=0
 };
 // 192 / 256: the default, then without ping-pong (each consumer issues its GEMMs as soon as it can).
 template <typename T>

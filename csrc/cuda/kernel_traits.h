@@ -177,9 +177,12 @@ struct FwdSm90WsTraits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
   static constexpr int kNThreads = 128 * (kConsumers + 1);
-  // 65536 registers an SM: producer + consumers must fit (24*128 + 240*256, 32*128 + 160*384).
-  static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
-  static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
+  // The CTA is launched at 168 registers a thread (384 threads) and setmaxnreg moves them: what the producer
+  // warpgroup gives up the consumers take ((168 - 40) * 128 = (232 - 168) * 256; three consumers: 32 and 160
+  // at 128 a thread). Two consumers gave 24 / 240 until the tile scheduler (session 17): at 24 the producer
+  // spilled 20-100 bytes; at 232 the consumers do not spill (ptxas sm_90a, every instance timed in the grid).
+  static constexpr int kProducerRegs = kConsumers == 2 ? 40 : 32;
+  static constexpr int kConsumerRegs = kConsumers == 2 ? 232 : 160;
   static constexpr int kPanels = kHeadDim / 64;
   static constexpr int kOStoreRows = 64;  // one consumer's rows: the box of the O tensor map
 
@@ -187,7 +190,8 @@ struct FwdSm90WsTraits {
   using TileKV = SmemTile<kBlockN, kHeadDim>;
   static constexpr int kBytesQ = TileQ::kElems * 2;
   static constexpr int kBytesKV = TileKV::kElems * 2;
-  static constexpr int kBarrierBytes = (4 * kStages + 2) * 8 + (kStages + 1) / 2 * 8;  // + next_step[kStages]
+  // The rings' and Q's mbarriers, the tile mailbox's five and its two slots, next_step[kStages].
+  static constexpr int kBarrierBytes = (4 * kStages + 2 + 5) * 8 + 8 + (kStages + 1) / 2 * 8;
   // +1024: dynamic shared memory is aligned up to 1024 bytes (the swizzle atom).
   static constexpr int kSmemLimit = 227 * 1024;
   static constexpr bool kSeparateO = 1024 + 2 * kBytesQ + 2 * kStages * kBytesKV + kBarrierBytes <= kSmemLimit;
@@ -242,7 +246,7 @@ struct BwdSm90Traits {
 // The warp-specialized TMA backward (hopper/flash_bwd_sm90_ws_kernel.cuh):
 // a producer warpgroup (TMA loads; dQ bulk reduce-adds) and two consumer
 // warpgroups of 64 keys.
-template <int kHeadDim_, int kBlockM_, int kStages_, typename Element_>
+template <int kHeadDim_, int kBlockM_, int kStages_, typename Element_, bool kDqFirst_ = false>
 struct BwdSm90WsTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -263,6 +267,12 @@ struct BwdSm90WsTraits {
   // dV issued after the dS arithmetic instead of under it: with 128 queries a
   // step the registers hold P^T and dP^T in fp32 but not P^T's packed copy too.
   static constexpr bool kDvAfterDs = kBlockM == 128;
+  // The step's last products in FlashAttention-3's order: dQ = dS K issued
+  // before dK += dS^T Q, and dQ written to shared memory under dK. Else
+  // (FLASHATTN_BWD_DQ_FIRST=0 in a tuning build) dK runs under the dS^T store
+  // and the consumers' barrier, and dQ is written after every product, with
+  // the tensor cores idle.
+  static constexpr bool kDqFirst = kDqFirst_ && !kDqAlternate;
 
   using TileQ = SmemTile<kBlockM, kHeadDim>;          // Q and dO blocks
   using TileKV = SmemTile<kBlockN, kHeadDim>;         // K and V

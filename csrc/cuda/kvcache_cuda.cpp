@@ -104,7 +104,7 @@ bool prefill_route(const KvcacheInputs& in, int64_t num_splits) {
 // and left padding as the KvCacheView, the windows bottom-right per batch
 // row. cudaErrorNotSupported: nothing ran.
 template <typename T, int kHeadDim>
-cudaError_t run_prefill(const KvcacheParams& kp, cudaStream_t stream) {
+cudaError_t run_prefill(const KvcacheParams& kp, int* tile_counter, cudaStream_t stream) {
   AttnFwdParams p;
   static_cast<QkvoParams&>(p) = kp;
   p.batch = kp.batch;
@@ -132,6 +132,7 @@ cudaError_t run_prefill(const KvcacheParams& kp, cudaStream_t stream) {
     p.kv.page_size = kp.page_size;
     p.kv.max_blocks = kp.capacity / kp.page_size;
   }
+  p.tile_counter = tile_counter;  // (the tiles differ: seqused_k)
   return run_fwd<T, kHeadDim>(p, stream);
 }
 
@@ -174,9 +175,11 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_impl(
   KvcacheParams params = make_kvcache_params(in, out, lse, softmax_scale, window_left, window_right);
   const auto stream = at::cuda::getCurrentCUDAStream().stream();
   if (prefill_route(in, num_splits)) {
+    const at::Tensor tile_counter = zeroed_tile_counter(q);
     const cudaError_t err = with_element_type(q.scalar_type(), [&](auto elem) {
-      return with_kernel_head_dim(
-          kdim, [&](auto dim) { return run_prefill<decltype(elem), decltype(dim)::value>(params, stream); });
+      return with_kernel_head_dim(kdim, [&](auto dim) {
+        return run_prefill<decltype(elem), decltype(dim)::value>(params, tile_counter.data_ptr<int>(), stream);
+      });
     });
     if (err != cudaErrorNotSupported) {
       TORCH_CHECK(err == cudaSuccess, "flashattn_ext: CUDA forward kernel (head dim ", kdim,

@@ -55,6 +55,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_paged_cuda(const at::Tensor& q_in,
   AttnFwdParams params = make_paged_varlen_params(in, out, lse, softmax_scale, window_left, window_right);
   params.device_arch = device_arch(q);
   params.allow_tma = !env_flag("FLASHATTN_DISABLE_TMA");
+  const at::Tensor tile_counter = add_tile_counter(params, q);
   const auto stream = at::cuda::getCurrentCUDAStream().stream();
   const cudaError_t err = with_element_type(q.scalar_type(), [&](auto elem) {
     return with_kernel_head_dim(

@@ -15,6 +15,16 @@ __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }
 
+// A 32-bit word at a shared-memory address (smem_u32).
+__device__ __forceinline__ void st_shared(uint32_t addr, int value) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(value) : "memory");
+}
+__device__ __forceinline__ int ld_shared(uint32_t addr) {
+  int value;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(value) : "r"(addr) : "memory");
+  return value;
+}
+
 // 16-byte global -> shared copy; when !pred the destination is zero-filled and
 // nothing is read (src must still be a valid address).
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool pred) {

@@ -607,11 +607,14 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       // dK += dS^T Q, dS^T as the register A operand.
 #pragma unroll
     for (int kk = 0; kk < kQSteps; ++kk) acc_to_a<T>(a_ds[kk], acc_dp[0], kk);
-    wgmma_fence();
+    auto issue_dk = [&]() {
+      wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kQSteps; ++kk)
-      Wgmma<kHeadDim, T>::template rs<1>(acc_dk[0], a_ds[kk], desc_add(desc_q_n, kk * 2048), 1);
-    wgmma_commit();
+      for (int kk = 0; kk < kQSteps; ++kk)
+        Wgmma<kHeadDim, T>::template rs<1>(acc_dk[0], a_ds[kk], desc_add(desc_q_n, kk * 2048), 1);
+      wgmma_commit();
+    };
+    if constexpr (!Kt::kDqFirst) issue_dk();
 
     // dQ = dS K needs every key's dS: dS^T of both warpgroups through shared
     // memory, written from the packed fragments (fewer live registers than
@@ -645,6 +648,18 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         Wgmma<64, T>::template ss<1, 1>(acc_dq[i], desc_add(desc_ds, ks * 2048), desc_add(desc_kn, ks * 2048), 1);
     }
     wgmma_commit();
+    if constexpr (Kt::kDqFirst) {
+      issue_dk();
+      wgmma_wait<1>();  // dV, dQ done (dK may run)
+#pragma unroll
+      for (int i = 0; i < kDqPerWg; ++i) pin_registers(acc_dq[i]);
+      write_dq(r);
+      wgmma_wait<0>();  // dK done: the Q / dO stage is free (and a_p, a_ds)
+      pin_registers(acc_dv[0]);
+      pin_registers(acc_dk[0]);
+      mbar_arrive(&empty_q[s]);
+      continue;
+    }
     wgmma_wait<1>();  // dV, dK done: the Q / dO stage is free (and a_p, a_ds)
     pin_registers(acc_dv[0]);
     pin_registers(acc_dk[0]);

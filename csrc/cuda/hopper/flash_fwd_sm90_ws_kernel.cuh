@@ -10,6 +10,9 @@
 //             away (setmaxnreg) to the consumers. (A paged KV cache: the
 //             whole warpgroup issues the page-sized TMA loads,
 //             fwd_sm90_producer.cuh.)
+//   scheduler (warpgroup 0, warp 1, one thread): the CTA's tiles, static or
+//             dynamic, handed to the producer and the consumers through a
+//             mailbox in shared memory (tile_scheduler.cuh).
 //   consumers (warpgroups 1..kConsumers): 64 query rows each, O and the
 //             softmax statistics in registers. Per key block j:
 //               issue S_{j+1} = Q K_{j+1}^T and O += P_j V_j   (wgmma, async)
@@ -89,7 +92,7 @@
 //                          (FwdSm90Mainloop), and FwdSm90ScoreStep, the score
 //                          processing of one key block (mask, softmax step):
 //                          the hook for compile-time score modifications
-//   tile_scheduler.cuh     the persistent tile order
+//   tile_scheduler.cuh     the persistent tile order and the scheduler role
 // Each step of this split was checked SASS-identical (tools/sass_compare.sh).
 
 #include "../../flash_params.h"
@@ -160,7 +163,14 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   auto stage = [](int it) { return it % kStages; };
   auto parity = [](int it) { return uint32_t(it / kStages) & 1; };
 
+  // (The attn_mask instance: the whole warp, for its lookups of hidden
+  // blocks; a paged call: the whole warpgroup, for its TMA issue.)
+  const bool paged = kVarlen && p.kv.paged();
+  const int producer_threads = paged ? 128 : (kSkipHidden ? 32 : 1);
   if (tid == 0) {
+    // The tile mailbox's readers: every consumer thread and the producer's
+    // (a paged call's but its leader, which finds the tiles itself).
+    sm.tiles.init(kConsumers * 128 + producer_threads - (paged ? 1 : 0));
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full_k[s], 1);
       mbar_init(&full_v[s], 1);
@@ -176,11 +186,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   if (wg == 0) {
     // ---- producer -------------------------------------------------------
     warpgroup_reg_dealloc<Kt::kProducerRegs>();
-    // (The attn_mask instance: the whole warp, for its lookups of hidden
-    // blocks; a paged call: the whole warpgroup, for its TMA issue.)
-    const bool paged = kVarlen && p.kv.paged();
-    if (paged || (warp == 0 && (kSkipHidden || lane == 0)))
+    if (tid < producer_threads)
       fwd_sm90_producer<Kt, kVarlen, kSkipHidden>(p, maps, sched, mask, sm, paged ? tid : lane);
+    else if (!paged && tid == 32)
+      fwd_tile_scheduler<kVarlen>(sched, sm.tiles);
     return;
   }
 
@@ -201,9 +210,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 
   if (Kt::kPingPong && cwg == kConsumers - 1) named_barrier_arrive(kPingPongBar, kPingPongThreads);
   int it0 = 0, q_iter = 0;
-  for (int round = 0; round < sched.rounds; ++round) {
-    const int tile = fwd_tile_of_round(sched, round, blockIdx.x, gridDim.x);
-    if (tile >= sched.num_tiles) continue;
+  FwdTiles tiles(sm.tiles);
+  for (;;) {
+    const int tile = tiles.next();
+    if (tile >= sched.num_tiles) break;
     const Tile tl(p, sched, tile);
     if (kVarlen && tl.rows <= 0) continue;  // past its sequence's query blocks (the producer skips it too)
     const int m0 = tl.m0;

@@ -23,7 +23,7 @@ struct FwdTmaMaps {
 
 // The CTA's shared memory: the Q tile, the O tile (or O staged in Q), the
 // K and V rings of kStages stages and their full / empty mbarriers, Q's pair,
-// the ring's next-step words.
+// the tile mailbox (tile_scheduler.cuh), the ring's next-step words.
 template <typename Kt>
 struct FwdSm90Smem {
   using T = typename Kt::Element;
@@ -31,6 +31,7 @@ struct FwdSm90Smem {
   using TileKV = typename Kt::TileKV;
   T *sQ, *sO, *sK, *sV;
   uint64_t *full_k, *empty_k, *full_v, *empty_v, *full_q, *empty_q;
+  FwdTileMailbox tiles;
   // [kStages] (the attn_mask instance) the key-block step after the one whose
   // K the stage holds, and that block's summary code: the producer's word on
   // which blocks it loads next (../mask_skip.cuh), published by the stage's
@@ -52,7 +53,8 @@ struct FwdSm90Smem {
     empty_v = full_v + Kt::kStages;
     full_q = empty_v + Kt::kStages;
     empty_q = full_q + 1;
-    next_step = reinterpret_cast<int*>(empty_q + 1);
+    tiles.base = smem_u32(empty_q + 1);
+    next_step = reinterpret_cast<int*>(reinterpret_cast<char*>(empty_q + 1) + FwdTileMailbox::kBytes);
   }
 };
 

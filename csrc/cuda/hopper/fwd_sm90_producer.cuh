@@ -72,7 +72,6 @@ __device__ __forceinline__ void fwd_sm90_producer(const AttnFwdParams& p, const 
   constexpr int kBlockN = Kt::kBlockN;
   // ptid: the thread's index in the producer warpgroup: 0 .. 127 for a paged
   // call, the lane (warp 0) otherwise.
-  const int lane = ptid & 31;
   const bool leader = ptid == 0;  // (the only thread here unless kSkipHidden or paged)
   if (leader) {
     prefetch_tensor_map(&maps.q);
@@ -80,19 +79,29 @@ __device__ __forceinline__ void fwd_sm90_producer(const AttnFwdParams& p, const 
     prefetch_tensor_map(&maps.v);
   }
   int it0 = 0, q_iter = 0;
-  for (int round = 0; round < sched.rounds; ++round) {
-    const int tile = fwd_tile_of_round(sched, round, blockIdx.x, gridDim.x);
-    if (tile >= sched.num_tiles) continue;
+  // The CTA's tiles (tile_scheduler.cuh), from the scheduler warp; a paged
+  // call's leader (the whole warpgroup loads) finds them itself.
+  const bool finds = kVarlen && p.kv.paged() && leader;
+  FwdTiles tiles(sm.tiles);
+  for (;;) {
+    const int tile = finds ? tiles.publish(tiles.find<kVarlen>(sched, false)) : tiles.next();
+    if (tile >= sched.num_tiles) break;
     const Tile tl(p, sched, tile);
-    if (kVarlen && tl.rows <= 0) continue;  // past its sequence's query blocks: the consumers skip it too
-    int n_min, n_max;
-    C::mask_of(p, mask, tl).template key_block_range<kBlockN>(tl.m0, tl.rows, n_min, n_max);
-    if (n_max <= n_min) continue;
+    int n_min = 0, n_max = 0;
+    if (!kVarlen || tl.rows > 0)  // (past its sequence's query blocks: the consumers skip it too)
+      C::mask_of(p, mask, tl).template key_block_range<kBlockN>(tl.m0, tl.rows, n_min, n_max);
+    if (n_max <= n_min) {
+      if (leader) tiles.request(sched);
+      continue;
+    }
     const int blocks = n_max - n_min;  // step j visits key block n_max - 1 - j
     auto visible = visible_key_steps<Kt::kBlockM, kBlockN, kSkipHidden>(
         p.score_mod.bias, tl.b, tl.h, tl.m0, tl.rows, n_max, C::mask_of(p, mask, tl).seqlen_k, blocks);
     int step = visible.next_warp(0);
-    if (step >= blocks) continue;  // the mask hides every key of the tile: the consumers store zeros
+    if (step >= blocks) {  // the mask hides every key of the tile: the consumers store zeros
+      if (leader) tiles.request(sched);
+      continue;
+    }
     int step_code = visible.code_of(step);
     int next = visible.next_warp(step + 1);
     int next_code = visible.code_of(next);
@@ -143,6 +152,7 @@ __device__ __forceinline__ void fwd_sm90_producer(const AttnFwdParams& p, const 
         next = after;
         next_code = after_code;
       } else {
+        if (leader) tiles.request(sched);
         load(&maps.v, sm.sV, sm.full_v, sm.empty_v, i, step, -1, 0);
         break;
       }

@@ -40,30 +40,60 @@
 // as above), and the ranks a sequence does not have (r >= its query blocks)
 // are tiles with no rows: FwdTile gives them rows = 0 from cu_seqlens alone,
 // so the producer and the consumers, which decode each tile themselves, skip
-// the same tiles without telling each other. Paired, a sequence shorter than
-// max_seqlen_q pairs its ranks inside its own query blocks (FwdTile).
+// the same tiles without telling each other. Such batches always take the
+// dynamic order below (never pairs).
 //
 // Dense batches with per-entry key lengths (seqused_k, the KV-cache prefill)
 // run the kVarlen instance too, but every entry has seqlen_q rows: the ranks
-// are a dense batch's (none empty) and pairs are the dense ones.
+// are a dense batch's (none empty).
+//
+// L2 groups of equal size: a group holds what fits in kL2GroupBytes, but the
+// groups of a call are made about equal (ceil(bh / groups) pairs each), so
+// that the order does not end on a small group whose heavy tiles alone make
+// the last rounds (simulated, d128 causal 512-1k: 0.86 -> 0.91 of a balanced
+// assignment).
+//
+// The dynamic order (calls whose tiles differ in weight: AttnFwdParams::
+// tiles_differ(), with a zeroed counter from the binding; unless paired, see
+// FwdSchedule::make): CTA c takes tile c first, then whichever tile of the
+// global order is next when it is about to finish its current one (an atomic
+// counter: a longest-first list schedule inside each L2 group). Simulated
+// with a fixed cost of 1.5 key blocks a tile: 0.96-0.99 of a balanced
+// assignment where the static striding gives 0.85-0.92 (d128/d256 causal
+// 512-1k, where the rule does not pair). Measured (session 17, causal, one
+// run, dynamic / static TFLOP/s): d128 512 330/318, 1k 457/430; d64 1k
+// 260/245; d256 1k 461/419 (benchmarks/NOTES.md, "The tile order").
+//
+// The roles: a scheduler thread (warp 1 of the producer warpgroup; a paged
+// call's producer leader itself) finds each tile and hands it to every thread
+// of the producer and the consumers through a two-slot mailbox in shared
+// memory (FwdTileMailbox); the producer asks for the next tile (the dynamic
+// order) before it issues the current tile's last load.
 #pragma once
 
 #include "../../flash_params.h"
 #include "../ptx.cuh"
+#include "tma.cuh"
 
 namespace flashattn {
 
 struct FwdSchedule {
-  int num_m_blocks = 0;  // query blocks of a head (M; varlen: ranks, for max_seqlen_q)
-  int num_tiles = 0;     // num_m_blocks * batch * heads_q
-  int group_bh = 1;      // (batch, head) pairs per L2 group
-  bool paired = false;   // hand out (m, M - 1 - m) pairs (masked calls)
-  int rounds = 0;        // rounds of the CTA loop (set_ctas)
+  int num_m_blocks = 0;         // query blocks of a head (M; varlen: ranks, for max_seqlen_q)
+  int num_tiles = 0;            // num_m_blocks * batch * heads_q
+  int group_bh = 1;             // (batch, head) pairs per L2 group
+  bool paired = false;          // hand out (m, M - 1 - m) pairs (masked calls)
+  int rounds = 0;               // rounds of the CTA loop (set_ctas; the static order)
+  int* tile_counter = nullptr;  // the dynamic order's counter (zeroed); nullptr: static
 
   // L2 bytes the K/V of one group may take: about half of an H100/H200's.
   static constexpr int64_t kL2GroupBytes = int64_t(24) << 20;
 
-  static FwdSchedule make(const AttnFwdParams& p, int block_m, int sm_count) {
+  // pairs_first: masked calls that the rule below pairs keep the pairs
+  // (measured faster than the dynamic order at head dim 256 from 4k on); so
+  // do calls of 64 query blocks or more (d128 from 8k). Else every call
+  // whose tiles differ takes the dynamic order when the binding gave a
+  // counter.
+  static FwdSchedule make(const AttnFwdParams& p, int block_m, int sm_count, bool pairs_first) {
     FwdSchedule s;
     s.num_m_blocks = ceil_div(p.seqlen_q, block_m);
     const int64_t num_bh = int64_t(p.batch) * p.heads_q;
@@ -71,12 +101,22 @@ struct FwdSchedule {
     // K and V bytes per query head (a GQA group shares them: count them once per group);
     // varlen: for max_seqlen_k keys, a bound (groups no larger than their K/V allows).
     const int64_t kv_bytes = int64_t(p.seqlen_k) * p.head_dim * 2 * 2 / p.heads_ratio();
-    const int64_t group = kL2GroupBytes / (kv_bytes > 0 ? kv_bytes : 1);
-    s.group_bh = static_cast<int>(group < 1 ? 1 : (group > num_bh ? num_bh : group));
+    int64_t group = kL2GroupBytes / (kv_bytes > 0 ? kv_bytes : 1);
+    group = group < 1 ? 1 : (group > num_bh ? num_bh : group);
+    if (num_bh > 0) {  // groups of about equal size (the top of the file)
+      const int64_t groups = (num_bh + group - 1) / group;
+      group = (num_bh + groups - 1) / groups;
+    }
+    s.group_bh = static_cast<int>(group);
     const bool masked = p.mask.window_left >= 0 || p.mask.window_right >= 0;
     s.paired = masked && s.num_m_blocks >= 16 && int64_t(4) * sm_count >= int64_t(s.num_m_blocks) * s.group_bh;
+    // Sequences of their own lengths (the kVarlen instance) always take the
+    // dynamic order: the kernel then has no static one (FwdTiles::find).
+    if (p.tile_counter != nullptr && (p.per_sequence() || !(pairs_first || s.num_m_blocks >= 64))) s.paired = false;
+    if (!s.paired && p.tiles_differ()) s.tile_counter = p.tile_counter;
     return s;
   }
+  __host__ __device__ bool dynamic() const { return tile_counter != nullptr; }
   __host__ __device__ int pairs_per_head() const { return (num_m_blocks + 1) / 2; }
   // What the CTAs share out: tiles, or pairs of tiles.
   __host__ __device__ int num_units() const {
@@ -109,6 +149,104 @@ __device__ __forceinline__ int fwd_tile_of_round(const FwdSchedule& s, int round
   const int m_rank = (round & 1) ? s.num_m_blocks - 1 - pair : pair;
   if ((round & 1) && m_rank == pair) return s.num_tiles;
   return group * s.group_bh * s.num_m_blocks + m_rank * group_size + bh_in_group;
+}
+
+// The hand-off of the CTA's tiles from the scheduler (one thread) to every
+// thread of the producer and the consumers: two slots, each with a full
+// barrier (the scheduler's arrive publishes the slot) and an empty one (every
+// reader arrives once it has read it); the k-th tile of the CTA goes through
+// slot k % 2. In the dynamic order the scheduler takes tile k + 1 from the
+// counter only when the producer asks for it (the request barrier: the
+// producer arrives before it issues tile k's last load), so that the CTA
+// claims its next tile about kStages key blocks before it finishes the
+// current one (claimed at the start of the current tile instead, the
+// simulation gives 0.89-0.97 of a balanced assignment instead of 0.96-0.99).
+struct FwdTileMailbox {
+  uint32_t base;  // (shared-memory address) full[2], empty[2], request, then the slots: int[2]
+
+  __device__ __forceinline__ uint32_t full(int k) const { return base + 8 * k; }
+  __device__ __forceinline__ uint32_t empty(int k) const { return base + 16 + 8 * k; }
+  __device__ __forceinline__ uint32_t request() const { return base + 32; }
+  __device__ __forceinline__ uint32_t slot(int k) const { return base + 40 + 4 * k; }
+  static constexpr int kBytes = 5 * 8 + 2 * 4;
+
+  // Before the CTA-wide barrier, by one thread.
+  __device__ __forceinline__ void init(int readers) const {
+    for (int k = 0; k < 2; ++k) {
+      mbar_init(full(k), 1);
+      mbar_init(empty(k), readers);
+    }
+    mbar_init(request(), 1);
+  }
+};
+
+// One thread's walk over the CTA's tiles (>= num_tiles: none left). The
+// scheduler finds each tile and publishes it (find, publish); every other
+// thread of the producer and the consumers reads it (next) once a tile,
+// alike, so all walk the same tiles.
+class FwdTiles {
+ public:
+  __device__ __forceinline__ explicit FwdTiles(FwdTileMailbox box) : box_(box) {}
+
+  // The scheduler: the CTA's next tile. Static: round by round
+  // (fwd_tile_of_round). Dynamic: blockIdx.x first, then the counter's next
+  // value, after the producer's request for it when `on_request` (the
+  // producer's own leader finding its tiles, a paged call, asks itself).
+  // kDynamicOnly: the kVarlen instance, whose calls always take the dynamic
+  // order (FwdSchedule::make), so that its producer has no static arithmetic.
+  template <bool kDynamicOnly = false>
+  __device__ __forceinline__ int find(const FwdSchedule& s, bool on_request) {
+    if (kDynamicOnly || s.dynamic()) {
+      if (k_ == 0) return static_cast<int>(blockIdx.x);
+      if (on_request) mbar_wait(box_.request(), uint32_t(k_ - 1) & 1);
+      return static_cast<int>(gridDim.x) + atomicAdd(s.tile_counter, 1);
+    }
+    int tile = s.num_tiles;
+    if constexpr (!kDynamicOnly) {
+      for (; round_ < s.rounds; ++round_) {
+        tile = fwd_tile_of_round(s, round_, blockIdx.x, gridDim.x);
+        if (tile < s.num_tiles) break;
+      }
+      ++round_;
+    }
+    return tile;
+  }
+  __device__ __forceinline__ int publish(int tile) {
+    const int slot = k_ & 1;
+    mbar_wait(box_.empty(slot), (uint32_t(k_ >> 1) & 1) ^ 1);  // its readers are done with tile k - 2
+    st_shared(box_.slot(slot), tile);
+    mbar_arrive(box_.full(slot));  // (release: the readers see the slot)
+    ++k_;
+    return tile;
+  }
+  // Every other thread.
+  __device__ __forceinline__ int next() {
+    const int slot = k_ & 1;
+    mbar_wait(box_.full(slot), uint32_t(k_ >> 1) & 1);
+    const int tile = ld_shared(box_.slot(slot));
+    mbar_arrive(box_.empty(slot));
+    ++k_;
+    return tile;
+  }
+  // The producer's leader, once a tile (its last load, or a tile without
+  // loads): asks the scheduler for the next one (dynamic order).
+  __device__ __forceinline__ void request(const FwdSchedule& s) const {
+    if (s.dynamic()) mbar_arrive(box_.request());
+  }
+
+ private:
+  const FwdTileMailbox box_;
+  int k_ = 0;      // tiles handed out so far
+  int round_ = 0;  // (the scheduler, static order) the next round to look at
+};
+
+// The scheduler role: warp 1 of the producer warpgroup, one thread (its own
+// registers: in the producer's 24 the schedule's arithmetic spilled).
+template <bool kDynamicOnly>
+__device__ __forceinline__ void fwd_tile_scheduler(const FwdSchedule& s, FwdTileMailbox box) {
+  FwdTiles tiles(box);
+  while (tiles.publish(tiles.find<kDynamicOnly>(s, true)) < s.num_tiles) {
+  }
 }
 
 // The (batch, head) pair (bh = batch * heads_q + head) and the query-block
@@ -146,21 +284,9 @@ struct FwdTile {
  private:
   __device__ __forceinline__ FwdTile(const AttnFwdParams& p, const FwdSchedule& s, FwdTileIndex ix)
       : h(ix.bh % p.heads_q), b(ix.bh / p.heads_q), h_kv(h / p.heads_ratio()), seq(p, b, kVarlen, kVarlen) {
-    if constexpr (kVarlen) {
+    if constexpr (kVarlen) {                                 // (never paired: the dynamic order)
       const int m_blocks = ceil_div(seq.seqlen_q, kBlockM);  // this sequence's query blocks
-      int rank = ix.m_rank;
-      if (s.paired) {
-        // fwd_tile_of_round pairs ranks for max_seqlen_q's M blocks; inside a
-        // shorter sequence the light half is the mirror in its own m_blocks,
-        // and a heavy half past its middle is some pair's light half already.
-        if (rank >= s.pairs_per_head()) {  // a light half: pair M - 1 - rank
-          const int pair = s.num_m_blocks - 1 - rank;
-          rank = m_blocks - 1 - pair;
-          if (rank <= pair) rank = m_blocks;  // none (the middle block, or a short sequence)
-        } else if (rank > m_blocks - 1 - rank) {
-          rank = m_blocks;
-        }
-      }
+      const int rank = ix.m_rank;
       m0 = (m_blocks - 1 - rank) * kBlockM;
       rows = rank < m_blocks ? min(kBlockM, seq.seqlen_q - m0) : 0;
     } else {
