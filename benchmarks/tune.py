@@ -8,12 +8,21 @@ several entries timed one after the other reads up to 12% low). Prints one
 line per (head dim, mask, seqlen).
 
     python benchmarks/tune.py --json out.json [--dims 64,128] [--seqlens 512,2048,8192] [--passes fwd]
-        [--variants 0,1] [--grids default,single,tiles]
+        [--variants 0,1] [--grids default,static,dynamic,single,tiles] [--bwd-switches default,NAME=1]
 
---grids times the persistent forward's tile schedules beside each other
-(FLASHATTN_FWD_GRID, flash_launch.cuh): `default` (paired tiles where the
-rule of tile_scheduler.cuh says so), `single` (no pairs), `tiles` (one CTA a
-tile, heaviest first: the hardware's dispatch as a longest-first schedule).
+--grids times the persistent forward's tile orders beside each other
+(FLASHATTN_FWD_GRID, flash_launch.cuh; csrc/cuda/hopper/tile_scheduler.cuh):
+`default` (the dynamic order for masked calls that are not paired, pairs where
+the rule says so), `static` (the static striding where the default is
+dynamic), `unbalanced` (that with the L2 groups before they were made equal),
+`dynamic` (the dynamic order where the default pairs), `single` (static, no
+pairs), `tiles` (one CTA a tile, heaviest first: the hardware's dispatch as a
+longest-first schedule). Each is checked bitwise against the default (the
+`_err` fields: the order does not change a tile's arithmetic).
+
+--bwd-switches times the backward under each environment setting beside the
+default and the peers, in rounds: FLASHATTN_BWD_DQ_FIRST=0 is the TMA
+backward's step in the order before FlashAttention-3's (BwdSm90WsTraits::kDqFirst).
 """
 
 import argparse
@@ -25,7 +34,7 @@ import os
 
 import torch
 import torch.nn.functional as F
-from kernel_check import bench, bench_side_by_side  # noqa: E402  (benchmarks/ is the script's directory)
+from kernel_check import bench_side_by_side  # noqa: E402  (benchmarks/ is the script's directory)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashattn_ext  # noqa: F401
@@ -72,17 +81,27 @@ def main():
     ap.add_argument("--seqlens", default="512,2048,8192")
     ap.add_argument("--passes", default="fwd,bwd")
     ap.add_argument("--check-max-seqlen", type=int, default=2048, help="oracle checks up to this seqlen")
-    ap.add_argument("--variants", default="", help="forward variants to time (default: all of the head dim's)")
+    ap.add_argument("--variants", default="", help="variants to time (default: all of the head dim's)")
     ap.add_argument("--grids", default="default", help="forward tile schedules to time with each variant")
+    ap.add_argument(
+        "--bwd-switches",
+        default="default",
+        help="backward switches to time side by side, e.g. default,FLASHATTN_BWD_DQ_FIRST=0",
+    )
     args = ap.parse_args()
     assert "tuning=1" in torch.ops.flashattn_ext.build_info(), "needs a FLASHATTN_TUNING=1 build"
     sm90 = torch.cuda.get_device_capability() == (9, 0) and os.environ.get("FLASHATTN_DISABLE_SM90") != "1"
     VARIANTS = VARIANTS_SM90 if sm90 else VARIANTS_SM80
     rows = []
     grids = args.grids.split(",")
+    bwd_switches = args.bwd_switches.split(",")
 
-    def fwd_variants(d):
-        every = range(VARIANTS["fwd"].get(d, 1))
+    def switch_env(switch):
+        name, _, value = switch.partition("=")
+        return {} if switch == "default" else {name: value}
+
+    def variants(pass_, d):
+        every = range(VARIANTS[pass_].get(d, 1 if pass_ == "fwd" else 0))
         return [int(v) for v in args.variants.split(",") if int(v) in every] if args.variants else list(every)
 
     for d in (int(x) for x in args.dims.split(",")):
@@ -106,7 +125,7 @@ def main():
                 peers = (("fa2", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION))
                 entries = {}
                 fwd_names = []
-                for var in fwd_variants(d) if "fwd" in passes else ():
+                for var in variants("fwd", d) if "fwd" in passes else ():
                     for grid in grids:
                         name = f"v{var}" if grid == "default" else f"v{var}_{grid}"
                         fwd_names.append(name)
@@ -131,26 +150,37 @@ def main():
                 for key, ms in bench_side_by_side(entries).items():
                     row[key] = flops / ms / 1e9
                 os.environ["FLASHATTN_FWD_VARIANT"] = "0"
-                for var in range(VARIANTS["bwd"].get(d, 0) if "bwd" in passes else 0):
-                    os.environ["FLASHATTN_BWD_VARIANT"] = str(var)
-                    grads = _ops.bwd(dout, q, k, v, out0, lse0, scale, -1, wr, True, False)
-                    err = max((a.float() - b_.float()).abs().max().item() for a, b_ in zip(grads, grads0))
-                    ms = bench(lambda: _ops.bwd(dout, q, k, v, out0, lse0, scale, -1, wr, True, False))
-                    row[f"bwd_v{var}"] = bwd_flops / ms / 1e9
-                    row[f"bwd_v{var}_err"] = err
-                os.environ["FLASHATTN_BWD_VARIANT"] = "0"
+                # The backward's variants (the cp.async kernels' list, FLASHATTN_BWD_VARIANT, where the TMA
+                # kernel declines) and switches (--bwd-switches: the TMA kernel's), with the peers, in rounds.
+                bwd_entries, bwd_names = {}, []
+                for var in variants("bwd", d) if "bwd" in passes else ():
+                    for switch in bwd_switches:
+                        name = f"v{var}" if switch == "default" else f"v{var}_{switch.split('=')[0].lower()}"
+                        env = {"FLASHATTN_BWD_VARIANT": var, **switch_env(switch)}
+                        with env_values(env):
+                            grads = _ops.bwd(dout, q, k, v, out0, lse0, scale, -1, wr, True, False)
+                        row[f"bwd_{name}_err"] = max(
+                            (a.float() - b_.float()).abs().max().item() for a, b_ in zip(grads, grads0)
+                        )
+                        bwd_names.append(name)
+                        bwd_entries[f"bwd_{name}"] = (
+                            functools.partial(env_values, env),
+                            lambda: _ops.bwd(dout, q, k, v, out0, lse0, scale, -1, wr, True, False),
+                        )
                 for name, be in peers if "bwd" in passes else ():
                     with sdpa_kernel(be):
                         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-                        do = torch.randn_like(o)
-                        row[f"bwd_{name}"] = (
-                            bwd_flops / bench(lambda: torch.autograd.grad(o, (qt, kt, vt), do, retain_graph=True)) / 1e9
-                        )
+                    do = torch.randn_like(o)
+                    bwd_entries[f"bwd_{name}"] = (
+                        functools.partial(sdpa_kernel, be),
+                        functools.partial(torch.autograd.grad, o, (qt, kt, vt), do, retain_graph=True),
+                    )
+                for key, ms in bench_side_by_side(bwd_entries).items():
+                    row[key] = bwd_flops / ms / 1e9
+                os.environ["FLASHATTN_BWD_VARIANT"] = "0"
                 rows.append(row)
                 fv = " ".join(f"{nm}={row[f'fwd_{nm}']:.0f}" for nm in fwd_names)
-                bv = " ".join(
-                    f"v{i}={row[f'bwd_v{i}']:.0f}" for i in range(VARIANTS["bwd"].get(d, 0)) if f"bwd_v{i}" in row
-                )
+                bv = " ".join(f"{nm}={row[f'bwd_{nm}']:.0f}" for nm in bwd_names)
                 peer = {
                     f"{pa}_{name}": f"{row[f'{pa}_{name}']:.0f}" if f"{pa}_{name}" in row else "-"
                     for pa in ("fwd", "bwd")
