@@ -30,8 +30,8 @@ What one run measures, in this order (the JSON is rewritten after every section)
   - gpt2: the seed's case, b8 h12 n1024 d64 fp16 causal, forward + backward through
     autograd, and its speedup over naive;
   - memory: peak extra memory of one forward + backward (b1 h16 d128 bf16, 4k/16k/32k);
-  - the grid: bf16, head dims 128/64/256 (in that order, so the time budget cuts d256
-    first), causal and not, seqlens 512..16k with batch * seqlen = 16384 tokens and
+  - the grid: bf16, head dims 128/64/256/192 (in that order, so the time budget cuts d192
+    and d256 first), causal and not, seqlens 512..16k with batch * seqlen = 16384 tokens and
     heads = 2048 / head_dim, forward and backward.
 
 FLOPs: flashattn_ext.reference.attention_flops (forward 4 * b * h * n_q * n_k * d,
@@ -642,7 +642,7 @@ def parse_args(argv=None):
         "--head-dims",
         dest="head_dims",
         default=None,
-        help="head dims, comma-separated (default 128,64,256; quick: 128,64)",
+        help="head dims, comma-separated (default 128,64,256,192; quick: 128,64)",
     )
     p.add_argument("--seqlens", default=None, help="seqlens, e.g. 512,1k,2k (default 512..16k; quick: 1k,4k)")
     p.add_argument("--modes", default="fwd,bwd", help="fwd, bwd or both (default fwd,bwd)")
@@ -732,7 +732,7 @@ def main(argv=None):
         slow_default = None if cpu else [1024]
         warmup, rep = (5.0, 20.0) if cpu else (10.0, 30.0)
     else:
-        head_dims = _ints(args.head_dims) if args.head_dims else ([64, 32] if cpu else [128, 64, 256])
+        head_dims = _ints(args.head_dims) if args.head_dims else ([64, 32] if cpu else [128, 64, 256, 192])
         seqlens = (
             _ints(args.seqlens)
             if args.seqlens

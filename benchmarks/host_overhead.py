@@ -22,7 +22,7 @@ and runnable alone:
 
     python benchmarks/host_overhead.py [--json PATH]              # both, on the GPU
     python benchmarks/host_overhead.py --device cpu --tiny-only   # the host-time code path on a CPU
-    python benchmarks/host_overhead.py --decode [--json PATH]    # a decode step's calls (b1, cache 1k)
+    python benchmarks/host_overhead.py --decode [--cache N] [--profile] [--json PATH]   # a decode step (b1, 8k cache)
     python benchmarks/host_overhead.py --activated [--device cpu] [--json PATH]   # behind torch's SDPA
 
   behind torch's SDPA (activated_host_times; --activated): the same tiny call (b1 h1 n16 d64,
@@ -191,17 +191,24 @@ def gpt2_three_ways(impls=("ours_native", "ours_sdpa", "sdpa_flash", "sdpa_cudnn
 # ----------------------------------------------------------------------------- decode step
 
 
-def decode_host_times(device, batch=1, cache=1024, heads_q=32, heads_kv=8, d=128, dtype=None):
+def decode_host_times(device, batch=1, cache=8192, heads_q=32, heads_kv=8, d=128, dtype=None, profile=False):
     """Host microseconds per call of a decode step (q len 1 against a full cache, no
-    append, no rotary), as host_us_per_call measures them:
-      kvcache      flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=<int32 tensor>)
-      kvcache_none the same with cache_seqlens=None (the whole cache)
-      ours_sdpa    our drop-in as transformers calls it at a decode step
-      torch_sdpa   torch.nn.functional.scaled_dot_product_attention, same (B, H, L, D) tensors
+    append, no rotary; issue 19's case: b1, 8k cache, 32/8 heads, d128, bf16), as
+    host_us_per_call measures them:
+      ours_sdpa      our drop-in exactly as transformers calls it at a decode step
+      torch_sdpa     torch.nn.functional.scaled_dot_product_attention, same (B, H, L, D) tensors
+      kvcache        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=<int32 tensor>)
+      kvcache_none   the same with cache_seqlens=None (the whole cache)
+      op_attention   the op the drop-in's fast path calls (flashattn_ext::attention, bhsd), from Python
+      op_fwd_kvcache flashattn_ext::fwd_kvcache on the same tensors (bhsd), from Python
+      python_only    the drop-in with the ops replaced by a stub returning q: its Python alone
+    The implementations are interleaved round by round (median over rounds). With
+    profile, a torch.profiler CPU table of 50 calls of each (the ops' own host times).
     On a CPU the kernels run inside the call: there it is the whole call's time."""
     import torch.nn.functional as F
 
     import flashattn_ext
+    from flashattn_ext import _ops, interface
 
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -216,24 +223,70 @@ def decode_host_times(device, batch=1, cache=1024, heads_q=32, heads_kv=8, d=128
     seqlens = torch.full((batch,), cache, dtype=torch.int32, device=device)
     qt, kt, vt = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
     scaling = d**-0.5
-    calls = {
-        "kvcache": lambda: flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens),
-        "kvcache_none": lambda: flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache),
-        "ours_sdpa": lambda: flashattn_ext.scaled_dot_product_attention(
+
+    def sdpa_dropin():
+        return flashattn_ext.scaled_dot_product_attention(
             qt, kt, vt, attn_mask=None, dropout_p=0.0, scale=scaling, is_causal=False, enable_gqa=True
-        ),
+        )
+
+    class _StubOps:  # every op returns (its first argument,): the drop-in's Python without the C++
+        def __getattr__(self, name):
+            return lambda *args: (args[0],)
+
+    def python_only():
+        real = interface._ops
+        interface._ops = _StubOps()
+        try:
+            return sdpa_dropin()
+        finally:
+            interface._ops = real
+
+    calls = {
+        "ours_sdpa": sdpa_dropin,
         "torch_sdpa": lambda: F.scaled_dot_product_attention(
             qt, kt, vt, attn_mask=None, dropout_p=0.0, scale=scaling, is_causal=False, enable_gqa=True
         ),
+        "kvcache": lambda: flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens),
+        "kvcache_none": lambda: flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache),
+        "op_attention": lambda: _ops.attention(qt, kt, vt, scaling, -1, -1, False, False, True),
+        "op_fwd_kvcache": lambda: _ops.fwd_kvcache(qt, kt, vt, seqlens, None, None, None, scaling, -1, -1, 0, True),
+        "python_only": python_only,
     }
     res = dict(batch=batch, cache=cache, heads_q=heads_q, heads_kv=heads_kv, d=d, dtype=str(dtype), impls={})
-    for name, fn in calls.items():
-        try:
-            res["impls"][name] = host_us_per_call(fn, device)
-        except Exception as exc:  # noqa: BLE001
-            res["impls"][name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    rounds = {name: [] for name in calls}
+    for _ in range(3):
+        for name, fn in calls.items():
+            try:
+                rounds[name].append(host_us_per_call(fn, device))
+            except Exception as exc:  # noqa: BLE001
+                rounds[name].append({"error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+    for name, rs in rounds.items():
+        ok = [r for r in rs if "us" in r]
+        if not ok:
+            res["impls"][name] = rs[-1]
+        else:
+            res["impls"][name] = dict(
+                us=statistics.median(r["us"] for r in ok),
+                us_rounds=[r["us"] for r in ok],
+                gpu_busy=all(r.get("gpu_busy", True) for r in ok),
+            )
         r = res["impls"][name]
-        print(f"decode b{batch} cache {cache}: {name:13s} " + (f"{r['us']:8.2f} us/call" if "us" in r else r["error"]))
+        print(f"decode b{batch} cache {cache}: {name:14s} " + (f"{r['us']:8.2f} us/call" if "us" in r else r["error"]))
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        res["profile"] = {}
+        for name in ("ours_sdpa", "torch_sdpa", "op_attention", "op_fwd_kvcache"):
+            fn = calls[name]
+            for _ in range(10):
+                fn()
+            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(50):
+                    fn()
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14)
+            res["profile"][name] = table
+            print(f"--- profile of 50 calls: {name}\n{table}", flush=True)
     return res
 
 
@@ -356,8 +409,10 @@ def main(argv=None):
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     ap.add_argument("--tiny-only", action="store_true", help="only the host time per call of the tiny case")
     ap.add_argument(
-        "--decode", action="store_true", help="only the host time per call of a decode step (b1, cache 1k, 32/8 heads)"
+        "--decode", action="store_true", help="only the host time per call of a decode step (b1, 32/8 heads, d128)"
     )
+    ap.add_argument("--cache", type=int, default=8192, help="--decode: the cache length (default %(default)s)")
+    ap.add_argument("--profile", action="store_true", help="--decode: also a torch.profiler CPU table per call")
     ap.add_argument(
         "--activated", action="store_true", help="only the host time per call behind torch's SDPA (activate())"
     )
@@ -382,7 +437,7 @@ def main(argv=None):
                 json.dump(out, f, indent=1)
         return 0
     if args.decode:
-        out["decode_host"] = decode_host_times(device)
+        out["decode_host"] = decode_host_times(device, cache=args.cache, profile=args.profile)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=1)

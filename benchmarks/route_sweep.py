@@ -1,19 +1,22 @@
 #!/usr/bin/env python3
-"""The SDPA drop-in's decode route against the main path, over query lengths: the
-data behind `interface.decode_route`'s thresholds. A decode-step call as Hugging
-Face models make it ((B, 32, q, 128) queries against (B, 8, k, 128) keys and
-values, enable_gqa, bf16, no mask, not causal) timed three ways:
+"""The forward's decode route against its main kernels, over query lengths: the
+data behind the thresholds of `decode_route` (csrc/cuda/decode_launch.h). A
+decode-step call as Hugging Face models make it ((B, 32, q, 128) queries against
+(B, 8, k, 128) keys and values, enable_gqa, bf16, no mask, not causal) timed
+three ways:
 
-  route   flashattn_ext.scaled_dot_product_attention (routed when decode_route says so)
-  main    flashattn_ext.flash_attn_func on (B, L, H, D) views of the same tensors
-          (the main forward kernels, the path the drop-in takes when not routed)
+  route   flashattn_ext.scaled_dot_product_attention (the forward picks the decoding
+          kernels when decode_route says so; `routed` records whether it did, profiler)
+  main    the same call with FLASHATTN_DISABLE_DECODE_ROUTE=1 (the main forward kernels)
   cudnn   torch SDPA forced to cuDNN
 
     python3 benchmarks/route_sweep.py --json out.json
 """
 
 import argparse
+import contextlib
 import json
+import os
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +24,26 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 import flashattn_ext
-from flashattn_ext import interface
+
+
+@contextlib.contextmanager
+def main_forward():
+    os.environ["FLASHATTN_DISABLE_DECODE_ROUTE"] = "1"
+    try:
+        yield
+    finally:
+        del os.environ["FLASHATTN_DISABLE_DECODE_ROUTE"]
+
+
+def ran_decode_kernels(fn):
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return any("flash_decode" in e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
 
 ap = argparse.ArgumentParser(description=__doc__)
 ap.add_argument("--json")
@@ -36,30 +58,16 @@ for b in (int(x) for x in args.batches.split(",")):
         for q_len in (int(x) for x in args.qlens.split(",")):
             q = torch.randn(b, 32, q_len, 128, device="cuda", dtype=torch.bfloat16)
             k, v = (torch.randn(b, 8, k_len, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-            routed = interface.decode_route(
-                "cuda",
-                q.dtype,
-                b,
-                32,
-                8,
-                q_len,
-                k_len,
-                128,
-                is_causal=False,
-                has_mask=False,
-                dropout_p=0.0,
-                needs_grad=False,
-                autocast=False,
-                transformed=False,
-                strides=(q.stride(), k.stride(), v.stride()),
-                offsets=(0, 0, 0),
-            )
+
+            def routed_call(q=q, k=k, v=v):
+                return flashattn_ext.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+            routed = ran_decode_kernels(routed_call)
             t = {
-                "route": do_bench(lambda: flashattn_ext.scaled_dot_product_attention(q, k, v, enable_gqa=True)),
-                "main": do_bench(
-                    lambda: flashattn_ext.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-                ),
+                "route": do_bench(routed_call),
             }
+            with main_forward():
+                t["main"] = do_bench(routed_call)
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 try:
                     t["cudnn"] = do_bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))

@@ -98,7 +98,7 @@ KvcacheParams make_kvcache_params(const KvcacheInputs& in, const at::Tensor& out
   const at::Tensor &q = in.q, &k = in.k_cache, &v = in.v_cache;
   KvcacheParams p;
   set_qkvo(p, q, k, v, out, lse);
-  p.seqlens_k = in.seqlens_k.data_ptr<int32_t>();
+  p.seqlens_k = in.seqlens_k.defined() ? in.seqlens_k.data_ptr<int32_t>() : nullptr;  // undefined: rows full
   p.batch_idx = in.batch_idx ? in.batch_idx->data_ptr<int32_t>() : nullptr;
   p.leftpad = in.leftpad ? in.leftpad->data_ptr<int32_t>() : nullptr;
   p.block_table = in.block_table ? in.block_table->data_ptr<int32_t>() : nullptr;

@@ -68,7 +68,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_entry(
 }
 
 // Fills the params (sizes, strides, pointers, scalars); num_splits and the
-// workspace are the CUDA binding's business.
+// workspace are the CUDA binding's business. An undefined in.seqlens_k (not
+// from the op: fwd's short queries on CUDA's decoding kernel) leaves
+// seqlens_k nullptr, every row holding the whole cache (row_seqlen_k).
 KvcacheParams make_kvcache_params(const KvcacheInputs& in, const at::Tensor& out, const at::Tensor& lse,
                                   double softmax_scale, int64_t window_left, int64_t window_right);
 

@@ -9,7 +9,8 @@
 //   k, v paged     : (num_blocks, page_size, heads_kv, head_dim); position p of
 //                    batch row b is block_table[b][p / page_size], row p % page_size
 //   lse           : (batch, heads_q, seqlen_q), contiguous, float32 (float64 for float64)
-//   seqlens_k, batch_idx, leftpad : int32 (batch,), contiguous
+//   seqlens_k, batch_idx, leftpad : int32 (batch,), contiguous; seqlens_k nullptr
+//                    (CUDA, fwd's short queries on the decoding kernel): every row full
 //   block_table   : int32 (batch, max_blocks), unit stride on dimension 1
 //
 // Batch row b sees the keys [leftpad[b], seqlens_k[b]) of its cache row
@@ -26,7 +27,7 @@ namespace flashattn {
 // The pointers and strides of q, k, v, o and lse come from QkvoParams; for a
 // paged cache the batch stride of k and v is the stride between blocks.
 struct KvcacheParams : QkvoParams {
-  const int32_t* seqlens_k = nullptr;    // (batch,): keys of each row (after any append)
+  const int32_t* seqlens_k = nullptr;    // (batch,): keys of each row (after any append); nullptr: capacity
   const int32_t* batch_idx = nullptr;    // (batch,) or nullptr: cache row of each batch row
   const int32_t* leftpad = nullptr;      // (batch,) or nullptr: first visible key
   const int32_t* block_table = nullptr;  // (batch, max_blocks) or nullptr: contiguous cache
@@ -60,5 +61,15 @@ struct KvcacheParams : QkvoParams {
   // (sm90+; the binding sets it, FLASHATTN_DISABLE_PDL clears it).
   bool pdl = false;
 };
+
+// The keys of batch row b: seqlens_k[b] within [0, capacity] (a bad value
+// cuts the row to the cache, never past it), or the whole capacity when
+// seqlens_k is nullptr (fwd's short queries on the decoding kernel,
+// csrc/cuda/decode_launch.h: every key of the dense call is visible).
+FLASHATTN_HOST_DEVICE inline int row_seqlen_k(const int32_t* seqlens_k, int b, int capacity) {
+  if (seqlens_k == nullptr) return capacity;
+  const int n = seqlens_k[b];
+  return n < 0 ? 0 : (n > capacity ? capacity : n);
+}
 
 }  // namespace flashattn

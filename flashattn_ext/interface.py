@@ -481,132 +481,6 @@ def _fast_eligible(query, key, value, enable_gqa) -> bool:
     return False
 
 
-# --------------------------------------------------------------------------
-# The drop-in's decode route (issue #10 item 3). A short query against many
-# keys (a model's decode step: (B, H, 1, E) against the whole cache) leaves most
-# SMs idle in the main forward kernels, which give every (batch, head) its own
-# block of 64 or more query rows and read a GQA group's K/V once per query head.
-# The split-KV decoding kernel of flash_attn_with_kvcache (fwd_kvcache) packs
-# the heads_q / heads_kv * seqlen_q rows of a group into 16-row tiles and splits
-# the keys across CTAs: such calls go there, when its result is the same.
-#
-# The thresholds: at most 16 query rows (one 16-row tile per head of a group
-# with no GQA; speculative decoding's few tokens) and at least 4 keys per query
-# row (below that the main kernels' query blocks are not mostly idle). Both
-# await a GPU measurement (benchmarks/bench_decode.py, row ours_sdpa, and a q
-# length sweep); DECODE_ROUTE_DEVICES the same (the CPU kernels, measured on
-# the dev machine, see benchmarks/NOTES.md).
-
-DECODE_MAX_SEQLEN_Q = 16
-DECODE_MIN_KEYS_PER_QUERY = 4
-DECODE_ROUTE_DEVICES = ("cuda",)
-
-
-def decode_route(
-    device_type: str,
-    dtype: torch.dtype,
-    batch: int,
-    heads_q: int,
-    heads_kv: int,
-    seqlen_q: int,
-    seqlen_k: int,
-    head_dim: int,
-    *,
-    is_causal: bool,
-    has_mask: bool,
-    dropout_p: float,
-    needs_grad: bool,
-    autocast: bool,
-    transformed: bool,
-    strides: tuple = (),
-    offsets: tuple = (),
-) -> bool:
-    """Whether ``scaled_dot_product_attention`` runs this call on the split-KV
-    decoding kernel (fwd_kvcache) instead of the main forward kernels. Pure: it
-    reads only its arguments. Called for rank-4 inputs the kernels take (the
-    drop-in's fast path); sizes as (batch, heads, seqlen, head_dim).
-
-    needs_grad: grad mode on and an input requires grad (fwd_kvcache has no
-    backward). autocast: autocast on for the device (fwd_kvcache has no autocast
-    kernel). transformed: inside a torch.func transform (fwd_kvcache has no vmap
-    rule). strides: the strides of query, key and value (three 4-tuples, (B, H,
-    L, E) order), offsets: their storage offsets in bytes. On CUDA the decoding
-    kernel copies 16-byte chunks and makes a padded copy of an operand that does
-    not allow them (for key and value, the whole cache on every call): such
-    calls stay on the main path."""
-    if device_type not in DECODE_ROUTE_DEVICES:
-        return False
-    if has_mask or dropout_p != 0.0 or needs_grad or autocast or transformed:
-        return False
-    # torch's is_causal is aligned top-left: with seqlen_q < seqlen_k query i sees
-    # keys 0..i only, not the decoding kernel's bottom-right diagonal (it could be
-    # written as bottom-right causal over the first seqlen_q keys, but that is no
-    # longer a short query against many keys).
-    if is_causal and seqlen_q != seqlen_k:
-        return False
-    if not (1 <= seqlen_q <= DECODE_MAX_SEQLEN_Q and seqlen_k >= DECODE_MIN_KEYS_PER_QUERY * seqlen_q):
-        return False
-    if min(batch, heads_q, heads_kv, head_dim) < 1 or heads_q % heads_kv != 0:
-        return False
-    if any(st[3] != 1 for st in strides) and head_dim != 1:  # fwd_kvcache takes unit stride on head_dim only
-        return False
-    if device_type == "cuda":
-        if dtype not in _CUDA_DTYPES or head_dim > _CUDA_MAX_HEAD_DIM:
-            return False
-        # The 16-byte chunks (csrc/cuda/binding_util.h kernel_ready): no padded copy.
-        if head_dim % 8 != 0 or any(o % 16 != 0 for o in offsets):
-            return False
-        sizes = ((batch, heads_q, seqlen_q), (batch, heads_kv, seqlen_k), (batch, heads_kv, seqlen_k))
-        for st, sz in zip(strides, sizes):
-            if any(n > 1 and st[i] % 8 != 0 for i, n in enumerate(sz)):
-                return False
-        # The decoding grid: batch on grid.z, heads_kv x 16-row query tiles on grid.y.
-        if batch > 65535 or heads_kv * -(-(heads_q // heads_kv * seqlen_q) // 16) > 65535:
-            return False
-        return True
-    return dtype in _CPU_DTYPES and head_dim <= _MAX_HEAD_DIM
-
-
-def _sdpa_decode(query, key, value, is_causal, scale):
-    """The drop-in on fwd_kvcache (see decode_route), or None when the route does
-    not apply. query (B, H, L, E), key/value (B, H_kv, S, E), validated by the
-    caller (_fast_eligible); they go to the op as they are (bhsd=True: it reads
-    them through (B, L, H, E) views, no copy), with the whole key length
-    visible; the output comes back as a (B, H, L, E) view of a (B, L, H, E)
-    buffer, as from the main path."""
-    device_type = "cuda" if query.is_cuda else query.device.type
-    if device_type not in DECODE_ROUTE_DEVICES:  # decode_route's first test, before the arguments are gathered
-        return None
-    b, hq, lq, d = query.shape
-    hk, sk = key.shape[1], key.shape[2]
-    itemsize = query.element_size()
-    if not decode_route(
-        device_type,
-        query.dtype,
-        b,
-        hq,
-        hk,
-        lq,
-        sk,
-        d,
-        is_causal=is_causal,
-        has_mask=False,
-        dropout_p=0.0,
-        needs_grad=torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
-        autocast=torch.is_autocast_enabled(device_type),
-        transformed=torch._C._functorch.peek_interpreter_stack() is not None,
-        strides=(query.stride(), key.stride(), value.stride()),
-        # Not traceable (dynamo): under torch.compile a misaligned view would be copied by the op, not refused.
-        offsets=()
-        if torch.compiler.is_compiling()
-        else (query.storage_offset() * itemsize, key.storage_offset() * itemsize, value.storage_offset() * itemsize),
-    ):
-        return None
-    # bhsd=True: the op reads the (B, H, L, E) tensors through (B, L, H, E) views
-    # made in C++ (cheaper than Python's) and returns a (B, H, L, E) view.
-    return _ops.fwd_kvcache(query, key, value, _lengths(b, sk, query), None, None, None, scale, -1, -1, 0, True)[0]
-
-
 def _dims(t):
     """(batch, heads, seqlen, head_dim) of a rank-3 (heads = 1) or rank-4 tensor."""
     if t.dim() == 3:
@@ -815,10 +689,10 @@ def scaled_dot_product_attention(
     without an attn_mask (bool or float32 / the query's dtype, any broadcast
     shape and strides, read in place; not together with is_causal; a float mask
     that requires grad gets its gradient); a row the mask hides entirely is zero; the output is then a (B, H, L, E)-shaped view of a (B, L, H, E)
-    buffer, like torch's flash backend returns. A short query against many keys
-    (a decode step) runs on the split-KV decoding kernel of
-    ``flash_attn_with_kvcache`` when the result is the same (``decode_route``:
-    CUDA, no mask, no dropout, not causal, no autograd needed). Every other call
+    buffer, like torch's flash backend returns. On CUDA a short query against
+    many keys (a decode step) runs on the split-KV decoding kernels of
+    ``flash_attn_with_kvcache`` (the forward's own choice: no mask, no dropout,
+    not top-left causal; README, "The SDPA drop-in at a decode step"). Every other call
     goes to torch's function, with a one-time FlashAttnFallbackWarning per reason
     (see ``sdpa_fallback_reason``); invalid inputs raise torch's own errors.
     """
@@ -837,14 +711,16 @@ def scaled_dot_product_attention(
     ):
         if scale is None:
             scale = 1.0 / math.sqrt(query.shape[-1])
-        lq = query.shape[2]
-        if lq <= DECODE_MAX_SEQLEN_Q and key.shape[2] >= DECODE_MIN_KEYS_PER_QUERY * lq and not is_causal:
-            out = _sdpa_decode(query, key, value, is_causal, scale)
-            if out is not None:
-                return out
-        wr = 0 if is_causal else -1
         return _ops.attention(
-            query, key, value, scale, -1, wr, False, torch.are_deterministic_algorithms_enabled(), True
+            query,
+            key,
+            value,
+            scale,
+            -1,
+            0 if is_causal else -1,
+            False,
+            torch.are_deterministic_algorithms_enabled(),
+            True,
         )[0]
     _check_invalid_for_torch(query, key, value, attn_mask, dropout_p)
     key_name, reason = _sdpa_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)

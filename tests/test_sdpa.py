@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import DTYPES, KernelCalls, assert_rule, compute_dtype, randn, sdpa_ref
+from helpers import KernelCalls, assert_rule, compute_dtype, randn, sdpa_ref
 
 import flashattn_ext
 from flashattn_ext import FlashAttnFallbackWarning, _ops
@@ -665,93 +665,11 @@ def test_tiny_transformer_block(device, dtype):
 
 
 # ----------------------------------------------------------------------------- decode route (issue #10 item 3)
-# Short queries against many keys go to the split-KV decoding kernel
-# (flashattn_ext::fwd_kvcache) when the result is the same: interface.decode_route
-# decides, from metadata alone.
-
-
-def _contiguous_strides(shape):
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= n
-    return tuple(reversed(strides))
-
-
-def _route(**over):
-    args = dict(
-        device_type="cuda",
-        dtype=torch.bfloat16,
-        batch=2,
-        heads_q=32,
-        heads_kv=8,
-        seqlen_q=1,
-        seqlen_k=1024,
-        head_dim=128,
-        is_causal=False,
-        has_mask=False,
-        dropout_p=0.0,
-        needs_grad=False,
-        autocast=False,
-        transformed=False,
-    )
-    args.update(over)
-    if "strides" not in over:
-        b, hq, hk, lq, sk, d = (args[x] for x in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim"))
-        kv = _contiguous_strides((b, hk, sk, d))
-        args["strides"] = (_contiguous_strides((b, hq, lq, d)), kv, kv)
-    args.setdefault("offsets", (0, 0, 0))
-    return flashattn_ext.interface.decode_route(**args)
-
-
-# (b, S, H, E) buffers seen as (b, H, S, E): what flash-layout caches and HF's transposed projections give.
-_KV_VIEW = _contiguous_strides((2, 1024, 8, 128))
-_KV_VIEW = (_KV_VIEW[0], _KV_VIEW[2], _KV_VIEW[1], _KV_VIEW[3])
-
-ROUTE_IN = {
-    "decode_gqa": {},
-    "mha": {"heads_kv": 32},
-    "mqa": {"heads_kv": 1},
-    "q16": {"seqlen_q": 16, "seqlen_k": 64},
-    "fp16": {"dtype": torch.float16},
-    "d64": {"head_dim": 64},
-    "kv_transposed_view": {"strides": (_contiguous_strides((2, 32, 1, 128)), _KV_VIEW, _KV_VIEW)},
-    "offset_16_bytes": {"offsets": (0, 16, 32)},
-}
-ROUTE_OUT = {
-    "cpu": {"device_type": "cpu", "dtype": torch.float32},  # same kernel on the CPU, not faster there (NOTES)
-    "meta": {"device_type": "meta"},
-    "q17": {"seqlen_q": 17, "seqlen_k": 4096},
-    "few_keys": {"seqlen_q": 4, "seqlen_k": 15},
-    "causal_top_left": {"is_causal": True},
-    "mask": {"has_mask": True},
-    "dropout": {"dropout_p": 0.1},
-    "needs_grad": {"needs_grad": True},
-    "autocast": {"autocast": True},
-    "functorch": {"transformed": True},
-    "float32_cuda": {"dtype": torch.float32},
-    "head_dim_not_multiple_of_8": {"head_dim": 60},
-    "head_dim_too_large": {"head_dim": 512},
-    "misaligned_offset": {"offsets": (0, 8, 0)},
-    "odd_stride": {"strides": ((32 * 128, 128, 128, 1), (8 * 1028 * 128, 1028 * 128 + 4, 128, 1), _KV_VIEW)},
-    "strided_head_dim": {"strides": ((32 * 256, 256, 256, 2), _KV_VIEW, _KV_VIEW)},
-    "heads_not_divisible": {"heads_q": 30},
-    "batch_beyond_grid": {"batch": 70000},
-}
-
-
-@pytest.mark.parametrize("case", list(ROUTE_IN) + list(ROUTE_OUT))
-def test_decode_route_rule(case, monkeypatch):
-    # The rule itself, independent of this build's CUDA head dims.
-    monkeypatch.setattr(flashattn_ext.interface, "_CUDA_MAX_HEAD_DIM", 256)
-    assert _route(**ROUTE_IN.get(case, ROUTE_OUT.get(case))) is (case in ROUTE_IN)
-
-
-def test_decode_route_cpu_when_enabled(monkeypatch):
-    monkeypatch.setattr(flashattn_ext.interface, "DECODE_ROUTE_DEVICES", ("cpu", "cuda"))
-    assert _route(device_type="cpu", dtype=torch.float32, head_dim=60)
-    assert _route(device_type="cpu", dtype=torch.float64)
-    assert not _route(device_type="cpu", dtype=torch.float32, head_dim=300)
+# On CUDA the forward runs a short query against many keys (a model's decode
+# step) on the split-KV decoding kernels of fwd_kvcache: its own choice
+# (csrc/cuda/decode_launch.h decode_route), made in C++ from the shapes, so
+# that the drop-in's call costs no more host time than any other. The result
+# and what the backward gets (out, lse) are those of the main forward.
 
 
 def _decode_inputs(device, dtype, b, hq, hk, lq, sk, d, kv_view=False):
@@ -765,82 +683,104 @@ def _decode_inputs(device, dtype, b, hq, hk, lq, sk, d, kv_view=False):
     return q, k, v
 
 
-DECODE_SHAPES = {
-    "b2_gqa4_d64": (2, 8, 2, 1, 300, 64, True, False),
-    "b1_mha_d32_kv_view": (1, 4, 4, 1, 129, 32, False, True),
-    "b3_mqa_broadcast": (3, 6, 1, 1, 77, 16, False, False),
-    "b2_gqa3_q5": (2, 6, 2, 5, 40, 64, True, False),
-    "b1_gqa2_q16": (1, 4, 2, 16, 64, 32, True, True),
-}
+def _ran_decode_kernels(fn):
+    from helpers import cuda_kernel_names
+
+    names = cuda_kernel_names(fn)
+    return any("flash_decode" in n for n in names), names
 
 
-def _check_routed(q, k, v, gqa):
-    with KernelCalls() as spy:
-        out, _ = check_sdpa(q, k, v, enable_gqa=gqa)
-    assert [name for name, _ in spy.calls] == ["fwd_kvcache"], spy.calls
-    ((_, args),) = spy.calls
-    assert args[-1] is True, "bhsd: the op makes the (B, L, H, E) views"
-    for a, t in zip(args[:3], (q, k, v)):
-        assert (a.data_ptr(), a.shape, a.stride()) == (t.data_ptr(), t.shape, t.stride()), (
-            "inputs reach the op as given"
-        )
-    assert out.transpose(1, 2).is_contiguous(), "a (B, H, L, E) view of a (B, L, H, E) buffer, as the main path"
-    return out
-
-
-@pytest.mark.parametrize("dtype", DTYPES["cpu"], ids=lambda d: str(d).replace("torch.", ""))
-@pytest.mark.parametrize("shape", list(DECODE_SHAPES))
-def test_decode_route_matches_oracle_cpu(dtype, shape, monkeypatch):
-    """The routed path on the CPU (where it is off by default) against the oracle."""
-    monkeypatch.setattr(flashattn_ext.interface, "DECODE_ROUTE_DEVICES", ("cpu",))
-    b, hq, hk, lq, sk, d, gqa, kv_view = DECODE_SHAPES[shape]
-    q, k, v = _decode_inputs("cpu", dtype, b, hq, hk, lq, sk, d, kv_view)
-    routed = _check_routed(q, k, v, gqa)
-    monkeypatch.setattr(flashattn_ext.interface, "DECODE_ROUTE_DEVICES", ())
-    with KernelCalls() as spy:
-        main = sdpa(q, k, v, enable_gqa=gqa)
-    assert [name for name, _ in spy.calls] == ["fwd"]
-    torch.testing.assert_close(routed, main, rtol=0, atol=0)  # the same CPU kernel either way
-
-
-def test_decode_route_off_cases_take_main_path(monkeypatch):
-    """Causal (torch's top-left), inputs requiring grad, a mask: the main path."""
-    monkeypatch.setattr(flashattn_ext.interface, "DECODE_ROUTE_DEVICES", ("cpu",))
-    q, k, v = _decode_inputs("cpu", torch.float32, 2, 8, 2, 1, 300, 64)
-    for kw, leaves in (({"is_causal": True}, False), ({}, True)):
-        with KernelCalls() as spy:
-            check_sdpa(q, k, v, dout=randn(q.shape, q.dtype, "cpu") if leaves else None, enable_gqa=True, **kw)
-        assert spy.calls and spy.calls[0][0] == "fwd", kw
+DECODE_CUDA_SHAPES = [
+    (1, 32, 8, 1, 8192, 128),
+    (4, 32, 8, 1, 3000, 128),
+    (2, 16, 4, 4, 777, 64),
+    (3, 8, 8, 1, 1024, 128),
+    (1, 8, 1, 16, 100, 256),
+    (2, 6, 2, 1, 300, 60),  # a head dim the kernels pad (a copy, as on the main path)
+]
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("gqa", [True, False], ids=["enable_gqa", "no_gqa"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize(
-    "shape",
-    [
-        (1, 32, 8, 1, 1024, 128),
-        (4, 32, 8, 1, 3000, 128),
-        (2, 16, 4, 4, 777, 64),
-        (3, 8, 8, 1, 8192, 128),
-        (1, 8, 1, 16, 100, 256),
-    ],
-    ids=lambda s: "b{}_h{}-{}_q{}_k{}_d{}".format(*s),
-)
+@pytest.mark.parametrize("shape", DECODE_CUDA_SHAPES, ids=lambda s: "b{}_h{}-{}_q{}_k{}_d{}".format(*s))
 def test_decode_route_cuda_matches_oracle(dtype, gqa, shape):
-    """The drop-in at decode shapes on CUDA runs fwd_kvcache (split-KV) and matches the oracle."""
+    """The drop-in at decode shapes on CUDA runs the decoding kernels and matches
+    the oracle, forward and (inputs requiring grad) backward from their out and lse."""
     b, hq, hk, lq, sk, d = shape
     if not gqa:  # same heads, or torch's broadcast of one key/value head
         hk = hq if hk != 1 else 1
     if d > flashattn_ext.interface._CUDA_MAX_HEAD_DIM:
         pytest.skip(f"head dim {d} not in this build")
     q, k, v = _decode_inputs("cuda", dtype, b, hq, hk, lq, sk, d, kv_view=sk % 2 == 1)
-    _check_routed(q, k, v, gqa)
+    out, _ = check_sdpa(q, k, v, dout=randn(q.shape, dtype, "cuda"), enable_gqa=gqa)
+    assert out.transpose(1, 2).is_contiguous(), "a (B, H, L, E) view of a (B, L, H, E) buffer, as the main path"
+    ran, names = _ran_decode_kernels(lambda: sdpa(q, k, v, enable_gqa=gqa))
+    assert ran, names
 
 
-def test_decode_route_compiles(monkeypatch):
-    """The routed call traces under torch.compile(fullgraph=True) (route on for the CPU here)."""
-    monkeypatch.setattr(flashattn_ext.interface, "DECODE_ROUTE_DEVICES", ("cpu",))
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "kw,routed",
+    [
+        ({}, True),
+        ({"is_causal": True}, False),  # torch's top-left causal: query i sees keys 0..i only
+        ({"dropout_p": 0.5}, False),
+        ({"attn_mask": "bool"}, False),
+    ],
+    ids=["plain", "causal_top_left", "dropout", "mask"],
+)
+def test_decode_route_cuda_which_calls(kw, routed):
+    """Only calls whose result the decoding kernels give take them; the others
+    (checked against the oracle elsewhere) keep the main forward."""
+    q, k, v = _decode_inputs("cuda", torch.bfloat16, 2, 8, 2, 1, 512, 64)
+    kw = dict(kw)
+    if kw.get("attn_mask") == "bool":
+        kw["attn_mask"] = torch.rand(2, 1, 1, 512, device="cuda") > 0.3
+    if "dropout_p" not in kw and "attn_mask" not in kw:
+        check_sdpa(q, k, v, enable_gqa=True, **kw)
+    ran, names = _ran_decode_kernels(lambda: sdpa(q, k, v, enable_gqa=True, **kw))
+    assert ran is routed, names
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (100, 0), (37, 5)], ids=["none", "causal", "w100", "w37_5"])
+@pytest.mark.parametrize("lq", [1, 3, 16])
+def test_decode_route_cuda_flash_attn_func(window, lq):
+    """flash_attn_func's short queries (causal and windows aligned bottom-right,
+    as the decoding kernels') and softcap run there too, forward and backward."""
+    from flashattn_ext import flash_attn_func
+    from flashattn_ext.tolerance import check_attention
+
+    b, hq, hk, sk, d = 2, 8, 2, 600, 128
+    q, k, v = (
+        randn(s, torch.bfloat16, "cuda").requires_grad_() for s in ((b, lq, hq, d), (b, sk, hk, d), (b, sk, hk, d))
+    )
+    causal = window == (-1, 0)
+    kw = dict(causal=causal, window_size=(-1, -1) if causal else window, softcap=30.0)
+    out, lse = flash_attn_func(q, k, v, return_lse=True, **kw)
+    dout = randn(out.shape, out.dtype, "cuda")
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    checks = check_attention(q.detach(), k.detach(), v.detach(), out, lse, dout=dout, grads=grads, **kw)
+    assert all(c.ok for c in checks), [str(c) for c in checks if not c.ok]
+    with torch.no_grad():
+        ran, names = _ran_decode_kernels(lambda: flash_attn_func(q, k, v, **kw))
+    assert ran, names
+
+
+@pytest.mark.cuda
+def test_decode_route_cuda_disable_switch(monkeypatch):
+    """FLASHATTN_DISABLE_DECODE_ROUTE=1 keeps the call on the main forward (the timing switch), same result."""
+    q, k, v = _decode_inputs("cuda", torch.bfloat16, 1, 32, 8, 1, 4096, 128)
+    routed = sdpa(q, k, v, enable_gqa=True)
+    monkeypatch.setenv("FLASHATTN_DISABLE_DECODE_ROUTE", "1")
+    ran, names = _ran_decode_kernels(lambda: sdpa(q, k, v, enable_gqa=True))
+    assert not ran, names
+    torch.testing.assert_close(sdpa(q, k, v, enable_gqa=True), routed, atol=2e-2, rtol=2e-2)
+
+
+def test_decode_route_compiles():
+    """A decode-step call traces under torch.compile(fullgraph=True)."""
     torch._dynamo.reset()
     q, k, v = _decode_inputs("cpu", torch.float32, 2, 8, 2, 1, 300, 64)
 

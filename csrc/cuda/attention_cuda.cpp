@@ -10,7 +10,9 @@
 #include <type_traits>
 
 #include "../attention_api.h"
+#include "../kvcache_api.h"
 #include "binding_util.h"
+#include "decode_launch.h"
 #include "dispatch.h"
 #include "mask_summary.h"
 
@@ -93,6 +95,21 @@ bool tries_sm90_ws(const AttnBwdParams& params, int kdim, const at::Tensor& q) {
   return tries;
 }
 
+// A short query against many keys (decode_route: a model's decode step
+// through flash_attn_func or the SDPA drop-in) on the split-KV decoding
+// kernels: every key of the call visible (no cache lengths: row_seqlen_k),
+// the window, aligned bottom-right as theirs, passed on; out and lse as the
+// main forward writes them, so that the backward runs from them unchanged.
+void run_on_decode_kernels(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                           const at::Tensor& lse, double softmax_scale, int64_t window_left, int64_t window_right,
+                           double softcap, int kdim) {
+  const at::Tensor all_keys;  // undefined: every row holds seqlen_k keys
+  const std::optional<at::Tensor> none;
+  const KvcacheInputs in{q, k, v, all_keys, none, none, none, softcap, none};
+  KvcacheParams params = make_kvcache_params(in, out, lse, softmax_scale, window_left, window_right);
+  launch_decode(params, /*num_splits=*/0, kdim, q, "the forward (a short query on the decoding kernel)");
+}
+
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                             double softmax_scale, int64_t window_left, int64_t window_right,
                                             bool bottom_right, double softcap,
@@ -109,6 +126,13 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   const auto mask = make_mask(window_left, window_right, bottom_right, q_in.size(1), k_in.size(1));
   const at::Tensor q = make_kernel_ready(q_in), k = make_kernel_ready(k_in), v = make_kernel_ready(v_in);
   auto [out, lse] = alloc_fwd_outputs(q);
+  const bool plain =
+      !(attn_mask && attn_mask->defined()) && !dropout.enabled() && !(alibi_slopes && alibi_slopes->defined());
+  if (decode_route(q.size(0), q.size(1), q.size(2), k.size(2), k.size(1), kdim, plain,
+                   window_left >= 0 || window_right >= 0, bottom_right)) {
+    run_on_decode_kernels(q, k, v, out, lse, softmax_scale, window_left, window_right, softcap, kdim);
+    return {unpad(out, head_dim), lse};
+  }
   check_grid((q.size(1) + 63) / 64 * q.size(0) * q.size(2), "forward");
   auto params = make_fwd_params(q, k, v, out, lse, softmax_scale, mask);
   params.score_mod = make_score_mod(softcap, alibi_slopes, q, q.size(0), q.size(2));

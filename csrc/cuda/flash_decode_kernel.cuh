@@ -44,6 +44,7 @@
 #include "pdl_launch.h"
 #include "ptx.cuh"
 #include "score_mod.cuh"
+#include "smem_limit.h"
 #include "softmax.cuh"
 #include "tile.cuh"
 
@@ -156,7 +157,7 @@ __global__ void __launch_bounds__(Kt::kNThreads) flash_decode_kernel(const Kvcac
   const bool paged = p.block_table != nullptr;
 
   // The row's integer arguments, clamped into range (see the file comment).
-  const int seqlen_k = clamp_int(p.seqlens_k[b], 0, p.capacity);
+  const int seqlen_k = row_seqlen_k(p.seqlens_k, b, p.capacity);
   const int key_begin = p.leftpad ? clamp_int(p.leftpad[b], 0, seqlen_k) : 0;
   const int cache_row = paged ? 0 : (p.batch_idx ? clamp_int(p.batch_idx[b], 0, p.cache_rows - 1) : b);
   const int32_t* table = paged ? p.block_table + b * p.block_table_batch_stride : nullptr;
@@ -520,17 +521,11 @@ __global__ void __launch_bounds__(128, 8) flash_decode_combine_kernel(const Kvca
   }
 }
 
-template <typename Kernel>
-cudaError_t decode_allow_smem(Kernel kernel, int bytes) {
-  if (bytes <= 48 * 1024) return cudaSuccess;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-}
-
 template <typename T, int kHeadDim, int kMT>
 cudaError_t launch_decode(const KvcacheParams& p, cudaStream_t stream) {
   using Kt = DecodeTraits<T, kHeadDim, kMT>;
   auto kernel = p.score_mod.any() ? &flash_decode_kernel<Kt, true> : &flash_decode_kernel<Kt, false>;
-  if (cudaError_t err = decode_allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
+  if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
   const int m_tiles = ceil_div(p.heads_q / p.heads_kv * p.seqlen_q, Kt::kBlockM);
   const dim3 grid(p.num_splits, p.heads_kv * m_tiles, p.batch);
   kernel<<<grid, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p);
@@ -575,7 +570,7 @@ int decode_ctas_per_sm(int m_tiles) {
   const cudaError_t err = with_decode_m_tiles<T, kHeadDim>(m_tiles, [&](auto mt) {
     using Kt = DecodeTraits<T, kHeadDim, decltype(mt)::value>;
     auto kernel = &flash_decode_kernel<Kt>;
-    if (cudaError_t e = decode_allow_smem(kernel, Kt::kSmemBytes); e != cudaSuccess) return e;
+    if (cudaError_t e = allow_smem(kernel, Kt::kSmemBytes); e != cudaSuccess) return e;
     return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, Kt::kNThreads, Kt::kSmemBytes);
   });
   if (err != cudaSuccess) return 0;

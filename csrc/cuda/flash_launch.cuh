@@ -17,15 +17,9 @@
 #include "hopper/flash_fwd_sm90_ws_kernel.cuh"
 #include "hopper/tma_host.h"
 #include "kernel_configs.h"
+#include "smem_limit.h"
 
 namespace flashattn {
-
-// Raises a kernel's dynamic shared memory limit past the 48 KiB default.
-template <typename Kernel>
-cudaError_t allow_smem(Kernel kernel, int bytes) {
-  if (bytes <= 48 * 1024) return cudaSuccess;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-}
 
 // Multiprocessors of the current device (persistent grids), read once per device.
 inline int sm_count() {

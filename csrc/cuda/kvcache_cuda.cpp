@@ -1,7 +1,7 @@
 // CUDA implementation of flashattn_ext::fwd_kvcache: validation through the
-// shared binding layer (kvcache_api.h), the kernels' layout requirements, the
-// split count, the split workspace and the dispatch to one (dtype, head dim)
-// instantiation of the split-KV decoding kernels (flash_decode_kernel.cuh).
+// shared binding layer (kvcache_api.h), the kernels' layout requirements, and
+// the split-KV decoding kernels (flash_decode_kernel.cuh, launched by
+// decode_launch.h with their split count and workspace).
 //
 // Long queries (prefill against a cache, prefill_route below) go to the
 // warp-specialized TMA forward instead (run_fwd with seqused_k = the cache
@@ -27,34 +27,11 @@
 
 #include "../kvcache_api.h"
 #include "binding_util.h"
-#include "decode_dispatch.h"
+#include "decode_launch.h"
 #include "dispatch.h"
 
 namespace flashattn {
 namespace {
-
-// The split count. Explicit values are honoured, clamped to [1, key blocks of
-// a full row]. 0 (automatic): one split when the CTAs without splitting fill
-// 80% of the resident slots (SMs x CTAs per SM); otherwise the smallest count
-// whose wave efficiency is within 85% of the best (FlashAttention-2's rule),
-// with at least two 64-key blocks per split and at most 128 splits.
-int choose_num_splits(int64_t requested, int64_t ctas, int64_t key_blocks, int64_t slots) {
-  if (requested > 0) return static_cast<int>(std::max<int64_t>(1, std::min(requested, key_blocks)));
-  if (ctas >= (slots * 4) / 5) return 1;
-  const int64_t max_splits = std::max<int64_t>(1, std::min<int64_t>({128, key_blocks / 2, slots}));
-  auto efficiency = [&](int64_t s) {
-    const double waves = double(ctas * s) / double(slots);
-    return waves / std::ceil(waves);
-  };
-  double best = 0.0;
-  for (int64_t s = 1; s <= max_splits; ++s) best = std::max(best, efficiency(s));
-  for (int64_t s = 1; s <= max_splits; ++s) {
-    // A count that gives a split no fewer blocks than the count below it only adds combine work.
-    if (s > 1 && (key_blocks + s - 1) / s == (key_blocks + s - 2) / (s - 1)) continue;
-    if (efficiency(s) >= 0.85 * best) return static_cast<int>(s);
-  }
-  return 1;
-}
 
 // The query length from which a call goes to the TMA forward (prefill_route).
 // The decoding kernel packs a GQA group's rows (heads_q / heads_kv * seqlen_q)
@@ -163,7 +140,6 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_impl(
 
   auto [out, lse] = alloc_kvcache_outputs(q);
   const KvcacheInputs in{q, k_cache, v_cache, seqlens_k, batch_idx, leftpad, block_table, softcap, alibi_slopes};
-  const int64_t batch = q.size(0), seqlen_q = q.size(1), heads_q = q.size(2), heads_kv = k_cache.size(2);
   const int64_t capacity = kvcache_capacity(in);
   if (out.numel() == 0) return {unpad(out, head_dim), lse};
   if (capacity == 0 || k_cache.size(0) == 0) {  // no key anywhere: zeros, lse -inf
@@ -187,43 +163,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda_impl(
       return {unpad(out, head_dim), lse};
     }
   }
-  const int64_t group_rows = heads_q / heads_kv * seqlen_q;
-  const int m_tiles = decode_m_tiles(kdim, static_cast<int>(std::min<int64_t>(group_rows, 1 << 20)));
-  const int64_t query_tiles = (group_rows + 16 * m_tiles - 1) / (16 * m_tiles);
-  TORCH_CHECK_VALUE(batch <= 65535,
-                    "flashattn_ext: flash_attn_with_kvcache takes at most 65535 batch rows on CUDA, got ", batch,
-                    "; split the batch");
-  TORCH_CHECK_VALUE(heads_kv * query_tiles <= 65535, "flashattn_ext: flash_attn_with_kvcache on CUDA: heads_kv x ",
-                    "ceil(heads_q / heads_kv * seqlen_q / ", 16 * m_tiles, ") = ", heads_kv * query_tiles,
-                    " exceeds 65535; split the queries");
-
-  int ctas_per_sm = 0;
-  with_element_type(q.scalar_type(), [&](auto elem) {
-    return with_kernel_head_dim(kdim, [&](auto dim) {
-      ctas_per_sm = decode_ctas_per_sm<decltype(elem), decltype(dim)::value>(m_tiles);
-      return cudaSuccess;
-    });
-  });
-  const int64_t slots =
-      int64_t(at::cuda::getDeviceProperties(q.device().index())->multiProcessorCount) * std::max(ctas_per_sm, 1);
-  const int64_t key_blocks = (capacity + kDecodeBlockN - 1) / kDecodeBlockN;
-  params.num_splits = choose_num_splits(num_splits, batch * heads_kv * query_tiles, key_blocks, slots);
-
-  at::Tensor o_accum, lse_accum;  // the split workspace: fp32 partial outputs and their lse
-  if (params.num_splits > 1) {
-    const auto f32 = q.options().dtype(at::kFloat);
-    o_accum = at::empty({params.num_splits, batch, heads_q, seqlen_q, q.size(3)}, f32);
-    lse_accum = at::empty({params.num_splits, batch, heads_q, seqlen_q}, f32);
-    params.o_accum = o_accum.data_ptr<float>();
-    params.lse_accum = lse_accum.data_ptr<float>();
-    params.pdl = pdl_enabled(q);
-  }
-  const cudaError_t err = with_element_type(q.scalar_type(), [&](auto elem) {
-    return with_kernel_head_dim(
-        kdim, [&](auto dim) { return run_decode<decltype(elem), decltype(dim)::value>(params, m_tiles, stream); });
-  });
-  TORCH_CHECK(err == cudaSuccess, "flashattn_ext: CUDA decoding kernel (head dim ", kdim,
-              ") failed to launch: ", cudaGetErrorString(err));
+  launch_decode(params, num_splits, kdim, q, "flash_attn_with_kvcache");
   return {unpad(out, head_dim), lse};
 }
 

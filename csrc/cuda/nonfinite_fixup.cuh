@@ -479,7 +479,7 @@ __device__ FLASHATTN_NONFINITE_SLOW void fix_decode_row(DecodeFixupArgs a, int b
   bool bad = false;
   for (int c = lane; c < d; c += 32) bad |= is_bad(to_float(out[c]));
   if (!__any_sync(0xffffffffu, bad)) return;
-  const int seqlen_k = clamp_to(a.seqlens_k[b], 0, a.capacity);
+  const int seqlen_k = row_seqlen_k(a.seqlens_k, b, a.capacity);
   const int key_begin = a.leftpad ? clamp_to(a.leftpad[b], 0, seqlen_k) : 0;
   const int64_t diag = int64_t(seqlen_k) - a.seqlen_q;
   const int lo = a.window_left < 0 ? key_begin : clamp_to(diag + qi - a.window_left, key_begin, seqlen_k);
