@@ -5,6 +5,11 @@ short text summary bench_gpu.py prints last.
     python benchmarks/bench_table.py results.json            # markdown on stdout
     python benchmarks/bench_table.py results.json -o RESULTS.md
     python benchmarks/bench_table.py results.json --text     # the short text summary
+    python benchmarks/bench_table.py a.json b.json --vs-best # the README's table: ours / the best peer
+
+--vs-best merges the rows of the given runs (one visit's grid split over calls)
+and gives, at each point, ours_sdpa / the fastest of BEST_PEERS there (its letter
+names it) and the geometric mean of those ratios over the seqlens.
 
 Cells: TFLOP/s at each seqlen, joined by "/" ("-" where a point was skipped, failed
 or not run). The ratios, at each seqlen in the markdown and as geometric mean
@@ -46,6 +51,8 @@ RATIOS = (
     ("ours_sdpa", "sdpa_flash"),
     ("ours_native", "sdpa_cudnn"),
 )
+# --vs-best: the peers ours is held against, and the letter that names each.
+BEST_PEERS = {"sdpa_cudnn": "c", "fa4": "f", "sdpa_default": "d"}
 # The implementations whose fraction of the matmul ceiling the tables show.
 FRACTION_IMPLS = ("ours_sdpa", "ours_native", "sdpa_default", "sdpa_cudnn", "sdpa_flash", "fa4")
 LEGACY_NAMES = {
@@ -402,15 +409,49 @@ def text_summary(data):
     return "\n".join(out)
 
 
+def vs_best_table(data, ours="ours_sdpa", peers=BEST_PEERS):
+    """Markdown: per case, at each seqlen, "ours/best<letter> ratio" and the geomean."""
+    table, seqlens = index_rows(data)
+    head = "| case | " + " | ".join(_seqlen_label(n) for n in seqlens) + " | geomean |"
+    lines = [head, "|---" * (len(seqlens) + 2) + "|"]
+    with_dtype = len({k[0] for k in table}) > 1
+    for key in sorted(table, key=_case_order):
+        impls = table[key]
+        cells, rs = [], []
+        for n in seqlens:
+            mine = impls.get(ours, {}).get(n)
+            best = max(((impls.get(i, {}).get(n) or 0.0, i) for i in peers), default=(0.0, None))
+            if not mine or not best[0]:
+                cells.append("-")
+                continue
+            rs.append(mine / best[0])
+            cells.append(f"{mine:.0f}/{best[0]:.0f}{peers[best[1]]} {mine / best[0]:.2f}")
+        g = geomean_range(rs)
+        lines.append(
+            f"| {_case_label(key, with_dtype)} | " + " | ".join(cells) + f" | {'-' if g is None else f'{g[0]:.2f}'} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="bench_gpu.py JSON -> markdown results table (or the text summary)")
-    p.add_argument("json", help="results JSON written by bench_gpu.py --json")
+    p.add_argument("json", nargs="+", help="results JSON written by bench_gpu.py --json (--vs-best: several, merged)")
     p.add_argument("-o", "--out", help="write the markdown here instead of stdout")
     p.add_argument("--text", action="store_true", help="print the short text summary instead")
+    p.add_argument("--vs-best", action="store_true", help="ours / the best of cuDNN, FA4 and the default, per point")
     args = p.parse_args(argv)
-    with open(args.json) as fh:
-        data = json.load(fh)
-    text = text_summary(data) if args.text else markdown_report(data)
+    runs = []
+    for path in args.json:
+        with open(path) as fh:
+            runs.append(normalize(json.load(fh)))
+    if len(runs) > 1 and not args.vs_best:
+        p.error("several JSON files only with --vs-best")
+    data = runs[0]
+    if args.vs_best:
+        data = dict(runs[0], rows=[r for run in runs for r in run.get("rows", [])])
+        text = vs_best_table(data)
+    else:
+        text = text_summary(data) if args.text else markdown_report(data)
     if args.out:
         with open(args.out, "w") as fh:
             fh.write(text + "\n")
