@@ -10,6 +10,7 @@
 #include "dispatch.h"
 #include "flash_bwd_kernel.cuh"
 #include "flash_fwd_kernel.cuh"
+#include "hopper/bwd_sm90_dq_convert.cuh"
 #include "hopper/flash_bwd_sm90_kernel.cuh"
 #include "hopper/flash_bwd_sm90_ws_kernel.cuh"
 #include "hopper/flash_bwd_sm90_ws_split_kernel.cuh"

@@ -7,6 +7,7 @@
 
 #include "../dropout_keep_bits.cuh"
 #include "../tile.cuh"
+#include "tma.cuh"
 #include "wgmma.cuh"
 
 namespace flashattn {
@@ -99,6 +100,28 @@ __device__ __forceinline__ void store_a_frags(T* tile, const uint32_t (&a)[kQSte
       for (int h = 0; h < 2; ++h)
         *reinterpret_cast<uint32_t*>(tile + Tile::offset(warp_row0 + g + 8 * h, (2 * kk + hh) * 8) + 2 * t) =
             a[kk][2 * hh + h];
+}
+
+// Varlen: zeroes rows [row_lo, Tile::kRows) of a swizzled shared-memory tile
+// (all of each row's 16-byte chunks, so the swizzle does not matter), with
+// kNThreads threads numbered tid. The caller fences (fence_proxy_async_smem:
+// wgmma reads the tile next) and syncs its threads.
+template <typename Tile, int kNThreads, typename T>
+__device__ __forceinline__ void zero_tile_rows(T* tile, int row_lo, int tid) {
+  constexpr int kChunks = Tile::kCols / 8;
+  for (int i = row_lo * kChunks + tid; i < Tile::kRows * kChunks; i += kNThreads)
+    *reinterpret_cast<uint4*>(tile + Tile::offset(i / kChunks, (i % kChunks) * 8)) = make_uint4(0, 0, 0, 0);
+}
+
+// Varlen, the last key block of a sequence: rows [keys, kBlockN) of sK are the
+// next sequence's keys and dQ = dS K reads every row (see the top of the
+// file): the kNThreads consumer threads zero them once, before any product,
+// and meet at zero_bar.
+template <typename TileKV, int kNThreads, typename T>
+__device__ __forceinline__ void zero_key_tail(T* sK, int keys, int tid, int zero_bar) {
+  zero_tile_rows<TileKV, kNThreads>(sK, keys, tid);
+  fence_proxy_async_smem();  // wgmma (async proxy) reads what st.shared wrote
+  named_barrier_sync(zero_bar, kNThreads);
 }
 
 }  // namespace flashattn

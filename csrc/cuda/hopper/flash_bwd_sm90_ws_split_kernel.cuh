@@ -82,7 +82,9 @@
 #include "../nonfinite_fixup.cuh"
 #include "../score_mod.cuh"
 #include "bwd_sm90_common.cuh"
-#include "flash_bwd_sm90_ws_kernel.cuh"
+#include "bwd_sm90_dq_writer.cuh"
+#include "bwd_sm90_producer.cuh"
+#include "bwd_sm90_scheduler.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
 
