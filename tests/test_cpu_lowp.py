@@ -89,6 +89,10 @@ LOWP_CASES = [
     (200, 70, 64, 2, 2, "causal_br", 2),  # rows without keys
     (130, 257, 96, 6, 1, "none", 1),  # MQA; 96 = three 32-element steps
     (65, 129, 32, 3, 3, "window_left", 2),
+    # spans of up to four plain full key tiles in one softmax step (flash_cpu_fwd.cpp,
+    # kWideTiles), then the ragged tail; and spans cut short by the causal diagonal
+    (512, 1000, 128, 4, 2, "none", 1),
+    (448, 448, 64, 2, 1, "causal_br", 1),
 ]
 
 

@@ -16,7 +16,8 @@
 // scores; K is used in place when it is float32 with a row stride >= d.
 //
 // Key tiles lie on a fixed grid of kBlockK keys (so the GEMM shapes repeat
-// and their JIT-compiled kernels are reused); the loop visits only the tiles
+// and their JIT-compiled kernels are reused; the low-precision products take
+// spans of up to kWideTiles plain tiles at once); the loop visits only the tiles
 // the mask leaves visible to some query of the block, and applies the element
 // mask only on tiles that are not fully visible.
 //
@@ -58,6 +59,16 @@ namespace {
 constexpr int kBlockK = 64;
 constexpr int kMaxBlockQ = 128;
 constexpr int kMinBlockQ = 32;
+// The low-precision products take up to kWideTiles neighbouring full tiles
+// that no mask, score mod or dropout touches as one span of keys: one S^T
+// product over the span, one online-softmax step (one O^T rescale per span
+// instead of per tile: at 64 keys a tile the softmax step took more time than
+// the matrix units' products, perf on an AMX Xeon core), the P V product in
+// the span's tiles (the value tiles stay on the kBlockK grid). Measured on a
+// 2-core AMX Xeon, 1 thread, b1 h16 n1024 d128 bfloat16 forward: 35.9 ms at
+// one tile (torch's CPU flash kernel, 256 x 512 blocks: 20.2 ms), 25.8 ms at
+// spans of 256 keys (torch 22.9 ms in that run); benchmarks/cpu_perf_log.md.
+constexpr int kWideTiles = 4;
 
 // What multiplies O / l at the end: 1 / (1 - p) with dropout (0 when p = 1), else 1.
 template <typename acc_t>
@@ -82,7 +93,7 @@ struct FwdScratch {
         q_t(d * block_q_),
         k(kBlockK * d),
         v_t(d * kBlockK),
-        s_t(kBlockK * block_q_),
+        s_t((lowp_ ? kWideTiles : 1) * kBlockK * block_q_),
         o_t(d * block_q_),
         row_max(block_q_),
         row_sum(block_q_),
@@ -94,16 +105,16 @@ struct FwdScratch {
         query_hi(kBlockK),
         bad_keys(kBlockK),
         q_pairs(lowp_ ? d * block_q_ : 0),
-        k_lowp(lowp_ ? kBlockK * d : 0),
+        k_lowp(lowp_ ? kWideTiles * kBlockK * d : 0),
         v_t_lowp(lowp_ ? d * kBlockK : 0),
-        p_pairs(lowp_ ? kBlockK * block_q_ : 0) {}
+        p_pairs(lowp_ ? kWideTiles * kBlockK * block_q_ : 0) {}
 
   const int block_q;  // queries per block (kBlockK keys per tile)
   const bool lowp;
   ScratchArray<acc_t> q_t;           // d x block_q        scale * Q^T
   ScratchArray<acc_t> k;             // kBlockK x d        key tile, when k cannot be a GEMM operand in place
   ScratchArray<acc_t> v_t;           // d x kBlockK        value tile, transposed
-  ScratchArray<acc_t> s_t;           // kBlockK x block_q  S^T, then P^T
+  ScratchArray<acc_t> s_t;           // kBlockK x block_q  S^T, then P^T (lowp: a span of kWideTiles tiles)
   ScratchArray<acc_t> o_t;           // d x block_q        unnormalized O^T
   ScratchArray<acc_t> row_max;       // block_q            m
   ScratchArray<acc_t> row_sum;       // block_q            l
@@ -116,9 +127,9 @@ struct FwdScratch {
   ScratchArray<int> bad_keys;        // kBlockK            keys whose value row is not finite (masked tiles)
   // Low-precision products:
   ScratchArray<scalar_t> q_pairs;   // d x block_q        Q^T in pairs panels (unscaled)
-  ScratchArray<scalar_t> k_lowp;    // kBlockK x d        key tile, when k cannot be a GEMM operand in place
+  ScratchArray<scalar_t> k_lowp;    // kBlockK x d        key tiles of a span, when k cannot be a GEMM operand in place
   ScratchArray<scalar_t> v_t_lowp;  // d x kBlockK        value tile, transposed
-  ScratchArray<scalar_t> p_pairs;   // kBlockK x block_q  P^T rounded, in pairs panels
+  ScratchArray<scalar_t> p_pairs;   // kBlockK x block_q  P^T rounded, in pairs panels (a span: one per tile)
 };
 
 // The results of one key part of a split call (see key_parts below), per
@@ -226,7 +237,8 @@ void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
     if constexpr (kIsLowp<scalar_t>) {
       if (lowp_block) pack_pairs_transposed(q, p.q_row_stride, d, block_q, scratch.q_pairs.get());
     }
-    for (int64_t k0 = key_begin / kBlockK * kBlockK; k0 < key_end; k0 += kBlockK) {
+    for (int64_t k0 = key_begin / kBlockK * kBlockK, step = kBlockK; k0 < key_end; k0 += step) {
+      step = kBlockK;
       const int cols = static_cast<int>(std::min<int64_t>(kBlockK, seq.seqlen_k - k0));
       if (has_mod && mod.hides(cols, rows, k0, q0)) continue;     // an attn_mask hides the block outright
       const bool full_tile = rows == block_q && cols == kBlockK;  // see tile_gemm.h
@@ -237,13 +249,41 @@ void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
 
       if constexpr (kIsLowp<scalar_t>) {
         if (lowp_block && full_tile) {
-          // S^T = K Q^T                                                    cols x rows
+          // A plain tile takes its plain full neighbours into one span (kWideTiles).
+          int span = kBlockK;
+          if (!masked && !has_mod && !dropout) {
+            while (
+                span < kWideTiles * kBlockK && k0 + span + kBlockK <= std::min<int64_t>(key_end, seq.seqlen_k) &&
+                !mask.block_query_ranges(q0, rows, k0 + span, kBlockK, scratch.query_lo.get(), scratch.query_hi.get()))
+              span += kBlockK;
+          }
+          step = span;
+          // S^T = K Q^T                                                    span x rows
           const scalar_t* k_tile = k + k0 * p.k_row_stride;
           int64_t k_ld = p.k_row_stride;
           if (!(k_ld >= d && ld_admitted_in_place(k_ld))) {
-            for (int j = 0; j < cols; ++j)
+            for (int j = 0; j < span; ++j)
               std::copy(k_tile + j * k_ld, k_tile + j * k_ld + d, scratch.k_lowp.get() + j * d);
             k_tile = scratch.k_lowp.get(), k_ld = d;
+          }
+          if (span > kBlockK) {
+            gemm_nn_lowp(span, rows, d, k_tile, k_ld, scratch.q_pairs.get(), s_t, block_q, /*accumulate=*/false);
+            online_softmax_step(s_t, block_q, span, rows, nullptr, nullptr, row_max, row_sum, o_t, block_q, d,
+                                scratch.softmax_work.get(), static_cast<acc_t>(p.softmax_scale));
+            for (int t0 = 0; t0 < span; t0 += kBlockK)  // P^T rounded, one pairs operand per tile
+              pack_pairs(s_t + t0 * block_q, block_q, kBlockK, rows, scratch.p_pairs.get() + t0 * block_q);
+            // O^T += V^T P^T, tile by tile of the span                    d x rows
+            for (int t0 = 0; t0 < span; t0 += kBlockK) {
+              const scalar_t* v_t = v_tiles.lowp_tile(k0 + t0);
+              if (!v_t) {
+                transpose_lowp(v + (k0 + t0) * p.v_row_stride, p.v_row_stride, kBlockK, d, scratch.v_t_lowp.get(),
+                               kBlockK);
+                v_t = scratch.v_t_lowp.get();
+              }
+              gemm_nn_lowp(d, rows, kBlockK, v_t, kBlockK, scratch.p_pairs.get() + t0 * block_q, o_t, block_q,
+                           /*accumulate=*/true);
+            }
+            continue;
           }
           gemm_nn_lowp(cols, rows, d, k_tile, k_ld, scratch.q_pairs.get(), s_t, block_q, /*accumulate=*/false);
           // S^T -> P^T (scaled here, or by the score mod), update m and l, rescale O^T.
