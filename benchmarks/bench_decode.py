@@ -248,24 +248,24 @@ def _kvcache_call(kvcache, impl, cfg, batch, n_q, n_cache, device, gen):
     return lambda: kvcache(q, k, v, cache_seqlens=seqlens, causal=True, **extra)
 
 
-def _sdpa_route(fn):
-    """Runs fn once and names the flashattn_ext op it reached: "decode" (fwd_kvcache,
-    the split-KV kernel) or "main" (the forward kernels)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+def _sdpa_route(fn, device):
+    """Runs fn once and names the kernels it reached: "decode" (the split-KV
+    decoding kernel: the forward's own decode route, csrc/cuda/decode_launch.h),
+    "main" (the forward kernels) or "torch fallback" (none of ours), from the
+    CUDA kernels the profiler saw. On the CPU there is no route: "main"."""
+    from torch.profiler import ProfilerActivity, profile
 
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace == "flashattn_ext":
-                self.names.append(func._opname)
-            return func(*args, **(kwargs or {}))
-
-    with Ops() as ops:
+    if device.type != "cuda":
         fn()
-    return "decode" if "fwd_kvcache" in ops.names else ("main" if ops.names else "torch fallback")
+        return "main"
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if any("flash_decode_kernel" in n for n in names):
+        return "decode"
+    return "main" if any("flashattn" in n for n in names) else "torch fallback"
 
 
 def _record(row, e):
@@ -313,8 +313,8 @@ def decode_case(impl, batch, n, cfg, device, bench, gen):
             # decode step with a dynamic cache and no padding: query (B, H, 1, D) a
             # transposed view of the (B, 1, H, D) projection, key/value the contiguous
             # (B, H_kv, n, D) cache, attn_mask=None, dropout_p=0.0, scale=module.scaling,
-            # is_causal=False (q_len 1), enable_gqa=True. It takes the decode route
-            # (split-KV kernel, fwd_kvcache); `route` records that it did.
+            # is_causal=False (q_len 1), enable_gqa=True. The forward runs it on the
+            # split-KV decoding kernel (decode_route); `route` records that it did.
             if OURS is None:
                 raise RuntimeError(OURS_IMPORT_ERROR)
             _fits(device, kv_bytes, "the cache")
@@ -327,7 +327,7 @@ def decode_case(impl, batch, n, cfg, device, bench, gen):
                     q, k, v, attn_mask=None, dropout_p=0.0, scale=scaling, is_causal=False, enable_gqa=True
                 )
 
-            row["route"] = _sdpa_route(fn)
+            row["route"] = _sdpa_route(fn, device)
         else:
             _fits(device, kv_bytes, "the cache")
             q = _rand((batch, hq, 1, d), dtype, device, gen)
