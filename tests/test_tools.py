@@ -440,6 +440,47 @@ def test_bench_table_ratios_are_right():
     assert lines[-1].startswith("fa4 not run") or "TIME BUDGET" in lines[-1] or lines[-1].startswith("elapsed")
 
 
+def test_bench_table_vs_best_names_the_fastest_peer(tmp_path):
+    """--vs-best: at each point ours / the fastest of cuDNN, FA4 and the default,
+    with that peer's letter, and the geomean; a grid split over two JSON files
+    (one visit's calls) reads as the whole."""
+    bt = _load("bench_table")
+    data = synthetic_results()
+
+    def fa4(n):  # slower than cuDNN at short seqlens, faster at long ones
+        return 400.0 + 0.02 * n
+
+    for row in list(data["rows"]):
+        if row["impl"] == "sdpa_cudnn":
+            data["rows"].append(dict(row, impl="fa4", tflops=fa4(row["n"])))
+    headers, body = _md_table(bt.vs_best_table(data), "case")
+    assert headers[1:-1] == ["512", "1k", "2k", "4k", "8k", "16k"] and headers[-1] == "geomean"
+    letters = set()
+    for label, mode, d, causal in _cases():
+        ratios = []
+        for n, hdr in zip(SYN_SEQLENS, headers[1:-1]):
+            mine = syn_tflops("ours_sdpa", mode, d, causal, n)
+            peers = {"c": syn_tflops("sdpa_cudnn", mode, d, causal, n), "f": fa4(n)}
+            peers["d"] = syn_tflops("sdpa_default", mode, d, causal, n)
+            letter, best = max(peers.items(), key=lambda kv: kv[1])
+            if mine is None:
+                assert body[label][hdr] == "-", (label, hdr)
+                continue
+            letters.add(letter)
+            ratios.append(mine / best)
+            assert body[label][hdr] == f"{mine:.0f}/{best:.0f}{letter} {mine / best:.2f}", (label, hdr)
+        geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+        assert body[label]["geomean"] == f"{geo:.2f}", label
+    assert letters == {"c", "f"}  # the table does switch peers along the seqlens
+    # Two files, each with half of the cases, merged.
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(dict(data, rows=[r for r in data["rows"] if r["d"] == 64])))
+    b.write_text(json.dumps(dict(data, rows=[r for r in data["rows"] if r["d"] == 128])))
+    out = tmp_path / "vs_best.md"
+    assert bt.main([str(a), str(b), "--vs-best", "-o", str(out)]) == 0
+    assert out.read_text().strip() == bt.vs_best_table(data).strip()
+
+
 def test_bench_table_reads_old_json():
     """JSON of the old impl names (flashattn_ext, cudnn, fa2, mem_efficient) reads as the new ones."""
     bt = _load("bench_table")
