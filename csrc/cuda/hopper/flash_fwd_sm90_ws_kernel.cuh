@@ -102,6 +102,7 @@
 #include "../softmax.cuh"
 #include "../tile.cuh"
 #include "fwd_sm90_common.cuh"
+#include "fwd_sm90_epilogue.cuh"
 #include "fwd_sm90_mainloop.cuh"
 #include "fwd_sm90_producer.cuh"
 #include "tile_scheduler.cuh"
@@ -126,10 +127,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   using TileQ = typename Kt::TileQ;
   using TileKV = typename Kt::TileKV;
   using Tile = FwdTile<Kt::kBlockM, kVarlen>;
-  using C = FwdSm90Coords<Kt, kVarlen>;
   constexpr int kBlockN = Kt::kBlockN, kHeadDim = Kt::kHeadDim;
   constexpr int kStages = Kt::kStages, kConsumers = Kt::kConsumers;
-  constexpr int kEpilogueBar = 1 + kConsumers;
   constexpr int kNT = kBlockN / 8;       // n-tiles of a row of S
   constexpr int kDT = kHeadDim / 8;      // n-tiles of a row of O
   constexpr int kPingPongThreads = 256;  // one warpgroup syncs, the previous one arrives
@@ -137,7 +136,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 
   extern __shared__ char smem_raw[];
   const FwdSm90Smem<Kt> sm(smem_raw);
-  T* const sO = sm.sO;
   uint64_t* const full_k = sm.full_k;
   uint64_t* const empty_k = sm.empty_k;
   uint64_t* const full_v = sm.full_v;
@@ -198,7 +196,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   const int cwg = wg - 1;                            // consumer index
   const int ctid = tid - 128;                        // thread index among the consumers
   const int warp_row0 = cwg * 64 + (warp % 4) * 16;  // this warp's 16 rows of the block
-  const int g = lane >> 2, t = lane & 3;
   const bool elected = (warp % 4 == 0) && lane == 0;  // issues this consumer's stores and releases
 
   using Mainloop = FwdSm90Mainloop<Kt, kVarlen>;
@@ -316,70 +313,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     softmax.finalize(acc_o, kScoreMod ? 1.f : p.softmax_scale_log2, positive_scale, row_lse,
                      kScoreMod && p.dropout.enabled() ? static_cast<float>(p.dropout.scale) : 1.f);
     const bool bad = nonfinite::any_bad(acc_o);
-    if (Kt::kSeparateO) {
-      // This consumer's previous O store must have finished reading its rows of sO.
-      if (elected) tma_store_wait_read();
-      named_barrier_sync(kEpilogueBar + cwg, 128);
-    }
-    // (Staged in sQ: this consumer's rows are free, its last S GEMM has
-    // completed and no other warpgroup reads them.)
-    store_acc<TileQ>(sO, acc_o, warp_row0, 0, lane);
-    if (t == 0) {
-      float* gLse = static_cast<float*>(p.lse_ptr) + et.seq.rowvec_offset(p, et.b, et.h) + m0;
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int r = warp_row0 + g + 8 * hh;
-        if (r < et.rows) gLse[r] = row_lse[0][hh];
-      }
-    }
-    // The non-finite rule (../nonfinite_fixup.cuh): this warp's 16 rows of the
-    // staged O, exactly, if one holds a NaN / inf (before the TMA store reads them).
-    if (__any_sync(0xffffffffu, bad))
-      nonfinite::fix_fwd_rows<TileQ, (kHeadDim + 31) / 32>(nonfinite::fixup_args(p, et.seq, et.b), et.h, m0, warp_row0,
-                                                           16, et.rows, sO, lane,
-                                                           nonfinite::score_policy<kScoreMod>(p, et.b));
-    fence_proxy_async_smem();  // the TMA store (async proxy) reads what st.shared wrote
-    named_barrier_sync(kEpilogueBar + cwg, 128);
-    // Varlen: this consumer's rows of the sequence (its box is rows 64 cwg .. 64 cwg + 63 of the tile).
-    // seqused_k: dense tensor maps, which clip the box at seqlen_q as in a dense batch.
-    const int o_rows = kVarlen && p.is_varlen() ? et.rows - cwg * 64 : 64;
-    if (o_rows >= 64) {
-      if (elected) {
-#pragma unroll
-        for (int pn = 0; pn < Kt::kPanels; ++pn)
-          tma_store_4d(&maps.o, sO + pn * TileQ::kRows * 64 + cwg * 64 * 64, pn * 64, et.h, C::q_row_of(et) + cwg * 64,
-                       C::batch_of(p, et));
-        tma_store_commit();
-        if (!Kt::kSeparateO) {
-          tma_store_wait_read();
-          mbar_arrive(empty_q);
-        }
-      }
-    } else {
-      // Varlen, the sequence ends inside this consumer's rows (or before
-      // them): its 128 threads store the o_rows rows (none when <= 0) with
-      // 16-byte stores, 8 columns a thread, consecutive threads along a row.
-      // Columns past head_dim are left out as the TMA store clips them.
-      T* gO = static_cast<T*>(p.o_ptr) + et.seq.q_offset(p.o_batch_stride, p.o_row_stride, et.b) +
-              et.h * p.o_head_stride + int64_t(m0 + cwg * 64) * p.o_row_stride;
-      constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks of a row
-      for (int i = tid & 127; i < o_rows * kChunks; i += 128) {
-        const int r = i / kChunks, c = (i % kChunks) * 8;
-        if (c < p.head_dim)
-          *reinterpret_cast<uint4*>(gO + int64_t(r) * p.o_row_stride + c) =
-              *reinterpret_cast<const uint4*>(sO + TileQ::offset(cwg * 64 + r, c));
-      }
-      if (!Kt::kSeparateO) {
-        // O is staged in sQ: every thread of this consumer has read its rows
-        // before the producer may load the next Q there (async proxy after
-        // generic reads: the fence orders them, as after the writes above).
-        fence_proxy_async_smem();
-        named_barrier_sync(kEpilogueBar + cwg, 128);
-        if (elected) mbar_arrive(empty_q);
-      }
-      // (With a separate O tile, the next tile's epilogue syncs this
-      // consumer's threads before any of them writes sO again.)
-    }
+    fwd_sm90_epilogue<Kt, kVarlen, kScoreMod>(p, maps, sm, et, m0, acc_o, row_lse, bad, cwg, warp_row0, lane, tid,
+                                              elected);
     it0 += i + 1;
     ++q_iter;
   }
