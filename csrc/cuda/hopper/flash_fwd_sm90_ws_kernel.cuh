@@ -193,9 +193,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 
   // ---- consumers ----------------------------------------------------------
   warpgroup_reg_alloc<Kt::kConsumerRegs>();
-  const int cwg = wg - 1;                            // consumer index
-  const int ctid = tid - 128;                        // thread index among the consumers
-  const int warp_row0 = cwg * 64 + (warp % 4) * 16;  // this warp's 16 rows of the block
+  const int cwg = wg - 1;                             // consumer index
+  const int ctid = tid - 128;                         // thread index among the consumers
+  const int warp_row0 = cwg * 64 + (warp % 4) * 16;   // this warp's 16 rows of the block
   const bool elected = (warp % 4 == 0) && lane == 0;  // issues this consumer's stores and releases
 
   using Mainloop = FwdSm90Mainloop<Kt, kVarlen>;
