@@ -83,6 +83,7 @@
 #include "../score_mod.cuh"
 #include "bwd_sm90_common.cuh"
 #include "bwd_sm90_dq_writer.cuh"
+#include "bwd_sm90_epilogue.cuh"
 #include "bwd_sm90_producer.cuh"
 #include "bwd_sm90_scheduler.cuh"
 #include "tma.cuh"
@@ -561,12 +562,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                                                               nonfinite::score_policy<kScoreMod>(p, b));
   named_barrier_sync(kEpilogueBar, kConsumerThreads);
 
-  T* gdK = static_cast<T*>(p.dk_ptr) + eseq.k_offset(p.dk_batch_stride, p.dk_row_stride, b) + h_kv * p.dk_head_stride +
-           n0 * p.dk_row_stride;
-  T* gdV = static_cast<T*>(p.dv_ptr) + eseq.k_offset(p.dv_batch_stride, p.dv_row_stride, b) + h_kv * p.dv_head_stride +
-           n0 * p.dv_row_stride;
-  store_tile<TileKV, kConsumerThreads>(gdK, p.dk_row_stride, sK, keys, p.head_dim, ctid);
-  store_tile<TileKV, kConsumerThreads>(gdV, p.dv_row_stride, sV, keys, p.head_dim, ctid);
+  store_dk_dv<TileKV, kConsumerThreads>(p, eseq, b, h_kv, n0, keys, sK, sV, ctid);
 #endif
 }
 
