@@ -248,21 +248,26 @@ def _kvcache_call(kvcache, impl, cfg, batch, n_q, n_cache, device, gen):
     return lambda: kvcache(q, k, v, cache_seqlens=seqlens, causal=True, **extra)
 
 
-def _sdpa_route(fn, device):
-    """Runs fn once and names the kernels it reached: "decode" (the split-KV
-    decoding kernel: the forward's own decode route, csrc/cuda/decode_launch.h),
-    "main" (the forward kernels) or "torch fallback" (none of ours), from the
-    CUDA kernels the profiler saw. On the CPU there is no route: "main"."""
+def _cuda_kernel_names(fn):
+    """The CUDA kernels fn() ran (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
-    if device.type != "cuda":
-        fn()
-        return "main"
-
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def _sdpa_route(fn, device):
+    """Runs fn once and names the kernels it reached: "decode" (the split-KV
+    decoding kernel: the forward's own decode route, csrc/cuda/decode_launch.h),
+    "main" (the forward kernels) or "torch fallback" (none of ours). On the CPU
+    there is no route: "main"."""
+    if device.type != "cuda":
+        fn()
+        return "main"
+    names = _cuda_kernel_names(fn)
     if any("flash_decode_kernel" in n for n in names):
         return "decode"
     return "main" if any("flashattn" in n for n in names) else "torch fallback"
@@ -372,13 +377,7 @@ def _kernel_of(fn, device):
     """Which of our kernels fn() ran (torch.profiler): "tma_forward", "decode" or the names."""
     if device.type != "cuda":
         return None
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    names = _cuda_kernel_names(fn)
     if any("flash_fwd_sm90_ws_kernel" in n for n in names):
         return "tma_forward"
     if any("flash_decode_kernel" in n for n in names):

@@ -1569,8 +1569,8 @@ def flash_attn_with_kvcache(
     )
 
 
-# Constant int32 (batch,) length tensors (cache_seqlens given as None or an int,
-# the drop-in's decode route), kept per (device, stream, batch, value): the
+# Constant int32 (batch,) length tensors (flash_attn_with_kvcache's
+# cache_seqlens given as None or an int), kept per (device, stream, batch, value): the
 # kernels read the lengths from memory, and a decode step asks for the same
 # ones in every layer. Filled once on the stream that uses them (so the fill is
 # ordered before every read); never during a CUDA graph capture (the fill would
