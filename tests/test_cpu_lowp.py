@@ -15,7 +15,7 @@ the same bitwise thread invariance as the float32 path's.
 
 import pytest
 import torch
-from test_cpu_kernels import make_inputs, run_case
+from test_cpu_kernels import check, make_inputs, run_case
 from test_robustness import NONFINITE_SHAPES, _nonfinite_case
 
 fwd_op = torch.ops.flashattn_ext.fwd
@@ -165,6 +165,36 @@ def test_lowp_without_mkldnn_falls_back(seed, lowp, monkeypatch):
         torch.backends.mkldnn.enabled = enabled
     out1 = _own(monkeypatch, lambda: fwd_op(q, k, v, 0.125, -1, -1, False))
     assert torch.equal(out[0], out1[0])
+
+
+@pytest.mark.parametrize("scores", ["flat", "rising"])
+@pytest.mark.parametrize("layout", ["bnhd", "bhnd"])
+def test_lowp_fused_softmax_step(seed, lowp, scores, layout):
+    # The bfloat16 spans' fused softmax step (csrc/cpu/softmax_pairs.cpp, on
+    # AVX-512 with AVX512-BF16) against the oracle and against the two steps it
+    # replaces (the test knob no_fused_softmax; the same operations, so the
+    # same values up to FMA contraction). 1024 keys are four spans (512
+    # queries: no key split). "rising": scores whose scale grows twelvefold
+    # along the keys, so that every span moves the max and O^T and l are
+    # rescaled mid-row; "flat": the max settles early. The layouts: k's rows
+    # heads * d apart (copied into contiguous tiles first) or already
+    # contiguous (read in place).
+    q, k, v, dout = make_inputs(1, 512, 1024, 2, 2, 128, lowp, noncontiguous=layout == "bhnd")
+    if scores == "rising":
+        k = (k.float() * torch.linspace(1.0, 12.0, k.shape[1]).view(1, -1, 1, 1)).to(lowp)
+        if layout == "bhnd":
+            k = k.transpose(1, 2).contiguous().transpose(1, 2)
+    scale = 128**-0.5
+    out, lse = fwd_op(q, k, v, scale, -1, -1, False)
+    before = torch.ops.flashattn_ext._cpu_test_knob("no_fused_softmax", 1)
+    try:
+        out2, lse2 = fwd_op(q, k, v, scale, -1, -1, False)
+    finally:
+        torch.ops.flashattn_ext._cpu_test_knob("no_fused_softmax", before)
+    check(q, k, v, out, lse, None, None, scale, -1, -1, False, seed)
+    check(q, k, v, out2, lse2, None, None, scale, -1, -1, False, seed)
+    torch.testing.assert_close(lse, lse2, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, out2, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("shape", [s for s in NONFINITE_SHAPES if s.startswith("tiled")])

@@ -34,7 +34,8 @@ std::string cpu_runtime_info(bool reset_peak) {
   return s;
 }
 
-// A test switch of cpu_knobs.h by name ("no_key_split", "bwd_passes"): sets
+// A test switch of cpu_knobs.h by name ("no_key_split", "bwd_passes",
+// "no_fused_softmax"): sets
 // it to `value` (0: the default) and returns its value before; value -1 only
 // reads it. For tests and A/B timings, not for models: it is process-wide.
 int64_t cpu_test_knob(const std::string& name, int64_t value) {
@@ -43,8 +44,11 @@ int64_t cpu_test_knob(const std::string& name, int64_t value) {
     knob = cpu::TestKnob::kNoKeySplit;
   } else if (name == "bwd_passes") {
     knob = cpu::TestKnob::kBwdPasses;
+  } else if (name == "no_fused_softmax") {
+    knob = cpu::TestKnob::kNoFusedSoftmax;
   } else {
-    TORCH_CHECK_VALUE(false, "flashattn_ext: no CPU test knob named '", name, "' (no_key_split, bwd_passes)");
+    TORCH_CHECK_VALUE(false, "flashattn_ext: no CPU test knob named '", name,
+                      "' (no_key_split, bwd_passes, no_fused_softmax)");
   }
   std::atomic<int>& v = cpu::test_knob(knob);
   return value < 0 ? v.load() : v.exchange(static_cast<int>(value));

@@ -21,6 +21,9 @@
 //   TestKnob::kNoKeySplit   1: no flash-decoding key split (flash_cpu_fwd.cpp)
 //   TestKnob::kBwdPasses    1 / 2: the backward in one / two passes, instead
 //                           of the shape rule (flash_cpu_bwd.cpp)
+//   TestKnob::kNoFusedSoftmax  1: the bfloat16 forward's spans take
+//                           online_softmax_step and pack_pairs, not their
+//                           fused AVX-512 step (softmax_pairs.cpp)
 #pragma once
 
 #include <atomic>
@@ -39,8 +42,8 @@ inline LowpGemm lowp_gemm_choice() {
   return LowpGemm::kOwn;
 }
 
-enum class TestKnob : int { kNoKeySplit = 0, kBwdPasses = 1 };
-constexpr int kNumTestKnobs = 2;
+enum class TestKnob : int { kNoKeySplit = 0, kBwdPasses = 1, kNoFusedSoftmax = 2 };
+constexpr int kNumTestKnobs = 3;
 
 // The knob's value (one object per process: an inline function's static).
 inline std::atomic<int>& test_knob(TestKnob knob) {

@@ -12,33 +12,56 @@
 namespace flashattn {
 namespace cpu {
 
-// exp(x) for float: exp(x) = 2^n exp(r) with n = round(x log2(e)) and
-// |r| <= ln(2)/2, exp(r) by the Cephes expf polynomial (about 1 ulp). Plain
-// arithmetic and bit casts only, so loops calling it vectorize.
-// Arguments below -87.3 (-inf included) give exactly 0, the value a masked or
-// vanishing probability must have; the results they would otherwise produce
-// (< 1.2e-38) cannot change a softmax sum that includes exp(0) = 1.
-FLASHATTN_INLINE float exp_approx(float x) {
-  constexpr float kMinArg = -87.3f, kMaxArg = 88.3f;
-  const float xc = x < kMinArg ? kMinArg : (x > kMaxArg ? kMaxArg : x);
-  // Round to nearest by adding and subtracting 1.5 * 2^23.
-  const float n = (xc * 1.44269504088896341f + 12582912.f) - 12582912.f;
+// exp(x) for float, on one float or on a GCC vector of floats (F; U the
+// unsigned integer of the same shape): exp(x) = 2^n exp(r) with
+// n = round(x log2(e)) and |r| <= ln(2)/2, exp(r) by a degree-6 polynomial,
+// minimax for relative error on that interval with p(0) = 1 (so exp(0) = 1
+// exactly; fitted by Lawson's iteration: 2e-9 in exact arithmetic, about
+// 1 ulp evaluated in float, as the Cephes polynomial it replaced, with two
+// operations fewer). Plain arithmetic and bit casts only, so loops calling it
+// vectorize; n and its 2^n come from one rounding sum (no float-to-int
+// conversion). softmax_pairs.cpp runs the same steps in AVX-512 intrinsics,
+// one instruction each (GCC's vectorizer compiles the clamps into compares
+// and blends).
+// Arguments are clamped to [-88, 88.3]. At -88, n = -127 and the bits of 2^n
+// are 0, so the arguments at or below it (-inf included) give exactly 0, the
+// value a masked or vanishing probability must have; the few above it that
+// give a nonzero result below 1.2e-38 cannot change a softmax sum that
+// includes exp(0) = 1. A NaN passes both clamps (x < lo ? lo : x keeps it)
+// and comes out NaN.
+constexpr float kExpMinArg = -88.f, kExpMaxArg = 88.3f;
+constexpr float kExpLog2e = 1.44269504088896341f;
+constexpr float kExpRound = 12582912.f;                                // 1.5 * 2^23
+constexpr float kExpLn2Hi = 0.693359375f, kExpLn2Lo = 2.12194440e-4f;  // ln2 = hi - lo
+// The polynomial's coefficients, of r^0 .. r^6.
+constexpr float kExpPoly[7] = {
+    1.f, 1.f, 4.9999994040e-1f, 1.6666431725e-1f, 4.1668001562e-2f, 8.3741554990e-3f, 1.3843653724e-3f};
+constexpr uint32_t kExpBiasBits = 127u - 0x4B400000u;  // the rounding sum's bits + this = n + 127
+
+template <typename F, typename U>
+FLASHATTN_INLINE F exp_approx_lanes(F x) {
+  static_assert(sizeof(F) == sizeof(U), "F and U have the same shape");
+  const F lo = F{} + kExpMinArg, hi = F{} + kExpMaxArg;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  // Round to nearest by adding 1.5 * 2^23: n sits in the sum's low mantissa bits.
+  const F t = x * kExpLog2e + kExpRound;
+  const F n = t - kExpRound;
   // r = x - n ln2, with ln2 split in two so that n * ln2_hi is exact.
-  float r = xc - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n in [-126, 127]
-  float two_to_n;
-  std::memcpy(&two_to_n, &bits, sizeof(float));
-  const float y = p * two_to_n;
-  return x < kMinArg ? 0.f : y;
+  F r = x - n * kExpLn2Hi;
+  r = r + n * kExpLn2Lo;
+  F p = F{} + kExpPoly[6];
+  for (int k = 5; k >= 0; --k) p = p * r + kExpPoly[k];
+  // 2^n: n + 127 (0 for n = -127) in the exponent field.
+  U bits;
+  std::memcpy(&bits, &t, sizeof(bits));
+  bits = (bits + kExpBiasBits) << 23;
+  F two_to_n;
+  std::memcpy(&two_to_n, &bits, sizeof(two_to_n));
+  return p * two_to_n;
 }
+
+FLASHATTN_INLINE float exp_approx(float x) { return exp_approx_lanes<float, uint32_t>(x); }
 
 // exp(x) for double, the same way with Cephes' exp Pade approximant
 // (1 + 2 r P(r^2) / (Q(r^2) - r P(r^2)), about 1 ulp on |r| <= ln(2)/2).

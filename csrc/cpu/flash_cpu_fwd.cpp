@@ -63,12 +63,17 @@ constexpr int kMinBlockQ = 32;
 // that no mask, score mod or dropout touches as one span of keys: one S^T
 // product over the span, one online-softmax step (one O^T rescale per span
 // instead of per tile: at 64 keys a tile the softmax step took more time than
-// the matrix units' products, perf on an AMX Xeon core), the P V product in
-// the span's tiles (the value tiles stay on the kBlockK grid). Measured on a
-// 2-core AMX Xeon, 1 thread, b1 h16 n1024 d128 bfloat16 forward: 35.9 ms at
-// one tile (torch's CPU flash kernel, 256 x 512 blocks: 20.2 ms), 25.8 ms at
-// spans of 256 keys (torch 22.9 ms in that run); benchmarks/cpu_perf_log.md.
+// the matrix units' products, perf on an AMX Xeon core), one P V product over
+// the span (its value tiles transposed side by side, kSpanKeys apart, so that
+// the product's K is the span: brgemm keeps O^T's tiles in the matrix units'
+// registers over the whole span instead of loading and storing them once a
+// tile). Spans stay within one group of kWideTiles tiles on the grid, which
+// is where the value tiles are laid out side by side. Measured on a 2-core
+// AMX Xeon, 1 thread, b1 h16 n1024 d128 bfloat16 forward: 35.9 ms at one tile
+// (torch's CPU flash kernel, 256 x 512 blocks: 20.2 ms), 25.8 ms at spans of
+// 256 keys (torch 22.9 ms in that run); benchmarks/cpu_perf_log.md.
 constexpr int kWideTiles = 4;
+constexpr int kSpanKeys = kWideTiles * kBlockK;  // the leading dimension of the 16-bit V^T tiles
 
 // What multiplies O / l at the end: 1 / (1 - p) with dropout (0 when p = 1), else 1.
 template <typename acc_t>
@@ -106,7 +111,7 @@ struct FwdScratch {
         bad_keys(kBlockK),
         q_pairs(lowp_ ? d * block_q_ : 0),
         k_lowp(lowp_ ? kWideTiles * kBlockK * d : 0),
-        v_t_lowp(lowp_ ? d * kBlockK : 0),
+        v_t_lowp(lowp_ ? d * kSpanKeys : 0),
         p_pairs(lowp_ ? kWideTiles * kBlockK * block_q_ : 0) {}
 
   const int block_q;  // queries per block (kBlockK keys per tile)
@@ -128,8 +133,8 @@ struct FwdScratch {
   // Low-precision products:
   ScratchArray<scalar_t> q_pairs;   // d x block_q        Q^T in pairs panels (unscaled)
   ScratchArray<scalar_t> k_lowp;    // kBlockK x d        key tiles of a span, when k cannot be a GEMM operand in place
-  ScratchArray<scalar_t> v_t_lowp;  // d x kBlockK        value tile, transposed
-  ScratchArray<scalar_t> p_pairs;   // kBlockK x block_q  P^T rounded, in pairs panels (a span: one per tile)
+  ScratchArray<scalar_t> v_t_lowp;  // d x kSpanKeys      value tiles of a span, transposed
+  ScratchArray<scalar_t> p_pairs;   // kSpanKeys x block_q  P^T rounded, in pairs panels
 };
 
 // The results of one key part of a split call (see key_parts below), per
@@ -162,17 +167,34 @@ void add_keys_over_visible_queries(const int* keys, int num_keys, const scalar_t
   }
 }
 
-// The full value tiles of one (batch, kv head), transposed once for every
-// query block (FwdPlan::v_t): d x kBlockK each, in the input dtype for the
-// low-precision products or in acc_t for the float32 path; nullptr members
-// where there are none (a tile is then transposed where it is used).
+// The full key and value tiles of one (batch, kv head), laid out once for
+// every query block (FwdPlan): the value tiles transposed, in acc_t for the
+// float32 path (d x kBlockK each) or in the input dtype for the low-precision
+// products (in groups of kWideTiles side by side: d x kSpanKeys a group, so
+// that a span's V^T is one operand); for the low-precision products, the key
+// rows copied one after the other (ld d) where the input's rows are further
+// apart. nullptr members
+// where there are none (the input is then read, or a tile transposed, where
+// it is used).
+//
+// Why the key copy: AMX reads an operand's rows at the operand's stride, and
+// k's rows in the (batch, seqlen, heads, d) layout are heads * d elements
+// apart, 4 KB for 16 heads of 128: every row of a tile falls into the same L1
+// set. A microbenchmark of the span's S^T product (brgemm, one thread, 16
+// heads of 1024 keys, d 128) ran 14.3 ms on the strided rows and 8.6 ms on
+// contiguous ones; the copy is one pass over k.
 template <typename scalar_t, typename acc_t>
-struct ValueTiles {
-  const scalar_t* lowp = nullptr;
-  const acc_t* acc = nullptr;
+struct KvTiles {
+  const scalar_t* v_lowp = nullptr;
+  const acc_t* v_acc = nullptr;
+  const scalar_t* k_lowp = nullptr;
   int d = 0;
-  const scalar_t* lowp_tile(int64_t k0) const { return lowp ? lowp + (k0 / kBlockK) * d * kBlockK : nullptr; }
-  const acc_t* acc_tile(int64_t k0) const { return acc ? acc + (k0 / kBlockK) * d * kBlockK : nullptr; }
+  // V^T's columns from key k0 on, leading dimension kSpanKeys.
+  const scalar_t* v_lowp_keys(int64_t k0) const {
+    return v_lowp ? v_lowp + (k0 / kSpanKeys) * d * kSpanKeys + k0 % kSpanKeys : nullptr;
+  }
+  const acc_t* v_acc_tile(int64_t k0) const { return v_acc ? v_acc + (k0 / kBlockK) * d * kBlockK : nullptr; }
+  const scalar_t* k_lowp_rows(int64_t k0) const { return k_lowp ? k_lowp + k0 * d : nullptr; }
 };
 
 // Query block q_block of head h of sequence b (seq: its rows and lengths;
@@ -191,7 +213,7 @@ struct ValueTiles {
 template <typename scalar_t, typename acc_t>
 void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask& mask, int b, int h, int64_t q_block,
                      int64_t part_begin, int64_t part_end, const PartialOutputs<acc_t>* partial, int part,
-                     const ValueTiles<scalar_t, acc_t>& v_tiles, FwdScratch<scalar_t, acc_t>& scratch) {
+                     const KvTiles<scalar_t, acc_t>& kv_tiles, FwdScratch<scalar_t, acc_t>& scratch) {
   const int d = p.head_dim;
   const int block_q = scratch.block_q;
   const int64_t q0 = q_block * block_q;
@@ -249,18 +271,20 @@ void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
 
       if constexpr (kIsLowp<scalar_t>) {
         if (lowp_block && full_tile) {
-          // A plain tile takes its plain full neighbours into one span (kWideTiles).
+          // A plain tile takes its plain full neighbours in its group of
+          // kWideTiles into one span.
           int span = kBlockK;
           if (!masked && !has_mod && !dropout) {
             while (
-                span < kWideTiles * kBlockK && k0 + span + kBlockK <= std::min<int64_t>(key_end, seq.seqlen_k) &&
+                (k0 + span) % kSpanKeys != 0 && k0 + span + kBlockK <= std::min<int64_t>(key_end, seq.seqlen_k) &&
                 !mask.block_query_ranges(q0, rows, k0 + span, kBlockK, scratch.query_lo.get(), scratch.query_hi.get()))
               span += kBlockK;
           }
           step = span;
           // S^T = K Q^T                                                    span x rows
-          const scalar_t* k_tile = k + k0 * p.k_row_stride;
-          int64_t k_ld = p.k_row_stride;
+          const scalar_t* k_tile = kv_tiles.k_lowp_rows(k0);
+          int64_t k_ld = d;
+          if (!k_tile) k_tile = k + k0 * p.k_row_stride, k_ld = p.k_row_stride;
           if (!(k_ld >= d && ld_admitted_in_place(k_ld))) {
             for (int j = 0; j < span; ++j)
               std::copy(k_tile + j * k_ld, k_tile + j * k_ld + d, scratch.k_lowp.get() + j * d);
@@ -268,21 +292,21 @@ void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
           }
           if (span > kBlockK) {
             gemm_nn_lowp(span, rows, d, k_tile, k_ld, scratch.q_pairs.get(), s_t, block_q, /*accumulate=*/false);
-            online_softmax_step(s_t, block_q, span, rows, nullptr, nullptr, row_max, row_sum, o_t, block_q, d,
-                                scratch.softmax_work.get(), static_cast<acc_t>(p.softmax_scale));
-            for (int t0 = 0; t0 < span; t0 += kBlockK)  // P^T rounded, one pairs operand per tile
-              pack_pairs(s_t + t0 * block_q, block_q, kBlockK, rows, scratch.p_pairs.get() + t0 * block_q);
-            // O^T += V^T P^T, tile by tile of the span                    d x rows
-            for (int t0 = 0; t0 < span; t0 += kBlockK) {
-              const scalar_t* v_t = v_tiles.lowp_tile(k0 + t0);
-              if (!v_t) {
-                transpose_lowp(v + (k0 + t0) * p.v_row_stride, p.v_row_stride, kBlockK, d, scratch.v_t_lowp.get(),
-                               kBlockK);
-                v_t = scratch.v_t_lowp.get();
-              }
-              gemm_nn_lowp(d, rows, kBlockK, v_t, kBlockK, scratch.p_pairs.get() + t0 * block_q, o_t, block_q,
-                           /*accumulate=*/true);
+            // S^T -> P^T rounded, one pairs operand; update m and l, rescale O^T.
+            const acc_t scale = static_cast<acc_t>(p.softmax_scale);
+            if (!online_softmax_to_pairs(s_t, block_q, span, span, rows, row_max, row_sum, o_t, block_q, d, scale,
+                                         scratch.p_pairs.get())) {
+              online_softmax_step(s_t, block_q, span, rows, nullptr, nullptr, row_max, row_sum, o_t, block_q, d,
+                                  scratch.softmax_work.get(), scale);
+              pack_pairs(s_t, block_q, span, rows, scratch.p_pairs.get());
             }
+            // O^T += V^T P^T over the span                                  d x rows
+            const scalar_t* v_t = kv_tiles.v_lowp_keys(k0);
+            if (!v_t) {
+              transpose_lowp(v + k0 * p.v_row_stride, p.v_row_stride, span, d, scratch.v_t_lowp.get(), kSpanKeys);
+              v_t = scratch.v_t_lowp.get();
+            }
+            gemm_nn_lowp(d, rows, span, v_t, kSpanKeys, scratch.p_pairs.get(), o_t, block_q, /*accumulate=*/true);
             continue;
           }
           gemm_nn_lowp(cols, rows, d, k_tile, k_ld, scratch.q_pairs.get(), s_t, block_q, /*accumulate=*/false);
@@ -296,14 +320,14 @@ void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
           const scalar_t* v_tile = v + k0 * p.v_row_stride;
           const int bad =
               masked ? nonfinite_rows<scalar_t, acc_t>(v_tile, p.v_row_stride, cols, d, scratch.bad_keys.get()) : 0;
-          const scalar_t* v_t = masked ? nullptr : v_tiles.lowp_tile(k0);
+          const scalar_t* v_t = masked ? nullptr : kv_tiles.v_lowp_keys(k0);
           if (!v_t) {  // transposed here (masked tiles: the non-finite rule may zero columns)
-            transpose_lowp(v_tile, p.v_row_stride, cols, d, scratch.v_t_lowp.get(), kBlockK);
-            if (bad > 0) zero_columns(scratch.v_t_lowp.get(), kBlockK, d, scratch.bad_keys.get(), bad);
+            transpose_lowp(v_tile, p.v_row_stride, cols, d, scratch.v_t_lowp.get(), kSpanKeys);
+            if (bad > 0) zero_columns(scratch.v_t_lowp.get(), kSpanKeys, d, scratch.bad_keys.get(), bad);
             v_t = scratch.v_t_lowp.get();
           }
           pack_pairs(s_t, block_q, cols, rows, scratch.p_pairs.get());
-          gemm_nn_lowp(d, rows, cols, v_t, kBlockK, scratch.p_pairs.get(), o_t, block_q, /*accumulate=*/true);
+          gemm_nn_lowp(d, rows, cols, v_t, kSpanKeys, scratch.p_pairs.get(), o_t, block_q, /*accumulate=*/true);
           if (bad > 0)
             add_keys_over_visible_queries(scratch.bad_keys.get(), bad, v_tile, p.v_row_stride, d, s_t, block_q,
                                           query_lo, query_hi, rows, o_t, block_q);
@@ -329,7 +353,7 @@ void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
       if (dropout) drop(cols, k0);
 
       // O^T += V^T P^T                                                     d x rows
-      const acc_t* v_t = masked || cols < kBlockK ? nullptr : v_tiles.acc_tile(k0);
+      const acc_t* v_t = masked || cols < kBlockK ? nullptr : kv_tiles.v_acc_tile(k0);
       if (!v_t) {  // transposed here (masked tiles: the non-finite rule may zero columns)
         load_tile_transposed(v + k0 * p.v_row_stride, p.v_row_stride, cols, d, acc_t(1), scratch.v_t.get(), kBlockK);
         v_t = scratch.v_t.get();
@@ -572,23 +596,29 @@ struct FwdPlan {
   ScratchArray<acc_t> part_o, part_m, part_l;  // split.parts > 1: (parts, batch, heads_q, seqlen_q[, d])
   PartialOutputs<acc_t> partial{};
   std::unique_ptr<std::atomic<int>[]> parts_done;  // per unit, the parts finished
-  // Several query blocks a head (a dense batch): the full value tiles
-  // transposed once for all of them, (batch, heads_kv, v_tiles, d x kBlockK),
-  // in the input dtype (lowp) or acc_t.
-  ScratchArray<scalar_t> v_t_lowp;
+  // Several query blocks a head (a dense batch): the full tiles laid out
+  // once for all of them (KvTiles), (batch, heads_kv, kv_tiles, d x kBlockK)
+  // each: the value tiles transposed in the input dtype (lowp) or acc_t, the
+  // key rows (lowp, where k's rows are not contiguous).
+  ScratchArray<scalar_t> v_t_lowp, k_lowp;
   ScratchArray<acc_t> v_t_acc;
-  int64_t v_tiles = 0;
-  int64_t v_t_offset(int b, int64_t h_kv) const {
-    return (static_cast<int64_t>(b) * p->heads_kv + h_kv) * v_tiles * p->head_dim * kBlockK;
+  int64_t kv_tiles = 0;
+  int64_t tiles_offset(int b, int64_t h_kv) const {  // v_t_acc and k_lowp
+    return (static_cast<int64_t>(b) * p->heads_kv + h_kv) * kv_tiles * p->head_dim * kBlockK;
   }
-  ValueTiles<scalar_t, acc_t> v_t_of(int b, int64_t h_kv) const {
-    ValueTiles<scalar_t, acc_t> t;
+  int64_t groups_offset(int b, int64_t h_kv) const {  // v_t_lowp
+    return (static_cast<int64_t>(b) * p->heads_kv + h_kv) * ceil_div(kv_tiles, kWideTiles) * p->head_dim * kSpanKeys;
+  }
+  KvTiles<scalar_t, acc_t> kv_tiles_of(int b, int64_t h_kv) const {
+    KvTiles<scalar_t, acc_t> t;
     t.d = p->head_dim;
-    if (v_tiles == 0) return t;
-    if (lowp)
-      t.lowp = v_t_lowp.get() + v_t_offset(b, h_kv);
-    else
-      t.acc = v_t_acc.get() + v_t_offset(b, h_kv);
+    if (kv_tiles == 0) return t;
+    if (lowp) {
+      t.v_lowp = v_t_lowp.get() + groups_offset(b, h_kv);
+      if (k_lowp.get()) t.k_lowp = k_lowp.get() + tiles_offset(b, h_kv);
+    } else {
+      t.v_acc = v_t_acc.get() + tiles_offset(b, h_kv);
+    }
     return t;
   }
 
@@ -659,29 +689,40 @@ void plan_calls(const AttnFwdParams* calls, int64_t num_calls, std::vector<FwdPl
   for (auto& plan : plans) {
     const AttnFwdParams& p = *plan.p;
     if (plan.few || plan.q_blocks < 2 || p.seqlen_k < kBlockK || p.is_varlen()) continue;
-    plan.v_tiles = p.seqlen_k / kBlockK;
-    const int64_t size = static_cast<int64_t>(p.batch) * p.heads_kv * plan.v_tiles * p.head_dim * kBlockK;
+    plan.kv_tiles = p.seqlen_k / kBlockK;
+    const int64_t size = static_cast<int64_t>(p.batch) * p.heads_kv * plan.kv_tiles * p.head_dim * kBlockK;
     if (plan.lowp) {
-      plan.v_t_lowp = ScratchArray<scalar_t>(size);
+      plan.v_t_lowp = ScratchArray<scalar_t>(plan.groups_offset(p.batch, 0));
+      if (p.k_row_stride != p.head_dim) plan.k_lowp = ScratchArray<scalar_t>(size);
     } else {
       plan.v_t_acc = ScratchArray<acc_t>(size);
     }
   }
 }
 
-// The value tiles of plan.v_t_*: item = (batch, kv head, tile), each
-// transposed as the tile loop would (the same function: the same bits).
+// The tiles of plan's KvTiles: item = (batch, kv head, tile), each value
+// tile transposed as the tile loop would (the same function: the same bits),
+// each key tile's rows copied.
 template <typename scalar_t, typename acc_t>
-void transpose_value_tiles(FwdPlan<scalar_t, acc_t>& plan, int64_t item) {
+void lay_out_kv_tiles(FwdPlan<scalar_t, acc_t>& plan, int64_t item) {
   const AttnFwdParams& p = *plan.p;
-  const int64_t tile = item % plan.v_tiles, bh = item / plan.v_tiles;
+  const int64_t tile = item % plan.kv_tiles, bh = item / plan.kv_tiles;
   const int b = static_cast<int>(bh / p.heads_kv);
   const scalar_t* v = static_cast<const scalar_t*>(p.v_ptr) + b * p.v_batch_stride +
                       (bh % p.heads_kv) * p.v_head_stride + tile * kBlockK * p.v_row_stride;
-  const int64_t offset = plan.v_t_offset(b, bh % p.heads_kv) + tile * p.head_dim * kBlockK;
+  const int64_t offset = plan.tiles_offset(b, bh % p.heads_kv) + tile * p.head_dim * kBlockK;
   if constexpr (kIsLowp<scalar_t>) {
     if (plan.lowp) {
-      transpose_lowp(v, p.v_row_stride, kBlockK, p.head_dim, plan.v_t_lowp.get() + offset, kBlockK);
+      const int64_t group = plan.groups_offset(b, bh % p.heads_kv) + (tile / kWideTiles) * p.head_dim * kSpanKeys;
+      transpose_lowp(v, p.v_row_stride, kBlockK, p.head_dim,
+                     plan.v_t_lowp.get() + group + (tile % kWideTiles) * kBlockK, kSpanKeys);
+      if (plan.k_lowp.get()) {
+        const scalar_t* k = static_cast<const scalar_t*>(p.k_ptr) + b * p.k_batch_stride +
+                            (bh % p.heads_kv) * p.k_head_stride + tile * kBlockK * p.k_row_stride;
+        for (int j = 0; j < kBlockK; ++j)
+          std::copy(k + j * p.k_row_stride, k + j * p.k_row_stride + p.head_dim,
+                    plan.k_lowp.get() + offset + j * p.head_dim);
+      }
       return;
     }
   }
@@ -794,7 +835,7 @@ void run_item(const FwdPlan<scalar_t, acc_t>& plan, int64_t item, FwdWorker<scal
   if (q_block * plan.block_q >= seq.seqlen_q) return;
   const int h = static_cast<int>(bh % p.heads_q);
   fwd_query_block<scalar_t, acc_t>(p, seq, AttnMask(p.mask, seq), b, h, q_block, plan.split.begin(part),
-                                   plan.split.end(part), partial, part, plan.v_t_of(b, h / p.heads_ratio()),
+                                   plan.split.end(part), partial, part, plan.kv_tiles_of(b, h / p.heads_ratio()),
                                    worker.tiled_for(p.head_dim, plan.block_q, plan.lowp));
   if (partial && last_part_of(plan, unit)) {
     const int64_t q0 = q_block * plan.block_q;
@@ -809,16 +850,16 @@ void fwd(const AttnFwdParams* calls, int64_t num_calls) {
   using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
   std::vector<FwdPlan<scalar_t, acc_t>> plans;
   plan_calls(calls, num_calls, plans);
-  std::vector<int64_t> first_tile(num_calls + 1, 0);  // plans[c]'s value tiles to transpose first
+  std::vector<int64_t> first_tile(num_calls + 1, 0);  // plans[c]'s key / value tiles to lay out first
   for (int64_t c = 0; c < num_calls; ++c)
     first_tile[c + 1] =
-        first_tile[c] + (plans[c].v_tiles ? int64_t(calls[c].batch) * calls[c].heads_kv * plans[c].v_tiles : 0);
+        first_tile[c] + (plans[c].kv_tiles ? int64_t(calls[c].batch) * calls[c].heads_kv * plans[c].kv_tiles : 0);
   if (first_tile.back() > 0) {
     for_each_item_in_parallel(
         first_tile.back(), [] { return 0; },
         [&](int64_t item, int&) {
           const int64_t c = std::upper_bound(first_tile.begin(), first_tile.end(), item) - first_tile.begin() - 1;
-          transpose_value_tiles(plans[c], item - first_tile[c]);
+          lay_out_kv_tiles(plans[c], item - first_tile[c]);
         });
   }
   std::vector<int64_t> first_item(num_calls + 1, 0);  // plans[c]'s items: [first_item[c], first_item[c + 1])

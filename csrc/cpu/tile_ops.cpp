@@ -249,26 +249,7 @@ FLASHATTN_INLINE void dot_rows(const float* __restrict q, int rows, int d, const
 }
 
 // exp_approx (fast_exp.h) on 16 lanes, the same operations.
-FLASHATTN_INLINE Vec16f exp_approx16(Vec16f x) {
-  const Vec16f min_arg = Vec16f{} - 87.3f, max_arg = Vec16f{} + 88.3f;
-  const Vec16f xc = x < min_arg ? min_arg : (x > max_arg ? max_arg : x);
-  const Vec16f n = (xc * 1.44269504088896341f + 12582912.f) - 12582912.f;
-  Vec16f r = xc - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  Vec16f p = Vec16f{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  typedef int32_t Vec16i __attribute__((vector_size(64)));
-  const Vec16i bits = (__builtin_convertvector(n, Vec16i) + 127) << 23;  // 2^n
-  Vec16f two_to_n;
-  std::memcpy(&two_to_n, &bits, sizeof(two_to_n));
-  const Vec16f y = p * two_to_n;
-  return x < min_arg ? Vec16f{} : y;
-}
+FLASHATTN_INLINE Vec16f exp_approx16(Vec16f x) { return exp_approx_lanes<Vec16f, Vec16u32>(x); }
 #endif
 
 // max_i x[i] (-inf when n = 0)
