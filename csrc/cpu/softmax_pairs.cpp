@@ -11,8 +11,8 @@
 // rows, and GCC compiles exp_approx's clamps into compares and blends. Here
 // 16 queries at a time go through all the span's keys with their max, sum and
 // shift in registers; the probabilities never return to s_t (they go to the
-// pairs panels as bfloat16, two keys a store); exp is fast_exp.h's, the same
-// steps and constants, each one instruction.
+// pairs panels as bfloat16, two keys a store); exp is fast_exp.h's reduction
+// in 11 instructions (exp16 below).
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -37,20 +37,22 @@ namespace {
 
 #define FLASHATTN_AVX512_BF16 __attribute__((target("arch=x86-64-v4,avx512bf16")))
 
-// fast_exp.h's exp_approx_lanes on 16 lanes.
+// exp(x) for the softmax's arguments x = scale s - shift <= 0 (or NaN):
+// fast_exp.h's reduction with its degree-5 polynomial (the probabilities are
+// rounded to bfloat16 next), 11 instructions. The scaling by 2^n is vscalefps
+// (no integer steps), so the only clamp is the lower one, where the result
+// underflows to exactly 0 (x = -105: p 2^n < 2^-150); no argument here is
+// large (the shift is the max), and a NaN passes max_ps, which returns its
+// second operand when either is NaN.
 FLASHATTN_AVX512_BF16 FLASHATTN_INLINE __m512 exp16(__m512 x) {
-  // max_ps / min_ps return their second operand when either is NaN: a NaN x passes.
-  x = _mm512_max_ps(_mm512_set1_ps(kExpMinArg), x);
-  x = _mm512_min_ps(_mm512_set1_ps(kExpMaxArg), x);
+  x = _mm512_max_ps(_mm512_set1_ps(-105.f), x);
   const __m512 t = _mm512_fmadd_ps(x, _mm512_set1_ps(kExpLog2e), _mm512_set1_ps(kExpRound));
   const __m512 n = _mm512_sub_ps(t, _mm512_set1_ps(kExpRound));
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kExpLn2Hi), x);
   r = _mm512_fmadd_ps(n, _mm512_set1_ps(kExpLn2Lo), r);
-  __m512 p = _mm512_set1_ps(kExpPoly[6]);
-  for (int k = 5; k >= 0; --k) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[k]));
-  const __m512i bits =
-      _mm512_slli_epi32(_mm512_add_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(static_cast<int>(kExpBiasBits))), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+  __m512 p = _mm512_set1_ps(kExpPoly5[5]);
+  for (int k = 4; k >= 0; --k) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly5[k]));
+  return _mm512_scalef_ps(p, n);
 }
 
 #pragma GCC diagnostic push
@@ -60,16 +62,15 @@ FLASHATTN_AVX512_BF16 FLASHATTN_INLINE __m512 exp16(__m512 x) {
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 FLASHATTN_AVX512_BF16 void softmax_to_pairs_avx512(const float* s_t, int64_t ld, int keys, int tile_keys, int queries,
-                                                    float* row_max, float* row_sum, float* o_t, int64_t o_ld,
-                                                    int head_dim, float scale, c10::BFloat16* pairs) {
+                                                   float* row_max, float* row_sum, float* o_t, int64_t o_ld,
+                                                   int head_dim, float scale, c10::BFloat16* pairs) {
   const int w = lowp_panel_width(queries);
   const __m512 vscale = _mm512_set1_ps(scale);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   // cvtne2ps_pbh(b, a) holds a's 16 values in lanes 0-15 and b's in 16-31;
   // a pairs row wants a0 b0 a1 b1 ...
-  const __m512i interleave =
-      _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
-                       18, 2, 17, 1, 16, 0);
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (int i0 = 0; i0 < queries; i0 += 16) {
     // The span's max of the scaled scores, four chains. max_ps(x, m) keeps m
     // for a NaN x, as std::max(m, x) does in online_softmax_step: a NaN score
@@ -87,8 +88,7 @@ FLASHATTN_AVX512_BF16 void softmax_to_pairs_avx512(const float* s_t, int64_t ld,
     const __m512 m_old = _mm512_loadu_ps(row_max + i0);
     const __m512 m_new = _mm512_max_ps(m_tile, m_old);  // neither is NaN
     // As online_softmax_step: a query with no finite max yet shifts by 0.
-    const __m512 shift =
-        _mm512_mask_mov_ps(m_new, _mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ), _mm512_setzero_ps());
+    const __m512 shift = _mm512_mask_mov_ps(m_new, _mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ), _mm512_setzero_ps());
     _mm512_storeu_ps(row_max + i0, m_new);
 
     // P^T = exp(scale s - shift), summed in key order as online_softmax_step
