@@ -45,6 +45,7 @@ __all__ = [
     "LSE_RTOL",
     "Comparison",
     "max_err",
+    "ulp_at",
     "floor_for",
     "compare",
     "compare_lse",
@@ -131,6 +132,18 @@ def max_err(actual: torch.Tensor, oracle: torch.Tensor) -> float:
     if not finite.any():
         return 0.0
     return (a - b)[finite].abs().max().item()
+
+
+def ulp_at(dtype: torch.dtype, magnitude: float) -> float:
+    """One unit in the last place of ``dtype`` at ``magnitude``: how far apart
+    two results can land that agree before their last rounding to ``dtype``
+    (two float32 sums on either side of a rounding boundary). Comparing two
+    results that each meet the rule against the oracle (a distributed call and
+    the single-process one) allows this on top of the rule's bound."""
+    finfo = torch.finfo(dtype)
+    if not magnitude > finfo.tiny:
+        return finfo.tiny * finfo.eps
+    return math.ldexp(finfo.eps, math.frexp(magnitude)[1] - 1)
 
 
 def _max_abs(x: torch.Tensor) -> float:

@@ -16,6 +16,7 @@ from flashattn_ext.tolerance import (
     compare_lse,
     floor_for,
     max_err,
+    ulp_at,
 )
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -96,3 +97,15 @@ def test_rule_arithmetic():
     assert compare("x", ok, oracle, naive, GRAD_FACTOR, extra=0.0).ok
     assert floor_for(torch.float32, 1e4) > FLOOR[torch.float32]  # large logits raise the floor
     assert floor_for(torch.bfloat16, 0.0) == FLOOR[torch.bfloat16]
+
+
+def test_ulp_at():
+    """One ulp of the dtype at a magnitude: the distance to the next value up."""
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for x in (0.3, 1.0, 2.5, 3.999, 100.0):
+            v = torch.tensor(x, dtype=dtype).item()
+            u = ulp_at(dtype, v)
+            assert torch.tensor(v + u, dtype=dtype).item() == v + u  # representable: the neighbour
+            assert torch.tensor(v + u / 4, dtype=dtype).item() == v  # nothing between
+    assert ulp_at(torch.bfloat16, 3.0) == 2.0**-6
+    assert ulp_at(torch.bfloat16, 0.0) > 0
