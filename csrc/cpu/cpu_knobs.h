@@ -21,9 +21,9 @@
 //   TestKnob::kNoKeySplit   1: no flash-decoding key split (flash_cpu_fwd.cpp)
 //   TestKnob::kBwdPasses    1 / 2: the backward in one / two passes, instead
 //                           of the shape rule (flash_cpu_bwd.cpp)
-//   TestKnob::kNoFusedSoftmax  1: the bfloat16 forward's spans take
-//                           online_softmax_step and pack_pairs, not their
-//                           fused AVX-512 step (softmax_pairs.cpp)
+//   TestKnob::kNoFusedSoftmax  1: the forward's spans take
+//                           online_softmax_step (and pack_pairs), not their
+//                           fused AVX-512 step (softmax_span.cpp)
 #pragma once
 
 #include <atomic>

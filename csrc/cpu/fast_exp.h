@@ -20,7 +20,7 @@ namespace cpu {
 // 1 ulp evaluated in float, as the Cephes polynomial it replaced, with two
 // operations fewer). Plain arithmetic and bit casts only, so loops calling it
 // vectorize; n and its 2^n come from one rounding sum (no float-to-int
-// conversion). softmax_pairs.cpp runs the same steps in AVX-512 intrinsics,
+// conversion). softmax_span.cpp runs the same steps in AVX-512 intrinsics,
 // one instruction each (GCC's vectorizer compiles the clamps into compares
 // and blends).
 // Arguments are clamped to [-88, 88.3]. At -88, n = -127 and the bits of 2^n
@@ -38,7 +38,7 @@ constexpr float kExpPoly[7] = {
     1.f, 1.f, 4.9999994040e-1f, 1.6666431725e-1f, 4.1668001562e-2f, 8.3741554990e-3f, 1.3843653724e-3f};
 constexpr uint32_t kExpBiasBits = 127u - 0x4B400000u;  // the rounding sum's bits + this = n + 127
 // A degree-5 polynomial of the same fit, for probabilities that are rounded to
-// a 16-bit format next (softmax_pairs.cpp): 1.5e-7 relative evaluated in
+// a 16-bit format next (softmax_span.cpp): 1.5e-7 relative evaluated in
 // float, 2.5 ulp, far below bfloat16's 2e-3; one multiply-add fewer.
 constexpr float kExpPoly5[6] = {
     1.f, 9.9999970198e-01f, 4.9999150634e-01f, 1.6667635739e-01f, 4.1897930205e-02f, 8.2903150469e-03f};

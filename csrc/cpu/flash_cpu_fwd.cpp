@@ -96,9 +96,9 @@ struct FwdScratch {
       : block_q(block_q_),
         lowp(lowp_),
         q_t(d * block_q_),
-        k(kBlockK * d),
-        v_t(d * kBlockK),
-        s_t((lowp_ ? kWideTiles : 1) * kBlockK * block_q_),
+        k(kSpanKeys * d),
+        v_t(d * kSpanKeys),
+        s_t(kSpanKeys * block_q_),
         o_t(d * block_q_),
         row_max(block_q_),
         row_sum(block_q_),
@@ -117,9 +117,9 @@ struct FwdScratch {
   const int block_q;  // queries per block (kBlockK keys per tile)
   const bool lowp;
   ScratchArray<acc_t> q_t;           // d x block_q        scale * Q^T
-  ScratchArray<acc_t> k;             // kBlockK x d        key tile, when k cannot be a GEMM operand in place
-  ScratchArray<acc_t> v_t;           // d x kBlockK        value tile, transposed
-  ScratchArray<acc_t> s_t;           // kBlockK x block_q  S^T, then P^T (lowp: a span of kWideTiles tiles)
+  ScratchArray<acc_t> k;             // kSpanKeys x d      key rows, when k cannot be a GEMM operand in place
+  ScratchArray<acc_t> v_t;           // d x kSpanKeys      value tiles, transposed
+  ScratchArray<acc_t> s_t;           // kSpanKeys x block_q  S^T, then P^T (a tile or a span)
   ScratchArray<acc_t> o_t;           // d x block_q        unnormalized O^T
   ScratchArray<acc_t> row_max;       // block_q            m
   ScratchArray<acc_t> row_sum;       // block_q            l
@@ -168,12 +168,12 @@ void add_keys_over_visible_queries(const int* keys, int num_keys, const scalar_t
 }
 
 // The full key and value tiles of one (batch, kv head), laid out once for
-// every query block (FwdPlan): the value tiles transposed, in acc_t for the
-// float32 path (d x kBlockK each) or in the input dtype for the low-precision
-// products (in groups of kWideTiles side by side: d x kSpanKeys a group, so
-// that a span's V^T is one operand); for the low-precision products, the key
-// rows copied one after the other (ld d) where the input's rows are further
-// apart. nullptr members
+// every query block (FwdPlan): the value tiles transposed, in the input dtype
+// for the low-precision products or in acc_t for the float32 path, in groups
+// of kWideTiles side by side (d x kSpanKeys a group, so that a span's V^T is
+// one operand); and, for products that read the input's dtype (the
+// low-precision ones, and float32 on float32 inputs), the key rows copied one
+// after the other (ld d) where the input's rows are further apart. nullptr members
 // where there are none (the input is then read, or a tile transposed, where
 // it is used).
 //
@@ -187,14 +187,14 @@ template <typename scalar_t, typename acc_t>
 struct KvTiles {
   const scalar_t* v_lowp = nullptr;
   const acc_t* v_acc = nullptr;
-  const scalar_t* k_lowp = nullptr;
+  const scalar_t* k = nullptr;
   int d = 0;
   // V^T's columns from key k0 on, leading dimension kSpanKeys.
-  const scalar_t* v_lowp_keys(int64_t k0) const {
-    return v_lowp ? v_lowp + (k0 / kSpanKeys) * d * kSpanKeys + k0 % kSpanKeys : nullptr;
-  }
-  const acc_t* v_acc_tile(int64_t k0) const { return v_acc ? v_acc + (k0 / kBlockK) * d * kBlockK : nullptr; }
-  const scalar_t* k_lowp_rows(int64_t k0) const { return k_lowp ? k_lowp + k0 * d : nullptr; }
+  const scalar_t* v_lowp_keys(int64_t k0) const { return v_lowp ? v_lowp + group_offset(k0) : nullptr; }
+  const acc_t* v_acc_keys(int64_t k0) const { return v_acc ? v_acc + group_offset(k0) : nullptr; }
+  // The key rows from k0 on, leading dimension d.
+  const scalar_t* k_rows(int64_t k0) const { return k ? k + k0 * d : nullptr; }
+  int64_t group_offset(int64_t k0) const { return (k0 / kSpanKeys) * d * kSpanKeys + k0 % kSpanKeys; }
 };
 
 // Query block q_block of head h of sequence b (seq: its rows and lengths;
@@ -269,20 +269,20 @@ void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
       const int* query_lo = masked ? scratch.query_lo.get() : nullptr;
       const int* query_hi = masked ? scratch.query_hi.get() : nullptr;
 
+      // A plain full tile takes its plain full neighbours in its group of
+      // kWideTiles into one span.
+      int span = kBlockK;
+      if (full_tile && !masked && !has_mod && !dropout) {
+        while ((k0 + span) % kSpanKeys != 0 && k0 + span + kBlockK <= std::min<int64_t>(key_end, seq.seqlen_k) &&
+               !mask.block_query_ranges(q0, rows, k0 + span, kBlockK, scratch.query_lo.get(), scratch.query_hi.get()))
+          span += kBlockK;
+      }
+      step = span;
+
       if constexpr (kIsLowp<scalar_t>) {
         if (lowp_block && full_tile) {
-          // A plain tile takes its plain full neighbours in its group of
-          // kWideTiles into one span.
-          int span = kBlockK;
-          if (!masked && !has_mod && !dropout) {
-            while (
-                (k0 + span) % kSpanKeys != 0 && k0 + span + kBlockK <= std::min<int64_t>(key_end, seq.seqlen_k) &&
-                !mask.block_query_ranges(q0, rows, k0 + span, kBlockK, scratch.query_lo.get(), scratch.query_hi.get()))
-              span += kBlockK;
-          }
-          step = span;
           // S^T = K Q^T                                                    span x rows
-          const scalar_t* k_tile = kv_tiles.k_lowp_rows(k0);
+          const scalar_t* k_tile = kv_tiles.k_rows(k0);
           int64_t k_ld = d;
           if (!k_tile) k_tile = k + k0 * p.k_row_stride, k_ld = p.k_row_stride;
           if (!(k_ld >= d && ld_admitted_in_place(k_ld))) {
@@ -294,8 +294,8 @@ void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
             gemm_nn_lowp(span, rows, d, k_tile, k_ld, scratch.q_pairs.get(), s_t, block_q, /*accumulate=*/false);
             // S^T -> P^T rounded, one pairs operand; update m and l, rescale O^T.
             const acc_t scale = static_cast<acc_t>(p.softmax_scale);
-            if (!online_softmax_to_pairs(s_t, block_q, span, span, rows, row_max, row_sum, o_t, block_q, d, scale,
-                                         scratch.p_pairs.get())) {
+            if (!online_softmax_span_to_pairs(s_t, block_q, span, rows, row_max, row_sum, o_t, block_q, d, scale,
+                                              scratch.p_pairs.get())) {
               online_softmax_step(s_t, block_q, span, rows, nullptr, nullptr, row_max, row_sum, o_t, block_q, d,
                                   scratch.softmax_work.get(), scale);
               pack_pairs(s_t, block_q, span, rows, scratch.p_pairs.get());
@@ -320,8 +320,8 @@ void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
           const scalar_t* v_tile = v + k0 * p.v_row_stride;
           const int bad =
               masked ? nonfinite_rows<scalar_t, acc_t>(v_tile, p.v_row_stride, cols, d, scratch.bad_keys.get()) : 0;
-          const scalar_t* v_t = masked ? nullptr : kv_tiles.v_lowp_keys(k0);
-          if (!v_t) {  // transposed here (masked tiles: the non-finite rule may zero columns)
+          const scalar_t* v_t = bad > 0 ? nullptr : kv_tiles.v_lowp_keys(k0);
+          if (!v_t) {  // transposed here (the non-finite rule zeroes the bad keys' columns)
             transpose_lowp(v_tile, p.v_row_stride, cols, d, scratch.v_t_lowp.get(), kSpanKeys);
             if (bad > 0) zero_columns(scratch.v_t_lowp.get(), kSpanKeys, d, scratch.bad_keys.get(), bad);
             v_t = scratch.v_t_lowp.get();
@@ -342,8 +342,29 @@ void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
                              block_q);
         have_q_t = true;
       }
-      // S^T = K (scale Q)^T                                                cols x rows
-      const Operand<acc_t> k_op = as_operand(k + k0 * p.k_row_stride, p.k_row_stride, cols, d, scratch.k.get(), d);
+      // S^T = K (scale Q)^T                                          span (cols) x rows
+      Operand<acc_t> k_op{nullptr, d};
+      if constexpr (std::is_same_v<scalar_t, acc_t>) k_op.ptr = kv_tiles.k_rows(k0);
+      if (!k_op.ptr)
+        k_op = as_operand(k + k0 * p.k_row_stride, p.k_row_stride, std::max(span, cols), d, scratch.k.get(), d);
+      if (span > kBlockK) {  // the span's keys: one softmax step, one P V product (as the low-precision path's)
+        gemm_nn(span, rows, d, k_op.ptr, k_op.ld, scratch.q_t.get(), block_q, s_t, block_q, /*accumulate=*/false,
+                /*full_tile=*/true);
+        bool fused = false;
+        if constexpr (std::is_same_v<acc_t, float>)
+          fused = online_softmax_span(s_t, block_q, span, rows, row_max, row_sum, o_t, block_q, d, 1.f);
+        if (!fused)
+          online_softmax_step(s_t, block_q, span, rows, nullptr, nullptr, row_max, row_sum, o_t, block_q, d,
+                              scratch.softmax_work.get(), acc_t(1));
+        const acc_t* v_t = kv_tiles.v_acc_keys(k0);
+        if (!v_t) {
+          load_tile_transposed(v + k0 * p.v_row_stride, p.v_row_stride, span, d, acc_t(1), scratch.v_t.get(),
+                               kSpanKeys);
+          v_t = scratch.v_t.get();
+        }
+        gemm_nn(d, rows, span, v_t, kSpanKeys, s_t, block_q, o_t, block_q, /*accumulate=*/true, /*full_tile=*/true);
+        continue;
+      }
       gemm_nn(cols, rows, d, k_op.ptr, k_op.ld, scratch.q_t.get(), block_q, s_t, block_q, /*accumulate=*/false,
               full_tile);
       // S^T -> P^T, update m and l, rescale O^T.
@@ -353,15 +374,15 @@ void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
       if (dropout) drop(cols, k0);
 
       // O^T += V^T P^T                                                     d x rows
-      const acc_t* v_t = masked || cols < kBlockK ? nullptr : kv_tiles.v_acc_tile(k0);
+      const acc_t* v_t = masked || cols < kBlockK ? nullptr : kv_tiles.v_acc_keys(k0);
       if (!v_t) {  // transposed here (masked tiles: the non-finite rule may zero columns)
-        load_tile_transposed(v + k0 * p.v_row_stride, p.v_row_stride, cols, d, acc_t(1), scratch.v_t.get(), kBlockK);
+        load_tile_transposed(v + k0 * p.v_row_stride, p.v_row_stride, cols, d, acc_t(1), scratch.v_t.get(), kSpanKeys);
         v_t = scratch.v_t.get();
       }
-      const int bad = masked ? take_nonfinite_columns(scratch.v_t.get(), kBlockK, d, cols, scratch.probe.get(),
+      const int bad = masked ? take_nonfinite_columns(scratch.v_t.get(), kSpanKeys, d, cols, scratch.probe.get(),
                                                       scratch.bad_keys.get())
                              : 0;
-      gemm_nn(d, rows, cols, v_t, kBlockK, s_t, block_q, o_t, block_q, /*accumulate=*/true, full_tile);
+      gemm_nn(d, rows, cols, v_t, kSpanKeys, s_t, block_q, o_t, block_q, /*accumulate=*/true, full_tile);
       if (bad > 0)
         add_keys_over_visible_queries(scratch.bad_keys.get(), bad, v + k0 * p.v_row_stride, p.v_row_stride, d, s_t,
                                       block_q, query_lo, query_hi, rows, o_t, block_q);
@@ -597,28 +618,28 @@ struct FwdPlan {
   PartialOutputs<acc_t> partial{};
   std::unique_ptr<std::atomic<int>[]> parts_done;  // per unit, the parts finished
   // Several query blocks a head (a dense batch): the full tiles laid out
-  // once for all of them (KvTiles), (batch, heads_kv, kv_tiles, d x kBlockK)
-  // each: the value tiles transposed in the input dtype (lowp) or acc_t, the
-  // key rows (lowp, where k's rows are not contiguous).
-  ScratchArray<scalar_t> v_t_lowp, k_lowp;
+  // once for all of them (KvTiles): the value tiles transposed in the input
+  // dtype (lowp) or acc_t, (batch, heads_kv, groups, d x kSpanKeys); the key
+  // rows where k's rows are not contiguous, (batch, heads_kv, kv_tiles *
+  // kBlockK, d).
+  ScratchArray<scalar_t> v_t_lowp, k_rows;
   ScratchArray<acc_t> v_t_acc;
   int64_t kv_tiles = 0;
-  int64_t tiles_offset(int b, int64_t h_kv) const {  // v_t_acc and k_lowp
+  int64_t keys_offset(int b, int64_t h_kv) const {  // k_rows
     return (static_cast<int64_t>(b) * p->heads_kv + h_kv) * kv_tiles * p->head_dim * kBlockK;
   }
-  int64_t groups_offset(int b, int64_t h_kv) const {  // v_t_lowp
+  int64_t groups_offset(int b, int64_t h_kv) const {  // v_t_lowp, v_t_acc
     return (static_cast<int64_t>(b) * p->heads_kv + h_kv) * ceil_div(kv_tiles, kWideTiles) * p->head_dim * kSpanKeys;
   }
   KvTiles<scalar_t, acc_t> kv_tiles_of(int b, int64_t h_kv) const {
     KvTiles<scalar_t, acc_t> t;
     t.d = p->head_dim;
     if (kv_tiles == 0) return t;
-    if (lowp) {
+    if (lowp)
       t.v_lowp = v_t_lowp.get() + groups_offset(b, h_kv);
-      if (k_lowp.get()) t.k_lowp = k_lowp.get() + tiles_offset(b, h_kv);
-    } else {
-      t.v_acc = v_t_acc.get() + tiles_offset(b, h_kv);
-    }
+    else
+      t.v_acc = v_t_acc.get() + groups_offset(b, h_kv);
+    if (k_rows.get()) t.k = k_rows.get() + keys_offset(b, h_kv);
     return t;
   }
 
@@ -690,13 +711,13 @@ void plan_calls(const AttnFwdParams* calls, int64_t num_calls, std::vector<FwdPl
     const AttnFwdParams& p = *plan.p;
     if (plan.few || plan.q_blocks < 2 || p.seqlen_k < kBlockK || p.is_varlen()) continue;
     plan.kv_tiles = p.seqlen_k / kBlockK;
-    const int64_t size = static_cast<int64_t>(p.batch) * p.heads_kv * plan.kv_tiles * p.head_dim * kBlockK;
-    if (plan.lowp) {
+    if (plan.lowp)
       plan.v_t_lowp = ScratchArray<scalar_t>(plan.groups_offset(p.batch, 0));
-      if (p.k_row_stride != p.head_dim) plan.k_lowp = ScratchArray<scalar_t>(size);
-    } else {
-      plan.v_t_acc = ScratchArray<acc_t>(size);
-    }
+    else
+      plan.v_t_acc = ScratchArray<acc_t>(plan.groups_offset(p.batch, 0));
+    const bool products_read_k = plan.lowp;
+    if (products_read_k && p.k_row_stride != p.head_dim)
+      plan.k_rows = ScratchArray<scalar_t>(plan.keys_offset(p.batch, 0));
   }
 }
 
@@ -706,27 +727,26 @@ void plan_calls(const AttnFwdParams* calls, int64_t num_calls, std::vector<FwdPl
 template <typename scalar_t, typename acc_t>
 void lay_out_kv_tiles(FwdPlan<scalar_t, acc_t>& plan, int64_t item) {
   const AttnFwdParams& p = *plan.p;
+  const int d = p.head_dim;
   const int64_t tile = item % plan.kv_tiles, bh = item / plan.kv_tiles;
   const int b = static_cast<int>(bh / p.heads_kv);
-  const scalar_t* v = static_cast<const scalar_t*>(p.v_ptr) + b * p.v_batch_stride +
-                      (bh % p.heads_kv) * p.v_head_stride + tile * kBlockK * p.v_row_stride;
-  const int64_t offset = plan.tiles_offset(b, bh % p.heads_kv) + tile * p.head_dim * kBlockK;
+  const int64_t h_kv = bh % p.heads_kv;
+  const scalar_t* v = static_cast<const scalar_t*>(p.v_ptr) + b * p.v_batch_stride + h_kv * p.v_head_stride +
+                      tile * kBlockK * p.v_row_stride;
+  const int64_t v_offset =
+      plan.groups_offset(b, h_kv) + (tile / kWideTiles) * d * kSpanKeys + (tile % kWideTiles) * kBlockK;
+  bool done = false;
   if constexpr (kIsLowp<scalar_t>) {
-    if (plan.lowp) {
-      const int64_t group = plan.groups_offset(b, bh % p.heads_kv) + (tile / kWideTiles) * p.head_dim * kSpanKeys;
-      transpose_lowp(v, p.v_row_stride, kBlockK, p.head_dim,
-                     plan.v_t_lowp.get() + group + (tile % kWideTiles) * kBlockK, kSpanKeys);
-      if (plan.k_lowp.get()) {
-        const scalar_t* k = static_cast<const scalar_t*>(p.k_ptr) + b * p.k_batch_stride +
-                            (bh % p.heads_kv) * p.k_head_stride + tile * kBlockK * p.k_row_stride;
-        for (int j = 0; j < kBlockK; ++j)
-          std::copy(k + j * p.k_row_stride, k + j * p.k_row_stride + p.head_dim,
-                    plan.k_lowp.get() + offset + j * p.head_dim);
-      }
-      return;
-    }
+    if (plan.lowp)
+      transpose_lowp(v, p.v_row_stride, kBlockK, d, plan.v_t_lowp.get() + v_offset, kSpanKeys), done = true;
   }
-  load_tile_transposed(v, p.v_row_stride, kBlockK, p.head_dim, acc_t(1), plan.v_t_acc.get() + offset, kBlockK);
+  if (!done) load_tile_transposed(v, p.v_row_stride, kBlockK, d, acc_t(1), plan.v_t_acc.get() + v_offset, kSpanKeys);
+  if (plan.k_rows.get()) {
+    const scalar_t* k = static_cast<const scalar_t*>(p.k_ptr) + b * p.k_batch_stride + h_kv * p.k_head_stride +
+                        tile * kBlockK * p.k_row_stride;
+    scalar_t* dst = plan.k_rows.get() + plan.keys_offset(b, h_kv) + tile * kBlockK * d;
+    for (int j = 0; j < kBlockK; ++j) std::copy(k + j * p.k_row_stride, k + j * p.k_row_stride + d, dst + j * d);
+  }
 }
 
 // Per-worker scratch of either path, made on first use.

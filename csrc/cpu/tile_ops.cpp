@@ -745,6 +745,21 @@ FLASHATTN_SIMD_CLONES int take_nonfinite_columns(acc_t* t, int64_t ld, int rows,
 
 template <typename scalar_t, typename acc_t>
 FLASHATTN_SIMD_CLONES int nonfinite_rows(const scalar_t* t, int64_t ld, int rows, int cols, int* index) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>) {
+    // A 16-bit value is a NaN or an infinity where its exponent bits are all
+    // ones: one integer compare a value, which vectorizes (the conversion to
+    // acc_t below did not: perf, a causal bfloat16 forward, 11% of the time
+    // in this scan of the masked tiles' value rows).
+    constexpr uint16_t kExp = std::is_same_v<scalar_t, c10::BFloat16> ? 0x7F80 : 0x7C00;
+    int n = 0;
+    for (int r = 0; r < rows; ++r) {
+      const scalar_t* x = t + r * ld;
+      uint16_t top = 0;  // the largest exponent field of the row
+      for (int c = 0; c < cols; ++c) top = std::max<uint16_t>(top, x[c].x & kExp);
+      if (top == kExp) index[n++] = r;
+    }
+    return n;
+  }
   constexpr int W = kLanes<acc_t>;
   int n = 0;
   for (int r = 0; r < rows; ++r) {

@@ -63,19 +63,23 @@ void online_softmax_step(acc_t* s_t, int64_t ld, int keys, int queries, const in
                          acc_t* row_max, acc_t* row_sum, acc_t* o_t, int64_t o_ld, int head_dim, acc_t* work,
                          acc_t scale);
 
-// online_softmax_step on a span of `keys` unmasked keys (a whole number of
-// tiles of tile_keys, an even count), followed by pack_pairs of each tile's
-// P^T (rows t * tile_keys.. of s_t into pairs + t * tile_keys * queries), as
-// one step that writes the rounded probabilities to the pairs operands only
-// (s_t is left as it was: raw products, scaled here). Returns false, and does
-// nothing, where it has no fused version (softmax_pairs.cpp: AVX-512 with
-// AVX512-BF16, bfloat16, queries a multiple of 16): the caller runs the two
-// steps. The same statistics and probabilities as the two steps, within
-// float32 rounding (the exp and the sums are theirs, the FMA contractions may
-// differ).
+// online_softmax_step on a span of `keys` unmasked keys (an even count), as
+// one fused step (softmax_span.cpp: AVX-512 with AVX512-BF16, queries a
+// multiple of 16); false, having done nothing, where it has none: the caller
+// runs online_softmax_step (and pack_pairs). The same statistics and
+// probabilities within float32 rounding: the float32 version's exp is
+// exp_approx's steps, the bfloat16 version's a degree-5 polynomial, far
+// below the rounding to bfloat16 that follows; the sums are theirs, the FMA
+// contractions may differ.
+//   online_softmax_span           P^T back into s_t
+//   online_softmax_span_to_pairs  P^T rounded to lowp_t into `pairs`, the
+//                                 keys x queries pairs operand (pack_pairs's
+//                                 layout); s_t is left as it was
+bool online_softmax_span(float* s_t, int64_t ld, int keys, int queries, float* row_max, float* row_sum, float* o_t,
+                         int64_t o_ld, int head_dim, float scale);
 template <typename lowp_t>
-bool online_softmax_to_pairs(const float* s_t, int64_t ld, int keys, int tile_keys, int queries, float* row_max,
-                             float* row_sum, float* o_t, int64_t o_ld, int head_dim, float scale, lowp_t* pairs);
+bool online_softmax_span_to_pairs(const float* s_t, int64_t ld, int keys, int queries, float* row_max, float* row_sum,
+                                  float* o_t, int64_t o_ld, int head_dim, float scale, lowp_t* pairs);
 
 // The backward's element-wise step, key-major:
 //   s_t    keys x queries, in: raw products k.q; out: P^T = exp(scale * s - lse[i])
