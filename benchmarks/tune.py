@@ -20,6 +20,14 @@ pairs), `tiles` (one CTA a tile, heaviest first: the hardware's dispatch as a
 longest-first schedule). Each is checked bitwise against the default (the
 `_err` fields: the order does not change a tile's arithmetic).
 
+--fwd-switches times the forward under each environment setting beside the
+default and the peers, in rounds: FLASHATTN_FWD_MASK_STEPS=first runs the plain
+dense calls whose mask cuts only a tile's first key block on the mainloop
+without mask code (MaskSteps::kFirst; the default tests the mask at each
+step, kAny). Checked bitwise against the default.
+FlashAttention-4 (flash_attn.cute) is timed with the forward's peers when it
+is importable.
+
 --bwd-switches times the backward under each environment setting beside the
 default and the peers, in rounds: FLASHATTN_BWD_DQ_FIRST=0 is the TMA
 backward's step in the order before FlashAttention-3's (BwdSm90WsTraits::kDqFirst).
@@ -84,6 +92,11 @@ def main():
     ap.add_argument("--variants", default="", help="variants to time (default: all of the head dim's)")
     ap.add_argument("--grids", default="default", help="forward tile schedules to time with each variant")
     ap.add_argument(
+        "--fwd-switches",
+        default="default",
+        help="forward switches to time side by side, e.g. default,FLASHATTN_FWD_MASK_STEPS=first",
+    )
+    ap.add_argument(
         "--bwd-switches",
         default="default",
         help="backward switches to time side by side, e.g. default,FLASHATTN_BWD_DQ_FIRST=0",
@@ -94,7 +107,13 @@ def main():
     VARIANTS = VARIANTS_SM90 if sm90 else VARIANTS_SM80
     rows = []
     grids = args.grids.split(",")
+    fwd_switches = args.fwd_switches.split(",")
     bwd_switches = args.bwd_switches.split(",")
+    try:
+        from flash_attn.cute import flash_attn_func as fa4
+    except Exception as e:  # noqa: BLE001  (any import failure: not installed, no CUDA DSL)
+        fa4 = None
+        print(f"FlashAttention-4 not timed: {type(e).__name__}: {e}")
 
     def switch_env(switch):
         name, _, value = switch.partition("=")
@@ -125,28 +144,32 @@ def main():
                 peers = (("fa2", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION))
                 entries = {}
                 fwd_names = []
-                for var in variants("fwd", d) if "fwd" in passes else ():
-                    for grid in grids:
-                        name = f"v{var}" if grid == "default" else f"v{var}_{grid}"
-                        fwd_names.append(name)
-                        env = {"FLASHATTN_FWD_VARIANT": var, "FLASHATTN_FWD_GRID": grid}
-                        with env_values(env):
-                            out, lse = _ops.fwd(q, k, v, scale, -1, wr, True, False)
-                            row[f"fwd_{name}_err"] = (out.float() - out0.float()).abs().max().item()
-                            if n <= args.check_max_seqlen:
-                                comps = check_attention(q, k, v, out, lse, softmax_scale=scale, causal=causal)
-                                row[f"fwd_{name}_oracle_ok"] = all(c.ok for c in comps)
-                                if not row[f"fwd_{name}_oracle_ok"]:
-                                    print(f"  FAIL {name} against the oracle:", [c.message() for c in comps])
-                        entries[f"fwd_{name}"] = (
-                            functools.partial(env_values, env),
-                            lambda: _ops.fwd(q, k, v, scale, -1, wr, True, False),
-                        )
+                fwd_runs = [(var, grid, sw) for var in variants("fwd", d) for grid in grids for sw in fwd_switches]
+                for var, grid, switch in fwd_runs if "fwd" in passes else ():
+                    name = f"v{var}" if grid == "default" else f"v{var}_{grid}"
+                    if switch != "default":
+                        name += "_" + switch.split("=")[0].lower().removeprefix("flashattn_fwd_")
+                    fwd_names.append(name)
+                    env = {"FLASHATTN_FWD_VARIANT": var, "FLASHATTN_FWD_GRID": grid, **switch_env(switch)}
+                    with env_values(env):
+                        out, lse = _ops.fwd(q, k, v, scale, -1, wr, True, False)
+                        row[f"fwd_{name}_err"] = (out.float() - out0.float()).abs().max().item()
+                        if n <= args.check_max_seqlen:
+                            comps = check_attention(q, k, v, out, lse, softmax_scale=scale, causal=causal)
+                            row[f"fwd_{name}_oracle_ok"] = all(c.ok for c in comps)
+                            if not row[f"fwd_{name}_oracle_ok"]:
+                                print(f"  FAIL {name} against the oracle:", [c.message() for c in comps])
+                    entries[f"fwd_{name}"] = (
+                        functools.partial(env_values, env),
+                        lambda: _ops.fwd(q, k, v, scale, -1, wr, True, False),
+                    )
                 for name, be in peers:
                     entries[f"fwd_{name}"] = (
                         functools.partial(sdpa_kernel, be),
                         lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal),
                     )
+                if fa4 is not None and "fwd" in passes:
+                    entries["fwd_fa4"] = (contextlib.nullcontext, lambda: fa4(q, k, v, causal=causal))
                 for key, ms in bench_side_by_side(entries).items():
                     row[key] = flops / ms / 1e9
                 os.environ["FLASHATTN_FWD_VARIANT"] = "0"
@@ -186,9 +209,10 @@ def main():
                     for pa in ("fwd", "bwd")
                     for name, _ in peers
                 }
+                fa4_fwd = f" fa4={row['fwd_fa4']:.0f}" if "fwd_fa4" in row else ""
                 print(
                     f"d{d} n{n} {'causal' if causal else 'full  '} | fwd {fv} fa2={peer['fwd_fa2']} "
-                    f"cudnn={peer['fwd_cudnn']} | bwd {bv} fa2={peer['bwd_fa2']} cudnn={peer['bwd_cudnn']}",
+                    f"cudnn={peer['fwd_cudnn']}{fa4_fwd} | bwd {bv} fa2={peer['bwd_fa2']} cudnn={peer['bwd_cudnn']}",
                     flush=True,
                 )
                 errs = [row[k] for k in row if k.endswith("_err")]

@@ -139,11 +139,12 @@ struct TuneVariants<64, T> {
   using Fwd = Variants<typename KernelConfig<64, T>::Fwd, FwdTraits<64, 128, 64, 4, 2, 2, T>>;
   using Bwd = Variants<typename KernelConfig<64, T>::Bwd, BwdTraits<64, 32, 128, 4, 1, 2, 1, T, false>>;
   using FwdSm90 = Variants<typename KernelConfig<64, T>::FwdSm90, FwdSm90Traits<64, 128, T>, FwdSm90Traits<64, 64, T>>;
-  // Three / two consumers; then each with 1/4, then 1/8 of the exponentials on the FMA pipe (kPolyExpEvery).
-  // FLASHATTN_FWD_VARIANT=2 runs the FMA-pipe exponentials at both head dims (1/4), =3 too (d128: 1/8).
+  // Three / two consumers; then each with 1/4, then 1/16 of the exponentials on the FMA pipe (kPolyExpEvery;
+  // 1/4 and 1/8 measured slower in session 14, 1/16 is near the predicted best share of 1/14).
+  // FLASHATTN_FWD_VARIANT=2 runs the FMA-pipe exponentials at both head dims (1/4), =3 too (d128: 1/16).
   using FwdSm90Ws = Variants<typename KernelConfig<64, T>::FwdSm90Ws, FwdSm90WsTraits<64, 128, 2, 2, T>,
                              FwdSm90WsTraits<64, 128, 3, 2, T, 4>, FwdSm90WsTraits<64, 128, 2, 2, T, 4>,
-                             FwdSm90WsTraits<64, 128, 3, 2, T, 8>, FwdSm90WsTraits<64, 128, 2, 2, T, 8>>;
+                             FwdSm90WsTraits<64, 128, 3, 2, T, 16>, FwdSm90WsTraits<64, 128, 2, 2, T, 16>>;
   using BwdSm90 =
       Variants<typename KernelConfig<64, T>::BwdSm90, BwdSm90Traits<64, 128, T, 1>, BwdSm90Traits<64, 64, T>>;
   using BwdSm90WsDqLast = BwdSm90WsTraits<64, 128, 2, T, false>;  // FLASHATTN_BWD_DQ_FIRST=0
@@ -155,7 +156,7 @@ struct TuneVariants<128, T> {
   using FwdSm90 =
       Variants<typename KernelConfig<128, T>::FwdSm90, FwdSm90Traits<128, 64, T>, FwdSm90Traits<128, 64, T, 2>>;
   using FwdSm90Ws = Variants<typename KernelConfig<128, T>::FwdSm90Ws, FwdSm90WsTraits<128, 192, 2, 2, T>,
-                             FwdSm90WsTraits<128, 128, 2, 2, T, 4>, FwdSm90WsTraits<128, 128, 2, 2, T, 8>>;
+                             FwdSm90WsTraits<128, 128, 2, 2, T, 4>, FwdSm90WsTraits<128, 128, 2, 2, T, 16>>;
   using BwdSm90 = Variants<typename KernelConfig<128, T>::BwdSm90>;
   using BwdSm90WsDqLast = BwdSm90WsTraits<128, 64, 2, T, false>;  // FLASHATTN_BWD_DQ_FIRST=0
 };

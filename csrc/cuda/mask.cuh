@@ -53,7 +53,7 @@ struct BlockMask {
 
   // Key blocks [n_min, n_max) seen by query rows [m0, m0 + rows).
   template <int kBlockN>
-  __device__ __forceinline__ void key_block_range(int m0, int rows, int& n_min, int& n_max) const {
+  __host__ __device__ __forceinline__ void key_block_range(int m0, int rows, int& n_min, int& n_max) const {
     n_max = ceil_div(key_hi(m0 + rows - 1), kBlockN);
     n_min = key_lo(m0) / kBlockN;
   }
@@ -77,14 +77,40 @@ struct BlockMask {
   // Does the tile rows [m0, m0+kBlockM) x keys [n0, n0+kBlockN) contain a masked element?
   // Rows past seqlen_q are not counted: they are never stored.
   template <int kBlockM, int kBlockN>
-  __device__ __forceinline__ bool tile_needs_mask(int m0, int n0) const {
+  __host__ __device__ __forceinline__ bool tile_needs_mask(int m0, int n0) const {
     if (n0 + kBlockN > seqlen_k) return true;
-    const int row_last = min(m0 + kBlockM, seqlen_q) - 1;
+    const int row_last = (m0 + kBlockM < seqlen_q ? m0 + kBlockM : seqlen_q) - 1;
     if (window_right >= 0 && int64_t(n0) + kBlockN - 1 > int64_t(m0) + diag_offset + window_right) return true;
     if (window_left >= 0 && int64_t(n0) < int64_t(row_last) + diag_offset - window_left) return true;
     return false;
   }
+
+  // Whether tile_needs_mask can hold only for the first key block a query
+  // tile visits (the forward visits a tile's blocks last first), for every
+  // tile of kBlockM rows: then the steps after the first need no mask code
+  // (MaskSteps::kFirst, the forward mainloop's policy). The first block
+  // visited is the one the ragged key end and a diagonal reach furthest, so
+  // without a window edge on the left this holds when the diagonal of every
+  // tile lies in one key block: square tiles whose diagonal starts on a block
+  // boundary (row i sees keys < i + d + 1, d = diag_offset + window_right, d
+  // or d + 1 a multiple of the block). Dense batches (one diagonal for all).
+  // tests/cuda_host/mask_rule_check.cu checks it against tile_needs_mask.
+  template <int kBlockM, int kBlockN>
+  __host__ __device__ __forceinline__ bool masks_first_step_only() const {
+    if (window_left >= 0) return false;  // a left window edge cuts the last blocks visited
+    if (window_right < 0) return true;   // only the ragged key end: the first block visited
+    if (kBlockM != kBlockN) return false;
+    const int64_t d = int64_t(diag_offset) + window_right;
+    const int64_t r = ((d % kBlockN) + kBlockN) % kBlockN;
+    return r == 0 || r == kBlockN - 1;
+  }
 };
+
+// Which key-block steps of a query tile the forward mainloop applies the
+// element mask in (a compile-time policy: the steps without it hold no mask
+// code). kFirst: the first step only, for calls where BlockMask::
+// masks_first_step_only holds; kAny: any step, by tile_needs_mask.
+enum class MaskSteps : int { kAny = 0, kFirst };
 
 // The query block, head and batch a CTA of a one-dimensional query-block grid
 // owns (the forward and the deterministic dQ kernel). blockIdx.x runs over

@@ -116,7 +116,13 @@ namespace flashattn {
 // that neither pays the other's registers (FwdSm90ScoreStep; the epilogue's
 // lse is then in the modified scores' units and the non-finite recompute
 // applies the score mod too).
-template <typename Kt, bool kVarlen, ScoreModSet kMod = ScoreModSet::kNone>
+// kMaskSteps: the steps the element mask may cut (../mask.cuh). kFirst (dense
+// calls for which BlockMask::masks_first_step_only holds: every call without
+// a diagonal, and causal square tiles whose diagonal starts on a block
+// boundary): the mask only in a tile's first step, which runs before the
+// loop; the loop's steps hold no mask code (tuning builds only until it is
+// measured, flash_launch.cuh). kAny: tile_needs_mask at every step.
+template <typename Kt, bool kVarlen, ScoreModSet kMod = ScoreModSet::kNone, MaskSteps kMaskSteps = MaskSteps::kAny>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
     flash_fwd_sm90_ws_kernel(const __grid_constant__ AttnFwdParams p, const __grid_constant__ FwdTmaMaps maps,
                              const FwdSchedule sched) {
@@ -283,7 +289,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       pin_registers(acc_s[0]);
       const int step_s = next;
       next = scores_done(i + 1, step_s);
-      softmax_step(acc_s, step_s, correction, code);
+      softmax_step.template step<kMaskSteps == MaskSteps::kAny>(acc_s, step_s, correction, code);
       wgmma_wait<0>();
       pin_registers(acc_o[0]);
       mbar_arrive(&empty_v[stage(it0 + i)]);

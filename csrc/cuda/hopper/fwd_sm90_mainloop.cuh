@@ -43,16 +43,18 @@ struct FwdSm90ScoreStep {
 
   // Step j visits key block n_max - 1 - j. block_code: the attn_mask's
   // summary code of the whole block where the caller knows it
-  // (kMaskIdentity: no lookup), else kMaskMixed.
-  __device__ __forceinline__ void operator()(float (&acc_s)[1][kNT][4], int j, float (&correction)[1][2],
-                                             int block_code = kMaskMixed) const {
+  // (kMaskIdentity: no lookup), else kMaskMixed. kMayMask false: a step the
+  // mask cannot cut (MaskSteps::kFirst after the first step), no mask code.
+  template <bool kMayMask = true>
+  __device__ __forceinline__ void step(float (&acc_s)[1][kNT][4], int j, float (&correction)[1][2],
+                                       int block_code = kMaskMixed) const {
     const int n0 = (n_max - 1 - j) * Kt::kBlockN;
     if constexpr (kScoreMod) {
       ScoreModTile mod(p.score_mod, static_cast<float>(p.softmax_scale), b, h, tmask.seqlen_q, tmask.seqlen_k);
       mod.known_code = block_code;
       apply_score_mod_rows<kMod>(acc_s, mod, m0 + warp_row0, n0, lane);
     }
-    if (tmask.template tile_needs_mask<Kt::kBlockM, Kt::kBlockN>(m0, n0))
+    if (kMayMask && tmask.template tile_needs_mask<Kt::kBlockM, Kt::kBlockN>(m0, n0))
       apply_mask_rows(acc_s, tmask, m0 + warp_row0, n0, lane);
     if (positive_scale) {
       softmax.template softmax_rows<true, Kt::kPolyExpEvery>(acc_s, kScoreMod ? 1.f : p.softmax_scale_log2, correction);
@@ -67,6 +69,10 @@ struct FwdSm90ScoreStep {
       if (p.dropout.enabled())
         apply_dropout_rows(acc_s, DropoutPlane(p.dropout, b, p.heads_q, h), m0 + warp_row0, n0, lane, 1.f);
     }
+  }
+  __device__ __forceinline__ void operator()(float (&acc_s)[1][kNT][4], int j, float (&correction)[1][2],
+                                             int block_code = kMaskMixed) const {
+    step<true>(acc_s, j, correction, block_code);
   }
 };
 
