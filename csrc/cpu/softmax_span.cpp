@@ -88,9 +88,8 @@ FLASHATTN_AVX512_BF16 void span_step(float* s_t, int64_t ld, int keys, int queri
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   // cvtne2ps_pbh(b, a) holds a's 16 values in lanes 0-15 and b's in 16-31;
   // a pairs row wants a0 b0 a1 b1 ...
-  const __m512i interleave =
-      _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
-                       18, 2, 17, 1, 16, 0);
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (int i0 = 0; i0 < queries; i0 += 16) {
     // The span's max of the scaled scores, four chains. max_ps(x, m) keeps m
     // for a NaN x, as std::max(m, x) does in online_softmax_step: a NaN score
@@ -108,8 +107,7 @@ FLASHATTN_AVX512_BF16 void span_step(float* s_t, int64_t ld, int keys, int queri
     const __m512 m_old = _mm512_loadu_ps(row_max + i0);
     const __m512 m_new = _mm512_max_ps(m_tile, m_old);  // neither is NaN
     // As online_softmax_step: a query with no finite max yet shifts by 0.
-    const __m512 shift =
-        _mm512_mask_mov_ps(m_new, _mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ), _mm512_setzero_ps());
+    const __m512 shift = _mm512_mask_mov_ps(m_new, _mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ), _mm512_setzero_ps());
     _mm512_storeu_ps(row_max + i0, m_new);
 
     // P^T = exp(scale s - shift), summed in key order as online_softmax_step
