@@ -343,6 +343,99 @@ FLASHATTN_INLINE const acc_t* row_as_acc(const scalar_t* row, int n, acc_t* buff
   }
 }
 
+// The few-queries path's scores of float keys read in place (attend_few_queries):
+// scores[r * cols + j] = dot(q + r * d, key j) for the rows r < rows and keys
+// j < cols, key j at k_rows[j] (a paged cache) or k + j * k_ld.
+constexpr int kFewScoresAhead = 16;  // keys prefetched ahead
+
+FLASHATTN_INLINE const float* few_key_row(const float* k, int64_t k_ld, const float* const* k_rows, int j) {
+  return k_rows ? k_rows[j] : k + j * k_ld;
+}
+
+FLASHATTN_INLINE void few_query_scores_vec16(const float* q, int rows, int d, const float* k, int64_t k_ld,
+                                             const float* const* k_rows, int cols, float* scores) {
+  for (int j = 0; j < cols; ++j) {
+    if (j + kFewScoresAhead < cols) prefetch_row(few_key_row(k, k_ld, k_rows, j + kFewScoresAhead), d);
+    dot_rows(q, rows, d, few_key_row(k, k_ld, k_rows, j), scores + j, cols);
+  }
+}
+
+#if FLASHATTN_HAVE_SIMD_CLONES && FLASHATTN_VECTOR_EXT
+// The AVX2 version: dot_rows's 16 lanes as two 8-lane halves. GCC keeps a
+// 64-byte vector that the target has no register for in memory across the
+// loop (the AVX2 clone of dot_rows moved its four accumulators between the
+// stack and general registers every step: callgrind, ~200 instructions a
+// 128-long dot, 58% of a decoding step's); two 32-byte halves stay in ymm
+// registers. The same lanes, products, sums and fold (fold16's first step
+// adds the halves): the same bits as dot_rows.
+FLASHATTN_INLINE float fold_halves(Vec8f lo, Vec8f hi) {
+  Vec8f v = lo + hi;
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 2, 3, 2, 3, 2, 3, 2, 3);
+  v += __builtin_shufflevector(v, v, 1, 1, 1, 1, 1, 1, 1, 1);
+  return v[0];
+}
+
+__attribute__((target("arch=x86-64-v3"))) void few_query_scores(const float* q, int rows, int d, const float* k,
+                                                                int64_t k_ld, const float* const* k_rows, int cols,
+                                                                float* scores) {
+  if (d % 16 != 0) {
+    few_query_scores_vec16(q, rows, d, k, k_ld, k_rows, cols, scores);
+    return;
+  }
+  for (int j = 0; j < cols; ++j) {
+    if (j + kFewScoresAhead < cols) prefetch_row(few_key_row(k, k_ld, k_rows, j + kFewScoresAhead), d);
+    const float* __restrict k_row = few_key_row(k, k_ld, k_rows, j);
+    float* out = scores + j;
+    int r = 0;
+    for (; r + 4 <= rows; r += 4) {
+      const float* q0 = q + r * d;
+      Vec8f l0 = {}, h0 = {}, l1 = {}, h1 = {}, l2 = {}, h2 = {}, l3 = {}, h3 = {};
+      for (int i = 0; i < d; i += 16) {
+        const Vec8f kl = load8(k_row + i), kh = load8(k_row + i + 8);
+        l0 += load8(q0 + i) * kl;
+        h0 += load8(q0 + i + 8) * kh;
+        l1 += load8(q0 + d + i) * kl;
+        h1 += load8(q0 + d + i + 8) * kh;
+        l2 += load8(q0 + 2 * d + i) * kl;
+        h2 += load8(q0 + 2 * d + i + 8) * kh;
+        l3 += load8(q0 + 3 * d + i) * kl;
+        h3 += load8(q0 + 3 * d + i + 8) * kh;
+      }
+      out[r * cols] = fold_halves(l0, h0);
+      out[(r + 1) * cols] = fold_halves(l1, h1);
+      out[(r + 2) * cols] = fold_halves(l2, h2);
+      out[(r + 3) * cols] = fold_halves(l3, h3);
+    }
+    for (; r < rows; ++r) {
+      const float* q0 = q + r * d;
+      Vec8f lo = {}, hi = {};
+      for (int i = 0; i < d; i += 16) {
+        lo += load8(q0 + i) * load8(k_row + i);
+        hi += load8(q0 + i + 8) * load8(k_row + i + 8);
+      }
+      out[r * cols] = fold_halves(lo, hi);
+    }
+  }
+}
+// AVX-512 and the baseline: dot_rows as it is (one zmm register a 16-lane
+// vector on AVX-512).
+__attribute__((target("arch=x86-64-v4"))) void few_query_scores(const float* q, int rows, int d, const float* k,
+                                                                int64_t k_ld, const float* const* k_rows, int cols,
+                                                                float* scores) {
+  few_query_scores_vec16(q, rows, d, k, k_ld, k_rows, cols, scores);
+}
+__attribute__((target("default"))) void few_query_scores(const float* q, int rows, int d, const float* k, int64_t k_ld,
+                                                         const float* const* k_rows, int cols, float* scores) {
+  few_query_scores_vec16(q, rows, d, k, k_ld, k_rows, cols, scores);
+}
+#else
+void few_query_scores(const float* q, int rows, int d, const float* k, int64_t k_ld, const float* const* k_rows,
+                      int cols, float* scores) {
+  few_query_scores_vec16(q, rows, d, k, k_ld, k_rows, cols, scores);
+}
+#endif
+
 }  // namespace
 
 template <typename scalar_t, typename acc_t>
@@ -535,12 +628,16 @@ FLASHATTN_SIMD_CLONES void attend_few_queries(const acc_t* q, int rows, int head
   auto k_row_of = [&](int j) { return k_rows ? k_rows[j] : k + j * k_ld; };
   auto v_row_of = [&](int j) { return v_rows ? v_rows[j] : v + j * v_ld; };
   // S = Q K^T, one key row at a time (shared by every query row).    rows x cols
-  constexpr int kAhead = 16;           // rows
-  constexpr int kPvKeys = kFewKvRows;  // value rows per pass over O
-  for (int j = 0; j < cols; ++j) {
-    if (j + kAhead < cols) prefetch_row(k_row_of(j + kAhead), d);
-    const acc_t* k_row = row_as_acc(k_row_of(j), d, kv_row);
-    dot_rows(q, rows, d, k_row, scores + j, cols);
+  constexpr int kAhead = kFewScoresAhead;  // rows
+  constexpr int kPvKeys = kFewKvRows;      // value rows per pass over O
+  if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<acc_t, float>) {
+    few_query_scores(q, rows, d, k, k_ld, k_rows, cols, scores);  // (the keys in place)
+  } else {
+    for (int j = 0; j < cols; ++j) {
+      if (j + kAhead < cols) prefetch_row(k_row_of(j + kAhead), d);
+      const acc_t* k_row = row_as_acc(k_row_of(j), d, kv_row);
+      dot_rows(q, rows, d, k_row, scores + j, cols);
+    }
   }
   // Online softmax per query row, as in online_softmax_step.
   for (int r = 0; r < rows; ++r) {
