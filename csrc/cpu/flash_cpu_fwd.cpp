@@ -171,8 +171,7 @@ void add_keys_over_visible_queries(const int* keys, int num_keys, const scalar_t
 // every query block (FwdPlan): the value tiles transposed, in the input dtype
 // for the low-precision products or in acc_t for the float32 path, in groups
 // of kWideTiles side by side (d x kSpanKeys a group, so that a span's V^T is
-// one operand); and, for products that read the input's dtype (the
-// low-precision ones, and float32 on float32 inputs), the key rows copied one
+// one operand); and, for the low-precision products, the key rows copied one
 // after the other (ld d) where the input's rows are further apart. nullptr members
 // where there are none (the input is then read, or a tile transposed, where
 // it is used).
@@ -343,10 +342,8 @@ void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
         have_q_t = true;
       }
       // S^T = K (scale Q)^T                                          span (cols) x rows
-      Operand<acc_t> k_op{nullptr, d};
-      if constexpr (std::is_same_v<scalar_t, acc_t>) k_op.ptr = kv_tiles.k_rows(k0);
-      if (!k_op.ptr)
-        k_op = as_operand(k + k0 * p.k_row_stride, p.k_row_stride, std::max(span, cols), d, scratch.k.get(), d);
+      const Operand<acc_t> k_op =
+          as_operand(k + k0 * p.k_row_stride, p.k_row_stride, std::max(span, cols), d, scratch.k.get(), d);
       if (span > kBlockK) {  // the span's keys: one softmax step, one P V product (as the low-precision path's)
         gemm_nn(span, rows, d, k_op.ptr, k_op.ld, scratch.q_t.get(), block_q, s_t, block_q, /*accumulate=*/false,
                 /*full_tile=*/true);
@@ -715,9 +712,7 @@ void plan_calls(const AttnFwdParams* calls, int64_t num_calls, std::vector<FwdPl
       plan.v_t_lowp = ScratchArray<scalar_t>(plan.groups_offset(p.batch, 0));
     else
       plan.v_t_acc = ScratchArray<acc_t>(plan.groups_offset(p.batch, 0));
-    const bool products_read_k = plan.lowp;
-    if (products_read_k && p.k_row_stride != p.head_dim)
-      plan.k_rows = ScratchArray<scalar_t>(plan.keys_offset(p.batch, 0));
+    if (plan.lowp && p.k_row_stride != p.head_dim) plan.k_rows = ScratchArray<scalar_t>(plan.keys_offset(p.batch, 0));
   }
 }
 

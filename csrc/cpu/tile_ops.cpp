@@ -348,8 +348,11 @@ FLASHATTN_INLINE const acc_t* row_as_acc(const scalar_t* row, int n, acc_t* buff
 // j < cols, key j at k_rows[j] (a paged cache) or k + j * k_ld.
 constexpr int kFewScoresAhead = 16;  // keys prefetched ahead
 
-FLASHATTN_INLINE const float* few_key_row(const float* k, int64_t k_ld, const float* const* k_rows, int j) {
-  return k_rows ? k_rows[j] : k + j * k_ld;
+// Row j of a few-queries block's keys (or values): rows[j] (a paged cache)
+// or base + j * ld.
+template <typename scalar_t>
+FLASHATTN_INLINE const scalar_t* few_key_row(const scalar_t* base, int64_t ld, const scalar_t* const* rows, int j) {
+  return rows ? rows[j] : base + j * ld;
 }
 
 FLASHATTN_INLINE void few_query_scores_vec16(const float* q, int rows, int d, const float* k, int64_t k_ld,
@@ -625,8 +628,8 @@ FLASHATTN_SIMD_CLONES void attend_few_queries(const acc_t* q, int rows, int head
                                               acc_t* scores, acc_t* kv_row) {
   constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
   const int d = head_dim;
-  auto k_row_of = [&](int j) { return k_rows ? k_rows[j] : k + j * k_ld; };
-  auto v_row_of = [&](int j) { return v_rows ? v_rows[j] : v + j * v_ld; };
+  auto k_row_of = [&](int j) { return few_key_row(k, k_ld, k_rows, j); };
+  auto v_row_of = [&](int j) { return few_key_row(v, v_ld, v_rows, j); };
   // S = Q K^T, one key row at a time (shared by every query row).    rows x cols
   constexpr int kAhead = kFewScoresAhead;  // rows
   constexpr int kPvKeys = kFewKvRows;      // value rows per pass over O
