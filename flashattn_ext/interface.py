@@ -447,24 +447,27 @@ _STRIDED = torch.strided
 def _fast_eligible(query, key, value, enable_gqa) -> bool:
     """The kernels take the call as it is (rank-4 dense tensors of one
     supported dtype and device, shapes they cover). False means "look closer",
-    not "refused"."""
-    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
-        return False
+    not "refused". On the decode step's path: each tensor attribute read costs
+    ~0.05 us (more on a server CPU), so the tests read as few as they can."""
     if query.layout is not _STRIDED or key.layout is not _STRIDED or value.layout is not _STRIDED:
         return False
     if query.is_nested or key.is_nested or value.is_nested:
         return False
-    b, h, lq, e = query.shape
-    bk, hk, s, ek = key.shape
-    bv, hv, sv, ev = value.shape
-    dtype = query.dtype
-    if key.dtype is not dtype or value.dtype is not dtype:
+    kv_shape = key.shape
+    try:  # rank 4 (an unpacking ValueError otherwise)
+        b, h, lq, e = query.shape
+        bk, hk, s, ek = kv_shape
+    except ValueError:
         return False
-    if b != bk or b != bv or e != ek or e != ev or s != sv or hk != hv:
+    dtype = query.dtype
+    if key.dtype is not dtype or value.dtype is not dtype or value.shape != kv_shape or b != bk or e != ek:
+        return False
+    # No empty dimension (zero key heads with enable_gqa would divide by zero
+    # below), none above int32 (sizes are >= 0, so the or exceeds _INT_MAX
+    # exactly when one of them does).
+    if not (b and h and lq and e and hk and s) or (b | h | lq | hk | s) > _INT_MAX:
         return False
     if hk != h and hk != 1 and not (enable_gqa and h % hk == 0):
-        return False
-    if min(b, h, lq, e, hk, s) < 1 or max(b, h, lq, hk, s) > _INT_MAX:
         return False
     if query.is_cpu:
         return key.is_cpu and value.is_cpu and dtype in _CPU_DTYPES and e <= _MAX_HEAD_DIM
@@ -583,12 +586,13 @@ def _mask_refusal(attn_mask, query, key, dtype, is_causal):
     return None
 
 
-def _check_invalid_for_torch(query, key, value, attn_mask, dropout_p=0.0):
+def _check_invalid_for_torch(query, key, value, attn_mask, dropout_p=0.0, enable_gqa=False):
     # Invalid inputs that torch 2.11 mishandles instead of rejecting: its CPU
     # flash backend returns an answer for key/value lengths that differ, its
     # CUDA backends crash the process on a key head dim different from the
-    # query's, and a mask on the meta device gives uninitialised memory on the
-    # CPU. Raise here instead of handing them over.
+    # query's, a mask on the meta device gives uninitialised memory on the
+    # CPU, and enable_gqa=True with zero key or value heads divides by zero
+    # (SIGFPE, CPU and CUDA). Raise here instead of handing them over.
     tensors = all(isinstance(t, Tensor) and t.dim() >= 2 for t in (query, key, value))
     if not tensors:
         return
@@ -603,6 +607,11 @@ def _check_invalid_for_torch(query, key, value, attn_mask, dropout_p=0.0):
         raise RuntimeError(
             f"flashattn_ext.scaled_dot_product_attention: attn_mask is on {attn_mask.device} but query is on "
             f"{query.device}; move attn_mask to the query's device"
+        )
+    if enable_gqa is True and min(query.dim(), key.dim(), value.dim()) >= 3 and 0 in (key.shape[-3], value.shape[-3]):
+        raise RuntimeError(
+            f"flashattn_ext.scaled_dot_product_attention: enable_gqa=True with key / value of {key.shape[-3]} / "
+            f"{value.shape[-3]} heads (dimension -3); grouped-query attention needs at least one key/value head"
         )
     if key.shape[-2] != value.shape[-2]:
         raise RuntimeError(
@@ -722,7 +731,7 @@ def scaled_dot_product_attention(
             torch.are_deterministic_algorithms_enabled(),
             True,
         )[0]
-    _check_invalid_for_torch(query, key, value, attn_mask, dropout_p)
+    _check_invalid_for_torch(query, key, value, attn_mask, dropout_p, enable_gqa)
     key_name, reason = _sdpa_refusal(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if reason is None:
         return _sdpa_kernels(query, key, value, is_causal, scale, attn_mask, dropout_p)

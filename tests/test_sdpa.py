@@ -585,6 +585,16 @@ def test_key_head_dim_mismatch_raises(device):
         sdpa(*args, **kw)
 
 
+@pytest.mark.parametrize("shapes", [((2, 4, 9, 16), (2, 0, 13, 16), (2, 0, 13, 16)), ((4, 9, 16), (0, 13, 16), (2, 13, 16))])
+def test_gqa_without_key_heads_raises(device, shapes):
+    """torch 2.11 divides by the key / value head count under enable_gqa=True
+    and dies of SIGFPE when it is zero, so the wrapper rejects it itself."""
+    dt = torch.float32 if device == "cpu" else torch.float16
+    q, k, v = (randn(s, dt, device) for s in shapes)
+    with pytest.raises(RuntimeError, match="needs at least one key/value head"):
+        sdpa(q, k, v, enable_gqa=True)
+
+
 @pytest.mark.parametrize("case", ["dtype_mismatch", "gqa_without_flag", "gqa_not_divisible", "int_dtype"])
 def test_invalid_inputs_raise_like_torch(device, case):
     args, kw = _error_cases(device)[case]
