@@ -585,7 +585,9 @@ def test_key_head_dim_mismatch_raises(device):
         sdpa(*args, **kw)
 
 
-@pytest.mark.parametrize("shapes", [((2, 4, 9, 16), (2, 0, 13, 16), (2, 0, 13, 16)), ((4, 9, 16), (0, 13, 16), (2, 13, 16))])
+@pytest.mark.parametrize(
+    "shapes", [((2, 4, 9, 16), (2, 0, 13, 16), (2, 0, 13, 16)), ((4, 9, 16), (0, 13, 16), (2, 13, 16))]
+)
 def test_gqa_without_key_heads_raises(device, shapes):
     """torch 2.11 divides by the key / value head count under enable_gqa=True
     and dies of SIGFPE when it is zero, so the wrapper rejects it itself."""
