@@ -70,7 +70,7 @@ torch.ops.flashattn_ext.cpu_runtime_info(False))" | tee "$OUT/runtime_info.txt"
 
 say tests
 timeout 40 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_cpu_lowp.py tests/test_cpu_parallel.py \
-  tests/test_cpu_kernels.py -k "lowp or auto or split or threads or one_pass or large_query_blocks or dtype_and_mask" \
+  tests/test_cpu_kernels.py -k "lowp or auto or split or threads or one_pass or large_query_blocks or dtype_and_mask or fused_softmax_step" \
   >"$OUT/tests.txt" 2>&1
 echo "pytest rc $? (124: cut at its time limit)"
 tail -3 "$OUT/tests.txt"
