@@ -580,6 +580,9 @@ def _mask_refusal(attn_mask, query, key, dtype, is_causal):
         return f"attn_mask is on {attn_mask.device}, the query on {query.device}"
     b, h, lq, _ = _dims(query)
     full = (b, h, lq, key.shape[-2])
+    # Rank-3 inputs: the mask broadcasts to (B, L, S), so a rank-4 mask is torch's error.
+    if query.dim() == 3 and attn_mask.dim() == 4:
+        return f"attn_mask of rank 4 {tuple(attn_mask.shape)} with rank-3 inputs (torch needs one of rank <= 3)"
     m = attn_mask.unsqueeze(1) if query.dim() == 3 and attn_mask.dim() == 3 else attn_mask  # rank 3: (B, L, S)
     if not 2 <= m.dim() <= 4 or any(s != f and s != 1 for s, f in zip(m.shape, full[4 - m.dim() :])):
         return f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (batch, heads, L, S) = {full}"
@@ -597,10 +600,11 @@ def _check_invalid_for_torch(query, key, value, attn_mask, dropout_p=0.0, enable
     if not tensors:
         return
     # torch's CUDA SDPA crashes the process on a dropout_p outside [0, 1]
-    # (seen with -0.5 on the H200); its CPU path ignores it. Reject it on every
-    # device as torch.nn.functional.dropout does.
+    # (seen with -0.5 on the H200); its CPU path raises a RuntimeError (for a
+    # negative value or NaN with a message about dropout > 0). Reject it on
+    # every device with torch's CPU error type and a message that says why.
     if isinstance(dropout_p, (int, float)) and not isinstance(dropout_p, bool) and not 0.0 <= dropout_p <= 1.0:
-        raise ValueError(
+        raise RuntimeError(
             f"flashattn_ext.scaled_dot_product_attention: dropout_p has to be between 0 and 1, but got {dropout_p}"
         )
     if isinstance(attn_mask, Tensor) and attn_mask.device != query.device:

@@ -242,13 +242,13 @@ CASES = {
     "sdpa_scale_tensor": Case("sdpa", Skw(scale=torch.tensor(0.3)), LIKE_TORCH),
     "sdpa_dropout_str": Case("sdpa", Skw(dropout_p="0.1"), LIKE_TORCH),
     "sdpa_dropout_negative": Case(
-        "sdpa", Skw(dropout_p=-0.5), Raises(ValueError, r"dropout_p has to be between 0 and 1")
+        "sdpa", Skw(dropout_p=-0.5), Raises(RuntimeError, r"dropout_p has to be between 0 and 1")
     ),
     "sdpa_dropout_above_1": Case(
-        "sdpa", Skw(dropout_p=1.5), Raises(ValueError, r"dropout_p has to be between 0 and 1")
+        "sdpa", Skw(dropout_p=1.5), Raises(RuntimeError, r"dropout_p has to be between 0 and 1")
     ),
     "sdpa_dropout_nan": Case(
-        "sdpa", Skw(dropout_p=math.nan), Raises(ValueError, r"dropout_p has to be between 0 and 1")
+        "sdpa", Skw(dropout_p=math.nan), Raises(RuntimeError, r"dropout_p has to be between 0 and 1")
     ),
     "sdpa_rank1": Case("sdpa", S_(lambda q, k, v: (q[0, 0, 0], k[0, 0, 0], v[0, 0, 0])), LIKE_TORCH),
     "sdpa_ranks_differ": Case("sdpa", S_(lambda q, k, v: (q, k[0], v[0])), LIKE_TORCH),
@@ -260,6 +260,23 @@ CASES = {
     "sdpa_batch_differs": Case("sdpa", S_(lambda q, k, v: (q, k[:1], v)), LIKE_TORCH),
     "sdpa_mask_shape": Case(
         "sdpa", lambda d: (bhsd(d, hk=4), {"attn_mask": torch.ones(6, 7, dtype=torch.bool, device=d)}), LIKE_TORCH
+    ),
+    # rank-3 inputs (B, L, E) take masks that broadcast to (B, L, S); a rank-4 one is torch's error
+    "sdpa_rank3_mask_rank4": Case(
+        "sdpa",
+        lambda d: (
+            tuple(x[:, 0] for x in bhsd(d, hk=4)),
+            {"attn_mask": torch.zeros(2, 1, 5, 7, device=d, dtype=_dt(d))},
+        ),
+        LIKE_TORCH,
+    ),
+    "sdpa_rank3_bool_mask_rank4": Case(
+        "sdpa",
+        lambda d: (
+            tuple(x[:, 0] for x in bhsd(d, hk=4)),
+            {"attn_mask": torch.ones(1, 1, 5, 7, dtype=torch.bool, device=d)},
+        ),
+        LIKE_TORCH,
     ),
     "sdpa_mask_int": Case(
         "sdpa", lambda d: (bhsd(d, hk=4), {"attn_mask": torch.ones(5, 7, dtype=torch.int32, device=d)}), LIKE_TORCH
