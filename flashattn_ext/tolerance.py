@@ -240,7 +240,9 @@ def recomputation_terms(q, k, v, dout, out, scale, visible, softcap=0.0, alibi_s
       the exponential turns into relative error of the probabilities;
     - the dq/dk error of a recomputation backward: it needs D = rowsum(dO * O)
       and can only form it from the output as returned, rounded to the input
-      dtype; dS = P (dP - D) then inherits P * dD, which this computes.
+      dtype; dS = P (dP - D) then inherits P * dD, which this computes; a float
+      attn_mask's gradient is dS itself summed over the mask's broadcast
+      dimensions, so it inherits the same term ("dmask").
     q, out, dout: (b, n_q, h_q, d); k, v: (b, n_k, h_kv, d); visible: (n_q, n_k) bool;
     attn_mask: torch SDPA's, as attention_ref takes it."""
     qd, kd, vd, dod, od = (x.detach().double() for x in (q, k, v, dout, out))
@@ -263,7 +265,10 @@ def recomputation_terms(q, k, v, dout, out, scale, visible, softcap=0.0, alibi_s
     ds_err = p * d_err.unsqueeze(-1)
     dq_err = scale * torch.einsum("bhqk,bkhd->bqhd", ds_err, kd)
     dk_err = (scale * torch.einsum("bhqk,bqhd->bkhd", ds_err, qd)).view(b, n_k, h_kv, group, d).sum(3)
-    return max_logit, {"dq": dq_err.abs().max().item(), "dk": dk_err.abs().max().item()}
+    terms = {"dq": dq_err.abs().max().item(), "dk": dk_err.abs().max().item()}
+    if attn_mask is not None and attn_mask.dtype != torch.bool and ds_err.numel():
+        terms["dmask"] = ds_err.sum_to_size(attn_mask.shape).abs().max().item()
+    return max_logit, terms
 
 
 def check_attention(

@@ -16,6 +16,7 @@ from flashattn_ext.tolerance import (
     compare_lse,
     floor_for,
     max_err,
+    recomputation_terms,
     ulp_at,
 )
 
@@ -109,3 +110,31 @@ def test_ulp_at():
             assert torch.tensor(v + u / 4, dtype=dtype).item() == v  # nothing between
     assert ulp_at(torch.bfloat16, 3.0) == 2.0**-6
     assert ulp_at(torch.bfloat16, 0.0) > 0
+
+
+def test_recomputation_terms_cover_a_float_mask_gradient():
+    """The D = rowsum(dO * O) term of a recomputation backward: zero for the
+    exact output, and for a rounded one it is what a float mask's gradient
+    (dS summed over the mask's broadcast dimensions) really carries."""
+    torch.manual_seed(0)
+    q, k, v = _inputs(torch.float64, nq=9, nk=11)
+    dout = torch.randn_like(q)
+    mask = torch.randn(1, 1, 9, 11, dtype=torch.float64, requires_grad=True)
+    visible = torch.ones(9, 11, dtype=torch.bool)
+
+    def out_and_dmask(o_for_d):
+        # dS from D formed with o_for_d, as a recomputation backward does
+        logits = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(2, dim=2)) * 0.5 + mask
+        p = torch.softmax(logits, dim=-1)
+        dp = torch.einsum("bqhd,bkhd->bhqk", dout, v.repeat_interleave(2, dim=2))
+        d = (dout * o_for_d).sum(-1).transpose(1, 2).unsqueeze(-1)
+        return (p * (dp - d)).sum_to_size(mask.shape)
+
+    exact = attention_ref(q, k, v, softmax_scale=0.5, attn_mask=mask.detach())
+    rounded = exact.to(torch.bfloat16).double()
+    _, exact_terms = recomputation_terms(q, k, v, dout, exact, 0.5, visible, attn_mask=mask)
+    _, rounded_terms = recomputation_terms(q, k, v, dout, rounded, 0.5, visible, attn_mask=mask)
+    assert exact_terms["dmask"] < 1e-12
+    observed = (out_and_dmask(rounded) - out_and_dmask(exact)).abs().max().item()
+    assert rounded_terms["dmask"] == pytest.approx(observed, rel=1e-9) and observed > 1e-4
+    assert "dmask" not in recomputation_terms(q, k, v, dout, exact, 0.5, visible, attn_mask=visible)[1]
