@@ -1,5 +1,6 @@
 #include "append_rotary_api.h"
 
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <limits>

@@ -6,7 +6,7 @@
 // The integer tensors' values are not read here (the kernels clamp them).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 

@@ -1,5 +1,7 @@
 #include "attention_api.h"
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
 

@@ -3,7 +3,7 @@
 // tensors into the torch-free params structs of flash_params.h.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <tuple>

@@ -26,7 +26,7 @@
 // torch.library.get_kernel returns in Python, called boxed with the keyset the
 // call came with). calls(): a counter per op for our route and one per (op,
 // reason) for torch's (_backend_calls).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/core/boxing/impl/boxing.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
@@ -34,6 +34,9 @@
 #include <torch/library.h>
 #ifdef FLASHATTN_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/empty_permuted.h>
 #endif
 
 #include <atomic>

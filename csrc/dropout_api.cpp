@@ -10,9 +10,10 @@
 // the generator's mutex, unpacked on the device by a one-thread kernel that
 // writes rng_state (as FlashAttention-2 writes its rng_state), so that a
 // captured graph's replays read the generator's advancing offset.
-#include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <mutex>

@@ -6,7 +6,7 @@
 // synchronisation), the CPU kernel checks them as it reads them.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <tuple>

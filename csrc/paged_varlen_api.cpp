@@ -1,5 +1,6 @@
 #include "paged_varlen_api.h"
 
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>

@@ -14,7 +14,7 @@
 // and checked by the CPU implementation.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <tuple>

@@ -11,6 +11,7 @@
 // each product rounded on its own, never contracted into an FMA (the pragmas
 // below; GCC's C++ default, -ffp-contract=fast, would fuse them wherever the
 // target has FMA: aarch64, or x86 built with -march=native).
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>

@@ -1,5 +1,6 @@
 // CPU implementation of flashattn_ext::fwd / bwd: validation and allocation
 // through the shared binding layer, then the tiled kernels of flash_cpu.h.
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <limits>

@@ -6,7 +6,10 @@
 // sequences of varlen_fwd_paged: read_pages_in_place.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/floor_divide.h>
+#include <ATen/ops/remainder.h>
 
 #include "flash_cpu.h"
 
@@ -34,7 +37,8 @@ inline at::Tensor gather_paged_keys(const at::Tensor& cache, const at::Tensor& t
   const int64_t page = cache.size(1);
   const auto pos = at::arange(lo, hi, table_row.options());
   const auto blocks = table_row.index_select(0, at::floor_divide(pos, page));
-  return cache.index({blocks, at::remainder(pos, page)}).unsqueeze(0);
+  const c10::List<std::optional<at::Tensor>> rows_of_pages{blocks, at::remainder(pos, page)};
+  return cache.index(rows_of_pages).unsqueeze(0);
 }
 
 }  // namespace flashattn

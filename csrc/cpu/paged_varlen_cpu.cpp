@@ -6,6 +6,7 @@
 // causal and windows aligned bottom-right. The integer
 // arguments are host tensors here, so their values are checked first, each
 // error naming the argument: a rejected call computes nothing.
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <limits>

@@ -2,6 +2,8 @@
 // shared binding layer, the kernels' layout requirements, workspace
 // allocation, and the dispatch to one (dtype, head dim) instantiation.
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 

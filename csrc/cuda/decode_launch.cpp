@@ -3,6 +3,7 @@
 #include "decode_launch.h"
 
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>

@@ -6,7 +6,7 @@
 // SDPA drop-in), which decode_route below picks.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 

@@ -11,9 +11,10 @@
 //
 // dropout_keep_mask: the keep mask drawn on the device from a CUDA rng_state,
 // bit for bit the CPU op's for the same [seed, offset].
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
