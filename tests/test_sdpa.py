@@ -5,6 +5,7 @@ and a small transformer block that gives the same outputs and gradients."""
 
 import contextlib
 import math
+import random
 import warnings
 
 import pytest
@@ -330,6 +331,69 @@ def test_attn_mask_gradient_matches_oracle(device, dtype, kind, lens):
     q, k, v = randn((b, h, L, e), dtype, device), randn((b, h, S, e), dtype, device), randn((b, h, S, e), dtype, device)
     assert flashattn_ext.sdpa_fallback_reason(q, k, v, attn_mask=mask.requires_grad_()) is None
     check_sdpa(q, k, v, dout=randn(q.shape, dtype, device), mask_grad=True, attn_mask=mask)
+
+
+def _random_call(case, dtype, device):
+    """A call drawn from the combinations the drop-in takes: rank 3 or 4, GQA /
+    MQA, lengths that differ both ways, head dims that are not powers of two,
+    transposed or sliced views, causal, a given scale, a mask of any broadcast
+    shape, dtype and strides (expanded, transposed) with dead rows and -inf, its
+    gradient. The structure comes from `case` (the same every run), the values
+    from the test's seed (fresh every run)."""
+    rng = random.Random(case)
+    b, h, lq, lk = rng.choice([1, 2, 3]), rng.choice([1, 2, 4]), rng.choice([1, 7, 17, 64]), rng.choice([1, 5, 31, 64])
+    e = rng.choice([8, 12, 33, 64, 100])
+    hk = rng.choice([d for d in (1, 2, 4) if h % d == 0])
+    rank3 = rng.random() < 0.2
+    if rank3:  # (N, L, E): N plays the heads, no GQA
+        h = hk = 1
+    kw = {"enable_gqa": True} if hk != h else {}
+    kw["scale"] = rng.choice([None, None, 0.3, 0.0, -0.5])
+
+    def make(shape):
+        x = randn(shape, dtype, device)
+        layout = rng.choice(["contiguous", "transposed", "sliced"])
+        if layout == "transposed":  # a (.., E, L) buffer seen as (.., L, E)
+            return randn(shape[:-2] + (shape[-1], shape[-2]), dtype, device).transpose(-1, -2)
+        if layout == "sliced":  # a wider head dim, sliced
+            return randn(shape[:-1] + (shape[-1] + 3,), dtype, device)[..., : shape[-1]]
+        return x
+
+    lead = (b,) if rank3 else (b, h)
+    lead_kv = (b,) if rank3 else (b, hk)
+    q, k, v = make(lead + (lq, e)), make(lead_kv + (lk, e)), make(lead_kv + (lk, e))
+    mask_grad = False
+    if rng.random() < 0.3:
+        kw["is_causal"] = True
+    elif rng.random() < 0.7:
+        full = lead + (lq, lk)
+        rank = rng.randint(2, len(full))
+        shape = tuple(n if rng.random() < 0.6 else 1 for n in full[len(full) - rank :])
+        kind = rng.choice(["bool", "float32", "query"])
+        if kind == "bool":
+            mask = torch.rand(shape, device=device) < 0.75
+            if shape[-2] > 1:
+                mask[..., rng.randrange(shape[-2]), :] = False  # a dead row: zeros
+        else:
+            mask = randn(shape, torch.float32 if kind == "float32" else dtype, device)
+            if rng.random() < 0.5:
+                mask = mask.masked_fill(torch.rand(shape, device=device) < 0.2, float("-inf"))
+            mask_grad = rng.random() < 0.5 and mask.isfinite().all().item()
+        if rng.random() < 0.3:  # an expanded (stride-0) view of a smaller mask
+            mask = mask[..., :1, :].expand(mask.shape)
+        elif rng.random() < 0.3:  # a transposed view
+            mask = mask.transpose(-1, -2).contiguous().transpose(-1, -2)
+        kw["attn_mask"] = mask
+    return q, k, v, mask_grad, kw
+
+
+@pytest.mark.parametrize("case", range(24))
+def test_random_calls_match_oracle(device, dtype, case):
+    """Random combinations (_random_call) against the oracle by the rule,
+    forward and backward, the mask's gradient when it requires one; the
+    kernels run every one of them (no fallback)."""
+    q, k, v, mask_grad, kw = _random_call(case, dtype, device)
+    check_sdpa(q, k, v, dout=randn(q.shape, dtype, device), mask_grad=mask_grad, **kw)
 
 
 def _document_mask(n, lens, device):
