@@ -642,6 +642,42 @@ def test_eligible_has_no_reason(device, dtype):
     assert flashattn_ext.sdpa_fallback_reason(q, k, v, is_causal=True) is None
 
 
+@pytest.mark.parametrize("enable_gqa", [False, True])
+def test_fast_path_takes_only_what_the_rules_admit(device, dtype, enable_gqa):
+    """The drop-in's fast test (interface._fast_eligible, a few attribute reads
+    on the common call) admits no call that the full rules
+    (sdpa_fallback_reason) refuse: over ranks, empty and int32-sized dims, head
+    counts with and without GQA, head dims, mixed dtypes and a non-strided layout."""
+    from flashattn_ext.interface import _fast_eligible
+
+    shapes = [
+        ((2, 4, 5, 16), (2, 4, 7, 16)),
+        ((2, 4, 5, 16), (2, 2, 7, 16)),
+        ((2, 4, 5, 16), (2, 3, 7, 16)),
+        ((2, 4, 5, 16), (2, 1, 7, 16)),
+        ((2, 4, 5, 16), (2, 0, 7, 16)),
+        ((0, 4, 5, 16), (0, 4, 7, 16)),
+        ((2, 4, 0, 16), (2, 4, 7, 16)),
+        ((2, 4, 5, 16), (2, 4, 0, 16)),
+        ((2, 4, 5, 16), (1, 4, 7, 16)),
+        ((2, 4, 5, 16), (2, 4, 7, 8)),
+        ((2, 4, 5, 300), (2, 4, 7, 300)),
+        ((5, 16), (7, 16)),
+        ((4, 5, 16), (4, 7, 16)),
+    ]
+    admitted = 0
+    for qs, ks in shapes:
+        q, k = randn(qs, dtype, device), randn(ks, dtype, device)
+        for v in (randn(ks, dtype, device), randn(ks, torch.float64, device), randn(ks[:-1] + (3,), dtype, device)):
+            if _fast_eligible(q, k, v, enable_gqa):
+                admitted += 1
+                assert flashattn_ext.sdpa_fallback_reason(q, k, v, enable_gqa=enable_gqa) is None, (qs, ks, v.shape)
+    assert admitted >= (3 if enable_gqa else 2)  # the plain and MQA calls, and GQA with enable_gqa
+    sparse = randn((2, 4, 5, 16), dtype, device).to_sparse() if device == "cpu" and dtype != torch.float16 else None
+    if sparse is not None:
+        assert not _fast_eligible(sparse, sparse, sparse, enable_gqa)
+
+
 def _error_cases(device):
     f32 = torch.float32 if device == "cpu" else torch.float16
     q = randn((2, 4, 9, 16), f32, device)
