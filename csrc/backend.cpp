@@ -30,13 +30,13 @@
 #include <ATen/core/boxing/impl/boxing.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/empty_permuted.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 #ifdef FLASHATTN_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/empty_permuted.h>
 #endif
 
 #include <atomic>

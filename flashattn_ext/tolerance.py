@@ -234,10 +234,11 @@ def oracle_and_naive(q, k, v, dout=None, **kw):
 def recomputation_terms(q, k, v, dout, out, scale, visible, softcap=0.0, alibi_slopes=None, attn_mask=None):
     """Two error terms no naive baseline has, computed exactly in float64.
 
-    Returns (max |logit|, {"dq": e, "dk": e}):
-    - max |logit|: the kernels form each logit in float32 (float64 for float64
-      inputs), so logits of magnitude L carry ~L * eps absolute rounding that
-      the exponential turns into relative error of the probabilities;
+    Returns (max logit magnitude, {"dq": e, "dk": e}):
+    - max logit magnitude, max |scale| sum_i |q_i k_i|: the kernels form each
+      logit in float32 (float64 for float64 inputs), a dot product whose
+      rounding is ~eps times that sum, and the exponential turns it into
+      relative error of the probabilities (a recomputing backward's twice);
     - the dq/dk error of a recomputation backward: it needs D = rowsum(dO * O)
       and can only form it from the output as returned, rounded to the input
       dtype; dS = P (dP - D) then inherits P * dD, which this computes; a float
@@ -250,7 +251,10 @@ def recomputation_terms(q, k, v, dout, out, scale, visible, softcap=0.0, alibi_s
     group = qd.shape[2] // h_kv
     kd, vd = kd.repeat_interleave(group, dim=2), vd.repeat_interleave(group, dim=2)
     logits = torch.einsum("bqhd,bkhd->bhqk", qd, kd) * scale
-    max_logit = logits.abs().max().item() if logits.numel() else 0.0
+    # A float32 dot product rounds relative to sum |q_i k_i|, not to |q . k|
+    # (which cancellation makes smaller), so that is the magnitude the floor uses.
+    abs_logits = torch.einsum("bqhd,bkhd->bhqk", qd.abs(), kd.abs()) * abs(scale)
+    max_logit = abs_logits.max().item() if abs_logits.numel() else 0.0
     if softcap > 0:  # the scores the softmax sees (the kernels' rounding is that of the raw logits above)
         logits = softcap * torch.tanh(logits / softcap)
     if alibi_slopes is not None:
