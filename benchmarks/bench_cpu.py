@@ -20,7 +20,10 @@ caches with enable_gqa=True, naive the three steps on K/V expanded to the
 query heads. Figures are medians over
 --reps runs after warm-up; the implementations take turns within each
 repetition; torch's default thread count is used, or each of --threads in
-turn (torch.set_num_threads, for every implementation).
+turn (torch.set_num_threads, for every implementation). --knob NAME=VALUE adds
+ours_knob: ours with that test switch of csrc/cpu/cpu_knobs.h set during its
+calls (flashattn_ext::_cpu_test_knob), for an A/B in one run (ours / ours_knob
+in the ratio columns).
 
 Every JSON row also names the machine: the CPU model and its ISA flags that
 matter here (avx2, avx512f, avx512_bf16, avx512_fp16, amx_bf16, amx_fp16,
@@ -140,16 +143,38 @@ def naive_fn(q, k, v, causal):
     return F.dropout(torch.softmax(scores, dim=-1), DROPOUT) @ v
 
 
-IMPLS = {"ours": (ours_fn, "bnhd"), "sdpa": (sdpa_fn, "bhnd"), "naive": (naive_fn, "bhnd")}
+IMPLS = {
+    "ours": (ours_fn, "bnhd"),
+    "ours_knob": (ours_fn, "bnhd"),
+    "sdpa": (sdpa_fn, "bhnd"),
+    "naive": (naive_fn, "bhnd"),
+}
+
+# --knob NAME=VALUE: the test switch ours_knob's calls run with.
+KNOB = None
+
+
+def with_knob(step):
+    """step run with KNOB's switch set, restored after each call."""
+    name, value = KNOB
+
+    def run():
+        before = torch.ops.flashattn_ext._cpu_test_knob(name, value)
+        try:
+            step()
+        finally:
+            torch.ops.flashattn_ext._cpu_test_knob(name, before)
+
+    return run
 
 
 def make_decode_step(impl, dtype, b, heads, heads_kv, n, d):
     """One decoding step of impl: a query token per batch row against a full cache of n keys."""
-    if impl in ("ours", "ours_paged"):
+    if impl in ("ours", "ours_knob", "ours_paged"):
         q = torch.randn(b, 1, heads, d, dtype=dtype)
         k_cache, v_cache = (torch.randn(b, n, heads_kv, d, dtype=dtype) for _ in range(2))
         seqlens = torch.full((b,), n, dtype=torch.int32)
-        if impl == "ours":
+        if impl != "ours_paged":
             return lambda: flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
         blocks = b * n // DECODE_PAGE
         table = torch.randperm(blocks).view(b, -1).to(torch.int32)
@@ -202,6 +227,8 @@ def bench_config(impls, mode, dtype, b, h, n, d, causal, warmup, reps, heads_kv=
         steps = {impl: make_decode_step(impl, dtype, b, h, heads_kv, n, d) for impl in impls}
     else:
         steps = {impl: make_step(impl, mode, dtype, b, h, n, d, causal) for impl in impls}
+    if "ours_knob" in steps:
+        steps["ours_knob"] = with_knob(steps["ours_knob"])
     for step in steps.values():
         for _ in range(warmup):
             step()
@@ -234,10 +261,18 @@ def main(argv=None):
     ap.add_argument("--threads", help="thread counts to time in turn, e.g. 1,4,16 (default: torch's)")
     ap.add_argument("--quick", action="store_true", help="one seqlen (1024), fewer reps")
     ap.add_argument("--dropout", type=float, default=0.0, help="dropout_p of every implementation (fwd, fwd+bwd)")
+    ap.add_argument("--knob", help="NAME=VALUE: the CPU test switch of the ours_knob implementation (added)")
     ap.add_argument("--markdown", help="write the table (ours over each peer) to this file")
     args = ap.parse_args(argv)
     if args.quick:
         args.seqlens, args.reps, args.warmup = "1024", 3, 1
+    if args.knob:
+        global KNOB
+        name, _, value = args.knob.partition("=")
+        KNOB = (name, int(value))
+        torch.ops.flashattn_ext._cpu_test_knob(name, 0)  # an unknown name raises here, not mid-run
+        if "ours_knob" not in args.impls.split(","):
+            args.impls += ",ours_knob"
 
     machine = dict(cpu_description(), **code_description())
     print(f"{machine['cpu']} ({machine['cores']} cores; {' '.join(machine['isa']) or 'no AVX2'})")
@@ -305,7 +340,7 @@ def bench_grid(args):
 
     rows = []
     header = f"{'mode':8} {'dtype':9} {'causal':6} {'n':>5} " + " ".join(f"{i + ' ms':>10}" for i in impls)
-    ratio_cols = [i for i in ("sdpa", "naive") if i in impls and "ours" in impls]
+    ratio_cols = [i for i in ("sdpa", "naive", "ours_knob") if i in impls and "ours" in impls]
     header += "".join(f" {'ours/' + i:>11}" for i in ratio_cols)
     print(header)
     for mode in args.modes.split(","):

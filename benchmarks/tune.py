@@ -21,10 +21,10 @@ longest-first schedule). Each is checked bitwise against the default (the
 `_err` fields: the order does not change a tile's arithmetic).
 
 --fwd-switches times the forward under each environment setting beside the
-default and the peers, in rounds: FLASHATTN_FWD_MASK_STEPS=first runs the plain
-dense calls whose mask cuts only a tile's first key block on the mainloop
-without mask code (MaskSteps::kFirst; the default tests the mask at each
-step, kAny). Checked bitwise against the default.
+default and the peers, in rounds (e.g. FLASHATTN_FWD_MASK_STEPS=any: the
+mainloop that tests the mask at every key block, against the default's,
+whose loop holds no mask code where only a tile's first block can need it).
+Checked bitwise against the default.
 FlashAttention-4 (flash_attn.cute) is timed with the forward's peers when it
 is importable.
 
@@ -94,7 +94,7 @@ def main():
     ap.add_argument(
         "--fwd-switches",
         default="default",
-        help="forward switches to time side by side, e.g. default,FLASHATTN_FWD_MASK_STEPS=first",
+        help="forward switches to time side by side, e.g. default,FLASHATTN_FWD_MASK_STEPS=any",
     )
     ap.add_argument(
         "--bwd-switches",

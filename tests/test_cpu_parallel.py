@@ -158,6 +158,31 @@ def test_split_thread_invariant(seed, dtype):
             assert torch.equal(a, b), f"results differ between thread counts (seed {seed})"
 
 
+def test_guided_runs_give_the_same_bits_as_single_items(seed):
+    # Workers claim runs of neighbouring items (work_queue.h); a run that
+    # skipped or repeated an item would leave rows unwritten or merge a key
+    # part twice. Against claiming one item at a time, at several thread
+    # counts: the tiled forward (causal, more items than threads), its
+    # backward, and a split decode (parts of one row in one run).
+    q, k, v = (torch.randn(2, 700, 6, 64) for _ in range(3))
+    dout = torch.randn(2, 700, 6, 64)
+    qd = torch.randn(3, 1, 16, 64)
+    kc, vc = (torch.randn(3, 3000, 4, 64) for _ in range(2))
+
+    def calls():
+        out, lse = fwd_op(q, k, v, 0.125, -1, 0, True)
+        grads = torch.ops.flashattn_ext.bwd(dout, q, k, v, out, lse, 0.125, -1, 0, True, False)
+        decode = flashattn_ext.flash_attn_with_kvcache(qd, kc, vc, return_softmax_lse=True)
+        return (out, lse, *grads, *decode)
+
+    for n in (torch.get_num_threads(), 3):
+        runs = _with_threads(n, calls)
+        with cpu_test_knob("claim_one_item", 1):
+            singles = _with_threads(n, calls)
+        for a, b in zip(runs, singles):
+            assert torch.equal(a, b), f"guided runs change the result at {n} threads (seed {seed})"
+
+
 # ---------------------------------------------------------------------------
 # The non-finite rule across parts: a NaN in a value row reaches exactly the
 # queries that see that key, whichever part holds it.

@@ -46,9 +46,11 @@ int64_t cpu_test_knob(const std::string& name, int64_t value) {
     knob = cpu::TestKnob::kBwdPasses;
   } else if (name == "no_fused_softmax") {
     knob = cpu::TestKnob::kNoFusedSoftmax;
+  } else if (name == "claim_one_item") {
+    knob = cpu::TestKnob::kClaimOneItem;
   } else {
     TORCH_CHECK_VALUE(false, "flashattn_ext: no CPU test knob named '", name,
-                      "' (no_key_split, bwd_passes, no_fused_softmax)");
+                      "' (no_key_split, bwd_passes, no_fused_softmax, claim_one_item)");
   }
   std::atomic<int>& v = cpu::test_knob(knob);
   return value < 0 ? v.load() : v.exchange(static_cast<int>(value));

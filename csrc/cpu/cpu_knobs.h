@@ -24,6 +24,8 @@
 //   TestKnob::kNoFusedSoftmax  1: the forward's spans take
 //                           online_softmax_step (and pack_pairs), not their
 //                           fused AVX-512 step (softmax_span.cpp)
+//   TestKnob::kClaimOneItem 1: the parallel loops' workers claim one item at
+//                           a time, not guided runs (work_queue.h)
 #pragma once
 
 #include <atomic>
@@ -42,8 +44,8 @@ inline LowpGemm lowp_gemm_choice() {
   return LowpGemm::kOwn;
 }
 
-enum class TestKnob : int { kNoKeySplit = 0, kBwdPasses = 1, kNoFusedSoftmax = 2 };
-constexpr int kNumTestKnobs = 3;
+enum class TestKnob : int { kNoKeySplit = 0, kBwdPasses = 1, kNoFusedSoftmax = 2, kClaimOneItem = 3 };
+constexpr int kNumTestKnobs = 4;
 
 // The knob's value (one object per process: an inline function's static).
 inline std::atomic<int>& test_knob(TestKnob knob) {

@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <memory>
 
+#include "cpu_knobs.h"
+
 namespace flashattn {
 namespace cpu {
 
@@ -70,8 +72,8 @@ class WorkerBudget {
 // Runs process(item, scratch) for every item of [0, num_items) on up to
 // at::get_num_threads() workers (torch.set_num_threads), fewer while other
 // calls of the kernels hold some of them (WorkerBudget). Each worker builds
-// one scratch with make_scratch() and then pulls items from a shared counter
-// until none is left: a dynamic schedule, because items differ in cost (a
+// one scratch with make_scratch() and then pulls runs of items from a shared
+// counter until none is left: a dynamic schedule, because items differ in cost (a
 // causal query tile near the end sees many more keys than one near the
 // start) and the machine may be shared, which a static split of the range
 // handles badly. finish(scratch) runs on each worker after its last item.
@@ -85,12 +87,25 @@ void for_each_item_in_parallel(int64_t num_items, MakeScratch make_scratch, Proc
   if (num_items <= 0) return;
   const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
   const WorkerBudget budget(std::min<int64_t>(threads, num_items), threads);
+  const int64_t workers = budget.granted();
+  const bool one_at_a_time = test_knob_value(TestKnob::kClaimOneItem) != 0;
   std::atomic<int64_t> next_item{0};
-  at::parallel_for(0, budget.granted(), /*grain_size=*/1, [&](int64_t, int64_t) {
+  at::parallel_for(0, workers, /*grain_size=*/1, [&](int64_t, int64_t) {
     const WorkerBudget::Running running;
     auto scratch = make_scratch();
-    for (int64_t item = next_item.fetch_add(1); item < num_items; item = next_item.fetch_add(1)) {
-      process(item, scratch);
+    for (;;) {
+      // Guided claims: a run of neighbouring items, 1/(2 x workers) of those
+      // left (at least one). Neighbouring items share their inputs (a
+      // head's keys and values), so a worker keeps them in its own cache
+      // where one item at a time sent each worker to a new head every item
+      // (16 threads on a Xeon: 1.2-1.5x torch's time at b4 h16 n1k d128,
+      // benchmarks/cpu_perf_log.md); the runs shrink towards the end, so the
+      // last claims still balance the workers.
+      const int64_t left = num_items - next_item.load(std::memory_order_relaxed);
+      const int64_t run = one_at_a_time ? 1 : std::max<int64_t>(1, left / (2 * workers));
+      const int64_t first = next_item.fetch_add(run);
+      if (first >= num_items) break;
+      for (int64_t item = first; item < std::min(first + run, num_items); ++item) process(item, scratch);
     }
     finish(scratch);
   });

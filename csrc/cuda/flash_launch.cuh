@@ -53,20 +53,6 @@ inline bool sm90_declines_dropout(const AttnFwdParams& p) { return p.dropout.ena
 // The instance a call runs: the score-mod one for a score mod or dropout.
 inline bool runs_score_mod_instance(const AttnFwdParams& p) { return p.score_mod.any() || p.dropout.enabled(); }
 
-#ifdef FLASHATTN_TUNING
-// The forward's MaskSteps::kFirst instance (a mainloop without mask code for
-// the plain dense calls whose mask cuts only a tile's first key block,
-// BlockMask::masks_first_step_only) runs in tuning builds only, with
-// FLASHATTN_FWD_MASK_STEPS=first: the A/B of benchmarks/tune.py
-// --fwd-switches against the default kAny instance. It has not run on a GPU
-// yet (session 21 got no machine), so production builds neither compile nor
-// dispatch it (benchmarks/NOTES.md, "The mask as a compile-time policy").
-inline bool fwd_first_step_mask_requested() {
-  const char* v = std::getenv("FLASHATTN_FWD_MASK_STEPS");
-  return v && std::strcmp(v, "first") == 0;
-}
-#endif
-
 // All grids are one-dimensional: blockIdx.x goes to 2^31 - 1, where y and z
 // stop at 65535 (batch x heads can exceed that). The binding layer checks the
 // block count fits. A varlen batch sizes them by max_seqlen_q / max_seqlen_k,
@@ -150,11 +136,22 @@ cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool
                     : (bias  ? &flash_fwd_sm90_ws_kernel<Kt, false, kBias>
                        : mod ? &flash_fwd_sm90_ws_kernel<Kt, false, kFa>
                              : &flash_fwd_sm90_ws_kernel<Kt, false, kNone>);
-#ifdef FLASHATTN_TUNING
-  if (!p.per_sequence() && !bias && !mod && fwd_first_step_mask_requested() &&
+  // The plain dense calls whose mask cuts only a tile's first key block
+  // (BlockMask::masks_first_step_only) run the instance whose key-block loop
+  // holds no mask code (MaskSteps::kFirst; bitwise equal to kAny, level with
+  // it in time: benchmarks/NOTES.md, "The mask as a compile-time policy").
+  if (!p.per_sequence() && !bias && !mod &&
       BlockMask(p.seqlen_q, p.seqlen_k, p.mask.window_left, p.mask.window_right, p.mask.diag_offset)
           .masks_first_step_only<Kt::kBlockM, Kt::kBlockN>())
     kernel = &flash_fwd_sm90_ws_kernel<Kt, false, kNone, MaskSteps::kFirst>;
+#ifdef FLASHATTN_TUNING
+  // Tuning builds: FLASHATTN_FWD_MASK_STEPS=any runs the kAny instance
+  // instead, the A/B of tune.py --fwd-switches.
+  if (const char* steps = std::getenv("FLASHATTN_FWD_MASK_STEPS"); steps && std::strcmp(steps, "any") == 0)
+    kernel = p.per_sequence() ? kernel
+             : bias           ? &flash_fwd_sm90_ws_kernel<Kt, false, kBias>
+             : mod            ? &flash_fwd_sm90_ws_kernel<Kt, false, kFa>
+                              : &flash_fwd_sm90_ws_kernel<Kt, false, kNone>;
 #endif
   if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
   // Pairs before the dynamic order above head dim 128 and from 64 query blocks (tile_scheduler.cuh; session

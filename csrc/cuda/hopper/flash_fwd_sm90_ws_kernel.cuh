@@ -120,8 +120,9 @@ namespace flashattn {
 // calls for which BlockMask::masks_first_step_only holds: every call without
 // a diagonal, and causal square tiles whose diagonal starts on a block
 // boundary): the mask only in a tile's first step, which runs before the
-// loop; the loop's steps hold no mask code (tuning builds only until it is
-// measured, flash_launch.cuh). kAny: tile_needs_mask at every step.
+// loop; the loop's steps hold no mask code (the plain dense instance's
+// default where the rule admits the call, flash_launch.cuh). kAny:
+// tile_needs_mask at every step (windows, odd diagonals, score mods, varlen).
 template <typename Kt, bool kVarlen, ScoreModSet kMod = ScoreModSet::kNone, MaskSteps kMaskSteps = MaskSteps::kAny>
 __global__ void __launch_bounds__(Kt::kNThreads, 1)
     flash_fwd_sm90_ws_kernel(const __grid_constant__ AttnFwdParams p, const __grid_constant__ FwdTmaMaps maps,
