@@ -202,7 +202,8 @@ def decode_host_times(device, batch=1, cache=8192, heads_q=32, heads_kv=8, d=128
       op_attention   the op the drop-in's fast path calls (flashattn_ext::attention, bhsd), from Python
       op_fwd_kvcache flashattn_ext::fwd_kvcache on the same tensors (bhsd), from Python
       python_only    the drop-in with the ops replaced by a stub returning q: its Python alone
-    The implementations are interleaved round by round (median over rounds). With
+    The implementations are interleaved round by round, each first in one round
+    (median over rounds). With
     profile, a torch.profiler CPU table of 50 calls of each (the ops' own host times).
     On a CPU the kernels run inside the call: there it is the whole call's time."""
     import torch.nn.functional as F
@@ -254,8 +255,10 @@ def decode_host_times(device, batch=1, cache=8192, heads_q=32, heads_kv=8, d=128
     }
     res = dict(batch=batch, cache=cache, heads_q=heads_q, heads_kv=heads_kv, d=d, dtype=str(dtype), impls={})
     rounds = {name: [] for name in calls}
-    for _ in range(3):
-        for name, fn in calls.items():
+    names = list(calls)
+    for r in range(len(names)):  # each implementation first in one round: no position bias
+        for name in names[r:] + names[:r]:
+            fn = calls[name]
             try:
                 rounds[name].append(host_us_per_call(fn, device))
             except Exception as exc:  # noqa: BLE001
