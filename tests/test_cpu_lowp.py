@@ -205,9 +205,26 @@ def test_lowp_fused_softmax_step(seed, lowp, scores, layout):
 @pytest.mark.parametrize("scores", ["flat", "rising"])
 @pytest.mark.parametrize("layout", ["bnhd", "bhnd"])
 def test_float32_fused_softmax_step(seed, scores, layout):
-    # (Where the machine has no fused step both calls run the generic one:
-    # the oracle check still holds.)
+    # The float32 step has an AVX-512 (with AVX512-BF16) and an AVX2 version;
+    # where the machine has neither both calls run the generic one (the
+    # oracle check still holds; the next test says which ran).
     _fused_step_case(seed, torch.float32, scores, layout, 1e-5)
+
+
+def test_fused_softmax_step_follows_the_cpu():
+    # cpu_runtime_info names the fused step the forward runs: AVX-512 with
+    # AVX512-BF16, else AVX2 with FMA, else none; the test knob turns it off.
+    flags = cpu_flags()
+    if not any(f.startswith("avx") for f in flags):
+        pytest.skip("no /proc/cpuinfo ISA flags on this machine")
+    avx512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"} <= flags
+    expected = "avx512bf16" if avx512 else "avx2" if {"avx2", "fma"} <= flags else "none"
+    assert runtime_info()["fused_softmax"] == expected
+    before = torch.ops.flashattn_ext._cpu_test_knob("no_fused_softmax", 1)
+    try:
+        assert runtime_info()["fused_softmax"] == "none"
+    finally:
+        torch.ops.flashattn_ext._cpu_test_knob("no_fused_softmax", before)
 
 
 @pytest.mark.parametrize("shape", [s for s in NONFINITE_SHAPES if s.startswith("tiled")])

@@ -11,6 +11,7 @@
 
 #include "cpu_knobs.h"
 #include "tile_gemm.h"
+#include "tile_ops.h"
 #include "work_queue.h"
 
 namespace flashattn {
@@ -24,6 +25,8 @@ namespace {
 //                  (oneDNN, on the matrix units where the CPU has them) or
 //                  "float32" (our float32 path), then in brackets what the
 //                  machine offers (tile_gemm.h lowp_gemm_status)
+//   fused_softmax  the forward spans' fused float32 softmax step now
+//                  (softmax_span.cpp): "avx512bf16", "avx2" or "none"
 std::string cpu_runtime_info(bool reset_peak) {
   std::string s = "peak_workers=" + std::to_string(cpu::WorkerBudget::peak_running(reset_peak));
   for (auto [name, kind] :
@@ -31,11 +34,15 @@ std::string cpu_runtime_info(bool reset_peak) {
     s += std::string(";") + name + "=" + (cpu::lowp_gemm_enabled(kind) ? "brgemm" : "float32") + "(" +
          cpu::lowp_gemm_status(kind) + ")";
   }
+  const cpu::FusedSoftmax fused = cpu::fused_softmax_step();
+  s += std::string(";fused_softmax=") + (fused == cpu::FusedSoftmax::kAvx512Bf16 ? "avx512bf16"
+                                         : fused == cpu::FusedSoftmax::kAvx2     ? "avx2"
+                                                                                 : "none");
   return s;
 }
 
 // A test switch of cpu_knobs.h by name ("no_key_split", "bwd_passes",
-// "no_fused_softmax"): sets
+// "no_fused_softmax", "claim_one_item"): sets
 // it to `value` (0: the default) and returns its value before; value -1 only
 // reads it. For tests and A/B timings, not for models: it is process-wide.
 int64_t cpu_test_knob(const std::string& name, int64_t value) {

@@ -16,8 +16,12 @@
 // (round to nearest even, NaN kept); the float32 version back into s_t.
 //
 // AVX512-BF16 for both (one target for the one loop): the CPUs this project
-// measures (Sapphire Rapids-class Xeons, AMD Zen 4) have it; AVX-512 CPUs
-// without it (Skylake- to Ice Lake-class) run the generic step.
+// measures (Sapphire Rapids-class Xeons, AMD Zen 4) have it. Elsewhere, with
+// AVX2 and FMA (AVX-512 CPUs without AVX512-BF16 included), the float32
+// version runs the same loop on 8 queries at a time (span_step_avx2: the
+// same operations lane by lane, so the same values); the bfloat16 one keeps
+// the two generic steps there (its products are not on brgemm without
+// AVX512-BF16 anyway).
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -139,21 +143,95 @@ FLASHATTN_AVX512_BF16 void span_step(float* s_t, int64_t ld, int keys, int queri
 }
 #pragma GCC diagnostic pop
 
-bool runs_span_step(int keys, int queries) {
-  static const bool have = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-                           __builtin_cpu_supports("avx512bf16");
-  return have && test_knob_value(TestKnob::kNoFusedSoftmax) == 0 && queries % 16 == 0 && keys % 2 == 0;
+#define FLASHATTN_AVX2_FMA __attribute__((target("avx2,fma")))
+
+// exp16<false> on 8 lanes: the same instructions' AVX2 forms (max_ps keeps a
+// NaN second operand here too).
+FLASHATTN_AVX2_FMA FLASHATTN_INLINE __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(kExpMinArg), x);
+  const __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(kExpLog2e), _mm256_set1_ps(kExpRound));
+  const __m256 n = _mm256_sub_ps(t, _mm256_set1_ps(kExpRound));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kExpLn2Hi), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(kExpLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kExpPoly[6]);
+  for (int k = 5; k >= 0; --k) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[k]));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(static_cast<int>(kExpBiasBits))), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// span_step<false> on 8 queries at a time: the same chains, shift, sums in
+// key order and rescale, lane by lane. queries: a multiple of 8.
+FLASHATTN_AVX2_FMA void span_step_avx2(float* s_t, int64_t ld, int keys, int queries, float* row_max, float* row_sum,
+                                       float* o_t, int64_t o_ld, int head_dim, float scale) {
+  const __m256 vscale = _mm256_set1_ps(scale);
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int i0 = 0; i0 < queries; i0 += 8) {
+    __m256 m0 = neg_inf, m1 = neg_inf, m2 = neg_inf, m3 = neg_inf;
+    float* s = s_t + i0;
+    for (int j = 0; j < keys; j += 4, s += 4 * ld) {  // keys is even: a multiple of 4 or 2 more
+      m0 = _mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(s), vscale), m0);
+      m1 = _mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(s + ld), vscale), m1);
+      if (j + 2 == keys) break;
+      m2 = _mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(s + 2 * ld), vscale), m2);
+      m3 = _mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(s + 3 * ld), vscale), m3);
+    }
+    const __m256 m_tile = _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3));
+    const __m256 m_old = _mm256_loadu_ps(row_max + i0);
+    const __m256 m_new = _mm256_max_ps(m_tile, m_old);  // neither is NaN
+    const __m256 shift = _mm256_blendv_ps(m_new, _mm256_setzero_ps(), _mm256_cmp_ps(m_new, neg_inf, _CMP_EQ_OQ));
+    _mm256_storeu_ps(row_max + i0, m_new);
+    __m256 sum = _mm256_setzero_ps();
+    s = s_t + i0;
+    for (int p = 0; p < keys; p += 2, s += 2 * ld) {
+      const __m256 e0 = exp8(_mm256_fmsub_ps(_mm256_loadu_ps(s), vscale, shift));
+      const __m256 e1 = exp8(_mm256_fmsub_ps(_mm256_loadu_ps(s + ld), vscale, shift));
+      sum = _mm256_add_ps(_mm256_add_ps(sum, e0), e1);
+      _mm256_storeu_ps(s, e0);
+      _mm256_storeu_ps(s + ld, e1);
+    }
+    const __m256 alpha = exp8(_mm256_sub_ps(m_old, shift));
+    _mm256_storeu_ps(row_sum + i0, _mm256_fmadd_ps(_mm256_loadu_ps(row_sum + i0), alpha, sum));
+    if (_mm256_movemask_ps(_mm256_cmp_ps(alpha, _mm256_set1_ps(1.f), _CMP_NEQ_UQ)) == 0) continue;
+    float* o = o_t + i0;
+    for (int c = 0; c < head_dim; ++c, o += o_ld) _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_loadu_ps(o), alpha));
+  }
+}
+
+// Which fused step this CPU runs (the test knob no_fused_softmax: none).
+FusedSoftmax fused_softmax_of_cpu() {
+  static const FusedSoftmax isa = [] {
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16"))
+      return FusedSoftmax::kAvx512Bf16;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return FusedSoftmax::kAvx2;
+    return FusedSoftmax::kNone;
+  }();
+  return test_knob_value(TestKnob::kNoFusedSoftmax) == 0 ? isa : FusedSoftmax::kNone;
 }
 
 }  // namespace
 #endif
 
+FusedSoftmax fused_softmax_step() {
+#if FLASHATTN_HAVE_SIMD_CLONES
+  return fused_softmax_of_cpu();
+#else
+  return FusedSoftmax::kNone;
+#endif
+}
+
 bool online_softmax_span(float* s_t, int64_t ld, int keys, int queries, float* row_max, float* row_sum, float* o_t,
                          int64_t o_ld, int head_dim, float scale) {
 #if FLASHATTN_HAVE_SIMD_CLONES
-  if (runs_span_step(keys, queries)) {
+  if (keys % 2 != 0) return false;
+  const FusedSoftmax isa = fused_softmax_of_cpu();
+  if (isa == FusedSoftmax::kAvx512Bf16 && queries % 16 == 0) {
     span_step<false>(s_t, ld, keys, queries, row_max, row_sum, o_t, o_ld, head_dim, scale, nullptr);
+    return true;
+  }
+  if (isa != FusedSoftmax::kNone && queries % 8 == 0) {
+    span_step_avx2(s_t, ld, keys, queries, row_max, row_sum, o_t, o_ld, head_dim, scale);
     return true;
   }
 #endif
@@ -164,7 +242,7 @@ template <>
 bool online_softmax_span_to_pairs(const float* s_t, int64_t ld, int keys, int queries, float* row_max, float* row_sum,
                                   float* o_t, int64_t o_ld, int head_dim, float scale, c10::BFloat16* pairs) {
 #if FLASHATTN_HAVE_SIMD_CLONES
-  if (runs_span_step(keys, queries)) {
+  if (fused_softmax_of_cpu() == FusedSoftmax::kAvx512Bf16 && queries % 16 == 0 && keys % 2 == 0) {
     // s_t is only read on this path.
     span_step<true>(const_cast<float*>(s_t), ld, keys, queries, row_max, row_sum, o_t, o_ld, head_dim, scale, pairs);
     return true;

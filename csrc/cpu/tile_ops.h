@@ -65,8 +65,9 @@ void online_softmax_step(acc_t* s_t, int64_t ld, int keys, int queries, const in
 
 // online_softmax_step on a span of `keys` unmasked keys (an even count), as
 // one fused step (softmax_span.cpp: AVX-512 with AVX512-BF16, queries a
-// multiple of 16); false, having done nothing, where it has none: the caller
-// runs online_softmax_step (and pack_pairs). The same statistics and
+// multiple of 16; float32 also on AVX2 with FMA, queries a multiple of 8);
+// false, having done nothing, where it has none: the caller runs
+// online_softmax_step (and pack_pairs). The same statistics and
 // probabilities within float32 rounding: the float32 version's exp is
 // exp_approx's steps, the bfloat16 version's a degree-5 polynomial, far
 // below the rounding to bfloat16 that follows; the sums are theirs, the FMA
@@ -77,6 +78,10 @@ void online_softmax_step(acc_t* s_t, int64_t ld, int keys, int queries, const in
 //                                 layout); s_t is left as it was
 bool online_softmax_span(float* s_t, int64_t ld, int keys, int queries, float* row_max, float* row_sum, float* o_t,
                          int64_t o_ld, int head_dim, float scale);
+// The fused step's instruction set on this CPU (kNone: the generic steps
+// only; also while the test knob no_fused_softmax is set).
+enum class FusedSoftmax { kNone, kAvx2, kAvx512Bf16 };
+FusedSoftmax fused_softmax_step();
 template <typename lowp_t>
 bool online_softmax_span_to_pairs(const float* s_t, int64_t ld, int keys, int queries, float* row_max, float* row_sum,
                                   float* o_t, int64_t o_ld, int head_dim, float scale, lowp_t* pairs);
