@@ -711,6 +711,27 @@ def test_bench_cpu_decode_mode(tmp_path):
     assert all(row["mode"] == "decode" and row["h"] == 4 and row["h_kv"] == 2 and row["ms"] > 0 for row in rows)
 
 
+def test_bench_cpu_knob_adds_an_implementation(tmp_path):
+    """bench_cpu.py --knob NAME=VALUE: ours_knob, ours with that CPU test switch,
+    timed beside ours in the same run (its rows, its ratio column); an unknown
+    switch fails before anything is timed, naming the ones there are."""
+    out, md = tmp_path / "cpu.json", tmp_path / "cpu.md"
+    common = ("--modes", "fwd", "--dtypes", "float32", "--seqlens", "64", "--reps", "1", "--warmup", "0")
+    r = _run(
+        [os.path.join(BENCH, "bench_cpu.py"), *common, "--impls", "ours,sdpa", "--knob", "claim_one_item=1"]
+        + ["--json", str(out), "--markdown", str(md)]
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())
+    assert {(row["causal"], row["impl"]) for row in rows} == {
+        (c, i) for c in (False, True) for i in ("ours", "sdpa", "ours_knob")
+    }
+    assert all(row["ms"] > 0 and row["fused_softmax"] in ("avx512bf16", "avx2", "none") for row in rows)
+    assert md.read_text().splitlines()[2].endswith("| ours / sdpa | ours / ours_knob |")
+    r = _run([os.path.join(BENCH, "bench_cpu.py"), *common, "--impls", "ours", "--knob", "no_such_knob=1"])
+    assert r.returncode != 0 and "no CPU test knob named 'no_such_knob'" in r.stdout + r.stderr
+
+
 def test_bench_decode_order_and_budget():
     """The important decode points (batch 8/32, cache 8k-32k) run first; batch 128 last."""
     mod = _load("bench_decode")
