@@ -53,6 +53,18 @@ inline bool sm90_declines_dropout(const AttnFwdParams& p) { return p.dropout.ena
 // The instance a call runs: the score-mod one for a score mod or dropout.
 inline bool runs_score_mod_instance(const AttnFwdParams& p) { return p.score_mod.any() || p.dropout.enabled(); }
 
+// Tuning builds: FLASHATTN_FWD_MASK_STEPS=any keeps the forward's plain
+// dense calls on the kAny instance (the mask tested at every key block), the
+// A/B of tune.py --fwd-switches against the default MaskSteps::kFirst.
+#ifdef FLASHATTN_TUNING
+inline bool fwd_mask_at_every_step_requested() {
+  const char* v = std::getenv("FLASHATTN_FWD_MASK_STEPS");
+  return v && std::strcmp(v, "any") == 0;
+}
+#else
+constexpr bool fwd_mask_at_every_step_requested() { return false; }
+#endif
+
 // All grids are one-dimensional: blockIdx.x goes to 2^31 - 1, where y and z
 // stop at 65535 (batch x heads can exceed that). The binding layer checks the
 // block count fits. A varlen batch sizes them by max_seqlen_q / max_seqlen_k,
@@ -140,19 +152,10 @@ cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool
   // (BlockMask::masks_first_step_only) run the instance whose key-block loop
   // holds no mask code (MaskSteps::kFirst; bitwise equal to kAny, level with
   // it in time: benchmarks/NOTES.md, "The mask as a compile-time policy").
-  if (!p.per_sequence() && !bias && !mod &&
+  if (!p.per_sequence() && !bias && !mod && !fwd_mask_at_every_step_requested() &&
       BlockMask(p.seqlen_q, p.seqlen_k, p.mask.window_left, p.mask.window_right, p.mask.diag_offset)
           .masks_first_step_only<Kt::kBlockM, Kt::kBlockN>())
     kernel = &flash_fwd_sm90_ws_kernel<Kt, false, kNone, MaskSteps::kFirst>;
-#ifdef FLASHATTN_TUNING
-  // Tuning builds: FLASHATTN_FWD_MASK_STEPS=any runs the kAny instance
-  // instead, the A/B of tune.py --fwd-switches.
-  if (const char* steps = std::getenv("FLASHATTN_FWD_MASK_STEPS"); steps && std::strcmp(steps, "any") == 0)
-    kernel = p.per_sequence() ? kernel
-             : bias           ? &flash_fwd_sm90_ws_kernel<Kt, false, kBias>
-             : mod            ? &flash_fwd_sm90_ws_kernel<Kt, false, kFa>
-                              : &flash_fwd_sm90_ws_kernel<Kt, false, kNone>;
-#endif
   if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
   // Pairs before the dynamic order above head dim 128 and from 64 query blocks (tile_scheduler.cuh; session
   // 17, tune.py, causal, dynamic / paired TFLOP/s in three runs: d256 4k 558/620, 571/623, 578/635, 8k
