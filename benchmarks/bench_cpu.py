@@ -18,8 +18,11 @@ ours_paged the same on the cache in pages of --decode-page keys in a random
 order (block_table; decode mode only), sdpa torch's SDPA on (b, h_kv, n, d)
 caches with enable_gqa=True, naive the three steps on K/V expanded to the
 query heads. Figures are medians over
---reps runs after warm-up; the implementations take turns within each
-repetition; torch's default thread count is used, or each of --threads in
+--reps repetitions after warm-up, per call: a repetition times enough calls in
+a row to last about --min-rep-ms (the same count for every implementation,
+from the slowest one's call; the JSON's `calls`), so that a one-millisecond
+decoding step is not one descheduled thread away from a doubled median; the
+implementations take turns within each repetition; torch's default thread count is used, or each of --threads in
 turn (torch.set_num_threads, for every implementation). --knob NAME=VALUE adds
 ours_knob: ours with that test switch of csrc/cpu/cpu_knobs.h set during its
 calls (flashattn_ext::_cpu_test_knob), for an A/B in one run (ours / ours_knob
@@ -218,11 +221,26 @@ def make_step(impl, mode, dtype, b, h, n, d, causal):
     return step
 
 
-def bench_config(impls, mode, dtype, b, h, n, d, causal, warmup, reps, heads_kv=None):
-    """Median ms per implementation. The implementations take turns within
-    each repetition, so that a change of load on a shared machine hits all.
-    Returns the medians and the minima (the JSON keeps both: on a shared
-    machine the minimum shows what a repetition costs undisturbed)."""
+def calls_per_rep(steps, min_rep_ms):
+    """How many back-to-back calls one repetition times: enough for the
+    slowest implementation's call (timed once, after the warm-up) to fill
+    min_rep_ms, the same count for every implementation. A decoding step is
+    0.1-1 ms at 16 threads; timed one call at a time, one descheduled thread
+    moved a median of 5 by 2-4x on the Xeon (benchmarks/cpu_perf_log.md)."""
+    slowest = 0.0
+    for step in steps.values():
+        t0 = time.perf_counter()
+        step()
+        slowest = max(slowest, (time.perf_counter() - t0) * 1e3)
+    return max(1, min(1000, math.ceil(min_rep_ms / max(slowest, 1e-3))))
+
+
+def bench_config(impls, mode, dtype, b, h, n, d, causal, warmup, reps, heads_kv=None, min_rep_ms=0.0):
+    """Median ms per call per implementation. The implementations take turns
+    within each repetition, so that a change of load on a shared machine hits
+    all; a repetition times `calls` calls in a row (calls_per_rep).
+    Returns the medians, the minima (the JSON keeps both: on a shared
+    machine the minimum shows what a repetition costs undisturbed) and calls."""
     if mode == "decode":
         steps = {impl: make_decode_step(impl, dtype, b, h, heads_kv, n, d) for impl in impls}
     else:
@@ -232,13 +250,15 @@ def bench_config(impls, mode, dtype, b, h, n, d, causal, warmup, reps, heads_kv=
     for step in steps.values():
         for _ in range(warmup):
             step()
+    calls = calls_per_rep(steps, min_rep_ms) if min_rep_ms > 0 else 1
     times = {impl: [] for impl in impls}
     for _ in range(reps):
         for impl, step in steps.items():
             t0 = time.perf_counter()
-            step()
-            times[impl].append((time.perf_counter() - t0) * 1e3)
-    return {impl: statistics.median(t) for impl, t in times.items()}, {impl: min(t) for impl, t in times.items()}
+            for _ in range(calls):
+                step()
+            times[impl].append((time.perf_counter() - t0) * 1e3 / calls)
+    return {impl: statistics.median(t) for impl, t in times.items()}, {impl: min(t) for impl, t in times.items()}, calls
 
 
 def main(argv=None):
@@ -246,6 +266,12 @@ def main(argv=None):
     ap.add_argument("--json", help="write the rows to this file")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument(
+        "--min-rep-ms",
+        type=float,
+        default=20.0,
+        help="a repetition times enough calls in a row to last about this long (0: one call)",
+    )
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
@@ -306,7 +332,7 @@ def markdown_table(rows, args):
         f"{first.get('cpu')} ({first.get('cores')} cores; {' '.join(first.get('isa', []))}), torch "
         f"{torch.__version__}, commit {first.get('commit')}, csrc/cpu {first.get('cpu_src')}, bf16 products "
         f"{first.get('bf16_gemm')}; b{args.batch} h{args.heads} d{args.head_dim} (decode: "
-        f"{args.decode_heads.replace(',', '/')} heads d{args.decode_dim}), median of {args.reps}",
+        f"{args.decode_heads.replace(',', '/')} heads d{args.decode_dim}), median of {args.reps} repetitions of about {args.min_rep_ms:g} ms",
         "",
         "| threads | mode | dtype | causal / batch | n | "
         + " | ".join(f"{i} ms" for i in impls)
@@ -351,8 +377,18 @@ def bench_grid(args):
         for dtype_name in args.dtypes.split(","):
             for causal in (False, True):
                 for n in seqlens:
-                    ms, ms_min = bench_config(
-                        grid_impls, mode, DTYPES[dtype_name], b, h, n, d, causal, args.warmup, args.reps
+                    ms, ms_min, calls = bench_config(
+                        grid_impls,
+                        mode,
+                        DTYPES[dtype_name],
+                        b,
+                        h,
+                        n,
+                        d,
+                        causal,
+                        args.warmup,
+                        args.reps,
+                        min_rep_ms=args.min_rep_ms,
                     )
                     for impl in grid_impls:
                         rows.append(
@@ -367,6 +403,7 @@ def bench_grid(args):
                                 causal=causal,
                                 ms=ms[impl],
                                 ms_min=ms_min[impl],
+                                calls=calls,
                                 dropout=DROPOUT,
                             )
                         )
@@ -388,8 +425,19 @@ def bench_decode(args, impls, ratio_cols):
     for dtype_name in args.dtypes.split(","):
         for n in (int(x) for x in args.decode_caches.split(",")):
             for b in (int(x) for x in args.decode_batches.split(",")):
-                ms, ms_min = bench_config(
-                    impls, "decode", DTYPES[dtype_name], b, heads, n, d, False, args.warmup, args.reps, heads_kv
+                ms, ms_min, calls = bench_config(
+                    impls,
+                    "decode",
+                    DTYPES[dtype_name],
+                    b,
+                    heads,
+                    n,
+                    d,
+                    False,
+                    args.warmup,
+                    args.reps,
+                    heads_kv,
+                    args.min_rep_ms,
                 )
                 for impl in impls:
                     rows.append(
@@ -405,6 +453,7 @@ def bench_decode(args, impls, ratio_cols):
                             causal=False,
                             ms=ms[impl],
                             ms_min=ms_min[impl],
+                            calls=calls,
                         )
                     )
                 print_row("decode", dtype_name, f"b{b}", n, ms, impls, ratio_cols)

@@ -688,11 +688,13 @@ def test_bench_cpu_decode_mode(tmp_path):
             *("--modes", "decode", "--dtypes", "float32,bfloat16", "--decode-caches", "64,96"),
             *("--decode-batches", "1,2", "--decode-heads", "4,2", "--decode-dim", "32"),
             *("--impls", "ours,sdpa,naive,ours_paged", "--decode-page", "16"),
-            *("--reps", "1", "--warmup", "0", "--json", str(out), "--markdown", str(tmp_path / "cpu.md")),
+            *("--reps", "1", "--warmup", "0", "--min-rep-ms", "1"),
+            *("--json", str(out), "--markdown", str(tmp_path / "cpu.md")),
         ]
     )
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads(out.read_text())
+    assert all(row["calls"] >= 1 for row in rows)
     # The machine and the code measured in every row (cpu_src: csrc/cpu's hash, also without git).
     assert all({"cpu", "isa", "threads", "commit", "cpu_src", "cuda_build"} <= row.keys() for row in rows)
     assert len({row["cpu_src"] for row in rows}) == 1 and len(rows[0]["cpu_src"]) == 12
@@ -709,6 +711,18 @@ def test_bench_cpu_decode_mode(tmp_path):
         for impl in ("ours", "sdpa", "naive", "ours_paged")
     }
     assert all(row["mode"] == "decode" and row["h"] == 4 and row["h_kv"] == 2 and row["ms"] > 0 for row in rows)
+
+
+def test_bench_cpu_times_enough_calls_a_repetition():
+    """bench_cpu.py's repetitions: as many calls in a row as fill --min-rep-ms
+    for the slowest implementation, the same count for all."""
+    import time as _time
+
+    mod = _load("bench_cpu")
+    steps = {"fast": lambda: _time.sleep(0.0005), "slow": lambda: _time.sleep(0.004)}
+    calls = mod.calls_per_rep(steps, min_rep_ms=40.0)
+    assert 2 <= calls <= 10  # 40 ms over a 4 ms call (sleep overshoots, never undershoots)
+    assert mod.calls_per_rep({"one": lambda: _time.sleep(0.004)}, min_rep_ms=1.0) == 1
 
 
 def test_bench_cpu_knob_adds_an_implementation(tmp_path):
