@@ -256,6 +256,46 @@ def test_large_query_blocks(seed):
     run_case(seed, torch.bfloat16, 300, 700, 128, batch=2, heads_q=8, heads_kv=4, mask="window")
 
 
+@pytest.mark.parametrize("passes", [1, 2])
+def test_backward_tile_copies_give_the_same_bits(passes):
+    # The backward's float32 products read q, dO, k and v tiles from contiguous
+    # copies (rows h * d apart in place were slower); the test knob
+    # bwd_tiles_in_place reads them in place: the same products, the same bits,
+    # in the one-pass and the two-pass backward, with ragged and masked blocks.
+    q, k, v, dout = make_inputs(2, 200, 330, 4, 2, 64, torch.float32)
+    assert q.stride(1) == 4 * 64 and k.stride(1) == 2 * 64  # rows not contiguous: the copy path
+    out, lse = fwd_op(q, k, v, 0.125, -1, -1, False)
+    grads = {}
+    before_passes = torch.ops.flashattn_ext._cpu_test_knob("bwd_passes", passes)
+    try:
+        for in_place in (0, 1):
+            before = torch.ops.flashattn_ext._cpu_test_knob("bwd_tiles_in_place", in_place)
+            try:
+                grads[in_place] = bwd_op(dout, q, k, v, out, lse, 0.125, 100, 0, True, False)
+            finally:
+                torch.ops.flashattn_ext._cpu_test_knob("bwd_tiles_in_place", before)
+    finally:
+        torch.ops.flashattn_ext._cpu_test_knob("bwd_passes", before_passes)
+    for copied, in_place in zip(grads[0], grads[1]):
+        assert torch.equal(copied, in_place)
+    assert all(g.abs().sum() > 0 for g in grads[0])
+
+
+@pytest.mark.parametrize("block_q", [32, 256])
+def test_forward_query_block_sizes(seed, block_q):
+    # The tiled forward's largest query block as the test knob fwd_block_q sets
+    # it (for A/B timings of the block shape): any of them is held to the oracle,
+    # ragged last blocks and a band mask included, the backward unchanged.
+    before = torch.ops.flashattn_ext._cpu_test_knob("fwd_block_q", block_q)
+    try:
+        run_case(seed, torch.float32, 600, 520, 64, batch=2, heads_q=8, heads_kv=2, mask="causal_br")
+        run_case(seed, torch.bfloat16, 513, 700, 128, batch=1, heads_q=8, heads_kv=4, mask="window")
+    finally:
+        torch.ops.flashattn_ext._cpu_test_knob("fwd_block_q", before)
+    with pytest.raises(ValueError, match="fwd_block_q takes 32, 64, 128 or 256"):
+        torch.ops.flashattn_ext._cpu_test_knob("fwd_block_q", 100)
+
+
 # ---------------------------------------------------------------------------
 # Random configurations: a different set on every run (the seed is printed
 # on failure together with the case).

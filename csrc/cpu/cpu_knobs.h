@@ -26,6 +26,13 @@
 //                           fused AVX-512 step (softmax_span.cpp)
 //   TestKnob::kClaimOneItem 1: the parallel loops' workers claim one item at
 //                           a time, not guided runs (work_queue.h)
+//   TestKnob::kBwdTilesInPlace  1: the backward's float32 products read
+//                           the q, dO, k and v tiles in place where their
+//                           stride is admitted, not from contiguous copies
+//                           (flash_cpu_bwd.cpp bwd_tile_operand)
+//   TestKnob::kFwdBlockQ    32 / 64 / 128 / 256: the tiled forward's largest
+//                           query block instead of kMaxBlockQ (flash_cpu_fwd.cpp;
+//                           small problems still halve it)
 #pragma once
 
 #include <atomic>
@@ -44,8 +51,15 @@ inline LowpGemm lowp_gemm_choice() {
   return LowpGemm::kOwn;
 }
 
-enum class TestKnob : int { kNoKeySplit = 0, kBwdPasses = 1, kNoFusedSoftmax = 2, kClaimOneItem = 3 };
-constexpr int kNumTestKnobs = 4;
+enum class TestKnob : int {
+  kNoKeySplit = 0,
+  kBwdPasses = 1,
+  kNoFusedSoftmax = 2,
+  kClaimOneItem = 3,
+  kFwdBlockQ = 4,
+  kBwdTilesInPlace = 5
+};
+constexpr int kNumTestKnobs = 6;
 
 // The knob's value (one object per process: an inline function's static).
 inline std::atomic<int>& test_knob(TestKnob knob) {

@@ -179,6 +179,23 @@ std::pair<const scalar_t*, int64_t> lowp_operand(const scalar_t* src, int64_t ld
   return {buffer, d};
 }
 
+// The rows x d tile of q, dO, k or v at src as a float32 GEMM operand: a
+// contiguous copy unless its rows already are contiguous (ld == d). In place
+// with rows h * d apart (the (batch, seqlen, heads, dim) layout), the
+// backward's products ran slower: b4 h16 n1024 d128 float32 forward +
+// backward on a 2-core AVX2 EPYC, 0.99 s in place against 0.85 s with copies
+// (the q and dO tiles, B operands of dV += P^T dO and dK += dS^T Q, 0.12 s of
+// it; benchmarks/cpu_perf_log.md), where the forward's S^T = K Q^T gained
+// nothing from copying K. Same products of the same values: the same bits.
+template <typename scalar_t, typename acc_t>
+Operand<acc_t> bwd_tile_operand(const scalar_t* src, int64_t ld, int rows, int d, acc_t* buffer) {
+  if (ld != d && test_knob_value(TestKnob::kBwdTilesInPlace) == 0) {
+    load_tile(src, ld, rows, d, buffer, int64_t(d));
+    return {buffer, int64_t(d)};
+  }
+  return as_operand(src, ld, rows, d, buffer, int64_t(d));
+}
+
 // Masked blocks and non-finite operands (tile_ops.h): rows of an input tile
 // that hold a NaN or an infinity leave the GEMM (zeroed in a copy) and their
 // products are added over the visible entries only.
@@ -400,8 +417,8 @@ void dkdv_key_tile(const AttnBwdParams& p, const SeqInfo& seq, const AttnMask& m
     Operand<acc_t> k_op{nullptr, 0}, v_op{nullptr, 0};
     auto float_operands = [&] {
       if (k_op.ptr) return;
-      k_op = as_operand(group.k + k0 * p.k_row_stride, p.k_row_stride, cols, d, scratch.k.get(), d);
-      v_op = as_operand(group.v + k0 * p.v_row_stride, p.v_row_stride, cols, d, scratch.v.get(), d);
+      k_op = bwd_tile_operand(group.k + k0 * p.k_row_stride, p.k_row_stride, cols, d, scratch.k.get());
+      v_op = bwd_tile_operand(group.v + k0 * p.v_row_stride, p.v_row_stride, cols, d, scratch.v.get());
     };
     const bool lowp_tile = scratch.lowp && cols == kBlockK;
     std::pair<const scalar_t*, int64_t> k_a{nullptr, 0}, v_a{nullptr, 0};
@@ -466,10 +483,10 @@ void dkdv_key_tile(const AttnBwdParams& p, const SeqInfo& seq, const AttnMask& m
         const Operand<acc_t> do_op = bad_do > 0
                                          ? operand_without_rows(dout_tile, p.do_row_stride, rows, d, scratch.bad.get(),
                                                                 bad_do, scratch.dout.get())
-                                         : as_operand(dout_tile, p.do_row_stride, rows, d, scratch.dout.get(), d);
+                                         : bwd_tile_operand(dout_tile, p.do_row_stride, rows, d, scratch.dout.get());
         const Operand<acc_t> q_op = bad_q > 0 ? operand_without_rows(q_tile, p.q_row_stride, rows, d,
                                                                      scratch.bad2.get(), bad_q, scratch.q.get())
-                                              : as_operand(q_tile, p.q_row_stride, rows, d, scratch.q.get(), d);
+                                              : bwd_tile_operand(q_tile, p.q_row_stride, rows, d, scratch.q.get());
         const bool full_tile = is_full_tile(rows, cols);
         gemm_nn(cols, d, rows, scratch.s_t.get(), kBlockQ, do_op.ptr, do_op.ld, dv_acc, d, true, full_tile);
         gemm_nn(cols, d, rows, scratch.dp_t.get(), kBlockQ, q_op.ptr, q_op.ld, dk_acc, d, true, full_tile);
@@ -547,8 +564,10 @@ void dq_query_tile(const AttnBwdParams& p, const SeqInfo& seq, const AttnMask& m
         load_query_tile_transposed(p, head, q0, rows, scratch);
         have_float_tiles = true;
       }
-      const Operand<acc_t> k_op = as_operand(head.k + k0 * p.k_row_stride, p.k_row_stride, cols, d, scratch.k.get(), d);
-      const Operand<acc_t> v_op = as_operand(head.v + k0 * p.v_row_stride, p.v_row_stride, cols, d, scratch.v.get(), d);
+      const Operand<acc_t> k_op =
+          bwd_tile_operand(head.k + k0 * p.k_row_stride, p.k_row_stride, cols, d, scratch.k.get());
+      const Operand<acc_t> v_op =
+          bwd_tile_operand(head.v + k0 * p.v_row_stride, p.v_row_stride, cols, d, scratch.v.get());
       const bool masked = recompute_block(p, mask, head, k0, cols, q0, rows, k_op, v_op, scratch);
       // dQ^T += K^T dS^T                                                   d x rows
       load_tile_transposed(head.k + k0 * p.k_row_stride, p.k_row_stride, cols, d, acc_t(1), scratch.k_t.get(), kBlockK);
@@ -635,9 +654,9 @@ void dmask_tile(const AttnBwdParams& p, const RowStats<acc_t>& stats, int grad_b
         for (int64_t k0 = key_begin / kBlockK * kBlockK; k0 < key_end; k0 += kBlockK) {
           const int cols = static_cast<int>(std::min<int64_t>(kBlockK, seq.seqlen_k - k0));
           const Operand<acc_t> k_op =
-              as_operand(head.k + k0 * p.k_row_stride, p.k_row_stride, cols, d, scratch.k.get(), d);
+              bwd_tile_operand(head.k + k0 * p.k_row_stride, p.k_row_stride, cols, d, scratch.k.get());
           const Operand<acc_t> v_op =
-              as_operand(head.v + k0 * p.v_row_stride, p.v_row_stride, cols, d, scratch.v.get(), d);
+              bwd_tile_operand(head.v + k0 * p.v_row_stride, p.v_row_stride, cols, d, scratch.v.get());
           recompute_block(p, mask, head, k0, cols, q0, rows, k_op, v_op, scratch);
           const acc_t* ds_t = scratch.dp_t.get();  // dS^T, cols x rows
           for (int j = 0; j < cols; ++j) {
