@@ -79,13 +79,14 @@ def cpu_description():
 
 
 def ours_runtime():
-    """flashattn_ext::cpu_runtime_info: the bf16 / fp16 product paths and the fused softmax step ('' on an older build)."""
+    """flashattn_ext::cpu_runtime_info: the bf16 / fp16 product paths, the fused softmax step and how the
+    backward reads its float32 tiles (absent on an older build)."""
     try:
         raw = torch.ops.flashattn_ext.cpu_runtime_info(False)
     except (AttributeError, RuntimeError):
         return {}
     info = dict(kv.split("=", 1) for kv in raw.split(";"))
-    return {k: v for k, v in info.items() if k.endswith("_gemm") or k == "fused_softmax"}
+    return {k: v for k, v in info.items() if k.endswith("_gemm") or k in ("fused_softmax", "bwd_tiles")}
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -259,26 +259,40 @@ def test_large_query_blocks(seed):
 @pytest.mark.parametrize("passes", [1, 2])
 def test_backward_tile_copies_give_the_same_bits(passes):
     # The backward's float32 products read q, dO, k and v tiles from contiguous
-    # copies (rows h * d apart in place were slower); the test knob
-    # bwd_tiles_in_place reads them in place: the same products, the same bits,
-    # in the one-pass and the two-pass backward, with ragged and masked blocks.
+    # copies or in place, by the machine's rule (flash_cpu_bwd.cpp) or the test
+    # knob bwd_tiles_in_place (1: in place, 2: copies): the same products, the
+    # same bits, in the one-pass and the two-pass backward, with ragged and
+    # masked blocks; cpu_runtime_info names the way that runs.
     q, k, v, dout = make_inputs(2, 200, 330, 4, 2, 64, torch.float32)
     assert q.stride(1) == 4 * 64 and k.stride(1) == 2 * 64  # rows not contiguous: the copy path
     out, lse = fwd_op(q, k, v, 0.125, -1, -1, False)
     grads = {}
     before_passes = torch.ops.flashattn_ext._cpu_test_knob("bwd_passes", passes)
     try:
-        for in_place in (0, 1):
-            before = torch.ops.flashattn_ext._cpu_test_knob("bwd_tiles_in_place", in_place)
+        for way, name in ((1, "in_place"), (2, "copied")):
+            before = torch.ops.flashattn_ext._cpu_test_knob("bwd_tiles_in_place", way)
             try:
-                grads[in_place] = bwd_op(dout, q, k, v, out, lse, 0.125, 100, 0, True, False)
+                assert f"bwd_tiles={name}" in torch.ops.flashattn_ext.cpu_runtime_info(False)
+                grads[way] = bwd_op(dout, q, k, v, out, lse, 0.125, 100, 0, True, False)
             finally:
                 torch.ops.flashattn_ext._cpu_test_knob("bwd_tiles_in_place", before)
     finally:
         torch.ops.flashattn_ext._cpu_test_knob("bwd_passes", before_passes)
-    for copied, in_place in zip(grads[0], grads[1]):
+    for copied, in_place in zip(grads[2], grads[1]):
         assert torch.equal(copied, in_place)
-    assert all(g.abs().sum() > 0 for g in grads[0])
+    assert all(g.abs().sum() > 0 for g in grads[2])
+
+
+def test_backward_tile_copies_follow_the_cpu():
+    # The machine's rule: in place where the CPU has AVX-512 (measured no
+    # faster with copies there), copies elsewhere.
+    from test_cpu_lowp import cpu_flags
+
+    flags = cpu_flags()
+    if not any(f.startswith("avx") for f in flags):
+        pytest.skip("no /proc/cpuinfo ISA flags on this machine")
+    expected = "in_place" if "avx512f" in flags else "copied"
+    assert f"bwd_tiles={expected}" in torch.ops.flashattn_ext.cpu_runtime_info(False)
 
 
 @pytest.mark.parametrize("block_q", [32, 256])

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "cpu_knobs.h"
+#include "flash_cpu.h"
 #include "tile_gemm.h"
 #include "tile_ops.h"
 #include "work_queue.h"
@@ -27,6 +28,8 @@ namespace {
 //                  machine offers (tile_gemm.h lowp_gemm_status)
 //   fused_softmax  the forward spans' fused float32 softmax step now
 //                  (softmax_span.cpp): "avx512bf16", "avx2" or "none"
+//   bwd_tiles      how the backward's float32 products read the q, dO, k
+//                  and v tiles now (flash_cpu_bwd.cpp): "copied" or "in_place"
 std::string cpu_runtime_info(bool reset_peak) {
   std::string s = "peak_workers=" + std::to_string(cpu::WorkerBudget::peak_running(reset_peak));
   for (auto [name, kind] :
@@ -38,6 +41,7 @@ std::string cpu_runtime_info(bool reset_peak) {
   s += std::string(";fused_softmax=") + (fused == cpu::FusedSoftmax::kAvx512Bf16 ? "avx512bf16"
                                          : fused == cpu::FusedSoftmax::kAvx2     ? "avx2"
                                                                                  : "none");
+  s += std::string(";bwd_tiles=") + (bwd_cpu_copies_tiles() ? "copied" : "in_place");
   return s;
 }
 

@@ -26,10 +26,11 @@
 //                           fused AVX-512 step (softmax_span.cpp)
 //   TestKnob::kClaimOneItem 1: the parallel loops' workers claim one item at
 //                           a time, not guided runs (work_queue.h)
-//   TestKnob::kBwdTilesInPlace  1: the backward's float32 products read
-//                           the q, dO, k and v tiles in place where their
-//                           stride is admitted, not from contiguous copies
-//                           (flash_cpu_bwd.cpp bwd_tile_operand)
+//   TestKnob::kBwdTilesInPlace  1 / 2: the backward's float32 products read
+//                           the q, dO, k and v tiles in place (where their
+//                           stride is admitted) / from contiguous copies,
+//                           instead of the machine's rule (flash_cpu_bwd.cpp
+//                           bwd_tile_operand)
 //   TestKnob::kFwdBlockQ    32 / 64 / 128 / 256: the tiled forward's largest
 //                           query block instead of kMaxBlockQ (flash_cpu_fwd.cpp;
 //                           small problems still halve it)

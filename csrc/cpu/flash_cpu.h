@@ -34,4 +34,9 @@ inline ScoreMod score_mod_of_row(const ScoreMod& m, int64_t b) {
 // Fills dq, dk, dv from dout, q, k, v, o, lse; deterministic.
 void run_bwd_cpu(const AttnBwdParams& params);
 
+// Whether the backward's float32 products read the q, dO, k and v tiles from
+// contiguous copies (true) or in place (flash_cpu_bwd.cpp bwd_tile_operand:
+// the machine's rule, or the test knob bwd_tiles_in_place).
+bool bwd_cpu_copies_tiles();
+
 }  // namespace flashattn

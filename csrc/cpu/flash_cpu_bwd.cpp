@@ -179,17 +179,34 @@ std::pair<const scalar_t*, int64_t> lowp_operand(const scalar_t* src, int64_t ld
   return {buffer, d};
 }
 
+// Whether the float32 products read q, dO, k and v tiles from contiguous
+// copies, on this machine. Measured (b4 h16 n1024 d128 float32, forward +
+// backward, rows h * d = 2048 floats apart in place, the same bits either
+// way; benchmarks/cpu_perf_log.md): on a 2-core AVX2 EPYC the copies took
+// 0.85-0.87 of the in-place time (the q and dO tiles, B operands of
+// dV += P^T dO and dK += dS^T Q, most of it; d64 rows 512 floats apart
+// 0.98-0.99), on an AVX-512 Xeon 1.01-1.03 at 1, 4 and 16 threads. So in
+// place where the CPU has AVX-512, copies elsewhere.
+bool copies_tiles_here() {
+#if defined(__x86_64__) || defined(_M_X64)
+  static const bool copies = !__builtin_cpu_supports("avx512f");
+#else
+  static const bool copies = true;
+#endif
+  return copies;
+}
+
+bool copies_tiles() {
+  const int knob = test_knob_value(TestKnob::kBwdTilesInPlace);
+  return knob == 0 ? copies_tiles_here() : knob == 2;
+}
+
 // The rows x d tile of q, dO, k or v at src as a float32 GEMM operand: a
-// contiguous copy unless its rows already are contiguous (ld == d). In place
-// with rows h * d apart (the (batch, seqlen, heads, dim) layout), the
-// backward's products ran slower: b4 h16 n1024 d128 float32 forward +
-// backward on a 2-core AVX2 EPYC, 0.99 s in place against 0.85 s with copies
-// (the q and dO tiles, B operands of dV += P^T dO and dK += dS^T Q, 0.12 s of
-// it; benchmarks/cpu_perf_log.md), where the forward's S^T = K Q^T gained
-// nothing from copying K. Same products of the same values: the same bits.
+// contiguous copy where copies_tiles() and the rows are not contiguous already
+// (ld != d), else in place where as_operand admits the stride.
 template <typename scalar_t, typename acc_t>
 Operand<acc_t> bwd_tile_operand(const scalar_t* src, int64_t ld, int rows, int d, acc_t* buffer) {
-  if (ld != d && test_knob_value(TestKnob::kBwdTilesInPlace) == 0) {
+  if (ld != d && copies_tiles()) {
     load_tile(src, ld, rows, d, buffer, int64_t(d));
     return {buffer, int64_t(d)};
   }
@@ -794,6 +811,8 @@ void bwd(const AttnBwdParams& p) {
 
 }  // namespace
 }  // namespace cpu
+
+bool bwd_cpu_copies_tiles() { return cpu::copies_tiles(); }
 
 void run_bwd_cpu(const AttnBwdParams& params) {
   cpu::with_scalar_type(params.dtype, "backward", [&](auto elem) { cpu::bwd<decltype(elem)>(params); });
