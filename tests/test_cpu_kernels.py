@@ -295,20 +295,6 @@ def test_backward_tile_copies_follow_the_cpu():
     assert f"bwd_tiles={expected}" in torch.ops.flashattn_ext.cpu_runtime_info(False)
 
 
-def test_forward_reuses_the_value_layout_buffer(seed):
-    # The forward's value-tile layout lives in a buffer kept from one call to
-    # the next (csrc/cpu/kept_buffer.h): a call after a larger one reads a
-    # buffer full of the other call's tiles, and must neither see them nor
-    # change its result (a ragged last group of tiles: 5 tiles of 64 keys).
-    run_case(seed, torch.float32, 512, 1024, 64, batch=2, heads_q=8, heads_kv=4, check_grads=False)
-    q, k, v, _ = make_inputs(1, 300, 330, 8, 2, 64, torch.float32)
-    first, _ = fwd_op(q, k, v, 0.125, -1, -1, False)
-    run_case(seed, torch.float32, 512, 1024, 64, batch=2, heads_q=8, heads_kv=4, check_grads=False)
-    again, _ = fwd_op(q, k, v, 0.125, -1, -1, False)
-    assert torch.equal(first, again)
-    run_case(seed, torch.float32, 300, 330, 64, heads_q=8, heads_kv=2, mask="causal_br", check_grads=False)
-
-
 @pytest.mark.parametrize("block_q", [32, 256])
 def test_forward_query_block_sizes(seed, block_q):
     # The tiled forward's largest query block as the test knob fwd_block_q sets

@@ -40,7 +40,6 @@
 #include "cpu_knobs.h"
 #include "dropout.h"
 #include "flash_cpu.h"
-#include "kept_buffer.h"
 #include "scalar_dispatch.h"
 #include "score_mod.h"
 #include "tile_gemm.h"
@@ -620,9 +619,8 @@ struct FwdPlan {
   // dtype (lowp) or acc_t, (batch, heads_kv, groups, d x kSpanKeys); the key
   // rows where k's rows are not contiguous, (batch, heads_kv, kv_tiles *
   // kBlockK, d).
-  KeptArray<scalar_t> v_t_lowp;  // (kept_buffer.h: kept for the next call)
-  KeptArray<acc_t> v_t_acc;
-  ScratchArray<scalar_t> k_rows;
+  ScratchArray<scalar_t> v_t_lowp, k_rows;
+  ScratchArray<acc_t> v_t_acc;
   int64_t kv_tiles = 0;
   int64_t keys_offset(int b, int64_t h_kv) const {  // k_rows
     return (static_cast<int64_t>(b) * p->heads_kv + h_kv) * kv_tiles * p->head_dim * kBlockK;
@@ -713,9 +711,9 @@ void plan_calls(const AttnFwdParams* calls, int64_t num_calls, std::vector<FwdPl
     if (plan.few || plan.q_blocks < 2 || p.seqlen_k < kBlockK || p.is_varlen()) continue;
     plan.kv_tiles = p.seqlen_k / kBlockK;
     if (plan.lowp)
-      plan.v_t_lowp = KeptArray<scalar_t>(plan.groups_offset(p.batch, 0));
+      plan.v_t_lowp = ScratchArray<scalar_t>(plan.groups_offset(p.batch, 0));
     else
-      plan.v_t_acc = KeptArray<acc_t>(plan.groups_offset(p.batch, 0));
+      plan.v_t_acc = ScratchArray<acc_t>(plan.groups_offset(p.batch, 0));
     if (plan.lowp && p.k_row_stride != p.head_dim) plan.k_rows = ScratchArray<scalar_t>(plan.keys_offset(p.batch, 0));
   }
 }
