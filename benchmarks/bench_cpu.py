@@ -22,8 +22,9 @@ query heads. Figures are medians over
 a row to last about --min-rep-ms (the same count for every implementation,
 from the slowest one's call; the JSON's `calls`), so that a one-millisecond
 decoding step is not one descheduled thread away from a doubled median; the
-implementations take turns within each repetition; torch's default thread count is used, or each of --threads in
-turn (torch.set_num_threads, for every implementation). --knob NAME=VALUE adds
+implementations take turns within each repetition; torch's default thread
+count is used, or each of --threads in turn (torch.set_num_threads, for
+every implementation). --knob NAME=VALUE adds
 ours_knob: ours with that test switch of csrc/cpu/cpu_knobs.h set during its
 calls (flashattn_ext::_cpu_test_knob), for an A/B in one run (ours / ours_knob
 in the ratio columns).

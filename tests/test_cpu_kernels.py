@@ -295,21 +295,6 @@ def test_backward_tile_copies_follow_the_cpu():
     assert f"bwd_tiles={expected}" in torch.ops.flashattn_ext.cpu_runtime_info(False)
 
 
-@pytest.mark.parametrize("block_q", [32, 256])
-def test_forward_query_block_sizes(seed, block_q):
-    # The tiled forward's largest query block as the test knob fwd_block_q sets
-    # it (for A/B timings of the block shape): any of them is held to the oracle,
-    # ragged last blocks and a band mask included, the backward unchanged.
-    before = torch.ops.flashattn_ext._cpu_test_knob("fwd_block_q", block_q)
-    try:
-        run_case(seed, torch.float32, 600, 520, 64, batch=2, heads_q=8, heads_kv=2, mask="causal_br")
-        run_case(seed, torch.bfloat16, 513, 700, 128, batch=1, heads_q=8, heads_kv=4, mask="window")
-    finally:
-        torch.ops.flashattn_ext._cpu_test_knob("fwd_block_q", before)
-    with pytest.raises(ValueError, match="fwd_block_q takes 32, 64, 128 or 256"):
-        torch.ops.flashattn_ext._cpu_test_knob("fwd_block_q", 100)
-
-
 # ---------------------------------------------------------------------------
 # Random configurations: a different set on every run (the seed is printed
 # on failure together with the case).

@@ -46,7 +46,7 @@ std::string cpu_runtime_info(bool reset_peak) {
 }
 
 // A test switch of cpu_knobs.h by name ("no_key_split", "bwd_passes",
-// "no_fused_softmax", "claim_one_item", "fwd_block_q", "bwd_tiles_in_place"): sets
+// "no_fused_softmax", "claim_one_item", "bwd_tiles_in_place"): sets
 // it to `value` (0: the default) and returns its value before; value -1 only
 // reads it. For tests and A/B timings, not for models: it is process-wide.
 int64_t cpu_test_knob(const std::string& name, int64_t value) {
@@ -59,16 +59,11 @@ int64_t cpu_test_knob(const std::string& name, int64_t value) {
     knob = cpu::TestKnob::kNoFusedSoftmax;
   } else if (name == "claim_one_item") {
     knob = cpu::TestKnob::kClaimOneItem;
-  } else if (name == "fwd_block_q") {
-    knob = cpu::TestKnob::kFwdBlockQ;
-    TORCH_CHECK_VALUE(value <= 0 || value == 32 || value == 64 || value == 128 || value == 256,
-                      "flashattn_ext: fwd_block_q takes 32, 64, 128 or 256 (0: the default), not ", value);
   } else if (name == "bwd_tiles_in_place") {
     knob = cpu::TestKnob::kBwdTilesInPlace;
   } else {
-    TORCH_CHECK_VALUE(
-        false, "flashattn_ext: no CPU test knob named '", name,
-        "' (no_key_split, bwd_passes, no_fused_softmax, claim_one_item, fwd_block_q, bwd_tiles_in_place)");
+    TORCH_CHECK_VALUE(false, "flashattn_ext: no CPU test knob named '", name,
+                      "' (no_key_split, bwd_passes, no_fused_softmax, claim_one_item, bwd_tiles_in_place)");
   }
   std::atomic<int>& v = cpu::test_knob(knob);
   return value < 0 ? v.load() : v.exchange(static_cast<int>(value));

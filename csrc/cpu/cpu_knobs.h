@@ -31,9 +31,6 @@
 //                           stride is admitted) / from contiguous copies,
 //                           instead of the machine's rule (flash_cpu_bwd.cpp
 //                           bwd_tile_operand)
-//   TestKnob::kFwdBlockQ    32 / 64 / 128 / 256: the tiled forward's largest
-//                           query block instead of kMaxBlockQ (flash_cpu_fwd.cpp;
-//                           small problems still halve it)
 #pragma once
 
 #include <atomic>
@@ -57,10 +54,9 @@ enum class TestKnob : int {
   kBwdPasses = 1,
   kNoFusedSoftmax = 2,
   kClaimOneItem = 3,
-  kFwdBlockQ = 4,
-  kBwdTilesInPlace = 5
+  kBwdTilesInPlace = 4
 };
-constexpr int kNumTestKnobs = 6;
+constexpr int kNumTestKnobs = 5;
 
 // The knob's value (one object per process: an inline function's static).
 inline std::atomic<int>& test_knob(TestKnob knob) {

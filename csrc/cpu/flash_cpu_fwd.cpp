@@ -658,9 +658,7 @@ void plan_calls(const AttnFwdParams* calls, int64_t num_calls, std::vector<FwdPl
       plan.units = static_cast<int64_t>(p.batch) * p.heads_kv;
     } else {
       const int64_t batch_heads = static_cast<int64_t>(p.batch) * p.heads_q;
-      const int largest_block_q = test_knob_value(TestKnob::kFwdBlockQ);
-      plan.block_q =
-          query_block_size(batch_heads, p.seqlen_q, largest_block_q > 0 ? largest_block_q : kMaxBlockQ, kMinBlockQ);
+      plan.block_q = query_block_size(batch_heads, p.seqlen_q, kMaxBlockQ, kMinBlockQ);
       plan.lowp = use_lowp_products(p);
       plan.q_blocks = ceil_div(p.seqlen_q, plan.block_q);
       plan.units = batch_heads * plan.q_blocks;
