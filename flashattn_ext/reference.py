@@ -290,7 +290,7 @@ def attention_ref(
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         keep = attn_mask if keep is None else keep & attn_mask
     elif attn_mask is not None:
-        bias = attn_mask.detach() if bias is None else bias + attn_mask.detach()
+        bias = attn_mask if bias is None else bias + attn_mask  # (a mask that requires grad gets one)
     res = _attention_core(
         q,
         k,

@@ -42,11 +42,21 @@ backward takes the merged output and the global log-sum-exp, and writes the
 gradients into buffers the caller provides (any strides, e.g. views into a
 packed qkv gradient; a float32 buffer receives the float32 accumulator).
 
-Not here yet: masks and bias (the kernels take an attn_mask now; the ring
-does not pass one part per step yet), causal varlen with different q and k
-lengths per document, and accumulation inside the kernels (each block's
-gradients come back from the kernels in the input dtype and are added in
-float32, as torch's context parallelism does).
+``attn_mask`` (ring_attention and its two passes) is torch SDPA's: bool (True
+takes part) or float added to the scaled scores, with its gradient when it
+requires grad. Each rank passes its own query rows of the full mask
+(``shard(mask, dim=-2)``; a mask that broadcasts over the queries as it is)
+and every key column in the global order: the mask never travels, and each
+step reads the columns of the key part the rank holds, as a view. It applies
+on top of ``causal``. ``softcap`` is flash-attn's (Gemma 2's); the kernels
+take no softcap together with a mask.
+
+Not here: ALiBi (the kernels compute its distances within one call, and a
+block of the ring sits at an offset they do not know; a float attn_mask of
+the ALiBi bias does it), causal varlen with different q and k lengths per
+document, and accumulation inside the kernels (each block's gradients come
+back from the kernels in the input dtype and are added in float32, as torch's
+context parallelism does).
 """
 
 from __future__ import annotations
@@ -113,7 +123,7 @@ def _positions(rank, world, balanced, local_len, offset):
     return torch.cat([torch.arange(c * size, (c + 1) * size) for c in ids]) + offset
 
 
-def _plan(q_pos, k_pos, causal, chunk_q, chunk_k):
+def _plan(q_pos, k_pos, causal, chunk_q, chunk_k, by_chunk=False):
     """The kernel calls of one (query part, key part) pair, as (q rows a:b, k rows
     c:d, window_right) with top-left alignment (window_right -1: no mask).
 
@@ -122,12 +132,16 @@ def _plan(q_pos, k_pos, causal, chunk_q, chunk_k):
     takes rows a:b against keys c:d when n rises by one per row (a causal
     diagonal: window_right = n[a] - 1) or is all of c:d (a full block); rows
     that see no key are left out. Otherwise the query part, then the key part,
-    is split into its chunks (a pair of chunks always fits one call)."""
+    is split into its chunks (a pair of chunks always fits one call).
+    by_chunk: one call per pair of chunks at most (so that the keys of a call
+    are one run of global positions, and an attn_mask's columns for it a view)."""
     nq, nk = len(q_pos), len(k_pos)
-    if not causal:
+    if not causal and not by_chunk:
         return [(0, nq, 0, nk, -1)]
 
     def fits(a, b, c, d):
+        if not causal:
+            return [(a, b, c, d, -1)]
         n = torch.searchsorted(k_pos[c:d], q_pos[a:b], right=True)  # keys of c:d each row sees
         live = torch.nonzero(n > 0)
         if live.numel() == 0:
@@ -141,12 +155,12 @@ def _plan(q_pos, k_pos, causal, chunk_q, chunk_k):
             return [(a + a0, b, c, d, first - 1)]
         return None
 
-    whole = fits(0, nq, 0, nk)
+    whole = None if by_chunk else fits(0, nq, 0, nk)
     if whole is not None:
         return whole
     calls = []
     for a in range(0, nq, chunk_q):
-        part = fits(a, a + chunk_q, 0, nk)
+        part = None if by_chunk else fits(a, a + chunk_q, 0, nk)
         if part is None:
             part = []
             for c in range(0, nk, chunk_k):
@@ -167,18 +181,17 @@ class _Ring:
     # transfer completes before the compute that follows it is started.
     overlap = True
 
-    def __init__(self, group, seqlen_q, seqlen_k, causal, balanced):
+    def __init__(self, group, seqlen_q, seqlen_k, causal, balanced, softcap=0.0, masked=False):
         self._peers(group)
         w, r = self.world, self.rank
         per = len(chunk_ids(0, w, balanced))
         # bottom-right: query row i of the full sequence sits at key position i + Lk - Lq.
         offset = seqlen_k * w - seqlen_q * w
         q_pos = _positions(r, w, balanced, seqlen_q, offset)
-        # The plan of step i: rank r holds the key part of rank (r - i) % w.
-        self.plans = [
-            _plan(q_pos, _positions((r - i) % w, w, balanced, seqlen_k, 0), causal, seqlen_q // per, seqlen_k // per)
-            for i in range(w)
-        ]
+        # Step i: rank r holds the key part of rank (r - i) % w; k_pos[i], its global positions.
+        self.k_pos = [_positions((r - i) % w, w, balanced, seqlen_k, 0) for i in range(w)]
+        self.plans = [_plan(q_pos, kp, causal, seqlen_q // per, seqlen_k // per, masked) for kp in self.k_pos]
+        self.softcap = softcap
 
     def _peers(self, group):
         self.group, self.rank, self.world = _group_info(group)
@@ -206,11 +219,26 @@ class _Ring:
     def lse_shape(self, q):
         return (q.shape[0], q.shape[2], q.shape[1])
 
-    def fwd(self, q, k, v, scale, wr):
-        return _ops.fwd_op(q, k, v, scale, -1, wr, False)
+    def mask_block(self, mask, step, a, e, c, f):
+        """The part of an attn_mask-shaped tensor (this rank's query rows, the
+        global key columns) that the call (q rows a:e, k rows c:f) of a step
+        reads: a view (the plan keeps c:f inside one chunk). None without a mask."""
+        if mask is None:
+            return None
+        if mask.shape[-2] != 1:
+            mask = mask.narrow(-2, a, e - a)
+        if mask.shape[-1] != 1:
+            mask = mask.narrow(-1, int(self.k_pos[step][c]), f - c)
+        return mask
 
-    def bwd(self, dout, q, k, v, out, lse, scale, wr, deterministic):
-        return _ops.bwd(dout, q, k, v, out, lse, scale, -1, wr, False, deterministic)
+    def fwd(self, q, k, v, scale, wr, mask):
+        return _ops.fwd_op(q, k, v, scale, -1, wr, False, self.softcap, None, mask)
+
+    def bwd(self, dout, q, k, v, out, lse, scale, wr, deterministic, mask, mask_grad):
+        args = (dout, q, k, v, out, lse, scale, -1, wr, False, deterministic)
+        if mask_grad:
+            return _ops.bwd_mask_grad(*args, mask)
+        return (*_ops.bwd(*args, self.softcap, None, mask), None)
 
     def merge(self, acc_out, acc_lse, out, lse):
         _merge(acc_out, acc_lse, out, lse)
@@ -225,8 +253,9 @@ class _VarlenRing(_Ring):
 
     seq_dim = 0
 
-    def __init__(self, group, lengths, causal, balanced, device):
+    def __init__(self, group, lengths, causal, balanced, device, softcap=0.0):
         self._peers(group)
+        self.softcap = softcap
         w, r = self.world, self.rank
         n = _n_chunks(w, balanced)
         sizes = [length // n for length in lengths]
@@ -247,13 +276,19 @@ class _VarlenRing(_Ring):
     def lse_shape(self, q):
         return (q.shape[1], q.shape[0])
 
-    def fwd(self, q, k, v, scale, wr):
-        m = self.max_chunk
-        return _ops.varlen_fwd(q, k, v, self.cu, self.cu, m, m, scale, -1, wr, False)
+    def mask_block(self, mask, step, a, e, c, f):
+        return None  # (no attn_mask for packed sequences)
 
-    def bwd(self, dout, q, k, v, out, lse, scale, wr, deterministic):
+    def fwd(self, q, k, v, scale, wr, mask):
         m = self.max_chunk
-        return _ops.varlen_bwd(dout, q, k, v, out, lse, self.cu, self.cu, m, m, scale, -1, wr, False, deterministic)
+        return _ops.varlen_fwd(q, k, v, self.cu, self.cu, m, m, scale, -1, wr, False, self.softcap)
+
+    def bwd(self, dout, q, k, v, out, lse, scale, wr, deterministic, mask, mask_grad):
+        m, cu = self.max_chunk, self.cu
+        dq, dk, dv = _ops.varlen_bwd(
+            dout, q, k, v, out, lse, cu, cu, m, m, scale, -1, wr, False, deterministic, self.softcap
+        )
+        return dq, dk, dv, None
 
     def merge(self, acc_out, acc_lse, out, lse):
         _merge(acc_out.unsqueeze(0), acc_lse.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0))
@@ -275,7 +310,7 @@ def _merge(acc_out, acc_lse, out, lse):
     acc_lse.copy_(new)
 
 
-def _ring_forward(ring, q, k, v, scale):
+def _ring_forward(ring, q, k, v, scale, mask=None):
     acc_dtype = _ops._lse_dtype(q.dtype)
     acc_out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     acc_lse = torch.full(ring.lse_shape(q), float("-inf"), dtype=acc_dtype, device=q.device)
@@ -285,7 +320,8 @@ def _ring_forward(ring, q, k, v, scale):
         if i + 1 < ring.world:  # the next part in flight while this one is computed
             reqs, (k_next, v_next) = ring.exchange([k_cur, v_cur], tag=0)
         for a, e, c, f, wr in ring.plans[i]:
-            out, lse = ring.fwd(rows(q, a, e), rows(k_cur, c, f), rows(v_cur, c, f), scale, wr)
+            m = ring.mask_block(mask, i, a, e, c, f)
+            out, lse = ring.fwd(rows(q, a, e), rows(k_cur, c, f), rows(v_cur, c, f), scale, wr, m)
             ring.merge(rows(acc_out, a, e), ring.lse_rows(acc_lse, a, e), out, lse)
         if i + 1 < ring.world:
             _wait(reqs)
@@ -293,9 +329,12 @@ def _ring_forward(ring, q, k, v, scale):
     return acc_out.to(q.dtype), acc_lse
 
 
-def _ring_backward(ring, dout, q, k, v, out, lse, scale, deterministic, dest=None):
+def _ring_backward(ring, dout, q, k, v, out, lse, scale, deterministic, dest=None, mask=None, mask_grad=False):
+    """(dq, dk, dv), and with mask_grad the gradient of the float attn_mask
+    (its shape and dtype; this rank's rows, summed in float32 as the gradients are)."""
     acc_dtype = _ops._lse_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    dmask = torch.zeros(mask.shape, dtype=acc_dtype, device=mask.device) if mask_grad else None
     dout = _ops.unit_last_stride(dout)
     rows = ring.rows
     k_cur, v_cur = k, v
@@ -306,10 +345,13 @@ def _ring_backward(ring, dout, q, k, v, out, lse, scale, deterministic, dest=Non
         dk_blk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
         dv_blk = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
         for a, e, c, f, wr in ring.plans[i]:
-            dq_p, dk_p, dv_p = ring.bwd(
+            dq_p, dk_p, dv_p, dm_p = ring.bwd(
                 rows(dout, a, e), rows(q, a, e), rows(k_cur, c, f), rows(v_cur, c, f), rows(out, a, e),
-                ring.lse_rows(lse, a, e).contiguous(), scale, wr, deterministic,
+                ring.lse_rows(lse, a, e).contiguous(), scale, wr, deterministic, ring.mask_block(mask, i, a, e, c, f),
+                mask_grad,
             )  # fmt: skip
+            if mask_grad:
+                ring.mask_block(dmask, i, a, e, c, f).add_(dm_p)
             rows(dq, a, e).add_(dq_p)
             rows(dk_blk, c, f).add_(dk_p)
             rows(dv_blk, c, f).add_(dv_p)
@@ -318,13 +360,17 @@ def _ring_backward(ring, dout, q, k, v, out, lse, scale, deterministic, dest=Non
             dk_blk += dk_acc
             dv_blk += dv_acc
         if ring.world == 1:
-            return _finish((dq, dk_blk, dv_blk), (q, k, v), dest)
+            return (*_finish((dq, dk_blk, dv_blk), (q, k, v), dest), _mask_grad(dmask, mask))
         dkv_reqs, (dk_acc, dv_acc) = ring.exchange([dk_blk, dv_blk], tag=2)
         if i + 1 < ring.world:
             _wait(kv_reqs)
             k_cur, v_cur = k_next, v_next
     _wait(dkv_reqs)  # after the last step, each part's accumulator has come home
-    return _finish((dq, dk_acc, dv_acc), (q, k, v), dest)
+    return (*_finish((dq, dk_acc, dv_acc), (q, k, v), dest), _mask_grad(dmask, mask))
+
+
+def _mask_grad(acc, mask):
+    return None if acc is None else acc.to(mask.dtype)
 
 
 def _finish(accs, inputs, dest):
@@ -339,19 +385,22 @@ def _finish(accs, inputs, dest):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, ring, deterministic):
+    def forward(ctx, q, k, v, attn_mask, scale, ring, deterministic):
         q, k, v = (x.contiguous() for x in (q, k, v))
-        out, lse = _ring_forward(ring, q, k, v, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse = _ring_forward(ring, q, k, v, scale, attn_mask)
+        ctx.save_for_backward(q, k, v, out, lse, attn_mask)
         ctx.ring, ctx.scale, ctx.deterministic = ring, scale, deterministic
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(ctx.ring, dout, q, k, v, out, lse, ctx.scale, ctx.deterministic)
-        return dq, dk, dv, None, None, None
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        mask_grad = ctx.needs_input_grad[3]
+        grads = _ring_backward(
+            ctx.ring, dout, q, k, v, out, lse, ctx.scale, ctx.deterministic, mask=mask, mask_grad=mask_grad
+        )
+        return (*grads, None, None, None)
 
 
 def ring_attention(
@@ -365,6 +414,8 @@ def ring_attention(
     balanced: bool | None = None,
     return_lse: bool = False,
     deterministic: bool = False,
+    attn_mask: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ):
     """Attention over the whole sequence, each rank of ``group`` holding a part.
 
@@ -372,15 +423,20 @@ def ring_attention(
     world, heads_kv, head_dim): this rank's parts (``shard``), the same sizes
     on every rank. causal: flash_attn_func's bottom-right causal mask over the
     full sequences. balanced: the head-tail layout of ``shard`` (default: when
-    causal). Returns this rank's part of the output (and, with return_lse, of
-    the log-sum-exp (batch, heads_q, seqlen_q / world), float32), differentiable
-    in q, k, v. Every rank of the group must call it, with the same arguments."""
-    ring, scale = _dense_ring("ring_attention", q, k, v, causal, softmax_scale, group, balanced)
-    out, lse = _RingAttention.apply(q, k, v, scale, ring, bool(deterministic))
+    causal). attn_mask: torch SDPA's (bool, or float added to the scores,
+    differentiable), broadcastable to (batch, heads_q, seqlen_q / world,
+    seqlen_k): this rank's query rows (``shard(mask, dim=-2)``), every key
+    column; on top of causal. softcap: flash-attn's (not with attn_mask).
+    Returns this rank's part of the output (and, with return_lse, of the
+    log-sum-exp (batch, heads_q, seqlen_q / world), float32), differentiable in
+    q, k, v (and a float attn_mask). Every rank of the group must call it, with
+    the same arguments."""
+    ring, scale = _dense_ring("ring_attention", q, k, v, causal, softmax_scale, group, balanced, attn_mask, softcap)
+    out, lse = _RingAttention.apply(q, k, v, attn_mask, scale, ring, bool(deterministic))
     return (out, lse) if return_lse else out
 
 
-def _dense_ring(fn, q, k, v, causal, softmax_scale, group, balanced):
+def _dense_ring(fn, q, k, v, causal, softmax_scale, group, balanced, attn_mask=None, softcap=0.0):
     """The checks of ring_attention's arguments; returns (its _Ring, the scale)."""
     if balanced is None:
         balanced = causal
@@ -394,8 +450,29 @@ def _dense_ring(fn, q, k, v, causal, softmax_scale, group, balanced):
             f"lengths must be even (got seqlen_q {q.shape[1]}, seqlen_k {k.shape[1]})"
         )
     _ops.check_qkv(q, k, v, unit_stride=False)
+    softcap = float(softcap)
+    _ops.check_score_mod(q, softcap, None, q.shape[0], q.shape[2])
+    _, _, world = _group_info(group)
+    if attn_mask is not None:
+        _check_ring_mask(fn, attn_mask, q, k.shape[1] * world, softcap)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _Ring(group, q.shape[1], k.shape[1], bool(causal), bool(balanced)), float(scale)
+    ring = _Ring(group, q.shape[1], k.shape[1], bool(causal), bool(balanced), softcap, attn_mask is not None)
+    return ring, float(scale)
+
+
+def _check_ring_mask(fn, m, q, seqlen_k, softcap):
+    """A rank's attn_mask: its own query rows, every key column (the kernels'
+    checks for the rest: dtype, device, no softcap)."""
+    if not isinstance(m, torch.Tensor):
+        raise TypeError(f"flashattn_ext.{fn}: attn_mask must be a tensor or None, got {type(m).__name__}")
+    full = (q.shape[0], q.shape[2], q.shape[1], seqlen_k)
+    if not 2 <= m.dim() <= 4 or any(size not in (want, 1) for size, want in zip(m.shape, full[4 - m.dim() :])):
+        raise ValueError(
+            f"flashattn_ext.{fn}: attn_mask of shape {list(m.shape)} does not broadcast to (batch, heads_q, "
+            f"seqlen_q / world, seqlen_k) = {full}: each rank passes its own query rows of the full mask "
+            "(ring.shard(mask, group, dim=-2)) and every key column"
+        )
+    _ops.check_attn_mask(q, q.new_empty((0, seqlen_k), device="meta"), m, softcap, None)
 
 
 # ----------------------------------------------------------------------------- packed sequences
@@ -458,18 +535,22 @@ def ring_attention_varlen(
     balanced: bool | None = None,
     return_lse: bool = False,
     deterministic: bool = False,
+    softcap: float = 0.0,
 ):
     """ring_attention for packed sequences (documents), self-attention: q, k, v
     (total / world, heads, head_dim) parts made by ``shard_varlen`` with the
     global cu_seqlens (batch + 1,) int32 of the full sequences (the same tensor
     on every rank; read on the host once). Every sequence is balanced on its own
-    (its length must be a multiple of 2 * world). lse: (heads_q, total / world)."""
-    ring, scale = _varlen_ring("ring_attention_varlen", q, k, v, cu_seqlens, causal, softmax_scale, group, balanced)
-    out, lse = _RingAttention.apply(q, k, v, scale, ring, bool(deterministic))
+    (its length must be a multiple of 2 * world). lse: (heads_q, total / world).
+    softcap: flash-attn's."""
+    ring, scale = _varlen_ring(
+        "ring_attention_varlen", q, k, v, cu_seqlens, causal, softmax_scale, group, balanced, None, softcap
+    )
+    out, lse = _RingAttention.apply(q, k, v, None, scale, ring, bool(deterministic))
     return (out, lse) if return_lse else out
 
 
-def _varlen_ring(fn, q, k, v, cu_seqlens, causal, softmax_scale, group, balanced):
+def _varlen_ring(fn, q, k, v, cu_seqlens, causal, softmax_scale, group, balanced, attn_mask=None, softcap=0.0):
     """The checks of ring_attention_varlen's arguments; returns (its _VarlenRing, the scale)."""
     if balanced is None:
         balanced = causal
@@ -483,34 +564,41 @@ def _varlen_ring(fn, q, k, v, cu_seqlens, causal, softmax_scale, group, balanced
             f"flashattn_ext.{fn}: q, k hold {q.shape[0]}, {k.shape[0]} rows, but this rank's part of "
             f"cu_seqlens' sequences is {sum(lengths) // world} rows (use shard_varlen)"
         )
+    softcap = float(softcap)
+    _ops.check_score_mod(q, softcap, None, 1, q.shape[1])
+    if attn_mask is not None:
+        raise ValueError(f"flashattn_ext.{fn}: packed sequences take no attn_mask (cu_seqlens is their mask)")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _VarlenRing(group, lengths, bool(causal), bool(balanced), q.device), float(scale)
+    return _VarlenRing(group, lengths, bool(causal), bool(balanced), q.device, softcap), float(scale)
 
 
 # ----------------------------------------------------------------------------- forward and backward apart
 
 
-def _make_ring(fn, q, k, v, cu_seqlens, causal, softmax_scale, group, balanced):
+def _make_ring(fn, q, k, v, cu_seqlens, *args):
+    """args: causal, softmax_scale, group, balanced, attn_mask, softcap."""
     if cu_seqlens is None:
-        return _dense_ring(fn, q, k, v, causal, softmax_scale, group, balanced)
-    return _varlen_ring(fn, q, k, v, cu_seqlens, causal, softmax_scale, group, balanced)
+        return _dense_ring(fn, q, k, v, *args)
+    return _varlen_ring(fn, q, k, v, cu_seqlens, *args)
 
 
 def ring_attention_forward(
-    q, k, v, *, cu_seqlens=None, causal=False, softmax_scale=None, group=None, balanced=None
+    q, k, v, *, cu_seqlens=None, causal=False, softmax_scale=None, group=None, balanced=None, attn_mask=None,
+    softcap=0.0,
 ):  # fmt: skip
     """The forward of ring_attention (cu_seqlens given: of ring_attention_varlen)
     alone, outside autograd: returns (out, lse) of this rank's part, which
     ring_attention_backward takes, for a caller that runs its own autograd
     Function or recomputation. Same arguments and rules as ring_attention."""
-    ring, scale = _make_ring("ring_attention_forward", q, k, v, cu_seqlens, causal, softmax_scale, group, balanced)
+    args = (causal, softmax_scale, group, balanced, attn_mask, softcap)
+    ring, scale = _make_ring("ring_attention_forward", q, k, v, cu_seqlens, *args)
     with torch.no_grad():
-        return _ring_forward(ring, *(x.contiguous() for x in (q, k, v)), scale)
+        return _ring_forward(ring, *(x.contiguous() for x in (q, k, v)), scale, attn_mask)
 
 
 def ring_attention_backward(
     dout, q, k, v, out, lse, *, cu_seqlens=None, causal=False, softmax_scale=None, group=None, balanced=None,
-    deterministic=False, dq=None, dk=None, dv=None,
+    attn_mask=None, softcap=0.0, deterministic=False, dq=None, dk=None, dv=None,
 ):  # fmt: skip
     """The backward of ring_attention from this rank's dout, q, k, v, the merged
     out and the global lse that ring_attention_forward returned (the same
@@ -519,8 +607,10 @@ def ring_attention_backward(
     (views into a packed (batch, seqlen, 3, heads, head_dim) gradient, say) and
     any floating dtype (a float32 buffer gets the float32 accumulator as it is):
     the gradient is written into them, with one rounding and no intermediate
-    tensor, and they are returned."""
-    ring, scale = _make_ring("ring_attention_backward", q, k, v, cu_seqlens, causal, softmax_scale, group, balanced)
+    tensor, and they are returned. (A float attn_mask's gradient comes from
+    ring_attention's autograd only.)"""
+    args = (causal, softmax_scale, group, balanced, attn_mask, softcap)
+    ring, scale = _make_ring("ring_attention_backward", q, k, v, cu_seqlens, *args)
     dest = (dq, dk, dv)
     for name, buf, x in zip(("dq", "dk", "dv"), dest, (q, k, v)):
         if buf is None:
@@ -539,4 +629,4 @@ def ring_attention_backward(
         )
     with torch.no_grad():
         q, k, v, out = (x.contiguous() for x in (q, k, v, out))
-        return _ring_backward(ring, dout, q, k, v, out, lse, scale, bool(deterministic), dest)
+        return _ring_backward(ring, dout, q, k, v, out, lse, scale, bool(deterministic), dest, attn_mask)[:3]

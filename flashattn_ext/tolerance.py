@@ -212,21 +212,29 @@ def compare_lse(lse: torch.Tensor, oracle_lse: torch.Tensor, dtype: torch.dtype,
     return c
 
 
-def oracle_and_naive(q, k, v, dout=None, **kw):
+def oracle_and_naive(q, k, v, dout=None, mask_grad=False, **kw):
     """The oracle (upcast) and the naive low-precision computation
     (:func:`flashattn_ext.reference.attention_ref` twice) on q, k, v.
 
     kw: attention_ref's arguments (softmax_scale, causal, window_size,
-    bottom_right, layout, softcap, alibi_slopes). Returns two dicts {"out", "lse"[, "dq", "dk", "dv"]}
-    (gradients when dout is given), each in its compute dtype."""
+    bottom_right, layout, softcap, alibi_slopes, attn_mask). Returns two dicts
+    {"out", "lse"[, "dq", "dk", "dv"[, "dmask"]]} (gradients when dout is
+    given; with mask_grad, that of the float attn_mask too, the naive one in
+    the mask's dtype), each in its compute dtype."""
     res = []
+    mask = kw.pop("attn_mask", None)
     for upcast in (True, False):
         dt = compute_dtype(q.dtype, upcast)
         leaves = [x.detach().to(dt).requires_grad_(dout is not None) for x in (q, k, v)]
-        out, lse = attention_ref(*leaves, upcast=upcast, return_lse=True, **kw)
+        m = mask
+        if mask_grad and dout is not None:
+            m = mask.detach().to(dt if upcast else mask.dtype).requires_grad_()
+            leaves.append(m)
+        out, lse = attention_ref(*leaves[:3], upcast=upcast, return_lse=True, attn_mask=m, **kw)
         r = {"out": out.detach(), "lse": lse.detach()}
         if dout is not None:
-            r["dq"], r["dk"], r["dv"] = torch.autograd.grad(out, leaves, dout.to(dt))
+            names = ("dq", "dk", "dv", "dmask")[: len(leaves)]
+            r.update(zip(names, torch.autograd.grad(out, leaves, dout.to(dt))))
         res.append(r)
     return res
 
@@ -294,6 +302,7 @@ def check_attention(
     dropout_p=0.0,
     rng_state=None,
     dropout_keep=None,
+    dmask=None,
 ):
     """One attention call of ours against the oracle, with the rule.
 
@@ -307,8 +316,11 @@ def check_attention(
     ``rng_state`` (seed, offset): the oracle applies the kernels' exact keep mask
     (or ``dropout_keep``, that mask as a bool tensor: reference.attention_ref).
 
-    Returns [Comparison] for out, lse (when given) and dq, dk, dv (when given):
-    all(c.ok for c in result) is the verdict, c.message() says why."""
+    ``dmask``: the gradient of a float ``attn_mask`` (with ``grads``), checked as
+    the other gradients are.
+
+    Returns [Comparison] for out, lse (when given) and dq, dk, dv (and dmask)
+    when given: all(c.ok for c in result) is the verdict, c.message() says why."""
     window_left, window_right = window_size
     if causal:
         window_right = 0
@@ -319,6 +331,7 @@ def check_attention(
             k,
             v,
             dout if grads is not None else None,
+            mask_grad=dmask is not None,
             softmax_scale=scale,
             window_size=(window_left, window_right),
             bottom_right=bottom_right,
@@ -340,7 +353,8 @@ def check_attention(
         result.append(compare_lse(lse, oracle["lse"], q.dtype))
     if grads is not None:
         magnitude = max(_max_abs(oracle[name]) for name in ("dq", "dk", "dv"))
-        for name, g in zip(("dq", "dk", "dv"), grads):
+        grads = (*grads, dmask) if dmask is not None else grads
+        for name, g in zip(("dq", "dk", "dv", "dmask"), grads):
             result.append(
                 compare(
                     name,

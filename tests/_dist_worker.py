@@ -28,6 +28,19 @@ RING_CASES = [
     ("causal-fp64", torch.float64, 1, 2, 2, 32, 32, 16, True, True),
 ]
 
+# What the scores get beyond causal: torch SDPA's attn_mask (each rank passing
+# its own query rows, every key column) or flash-attn's softcap. A ring case
+# plus: "bool" (B, 1, Lq, Lk, one row of batch 0 that sees no key), "keypad"
+# (B, 1, 1, Lk bool: key padding, broadcast over the queries), "bias" (1, H,
+# Lq, Lk float32, requires grad: its gradient is checked), "softcap" (30/8).
+SCORE_CASES = [
+    ("mask-bool-causal-bf16", torch.bfloat16, 2, 4, 2, 64, 64, 32, True, True, "bool"),
+    ("mask-keypad-causal-fp32", torch.float32, 2, 2, 2, 64, 64, 16, True, True, "keypad"),
+    ("bias-grad-unequal-fp32", torch.float32, 1, 2, 2, 48, 80, 24, False, False, "bias"),
+    ("bias-grad-prefill-bf16", torch.bfloat16, 1, 4, 1, 32, 64, 32, True, True, "bias"),
+    ("softcap-causal-gqa-bf16", torch.bfloat16, 2, 4, 2, 64, 64, 32, True, True, "softcap"),
+]
+
 # Packed documents, each balanced on its own: (name, dtype, lengths, heads_q, heads_kv, head_dim, causal)
 VARLEN_CASES = [
     ("varlen-causal-bf16", torch.bfloat16, [16, 40, 8], 4, 2, 32, True),
@@ -106,6 +119,71 @@ def _ring_case(case, seed, group, world, check):
     comparisons = check_attention(
         q, k, v, full["out"], full["lse"], dout, [full["dq"], full["dk"], full["dv"]], causal=causal
     )
+    return _verdict(name, world, [(comparisons, single, full)])
+
+
+def _score_inputs(score, seed, b, hq, lq, lk):
+    """(the full attn_mask or None, softcap) of a SCORE_CASES kind."""
+    gen = torch.Generator().manual_seed(seed + 7)
+    if score == "bool":
+        mask = torch.rand((b, 1, lq, lk), generator=gen) < 0.8
+        mask[0, 0, 3] = False  # a row that sees no key: out 0, lse -inf, as one call gives
+        return mask, 0.0
+    if score == "keypad":
+        mask = torch.ones((b, 1, 1, lk), dtype=torch.bool)
+        mask[1, ..., lk - lk // 4 :] = False  # batch 1's last quarter is padding
+        return mask, 0.0
+    if score == "bias":
+        return torch.randn((1, hq, lq, lk), generator=gen), 0.0
+    return None, 30.0 / 8
+
+
+def _score_case(case, seed, group, world, check):
+    import flashattn_ext._ops as ops
+    from flashattn_ext import ring
+    from flashattn_ext.tolerance import check_attention
+
+    name, dtype, b, hq, hk, lq, lk, d, causal, balanced, score = case
+    q, k, v, dout = _inputs(seed, [(b, lq, hq, d), (b, lk, hk, d), (b, lk, hk, d), (b, lq, hq, d)], dtype)
+    mask, softcap = _score_inputs(score, seed, b, hq, lq, lk)
+    mask_grad = score == "bias"
+    local = [ring.shard(x, group, balanced=balanced).requires_grad_(i < 3) for i, x in enumerate((q, k, v, dout))]
+    leaves = local[:3]
+    local_mask = None
+    if mask is not None:  # this rank's query rows; a mask that broadcasts over them as it is
+        rows = mask.shape[-2] != 1
+        local_mask = ring.shard(mask, group, balanced=balanced, dim=-2) if rows else mask.clone()
+        if mask_grad:
+            leaves = leaves + [local_mask.requires_grad_()]
+    out, lse = ring.ring_attention(
+        *local[:3], causal=causal, group=group, balanced=balanced, return_lse=True, attn_mask=local_mask,
+        softcap=softcap,
+    )  # fmt: skip
+    grads = torch.autograd.grad(out, leaves, local[3])
+    full = {"out": ring.unshard(out.detach(), group, balanced=balanced)}
+    full["lse"] = ring.unshard(lse, group, balanced=balanced, dim=2)
+    for key, g in zip(("dq", "dk", "dv"), grads):
+        full[key] = ring.unshard(g, group, balanced=balanced)
+    if mask_grad:
+        full["dmask"] = ring.unshard(grads[3], group, balanced=balanced, dim=-2)
+    if not check:
+        return None
+    # The single-process call: the differentiable op with the full mask.
+    s_leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    s_mask = mask
+    if mask_grad:
+        s_mask = mask.detach().requires_grad_()
+        s_leaves.append(s_mask)
+    scale = d**-0.5
+    s_out, s_lse = ops.attention(
+        *s_leaves[:3], scale, -1, 0 if causal else -1, True, False, False, softcap, None, s_mask
+    )  # fmt: skip
+    single = {"out": s_out.detach(), "lse": s_lse}
+    single.update(zip(("dq", "dk", "dv", "dmask"), torch.autograd.grad(s_out, s_leaves, dout)))
+    comparisons = check_attention(
+        q, k, v, full["out"], full["lse"], dout, [full["dq"], full["dk"], full["dv"]], causal=causal,
+        softcap=softcap, attn_mask=mask, dmask=full.get("dmask"),
+    )  # fmt: skip
     return _verdict(name, world, [(comparisons, single, full)])
 
 
@@ -310,6 +388,11 @@ def main(rank, world, init_file, seed, out_dir, repo):
         for i, case in enumerate(RING_CASES):
             for _, group, w in groups:
                 r = _ring_case(case, seed + i, group, w, dist.get_rank(group) == 0)
+                if r is not None:
+                    results.append(r)
+        for i, case in enumerate(SCORE_CASES):
+            for _, group, w in groups:
+                r = _score_case(case, seed + 30 + i, group, w, dist.get_rank(group) == 0)
                 if r is not None:
                     results.append(r)
         for i, case in enumerate(VARLEN_CASES):

@@ -74,6 +74,15 @@ def test_ring_attention(results, case, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", [c[0] for c in _dist_worker.SCORE_CASES])
+def test_ring_attention_masks_and_softcap(results, case, world):
+    """attn_mask (bool, key padding, a float bias and its gradient) and softcap
+    through the ring: each rank's query rows of the mask, the key columns of
+    the part it holds at each step read as a view."""
+    _check(results, case, world, WORLD // world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("case", [c[0] for c in _dist_worker.VARLEN_CASES])
 def test_ring_attention_varlen(results, case, world):
     """Packed documents, each balanced on its own (ring_attention_varlen)."""
@@ -160,12 +169,16 @@ def test_plan_covers_each_visible_pair_once():
             for s in range(world):
                 k_pos = ring._positions(s, world, balanced, lk, 0)
                 want = k_pos[None, :] <= q_pos[:, None]
-                got = torch.zeros(lq, lk, dtype=torch.int64)
-                for a, b, c, d, wr in ring._plan(q_pos, k_pos, True, lq // per, lk // per):
-                    i = torch.arange(b - a)[:, None]
-                    j = torch.arange(d - c)[None, :]
-                    got[a:b, c:d] += (j <= i + wr) if wr >= 0 else torch.ones(b - a, d - c, dtype=torch.bool)
-                assert torch.equal(got, want.long()), (world, balanced, lq, lk, r, s)
+                for by_chunk in (False, True):  # (by_chunk: a call's keys inside one chunk, for attn_mask)
+                    got = torch.zeros(lq, lk, dtype=torch.int64)
+                    for a, b, c, d, wr in ring._plan(q_pos, k_pos, True, lq // per, lk // per, by_chunk):
+                        i = torch.arange(b - a)[:, None]
+                        j = torch.arange(d - c)[None, :]
+                        got[a:b, c:d] += (j <= i + wr) if wr >= 0 else torch.ones(b - a, d - c, dtype=torch.bool)
+                        if by_chunk:
+                            assert c // (lk // per) == (d - 1) // (lk // per), (c, d, lk // per)
+                            assert bool((k_pos[c:d] == k_pos[c] + torch.arange(d - c)).all())
+                    assert torch.equal(got, want.long()), (world, balanced, lq, lk, r, s, by_chunk)
 
 
 def test_backward_buffer_checks():
@@ -192,6 +205,35 @@ def test_backward_buffer_checks():
         dq, _, _ = ring.ring_attention_backward(dout, q, k, v, out, lse, causal=True, dq=dq64)
         ref = ring.ring_attention_backward(dout, q, k, v, out, lse, causal=True)[0]
         assert dq is dq64 and torch.equal(dq64.float(), ref)
+    finally:
+        dist.destroy_process_group()
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def test_ring_mask_checks():
+    """ring_attention names an attn_mask that is not this rank's rows against
+    every key column, a mask with softcap, and a mask for packed sequences
+    (world 1: a group of one)."""
+    from flashattn_ext import ring
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists")
+    tmp = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"ring_masks_{os.getpid()}")
+    dist.init_process_group("gloo", init_method=f"file://{tmp}", rank=0, world_size=1)
+    try:
+        q, k, v = (torch.randn(1, 8, 2, 16) for _ in range(3))
+        with pytest.raises(ValueError, match=r"seqlen_q / world, seqlen_k\) = \(1, 2, 8, 8\).*ring.shard\(mask"):
+            ring.ring_attention(q, k, v, attn_mask=torch.ones(8, 9, dtype=torch.bool))
+        with pytest.raises(ValueError, match="cannot be combined with softcap"):
+            ring.ring_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool), softcap=2.0)
+        with pytest.raises(TypeError, match="attn_mask must be bool, float32 or the dtype of q"):
+            ring.ring_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.int32))
+        with pytest.raises(ValueError, match="softcap must be a finite number"):
+            ring.ring_attention(q, k, v, softcap=-1.0)
+        cu = torch.tensor([0, 8], dtype=torch.int32)
+        with pytest.raises(ValueError, match="packed sequences take no attn_mask"):
+            ring.ring_attention_forward(q[0], k[0], v[0], cu_seqlens=cu, attn_mask=torch.ones(8, 8, dtype=torch.bool))
     finally:
         dist.destroy_process_group()
         if os.path.exists(tmp):
