@@ -149,6 +149,51 @@ def test_ring_single_rank_matches_flash_attn_func():
             os.remove(tmp)
 
 
+@pytest.mark.parametrize("kind", ["bool", "bias", "softcap"])
+def test_ring_single_rank_masks_and_softcap(device, kind):
+    """world 1 on the device (no communication: this is what runs the CUDA
+    kernels on the ring's calls): the plan's chunk-sized calls read the mask's
+    columns as strided views, merged through the log-sum-exp; out, lse and the
+    gradients (a float mask's too) within the tolerance rule of the oracle."""
+    from flashattn_ext import ring
+    from flashattn_ext.tolerance import check_attention
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    b, lq, lk, hq, hk, d = 2, 64, 128, 4, 2, 64
+    q, k, v, dout = (
+        torch.randn(b, n, h, d, device=device).to(dtype) for n, h in ((lq, hq), (lk, hk), (lk, hk), (lq, hq))
+    )
+    mask, softcap = None, 0.0
+    if kind == "bool":
+        mask = torch.rand(b, 1, lq, lk, device=device) < 0.7
+        mask[1, 0, 5] = False  # a row that sees no key
+    elif kind == "bias":
+        mask = torch.randn(1, hq, lq, lk, device=device).requires_grad_()
+    else:
+        softcap = 5.0
+    tmp = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"ring_scores_{os.getpid()}")
+    dist.init_process_group("gloo", init_method=f"file://{tmp}", rank=0, world_size=1)
+    try:
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out, lse = ring.ring_attention(
+            *leaves, causal=True, balanced=True, attn_mask=mask, softcap=softcap, return_lse=True
+        )  # fmt: skip
+        wrt = leaves + ([mask] if kind == "bias" else [])
+        grads = torch.autograd.grad(out, wrt, dout)
+    finally:
+        dist.destroy_process_group()
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    comparisons = check_attention(
+        q, k, v, out, lse, dout, grads[:3], causal=True, softcap=softcap,
+        attn_mask=None if mask is None else mask.detach(), dmask=grads[3] if kind == "bias" else None,
+    )  # fmt: skip
+    bad = [c.message() for c in comparisons if not c.ok]
+    assert not bad, "; ".join(bad)
+
+
 def test_plan_covers_each_visible_pair_once():
     """ring._plan against a brute-force mask: for every (query part, key part)
     pair of every rank and step, the calls' masks tile exactly the visible
