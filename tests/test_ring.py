@@ -59,6 +59,21 @@ def results(tmp_path_factory):
     return found
 
 
+@pytest.fixture
+def group_of_one():
+    """A gloo process group of one rank in this process (no communication), torn down after."""
+    if dist.is_initialized():
+        pytest.skip("a process group already exists")
+    tmp = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"ring_group_of_one_{os.getpid()}")
+    dist.init_process_group("gloo", init_method=f"file://{tmp}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def _check(results, name, world, groups):
     got = results.get((name, world))
     assert got is not None and len(got) == groups, f"no result for {name} on {world} ranks: {sorted(results)}"
@@ -116,41 +131,32 @@ def test_torch_context_parallel_on_our_kernels(results, case, world):
         }, r["calls"]
 
 
-def test_ring_single_rank_matches_flash_attn_func():
+def test_ring_single_rank_matches_flash_attn_func(group_of_one):
     """world 1 (a group of one, no communication): the same kernels as one call,
     so the very same bits when the plan is one call (not causal)."""
     import flashattn_ext
     from flashattn_ext import ring
 
-    if dist.is_initialized():
-        pytest.skip("a process group already exists")
-    tmp = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"ring_single_{os.getpid()}")
-    dist.init_process_group("gloo", init_method=f"file://{tmp}", rank=0, world_size=1)
-    try:
-        for causal in (False, True):
-            q = torch.randn(2, 24, 4, 16, requires_grad=True)
-            k = torch.randn(2, 40, 2, 16, requires_grad=True)
-            v = torch.randn(2, 40, 2, 16, requires_grad=True)
-            out = ring.ring_attention(q, k, v, causal=causal)
-            ref = flashattn_ext.flash_attn_func(q, k, v, causal=causal)
-            dout = torch.randn_like(out)
-            grads = torch.autograd.grad(out, (q, k, v), dout)
-            ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
-            if causal:
-                torch.testing.assert_close(out, ref)
-                for g, r in zip(grads, ref_grads):
-                    torch.testing.assert_close(g, r)
-            else:
-                assert torch.equal(out, ref)
-                assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
-    finally:
-        dist.destroy_process_group()
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    for causal in (False, True):
+        q = torch.randn(2, 24, 4, 16, requires_grad=True)
+        k = torch.randn(2, 40, 2, 16, requires_grad=True)
+        v = torch.randn(2, 40, 2, 16, requires_grad=True)
+        out = ring.ring_attention(q, k, v, causal=causal)
+        ref = flashattn_ext.flash_attn_func(q, k, v, causal=causal)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+        if causal:
+            torch.testing.assert_close(out, ref)
+            for g, r in zip(grads, ref_grads):
+                torch.testing.assert_close(g, r)
+        else:
+            assert torch.equal(out, ref)
+            assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
 
 
 @pytest.mark.parametrize("kind", ["bool", "bias", "softcap"])
-def test_ring_single_rank_masks_and_softcap(device, kind):
+def test_ring_single_rank_masks_and_softcap(device, kind, group_of_one):
     """world 1 on the device (no communication: this is what runs the CUDA
     kernels on the ring's calls): the plan's chunk-sized calls read the mask's
     columns as strided views, merged through the log-sum-exp; out, lse and the
@@ -158,8 +164,6 @@ def test_ring_single_rank_masks_and_softcap(device, kind):
     from flashattn_ext import ring
     from flashattn_ext.tolerance import check_attention
 
-    if dist.is_initialized():
-        pytest.skip("a process group already exists")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     b, lq, lk, hq, hk, d = 2, 64, 128, 4, 2, 64
     q, k, v, dout = (
@@ -173,19 +177,12 @@ def test_ring_single_rank_masks_and_softcap(device, kind):
         mask = torch.randn(1, hq, lq, lk, device=device).requires_grad_()
     else:
         softcap = 5.0
-    tmp = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"ring_scores_{os.getpid()}")
-    dist.init_process_group("gloo", init_method=f"file://{tmp}", rank=0, world_size=1)
-    try:
-        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-        out, lse = ring.ring_attention(
-            *leaves, causal=True, balanced=True, attn_mask=mask, softcap=softcap, return_lse=True
-        )  # fmt: skip
-        wrt = leaves + ([mask] if kind == "bias" else [])
-        grads = torch.autograd.grad(out, wrt, dout)
-    finally:
-        dist.destroy_process_group()
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = ring.ring_attention(
+        *leaves, causal=True, balanced=True, attn_mask=mask, softcap=softcap, return_lse=True
+    )  # fmt: skip
+    wrt = leaves + ([mask] if kind == "bias" else [])
+    grads = torch.autograd.grad(out, wrt, dout)
     comparisons = check_attention(
         q, k, v, out, lse, dout, grads[:3], causal=True, softcap=softcap,
         attn_mask=None if mask is None else mask.detach(), dmask=grads[3] if kind == "bias" else None,
@@ -226,60 +223,42 @@ def test_plan_covers_each_visible_pair_once():
                     assert torch.equal(got, want.long()), (world, balanced, lq, lk, r, s, by_chunk)
 
 
-def test_backward_buffer_checks():
+def test_backward_buffer_checks(group_of_one):
     """ring_attention_backward names a buffer of the wrong shape or dtype, and an lse
     that is not the forward's (world 1: a group of one)."""
     from flashattn_ext import ring
 
-    if dist.is_initialized():
-        pytest.skip("a process group already exists")
-    tmp = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"ring_buffers_{os.getpid()}")
-    dist.init_process_group("gloo", init_method=f"file://{tmp}", rank=0, world_size=1)
-    try:
-        q, k, v = (torch.randn(1, 8, 2, 16) for _ in range(3))
-        out, lse = ring.ring_attention_forward(q, k, v, causal=True)
-        dout = torch.randn_like(out)
-        with pytest.raises(ValueError, match="dk must be a tensor of shape"):
-            ring.ring_attention_backward(dout, q, k, v, out, lse, causal=True, dk=torch.empty(1, 8, 2, 8))
-        with pytest.raises(TypeError, match="dv has dtype torch.int32"):
-            ring.ring_attention_backward(dout, q, k, v, out, lse, causal=True, dv=torch.empty(1, 8, 2, 16).int())
-        with pytest.raises(ValueError, match="lse has shape"):
-            ring.ring_attention_backward(dout, q, k, v, out, lse[..., :4], causal=True)
-        # A float64 buffer gets the float32 accumulator of these float32 inputs exactly (no rounding).
-        dq64 = torch.empty(1, 8, 2, 16, dtype=torch.float64)
-        dq, _, _ = ring.ring_attention_backward(dout, q, k, v, out, lse, causal=True, dq=dq64)
-        ref = ring.ring_attention_backward(dout, q, k, v, out, lse, causal=True)[0]
-        assert dq is dq64 and torch.equal(dq64.float(), ref)
-    finally:
-        dist.destroy_process_group()
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    q, k, v = (torch.randn(1, 8, 2, 16) for _ in range(3))
+    out, lse = ring.ring_attention_forward(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    with pytest.raises(ValueError, match="dk must be a tensor of shape"):
+        ring.ring_attention_backward(dout, q, k, v, out, lse, causal=True, dk=torch.empty(1, 8, 2, 8))
+    with pytest.raises(TypeError, match="dv has dtype torch.int32"):
+        ring.ring_attention_backward(dout, q, k, v, out, lse, causal=True, dv=torch.empty(1, 8, 2, 16).int())
+    with pytest.raises(ValueError, match="lse has shape"):
+        ring.ring_attention_backward(dout, q, k, v, out, lse[..., :4], causal=True)
+    # A float64 buffer gets the float32 accumulator of these float32 inputs exactly (no rounding).
+    dq64 = torch.empty(1, 8, 2, 16, dtype=torch.float64)
+    dq, _, _ = ring.ring_attention_backward(dout, q, k, v, out, lse, causal=True, dq=dq64)
+    ref = ring.ring_attention_backward(dout, q, k, v, out, lse, causal=True)[0]
+    assert dq is dq64 and torch.equal(dq64.float(), ref)
 
 
-def test_ring_mask_checks():
+def test_ring_mask_checks(group_of_one):
     """ring_attention names an attn_mask that is not this rank's rows against
     every key column, a mask with softcap, and a mask for packed sequences
     (world 1: a group of one)."""
     from flashattn_ext import ring
 
-    if dist.is_initialized():
-        pytest.skip("a process group already exists")
-    tmp = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"ring_masks_{os.getpid()}")
-    dist.init_process_group("gloo", init_method=f"file://{tmp}", rank=0, world_size=1)
-    try:
-        q, k, v = (torch.randn(1, 8, 2, 16) for _ in range(3))
-        with pytest.raises(ValueError, match=r"seqlen_q / world, seqlen_k\) = \(1, 2, 8, 8\).*ring.shard\(mask"):
-            ring.ring_attention(q, k, v, attn_mask=torch.ones(8, 9, dtype=torch.bool))
-        with pytest.raises(ValueError, match="cannot be combined with softcap"):
-            ring.ring_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool), softcap=2.0)
-        with pytest.raises(TypeError, match="attn_mask must be bool, float32 or the dtype of q"):
-            ring.ring_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.int32))
-        with pytest.raises(ValueError, match="softcap must be a finite number"):
-            ring.ring_attention(q, k, v, softcap=-1.0)
-        cu = torch.tensor([0, 8], dtype=torch.int32)
-        with pytest.raises(ValueError, match="packed sequences take no attn_mask"):
-            ring.ring_attention_forward(q[0], k[0], v[0], cu_seqlens=cu, attn_mask=torch.ones(8, 8, dtype=torch.bool))
-    finally:
-        dist.destroy_process_group()
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    q, k, v = (torch.randn(1, 8, 2, 16) for _ in range(3))
+    with pytest.raises(ValueError, match=r"seqlen_q / world, seqlen_k\) = \(1, 2, 8, 8\).*ring.shard\(mask"):
+        ring.ring_attention(q, k, v, attn_mask=torch.ones(8, 9, dtype=torch.bool))
+    with pytest.raises(ValueError, match="cannot be combined with softcap"):
+        ring.ring_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool), softcap=2.0)
+    with pytest.raises(TypeError, match="attn_mask must be bool, float32 or the dtype of q"):
+        ring.ring_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="softcap must be a finite number"):
+        ring.ring_attention(q, k, v, softcap=-1.0)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="packed sequences take no attn_mask"):
+        ring.ring_attention_forward(q[0], k[0], v[0], cu_seqlens=cu, attn_mask=torch.ones(8, 8, dtype=torch.bool))
