@@ -153,10 +153,40 @@ std::string dtype_name(at::ScalarType t) {
 
 bool dense_strided(const at::Tensor& t) { return t.layout() == at::kStrided && !t.is_nested(); }
 
-// Dropout: our kernels do not take it behind torch's ops yet. The one place
-// that says so: when they do, this is the hook (and the kernels below pass
-// dropout_p and torch's rng state on, _rng_outputs-style outputs become real).
-std::string dropout_refusal(double dropout_p) { return dropout_p != 0.0 ? "dropout_p > 0" : ""; }
+// Dropout behind torch's CPU flash op: that op carries no RNG state from its
+// forward to its backward, so the backward could not regenerate our keep mask
+// (torch's CPU SDPA does not route dropout to it either).
+std::string cpu_dropout_refusal(double dropout_p) { return dropout_p != 0.0 ? "dropout_p > 0" : ""; }
+
+// Dropout behind SDPA's CUDA flash op: its rng_state output carries our
+// [seed, offset] to the backward (tagged_rng_state). Outside [0, 1) torch's
+// kernel decides (and raises).
+std::string dropout_refusal(double dropout_p) {
+  return dropout_p >= 0.0 && dropout_p < 1.0 ? "" : "dropout_p outside [0, 1)";
+}
+
+// Our dropout state as SDPA's flash op returns it (uint64 (2,), [seed, offset],
+// on q's device), tagged as ours: a view of a 3-element storage, which torch's
+// kernels never make. A backward with dropout takes a state only with that tag,
+// so that one from torch's kernel (a forward ours refused: return_debug_mask)
+// goes back to torch's backward instead of regenerating the wrong mask.
+constexpr int64_t kTaggedRngElements = 3;
+
+at::Tensor tagged_rng_state(const at::Tensor& rng_state) {
+  at::Tensor tagged = at::empty({kTaggedRngElements}, rng_state.options());
+  tagged.narrow(0, 0, 2).copy_(rng_state);  // (a device copy: no host sync, graph-capturable)
+  return tagged.narrow(0, 0, 2).view(at::kUInt64);
+}
+
+// The backward's refusal for the philox_seed it is given ("" with no dropout).
+std::string rng_state_refusal(double dropout_p, const at::Tensor& philox_seed, const at::Tensor& q) {
+  if (dropout_p == 0.0) return "";
+  const bool ours = philox_seed.defined() && philox_seed.scalar_type() == at::kUInt64 && philox_seed.dim() == 1 &&
+                    philox_seed.size(0) == 2 && philox_seed.stride(0) == 1 && philox_seed.storage_offset() == 0 &&
+                    philox_seed.device() == q.device() &&
+                    philox_seed.storage().nbytes() == kTaggedRngElements * static_cast<int64_t>(sizeof(int64_t));
+  return ours ? "" : "dropout with an rng_state our forward did not make";
+}
 
 // An optional tensor from C++ callers (torch's autograd formulas) may hold an
 // undefined tensor where Python would have seen None: both are "no mask".
@@ -385,11 +415,20 @@ using BwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&,
 // (B, L, H, E) buffer) and lse (B, H, L).
 std::tuple<at::Tensor, at::Tensor> sdpa_layout_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                        const std::optional<double>& scale, bool is_causal,
-                                                       bool bottom_right) {
+                                                       bool bottom_right, double dropout_p = 0.0,
+                                                       const OptTensor& rng_state = std::nullopt) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::fwd", "").typed<FwdSig>();
   auto [out, lse] = op.call(bshd(q), bshd(k), bshd(v), scale_of(scale, q), -1, is_causal ? 0 : -1, bottom_right, 0.0,
-                            std::nullopt, std::nullopt, 0.0, std::nullopt);
+                            std::nullopt, std::nullopt, dropout_p, rng_state);
   return {out.transpose(1, 2), lse};
+}
+
+// A fresh dropout state for a call on SDPA's (B, H, L, E) q (torch's generator, as the drop-in draws it).
+at::Tensor draw_rng_state(const at::Tensor& q) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("flashattn_ext::dropout_rng_state", "")
+                       .typed<at::Tensor(const at::Tensor&, int64_t, int64_t)>();
+  return op.call(q, q.size(0), q.size(1));
 }
 
 // Our backward on SDPA's tensors: dq, dk, dv in the kernels' (B, L, H, E) buffers.
@@ -397,10 +436,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sdpa_layout_backward(const at::Te
                                                                     const at::Tensor& k, const at::Tensor& v,
                                                                     const at::Tensor& out, const at::Tensor& lse,
                                                                     const std::optional<double>& scale, bool is_causal,
-                                                                    bool bottom_right) {
+                                                                    bool bottom_right, double dropout_p = 0.0,
+                                                                    const OptTensor& rng_state = std::nullopt) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::bwd", "").typed<BwdSig>();
   return op.call(bshd(grad_out), bshd(q), bshd(k), bshd(v), bshd(out), lse.contiguous(), scale_of(scale, q), -1,
-                 is_causal ? 0 : -1, bottom_right, deterministic(), 0.0, std::nullopt, std::nullopt, 0.0, std::nullopt);
+                 is_causal ? 0 : -1, bottom_right, deterministic(), 0.0, std::nullopt, std::nullopt, dropout_p,
+                 rng_state);
 }
 
 // ----------------------------------------------------------------------------- the overrides
@@ -423,7 +464,7 @@ auto cpu_forward(std::shared_ptr<const Original> orig) {
       [orig](c10::DispatchKeySet ks, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
              double dropout_p, bool is_causal, const OptTensor& attn_mask, std::optional<double> scale) -> CpuFwdRet {
         const std::string why =
-            first_refusal([&] { return attn_mask_refusal(attn_mask); }, [&] { return dropout_refusal(dropout_p); },
+            first_refusal([&] { return attn_mask_refusal(attn_mask); }, [&] { return cpu_dropout_refusal(dropout_p); },
                           [&] { return scale_refusal(scale); }, [&] { return dense_refusal(query, key, value, 2); });
         if (!why.empty()) {
           count_refused(kCpuFwd, why);
@@ -443,7 +484,7 @@ auto cpu_backward(std::shared_ptr<const Original> orig) {
                 const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse, double dropout_p, bool is_causal,
                 const OptTensor& attn_mask, std::optional<double> scale) -> CpuBwdRet {
     const std::string why =
-        first_refusal([&] { return attn_mask_refusal(attn_mask); }, [&] { return dropout_refusal(dropout_p); },
+        first_refusal([&] { return attn_mask_refusal(attn_mask); }, [&] { return cpu_dropout_refusal(dropout_p); },
                       [&] { return scale_refusal(scale); }, [&] { return dense_refusal(query, key, value, 2); },
                       [&] { return bwd_refusal(grad_out, query, out, lse, query.sizes().slice(0, 3)); });
     if (!why.empty()) {
@@ -487,8 +528,14 @@ auto sdpa_forward(std::shared_ptr<const Original> orig) {
     count_ours(kSdpaFwd);
     // torch's kernel hands this call to FA2, whose causal is bottom-right (SDPA
     // itself only selects it for causal calls with equal lengths): the same here.
-    auto [out, lse] = sdpa_layout_forward(query, key, value, scale, is_causal, /*bottom_right=*/true);
     auto [seed, offset] = rng_outputs(query);
+    OptTensor rng_state;
+    if (dropout_p > 0.0) {
+      rng_state = draw_rng_state(query);
+      seed = tagged_rng_state(*rng_state);
+    }
+    auto [out, lse] =
+        sdpa_layout_forward(query, key, value, scale, is_causal, /*bottom_right=*/true, dropout_p, rng_state);
     at::Tensor debug = at::empty({0}, query.options());
     return {as_like(query, out),      lse,  at::Tensor(), at::Tensor(), c10::SymInt(query.size(2)),
             c10::SymInt(key.size(2)), seed, offset,       debug};
@@ -504,7 +551,8 @@ auto sdpa_backward(std::shared_ptr<const Original> orig) {
     const std::string why =
         first_refusal([&] { return dropout_refusal(dropout_p); }, [&] { return scale_refusal(scale); },
                       [&] { return dense_refusal(query, key, value, 2); },
-                      [&] { return bwd_refusal(grad_out, query, out, logsumexp, query.sizes().slice(0, 3)); });
+                      [&] { return bwd_refusal(grad_out, query, out, logsumexp, query.sizes().slice(0, 3)); },
+                      [&] { return rng_state_refusal(dropout_p, philox_seed, query); });
     if (!why.empty()) {
       count_refused(kSdpaBwd, why);
       return orig->call<SdpaBwdRet>(ks, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
@@ -512,8 +560,9 @@ auto sdpa_backward(std::shared_ptr<const Original> orig) {
                                     philox_offset, scale);
     }
     count_ours(kSdpaBwd);
-    auto [dq, dk, dv] =
-        sdpa_layout_backward(grad_out, query, key, value, out, logsumexp, scale, is_causal, /*bottom_right=*/true);
+    const OptTensor rng_state = dropout_p > 0.0 ? OptTensor(philox_seed.view(at::kLong)) : std::nullopt;
+    auto [dq, dk, dv] = sdpa_layout_backward(grad_out, query, key, value, out, logsumexp, scale, is_causal,
+                                             /*bottom_right=*/true, dropout_p, rng_state);
     return {as_like(query, dq.transpose(1, 2)), as_like(key, dk.transpose(1, 2)), as_like(value, dv.transpose(1, 2))};
   };
 }
@@ -632,6 +681,12 @@ TORCH_LIBRARY_FRAGMENT(flashattn_ext, m) {
   m.def("_backend_reset_calls() -> ()", &b::backend_reset_calls);
   // The refusal rules for backend.py's Python overrides (FA2's ops): "" when ours take the call.
   m.def("_backend_dropout_refusal(float dropout_p) -> str", &b::dropout_refusal);
+  m.def("_backend_rng_state_refusal(float dropout_p, Tensor? philox_seed, Tensor q) -> str",
+        [](double dropout_p, const std::optional<at::Tensor>& seed, const at::Tensor& q) {
+          return b::rng_state_refusal(dropout_p, seed.has_value() ? *seed : at::Tensor(), q);
+        });
+  // Our dropout state as the flash ops return it (uint64 (2,), tagged as ours).
+  m.def("_backend_tagged_rng_state(Tensor rng_state) -> Tensor", &b::tagged_rng_state);
   m.def("_backend_scale_refusal(float? scale) -> str",
         [](std::optional<double> scale) { return b::scale_refusal(scale); });
   m.def("_backend_dense_refusal(Tensor q, Tensor k, Tensor v, int seq_dim) -> str", &b::dense_refusal);

@@ -37,8 +37,9 @@ ones either way (this module calls them through ``_backend_*_refusal``).
 torch's autograd formulas, meta kernels and backend selection stay torch's:
 every output has the shape, dtype and strides torch's own kernel (and its meta
 function, which torch.compile traces with) gives. A call that reaches one of
-these ops but that our kernels cannot take (dropout, attn_mask, alibi,
-seqused_k, a debug mask, a dtype / head dim / device they do not cover) goes to
+these ops but that our kernels cannot take (attn_mask, alibi, seqused_k, a
+debug mask, dropout on the CPU op, a dtype / head dim / device they do not
+cover) goes to
 the kernel torch had registered there before (``torch.library.get_kernel``),
 exactly as without the registration; ``calls()`` counts which route each call
 took.
@@ -220,7 +221,9 @@ def _rng_outputs(q):
 # and SDPA does not reach them while ours take its flash op
 # (_scaled_dot_product_flash_attention, in C++): they serve direct callers
 # (flash_attn-style code, torch's varlen_attn) and the calls torch's SDPA flash
-# kernel makes when ours refuse (those then refuse too: dropout).
+# kernel makes when ours refuse (those then refuse too: a debug mask). With
+# dropout, the rng_state output carries our state to the backward (tagged as
+# ours: csrc/backend.cpp tagged_rng_state).
 # Written device-agnostic: tests/test_backend.py registers the same functions
 # for the CPU dispatch key (_register_flash_ops) and runs them there.
 
@@ -261,15 +264,26 @@ def _fa2_forward_refusal(query, key, value, cum_seq_q, cum_seq_k, dropout_p, ret
     )
 
 
-def _fa2_forward_run(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, window, scale):
-    """out (with query's layout) and lse of FA2's forward on our kernels."""
+def _fa2_forward_run(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, window, scale, dropout_p=0.0, rng=None):
+    """out (with query's layout) and lse of FA2's forward on our kernels (rng: our
+    dropout state, int64 (2,), with dropout_p > 0)."""
     wl, wr = window
     sc = _scale_of(scale, query)
+    p = float(dropout_p)
     q, k, v = (_ops.unit_last_stride(x) for x in (query, key, value))
     # FlashAttention-2's causal and windows are aligned bottom-right: bottom_right=True.
     if cum_seq_q is not None:
-        return _ops.varlen_fwd(q, k, v, cum_seq_q, cum_seq_k, int(max_q), int(max_k), sc, wl, wr, True)
-    return _ops.fwd_op(q, k, v, sc, wl, wr, True)
+        return _ops.varlen_fwd(
+            q, k, v, cum_seq_q, cum_seq_k, int(max_q), int(max_k), sc, wl, wr, True, 0.0, None, p, rng
+        )  # fmt: skip
+    return _ops.fwd_op(q, k, v, sc, wl, wr, True, 0.0, None, None, p, rng)
+
+
+def _draw_rng(query, cum_seq_q):
+    """A fresh dropout state for an FA2 call (batch x heads_q planes, as our kernels number them)."""
+    if cum_seq_q is not None:
+        return _cxx.dropout_rng_state(query, cum_seq_q.shape[0] - 1, query.shape[1])
+    return _cxx.dropout_rng_state(query, query.shape[0], query.shape[2])
 
 
 _FA2_FWD_ARGS = ("query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal")
@@ -292,9 +306,11 @@ def _flash_forward(orig):
             return orig.call_boxed(keyset, *args, **kwargs)
         _calls[(op, IMPL_NAME)] += 1
         query = a["query"]
+        p = float(a["dropout_p"])
+        rng = _draw_rng(query, a["cum_seq_q"]) if p > 0 else None
         out, lse = _fa2_forward_run(
             query, a["key"], a["value"], a["cum_seq_q"], a["cum_seq_k"], a["max_q"], a["max_k"], window,
-            kwargs.get("scale"),
+            kwargs.get("scale"), p, rng,
         )  # fmt: skip
         dest = kwargs.get("out")
         if dest is not None:  # newer torch: write into the caller's buffer
@@ -305,6 +321,8 @@ def _flash_forward(orig):
         if kwargs.get("compute_auxiliary", True) is False:
             return out, lse, None, None, None
         seed, offset = _rng_outputs(query)
+        if rng is not None:  # the backward regenerates our keep mask from it
+            seed = _cxx._backend_tagged_rng_state(rng)
         return out, lse, seed, offset, torch.empty(0, dtype=query.dtype, device=query.device)
 
     return op, impl
@@ -318,7 +336,7 @@ def _flash_forward_inplace(orig):
     def impl(keyset, out, *args, **kwargs):
         a = dict(zip(_FA2_FWD_ARGS, args))
         window = _window(kwargs.get("window_size_left"), kwargs.get("window_size_right"), a["is_causal"])
-        why = _fa2_forward_refusal(
+        why = ("dropout_p > 0" if float(a["dropout_p"]) != 0.0 else None) or _fa2_forward_refusal(
             a["query"], a["key"], a["value"], a["cum_seq_q"], a["cum_seq_k"], a["dropout_p"],
             a["return_debug_mask"], window, {**kwargs, "out": out},
         )  # fmt: skip
@@ -376,6 +394,7 @@ def _flash_backward(orig):
             or _scale_refusal(scale)
             or shape_why
             or _bwd_refusal(grad_out, query, out, logsumexp, lse_shape)
+            or (_cxx._backend_rng_state_refusal(float(dropout_p), rng_state, query) or None)
         )
         if why is not None:
             _calls[(op, "torch: " + why)] += 1
@@ -389,12 +408,15 @@ def _flash_backward(orig):
         sc = _scale_of(scale, query)
         go, q, k, v, o = (_ops.unit_last_stride(x) for x in (grad_out, query, key, value, out))
         lse = logsumexp.contiguous()
+        p = float(dropout_p)
+        rng = rng_state.view(torch.int64) if p > 0 else None
         if varlen:
             grads = _ops.varlen_bwd(
-                go, q, k, v, o, lse, cum_seq_q, cum_seq_k, int(max_q), int(max_k), sc, wl, wr, True, _deterministic()
-            )
+                go, q, k, v, o, lse, cum_seq_q, cum_seq_k, int(max_q), int(max_k), sc, wl, wr, True, _deterministic(),
+                0.0, None, p, rng,
+            )  # fmt: skip
         else:
-            grads = _ops.bwd(go, q, k, v, o, lse, sc, wl, wr, True, _deterministic())
+            grads = _ops.bwd(go, q, k, v, o, lse, sc, wl, wr, True, _deterministic(), 0.0, None, None, p, rng)
         return tuple(_as_like(x, g) for x, g in zip((query, key, value), grads))
 
     return op, impl

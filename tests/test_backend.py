@@ -412,6 +412,96 @@ def test_flash_attention_forward_override(flash_ops_on_cpu, window):
         )
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_flash_op_dropout(flash_ops_on_cpu, causal):
+    """Dropout behind aten._scaled_dot_product_flash_attention: our kernels draw
+    the state, return it as the op's rng_state (uint64 (2,), as torch's meta
+    function has it, tagged as ours), and its backward regenerates the same keep
+    mask from it: out and gradients within the rule of the oracle that applies
+    that mask. A state our forward did not make goes to torch's backward."""
+    p = 0.3
+    q, k, v = (randn((2, 3, 37, 16), torch.float32, "cpu").requires_grad_() for _ in range(3))
+    dout = randn((2, 3, 37, 16), torch.float32, "cpu")
+    res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, p, causal, scale=0.25)
+    out, lse, rng = res[0], res[1], res[6]
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert _ours(CUDA_OP) == 1 and _ours(CUDA_OP + "_backward") == 1, backend.calls()
+    meta = torch.ops.aten._scaled_dot_product_flash_attention(*(x.detach().to("meta") for x in (q, k, v)), p, causal)
+    for i in (6, 7):
+        assert (res[i].shape, res[i].stride(), res[i].dtype) == (meta[i].shape, meta[i].stride(), meta[i].dtype), i
+    rng_state = rng.view(torch.int64)
+    assert_all(
+        check_attention(
+            *_bshd(q, k, v),
+            out.transpose(1, 2),
+            lse,
+            dout.transpose(1, 2),
+            _bshd(*grads),
+            softmax_scale=0.25,
+            causal=causal,
+            dropout_p=p,
+            rng_state=rng_state,
+        )  # fmt: skip
+    )
+    # Dropout did drop: the same call without it differs.
+    plain = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=0.25)[0]
+    assert not torch.allclose(plain, out)
+    # A state of the right shape that our forward did not make (torch's FA2 makes
+    # such ones): refused, torch's backward (none on the CPU: it raises).
+    backend.reset_calls()
+    args = (dout, q, k, v, out, lse, None, None, 37, 37, p, causal, rng_state.clone().view(torch.uint64), res[7])
+    with pytest.raises(NotImplementedError):
+        torch.ops.aten._scaled_dot_product_flash_attention_backward(*args, scale=0.25)
+    assert _refused(CUDA_OP + "_backward") == {"torch: dropout with an rng_state our forward did not make": 1}
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_flash_attention_forward_dropout(flash_ops_on_cpu, varlen):
+    """Dropout behind aten._flash_attention_forward / _backward (FA2's ops), dense
+    and packed: the rng_state output carries our state to the backward."""
+    p, hq, hk, d = 0.25, 4, 2, 16
+    lens_q, lens_k = ([7, 19], [11, 19]) if varlen else ([23], [29])
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
+    if varlen:
+        shapes = [(sum(lens_q), hq, d), (sum(lens_k), hk, d), (sum(lens_k), hk, d)]
+    else:
+        shapes = [(1, lens_q[0], hq, d), (1, lens_k[0], hk, d), (1, lens_k[0], hk, d)]
+    q, k, v = (randn(sh, torch.float32, "cpu").requires_grad_() for sh in shapes)
+    dout = randn(shapes[0], torch.float32, "cpu")
+    cus = (cu_q, cu_k) if varlen else (None, None)
+    out, lse, seed, _, _ = torch.ops.aten._flash_attention_forward(
+        q, k, v, *cus, max(lens_q), max(lens_k), p, True, False, scale=None
+    )
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert _ours("_flash_attention_forward") == 1 and _ours("_flash_attention_backward") == 1, backend.calls()
+    assert seed.dtype == torch.uint64 and seed.shape == (2,)
+    # The kernels number a varlen call's dropout planes (sequence, head), as a dense batch's.
+    rng = seed.view(torch.int64)
+    for i in range(len(lens_q)):
+        sq, sk = (slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])) if varlen else (slice(None), slice(None))
+
+        def one(x, s):
+            return x[s].unsqueeze(0) if varlen else x
+
+        keep = torch.ops.flashattn_ext.dropout_keep_mask(rng, len(lens_q), hq, max(lens_q), max(lens_k), p)
+        assert_all(
+            check_attention(
+                one(q, sq),
+                one(k, sk),
+                one(v, sk),
+                one(out, sq),
+                lse[:, sq].unsqueeze(0) if varlen else lse,
+                one(dout, sq),
+                [one(grads[0], sq), one(grads[1], sk), one(grads[2], sk)],
+                causal=True,
+                dropout_p=p,
+                dropout_keep=keep[i : i + 1, :, : lens_q[i], : lens_k[i]],
+            ),  # fmt: skip
+            f"sequence {i}",
+        )
+
+
 def test_flash_op_override_under_compile(flash_ops_on_cpu):
     """torch.compile(fullgraph=True) of a call of aten._scaled_dot_product_flash_attention
     (what CUDA SDPA and torch's context parallelism call): traced with torch's meta
@@ -437,25 +527,43 @@ def test_flash_ops_refusals_are_torchs(flash_ops_on_cpu):
     has none for these ops, so it raises torch's "not implemented" error."""
     q = torch.randn(1, 2, 8, 16)
     with pytest.raises(NotImplementedError):
-        torch.ops.aten._scaled_dot_product_flash_attention(q, q, q, 0.1, False)
+        torch.ops.aten._scaled_dot_product_flash_attention(q, q, q, 1.0, False)
     with pytest.raises(NotImplementedError):
         torch.ops.aten._flash_attention_forward(q, q, q, None, None, 8, 8, 0.0, False, True)
-    assert _refused(CUDA_OP) == {"torch: dropout_p > 0": 1}
+    assert _refused(CUDA_OP) == {"torch: dropout_p outside [0, 1)": 1}
     assert _refused("_flash_attention_forward") == {"torch: return_debug_mask": 1}
     assert _ours(CUDA_OP) == 0
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or not flashattn_ext.build_info()["cuda"], reason="needs a GPU")
-def test_cuda_dropout_is_torchs(active):
-    """CUDA: dropout reaches torch's flash op, which ours refuse: torch's FA2 runs it."""
+def test_cuda_dropout_runs_ours(active):
+    """CUDA: SDPA with dropout reaches torch's flash op, and ours run it, forward
+    and backward; the op's rng_state output regenerates the keep mask (the
+    oracle applies it: out and gradients within the rule)."""
     q = torch.randn(2, 4, 128, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     backend.reset_calls()
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
         out = F.scaled_dot_product_attention(q, q, q, dropout_p=0.3)
     out.sum().backward()
-    assert _ours(CUDA_OP) == 0 and _refused(CUDA_OP) == {"torch: dropout_p > 0": 1}
+    assert _ours(CUDA_OP) == 1 and _ours(CUDA_OP + "_backward") == 1, backend.calls()
     assert math.isfinite(out.float().sum().item())
+    k, v = (torch.randn_like(q).requires_grad_() for _ in range(2))
+    dout = torch.randn_like(q)
+    res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.3, True)
+    grads = torch.autograd.grad(res[0], (q, k, v), dout)
+    assert_all(
+        check_attention(
+            *_bshd(q, k, v),
+            res[0].transpose(1, 2),
+            res[1],
+            dout.transpose(1, 2),
+            _bshd(*grads),
+            causal=True,
+            dropout_p=0.3,
+            rng_state=res[6].view(torch.int64),
+        )  # fmt: skip
+    )
 
 
 def test_newer_torch_forward_arguments():
@@ -644,7 +752,8 @@ def test_python_rules_are_the_cxx_ones():
     t = q.transpose(1, 2)
     assert backend._dense_refusal(t, t, t, 2) is None and backend._dense_refusal(t, q, q, 2) is not None
     assert backend._dense_refusal(q[..., :8], q, q, 1) == "key / value head dim differs from the query's"
-    assert backend._dropout_refusal(0.1) == "dropout_p > 0" and backend._dropout_refusal(0.0) is None
+    assert backend._dropout_refusal(0.1) is None and backend._dropout_refusal(0.0) is None
+    assert backend._dropout_refusal(1.0) == "dropout_p outside [0, 1)"
     assert backend._scale_refusal(float("-inf")) == "scale -inf is not finite" and backend._scale_refusal(0.5) is None
     cu = torch.tensor([0, 8], dtype=torch.int32)
     assert backend._varlen_refusal(q[0], q[0], q[0], cu, None) == "only one of cum_seq_q / cum_seq_k is given"
