@@ -522,6 +522,20 @@ def test_flash_op_override_under_compile(flash_ops_on_cpu):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
 
 
+def test_flash_op_dropout_under_compile(flash_ops_on_cpu):
+    """torch.compile of a dropout call of the flash op: the rng_state the compiled
+    forward returns reaches the compiled backward still tagged as ours, so our
+    backward takes it (torch's would regenerate another mask)."""
+
+    def attn(q, k, v):
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.3, True, scale=0.25)[0].cos()
+
+    q, k, v = (randn((2, 3, 19, 16), torch.float32, "cpu").requires_grad_() for _ in range(3))
+    out = torch.compile(attn, backend="inductor", fullgraph=True)(q, k, v)
+    torch.autograd.grad(out.sum(), (q, k, v))
+    assert _ours(CUDA_OP) == 1 and _ours(CUDA_OP + "_backward") == 1, backend.calls()
+
+
 def test_flash_ops_refusals_are_torchs(flash_ops_on_cpu):
     """A call ours refuse goes to the kernel torch had there: on the CPU torch
     has none for these ops, so it raises torch's "not implemented" error."""
