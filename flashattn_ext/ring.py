@@ -48,7 +48,10 @@ requires grad. Each rank passes its own query rows of the full mask
 (``shard(mask, dim=-2)``; a mask that broadcasts over the queries as it is)
 and every key column in the global order: the mask never travels, and each
 step reads the columns of the key part the rank holds, as a view. It applies
-on top of ``causal``. ``softcap`` is flash-attn's (Gemma 2's); the kernels
+on top of ``causal``. A float mask's gradient is this rank's: its rows of the
+mask's gradient, or, for a mask that broadcasts over the queries, the share of
+its query rows (summed over the ranks, as a replicated parameter's gradient is,
+it is the whole gradient). ``softcap`` is flash-attn's (Gemma 2's); the kernels
 take no softcap together with a mask.
 
 Not here: ALiBi (the kernels compute its distances within one call, and a

@@ -32,12 +32,15 @@ RING_CASES = [
 # its own query rows, every key column) or flash-attn's softcap. A ring case
 # plus: "bool" (B, 1, Lq, Lk, one row of batch 0 that sees no key), "keypad"
 # (B, 1, 1, Lk bool: key padding, broadcast over the queries), "bias" (1, H,
-# Lq, Lk float32, requires grad: its gradient is checked), "softcap" (30/8).
+# Lq, Lk float32, requires grad: its gradient is checked), "keybias" (B, 1, 1,
+# Lk float32 with its gradient: each rank's is its rows' share, summed over
+# the ranks as a replicated parameter's gradient is), "softcap" (30/8).
 SCORE_CASES = [
     ("mask-bool-causal-bf16", torch.bfloat16, 2, 4, 2, 64, 64, 32, True, True, "bool"),
     ("mask-keypad-causal-fp32", torch.float32, 2, 2, 2, 64, 64, 16, True, True, "keypad"),
     ("bias-grad-unequal-fp32", torch.float32, 1, 2, 2, 48, 80, 24, False, False, "bias"),
     ("bias-grad-prefill-bf16", torch.bfloat16, 1, 4, 1, 32, 64, 32, True, True, "bias"),
+    ("keybias-grad-causal-fp32", torch.float32, 2, 2, 2, 32, 32, 16, True, True, "keybias"),
     ("softcap-causal-gqa-bf16", torch.bfloat16, 2, 4, 2, 64, 64, 32, True, True, "softcap"),
 ]
 
@@ -135,6 +138,8 @@ def _score_inputs(score, seed, b, hq, lq, lk):
         return mask, 0.0
     if score == "bias":
         return torch.randn((1, hq, lq, lk), generator=gen), 0.0
+    if score == "keybias":
+        return torch.randn((b, 1, 1, lk), generator=gen), 0.0
     return None, 30.0 / 8
 
 
@@ -146,7 +151,7 @@ def _score_case(case, seed, group, world, check):
     name, dtype, b, hq, hk, lq, lk, d, causal, balanced, score = case
     q, k, v, dout = _inputs(seed, [(b, lq, hq, d), (b, lk, hk, d), (b, lk, hk, d), (b, lq, hq, d)], dtype)
     mask, softcap = _score_inputs(score, seed, b, hq, lq, lk)
-    mask_grad = score == "bias"
+    mask_grad = score in ("bias", "keybias")
     local = [ring.shard(x, group, balanced=balanced).requires_grad_(i < 3) for i, x in enumerate((q, k, v, dout))]
     leaves = local[:3]
     local_mask = None
@@ -164,8 +169,11 @@ def _score_case(case, seed, group, world, check):
     full["lse"] = ring.unshard(lse, group, balanced=balanced, dim=2)
     for key, g in zip(("dq", "dk", "dv"), grads):
         full[key] = ring.unshard(g, group, balanced=balanced)
-    if mask_grad:
+    if mask_grad and local_mask.shape[-2] != 1:
         full["dmask"] = ring.unshard(grads[3], group, balanced=balanced, dim=-2)
+    elif mask_grad:  # a mask every rank holds whole: the ranks' shares summed
+        full["dmask"] = grads[3].clone()
+        dist.all_reduce(full["dmask"], group=group)
     if not check:
         return None
     # The single-process call: the differentiable op with the full mask.
