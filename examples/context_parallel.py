@@ -7,6 +7,7 @@
     torchrun --nproc-per-node 1 examples/context_parallel.py                  # the single-GPU baseline
     torchrun --nproc-per-node 4 examples/context_parallel.py --device cpu --impl ring --seqlen 2048 --heads 4 --head-dim 64 --check
     torchrun --nproc-per-node 2 examples/context_parallel.py --impl ring --overlap-report   # how much comm the overlap hides
+    python examples/context_parallel.py --threads 4 --overlap-report   # 4 ranks as threads on one GPU
 
 Two ways, one set of kernels:
 
@@ -28,6 +29,14 @@ of the same seed), times ``--iters`` forward+backward steps and prints the
 per-rank TFLOP/s; ``--check`` (small sizes) also gathers the result and holds
 it to flashattn_ext.tolerance's rule against the oracle and compares it with
 the single-device call.
+
+``--threads N`` (no torchrun) runs the ring's N ranks as threads of one
+process on one device (``ring.ThreadGroup``): each rank computes on its own
+CUDA stream and issues its transfers, copies into the next rank's buffers, on a
+side stream. With ``--overlap-report`` it measures on one GPU how much of the
+transfer time the ring's schedule hides; the ranks share the GPU's SMs and the
+copies run at the GPU's memory bandwidth, not a link's, so it tests the
+schedule, not a multi-GPU run's scaling.
 """
 
 import argparse
@@ -68,6 +77,7 @@ def parse():
     p.add_argument("--check", action="store_true", help="gather and check against the oracle (small sizes)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="rank 0 writes its numbers here")
+    p.add_argument("--threads", type=int, default=0, help="the ring's N ranks as threads of this process, one device")
     p.add_argument(
         "--overlap-report",
         action="store_true",
@@ -126,26 +136,28 @@ def step_torch(args, mesh, q, k, v, dout, causal):
     return out.detach().transpose(1, 2), [x.grad.transpose(1, 2) for x in (qb, kb, vb)]
 
 
-def overlap_report(median_time, run, overlapped_s, q, k, v, causal, rank):
+def ring_transfers(group, q, k, v, causal):
+    """A rank's transfers of one ring step, alone: the forward's and the backward's
+    K/V parts, the backward's float32 dK/dV accumulators."""
+    r = ring._Ring(group, q.shape[1], k.shape[1], causal, causal)
+    k, v = k.contiguous(), v.contiguous()
+    dk, dv = torch.zeros(k.shape, dtype=torch.float32, device=k.device), torch.zeros_like(k, dtype=torch.float32)
+    for tensors, tag, count in (([k, v], 0, r.world - 1), ([k, v], 1, r.world - 1), ([dk, dv], 2, r.world)):
+        for _ in range(count):
+            reqs, _ = r.exchange(tensors, tag)
+            ring._wait(reqs)
+
+
+def overlap_report(median_time, run, overlapped_s, transfers):
     """How much of the ring's communication the overlap hides: the step with each
     transfer completed before the compute after it (ring._Ring.overlap = False), and
-    the same transfers alone (the forward's and the backward's K/V parts, the
-    backward's float32 dK/dV accumulators). hidden = (serial - overlapped) / comm."""
+    the same transfers alone (transfers(): ring_transfers on every rank).
+    hidden = (serial - overlapped) / comm."""
     ring._Ring.overlap = False
     try:
         serial_s, _ = median_time(run)
     finally:
         ring._Ring.overlap = True
-    r = ring._Ring(None, q.shape[1], k.shape[1], causal, causal)
-    k, v = k.contiguous(), v.contiguous()
-    dk, dv = torch.zeros(k.shape, dtype=torch.float32, device=k.device), torch.zeros_like(k, dtype=torch.float32)
-
-    def transfers():
-        for tensors, tag, count in (([k, v], 0, r.world - 1), ([k, v], 1, r.world - 1), ([dk, dv], 2, r.world)):
-            for _ in range(count):
-                reqs, _ = r.exchange(tensors, tag)
-                ring._wait(reqs)
-
     comm_s, _ = median_time(transfers)
     hidden = (serial_s - overlapped_s) / comm_s if comm_s > 0 else float("nan")
     return dict(
@@ -162,8 +174,74 @@ def flops(args, causal):
     return f * 3.5  # forward + backward (2.5x)
 
 
+def main_threads(args):
+    """--threads N: the ring's ranks as threads of this process, on one device."""
+    causal = not args.no_causal
+    device = torch.device(args.device)
+    world = args.threads
+    tg = ring.ThreadGroup(world)
+    parts = [local_inputs(args, device, r, world, balanced=causal) for r in range(world)] if not args.check else None
+    if args.check:  # shard() needs the rank's thread: cut the full tensors there
+        full = global_inputs(args, device)
+        parts = tg.run(lambda r: [ring.shard(x, tg, balanced=causal) for x in full])
+
+    def step(rank):  # the two passes apart: autograd would run every rank's CUDA backward on one thread
+        q, k, v, dout = parts[rank]
+        out, lse = ring.ring_attention_forward(q, k, v, causal=causal, group=tg)
+        return out, ring.ring_attention_backward(dout, q, k, v, out, lse, causal=causal, group=tg)
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def median_time(fn):
+        for _ in range(args.warmup):
+            fn()
+        sync()
+        times = []
+        for _ in range(args.iters):
+            t0 = time.perf_counter()
+            result = fn()
+            sync()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2], result
+
+    med, results = median_time(lambda: tg.run(step, device=device))
+    res = dict(
+        impl="ring-threads", world=world, device=str(device), seqlen=args.seqlen, seqlen_q=args.seqlen_q or args.seqlen,
+        heads=args.heads, kv_heads=args.kv_heads or args.heads, head_dim=args.head_dim, dtype=args.dtype,
+        causal=causal, median_s=med, tflops_all_ranks=flops(args, causal) / med / 1e12,
+    )  # fmt: skip
+    if args.overlap_report:
+        res["overlap"] = overlap_report(
+            median_time, lambda: tg.run(step, device=device), med,
+            lambda: tg.run(lambda r: ring_transfers(tg, *parts[r][:3], causal), device=device),
+        )  # fmt: skip
+    if args.check:
+        from flashattn_ext.tolerance import check_attention
+
+        outs = tg.run(lambda r: [ring.unshard(x, tg, balanced=causal) for x in (results[r][0], *results[r][1])])
+        qf, kf, vf, df = full
+        comps = check_attention(qf, kf, vf, outs[0][0], None, df, outs[0][1:], causal=causal)
+        res["check"] = {c.name: c.message() for c in comps}
+        res["check_ok"] = all(c.ok for c in comps)
+    print(
+        f"ring x{world} threads {device.type} {args.dtype} b{args.batch} h{args.heads} d{args.head_dim} "
+        f"q{res['seqlen_q']} k{args.seqlen} {'causal' if causal else 'full'}: fwd+bwd {med * 1e3:.2f} ms, "
+        f"{res['tflops_all_ranks']:.3g} TFLOP/s all ranks"
+    )
+    for key in ("check", "overlap"):
+        if key in res:
+            print(f"  {key}: {res[key]}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    if args.check and not res["check_ok"]:
+        sys.exit(1)
+
+
 def main():
     args = parse()
+    if args.threads:
+        return main_threads(args)
     causal = not args.no_causal
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -207,7 +285,7 @@ def main():
     if args.overlap_report:
         if args.impl != "ring" or world == 1:
             sys.exit("--overlap-report: --impl ring on 2 or more ranks")
-        overlap = overlap_report(median_time, run, med, q, k, v, causal, rank)
+        overlap = overlap_report(median_time, run, med, lambda: ring_transfers(None, q, k, v, causal))
     tflops = flops(args, causal) / world / med / 1e12
     res = dict(
         impl=args.impl, world=world, device=str(device), seqlen=args.seqlen, seqlen_q=args.seqlen_q or args.seqlen,

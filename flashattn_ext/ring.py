@@ -64,7 +64,9 @@ context parallelism does).
 
 from __future__ import annotations
 
+import collections
 import math
+import threading
 
 import torch
 import torch.distributed as dist
@@ -72,7 +74,7 @@ import torch.distributed as dist
 from . import _ops
 
 __all__ = ["ring_attention", "ring_attention_varlen", "ring_attention_forward", "ring_attention_backward"]
-__all__ += ["shard", "unshard", "shard_varlen", "unshard_varlen", "chunk_ids"]
+__all__ += ["shard", "unshard", "shard_varlen", "unshard_varlen", "chunk_ids", "ThreadGroup"]
 
 
 # ----------------------------------------------------------------------------- layout
@@ -89,8 +91,152 @@ def _n_chunks(world, balanced):
 
 
 def _group_info(group):
+    if isinstance(group, ThreadGroup):
+        return group, group.rank, group.world
     group = group if group is not None else dist.group.WORLD
     return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+class ThreadGroup:
+    """Ranks of one process, a thread each, in place of a torch.distributed group
+    (pass it as ``group``): the ring's transfers become copies into the next
+    rank's buffers, issued on the sending rank's side stream on CUDA, so that one
+    GPU shows how much of the transfer time the ring's overlap hides (examples/
+    context_parallel.py --threads), and a test runs the ring without processes.
+    Every rank's thread runs on its own CUDA stream.
+
+        tg = ring.ThreadGroup(4)
+        outs = tg.run(lambda rank: ring.ring_attention(q[rank], k[rank], v[rank], group=tg))
+
+    shard / unshard / the ring functions take it; nothing else of
+    torch.distributed does. On CUDA, use ring_attention_forward / _backward:
+    autograd runs a CUDA backward on a thread of its own for the device, one
+    for every caller, where the ranks would wait for each other (it raises)."""
+
+    def __init__(self, world: int):
+        if world < 1:
+            raise ValueError(f"flashattn_ext.ring.ThreadGroup: world must be >= 1, got {world}")
+        self.world = world
+        self._local = threading.local()
+        self._cond = threading.Condition()
+        self._posted = {}
+        self._arrived = 0
+        self._generation = 0
+        self._side = None  # per rank, the CUDA stream its transfers are issued on
+
+    @property
+    def rank(self) -> int:
+        rank = getattr(self._local, "rank", None)
+        if rank is None:
+            raise RuntimeError("flashattn_ext.ring.ThreadGroup: called outside the threads of its run()")
+        return rank
+
+    def run(self, fn, *, device=None) -> list:
+        """fn(rank) on a thread per rank (each with its own CUDA stream when
+        device is a CUDA device); returns the results in rank order, or raises
+        the first rank's exception."""
+        results, errors = [None] * self.world, [None] * self.world
+        streams = None
+        if device is not None and torch.device(device).type == "cuda":
+            streams = [torch.cuda.Stream(device=device) for _ in range(self.world)]
+
+        self._side = [torch.cuda.Stream(device=device) for _ in range(self.world)] if streams else None
+
+        def body(rank):
+            self._local.rank = rank
+            try:
+                if streams:  # (after what the caller queued on the device's current stream: the inputs)
+                    streams[rank].wait_stream(torch.cuda.current_stream(device))
+                    with torch.cuda.stream(streams[rank]):
+                        results[rank] = fn(rank)
+                    torch.cuda.current_stream(device).wait_stream(streams[rank])
+                else:
+                    results[rank] = fn(rank)
+            except BaseException as exc:  # noqa: BLE001  (re-raised in the caller's thread)
+                errors[rank] = exc
+                with self._cond:
+                    self._posted["failed"] = exc
+                    self._cond.notify_all()
+
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(self.world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self._posted.clear()
+        for exc in errors:
+            if exc is not None:
+                raise exc
+        return results
+
+    def _post(self, key, value):
+        with self._cond:
+            self._posted[key] = value
+            self._cond.notify_all()
+
+    def _take(self, key, pop=True):
+        with self._cond:
+            self._cond.wait_for(lambda: key in self._posted or "failed" in self._posted)
+            if key not in self._posted:
+                raise RuntimeError("flashattn_ext.ring.ThreadGroup: another rank failed") from self._posted["failed"]
+            return self._posted.pop(key) if pop else self._posted[key]
+
+    def _barrier(self):
+        with self._cond:
+            generation = self._generation
+            self._arrived += 1
+            if self._arrived == self.world:
+                self._arrived, self._generation = 0, generation + 1
+                self._cond.notify_all()
+            else:
+                self._cond.wait_for(lambda: self._generation != generation or "failed" in self._posted)
+
+    def exchange(self, ring, tensors, tag, seq):
+        """The ring's send to ring.next and receive from ring.prev: returns
+        (requests, buffers) as _Ring.exchange does."""
+        if getattr(self._local, "rank", None) != ring.rank:
+            raise RuntimeError(
+                "flashattn_ext.ring.ThreadGroup: a transfer outside its rank's thread (on CUDA, autograd runs the "
+                "backward on a thread of its own): call ring_attention_forward / ring_attention_backward"
+            )
+        bufs = [torch.empty_like(t) for t in tensors]
+        self._post(("bufs", ring.rank, tag, seq), bufs)  # where the previous rank's copies land
+        dest = self._take(("bufs", ring.next, tag, seq))
+        side = self._side[ring.rank] if self._side else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(side.device))
+            with torch.cuda.stream(side):
+                for d, t in zip(dest, tensors):
+                    d.copy_(t, non_blocking=True)
+                    d.record_stream(side)
+                    t.record_stream(side)
+            done = torch.cuda.Event()
+            done.record(side)
+        else:
+            for d, t in zip(dest, tensors):
+                d.copy_(t)
+            done = None
+        self._post(("done", ring.next, tag, seq), done)
+        return [_ThreadRequest(self, ("done", ring.rank, tag, seq))], bufs
+
+    def all_gather(self, x):
+        """Every rank's x, in rank order (unshard's gather)."""
+        seq = self._local.gathers = getattr(self._local, "gathers", 0) + 1
+        self._post(("gather", self.rank, seq), x)
+        parts = [self._take(("gather", r, seq), pop=False) for r in range(self.world)]
+        self._barrier()  # every rank has read every part
+        self._posted.pop(("gather", self.rank, seq), None)
+        return parts
+
+
+class _ThreadRequest:
+    def __init__(self, group, key):
+        self.group, self.key = group, key
+
+    def wait(self):
+        done = self.group._take(self.key)
+        if done is not None:  # the receiving rank's stream waits for the copy
+            torch.cuda.current_stream().wait_event(done)
 
 
 def shard(x: torch.Tensor, group=None, *, balanced: bool = True, dim: int = 1) -> torch.Tensor:
@@ -109,14 +255,21 @@ def shard(x: torch.Tensor, group=None, *, balanced: bool = True, dim: int = 1) -
 def unshard(x: torch.Tensor, group=None, *, balanced: bool = True, dim: int = 1) -> torch.Tensor:
     """The full tensor from every rank's part (all_gather, then the chunks put back in order)."""
     group, _, world = _group_info(group)
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    parts = _all_gather(x.contiguous(), group, world)
     per = len(chunk_ids(0, world, balanced))
     chunks = [None] * _n_chunks(world, balanced)
     for r, part in enumerate(parts):
         for c, piece in zip(chunk_ids(r, world, balanced), part.chunk(per, dim=dim)):
             chunks[c] = piece
     return torch.cat(chunks, dim=dim)
+
+
+def _all_gather(x, group, world):
+    if isinstance(group, ThreadGroup):
+        return group.all_gather(x)
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x, group=group)
+    return parts
 
 
 def _positions(rank, world, balanced, local_len, offset):
@@ -198,16 +351,24 @@ class _Ring:
 
     def _peers(self, group):
         self.group, self.rank, self.world = _group_info(group)
+        if isinstance(self.group, ThreadGroup):
+            self.next, self.prev = (self.rank + 1) % self.world, (self.rank - 1) % self.world
+            self._sent = collections.Counter()  # transfers per tag: a ThreadGroup matches them by number
+            return
         self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.world)
         self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.world)
 
     def exchange(self, tensors, tag):
         """Send tensors to the next rank, receive the same shapes from the previous
         one; returns (requests, received buffers)."""
-        bufs = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in tensors]
-        ops += [dist.P2POp(dist.irecv, b, self.prev, self.group, tag) for b in bufs]
-        reqs = dist.batch_isend_irecv(ops)
+        if isinstance(self.group, ThreadGroup):
+            self._sent[tag] += 1
+            reqs, bufs = self.group.exchange(self, tensors, tag, self._sent[tag])
+        else:
+            bufs = [torch.empty_like(t) for t in tensors]
+            ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in tensors]
+            ops += [dist.P2POp(dist.irecv, b, self.prev, self.group, tag) for b in bufs]
+            reqs = dist.batch_isend_irecv(ops)
         if not self.overlap:
             _wait(reqs)
             reqs = []  # done (a second wait on a finished gloo request does not return)
@@ -514,8 +675,7 @@ def unshard_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, group=None, *, bal
     the packed dimension of x (1 for a (heads, total) log-sum-exp)."""
     group, _, world = _group_info(group)
     lengths, n = _varlen_layout(cu_seqlens, world, balanced, "unshard_varlen")
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    parts = _all_gather(x.contiguous(), group, world)
     sizes = [length // n for length in lengths]
     chunks = {}  # (sequence, chunk id) -> rows
     for r, part in enumerate(parts):

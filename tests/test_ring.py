@@ -191,6 +191,44 @@ def test_ring_single_rank_masks_and_softcap(device, kind, group_of_one):
     assert not bad, "; ".join(bad)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_thread_group_ring(device, world):
+    """ring.ThreadGroup: the ranks as threads of this process (the one-GPU overlap
+    measurement's transport; on CUDA its transfers are copies on side streams):
+    the two passes apart (what a CUDA run must call), causal with q shorter than
+    k, within the rule of the oracle; on the CPU also through autograd, the same
+    bits as the two passes."""
+    from flashattn_ext import ring
+    from flashattn_ext.tolerance import check_attention
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    b, lq, lk, hq, hk, d = 2, 12 * world, 24 * world, 4, 2, 32
+    q, k, v, dout = (
+        torch.randn(b, n, h, d, device=device).to(dtype) for n, h in ((lq, hq), (lk, hk), (lk, hk), (lq, hq))
+    )
+    tg = ring.ThreadGroup(world)
+
+    def step(rank):
+        loc = [ring.shard(x, tg) for x in (q, k, v, dout)]
+        out, lse = ring.ring_attention_forward(*loc[:3], causal=True, group=tg)
+        grads = ring.ring_attention_backward(loc[3], *loc[:3], out, lse, causal=True, group=tg)
+        res = [out, lse, *grads]
+        if device == "cpu":
+            leaves = [x.clone().requires_grad_() for x in loc[:3]]
+            out2, lse2 = ring.ring_attention(*leaves, causal=True, group=tg, return_lse=True)
+            res += [out2.detach(), lse2, *torch.autograd.grad(out2, leaves, loc[3])]
+        return [ring.unshard(x, tg, dim=2 if x.dim() == 3 else 1) for x in res]
+
+    full = tg.run(step, device=device)[0]
+    out, lse, dq, dk, dv = full[:5]
+    bad = [c.message() for c in check_attention(q, k, v, out, lse, dout, [dq, dk, dv], causal=True) if not c.ok]
+    assert not bad, "; ".join(bad)
+    if device == "cpu":
+        assert all(torch.equal(a, b) for a, b in zip(full[:5], full[5:]))
+    with pytest.raises(RuntimeError, match="outside the threads of its run"):
+        ring.shard(q, tg)
+
+
 def test_plan_covers_each_visible_pair_once():
     """ring._plan against a brute-force mask: for every (query part, key part)
     pair of every rank and step, the calls' masks tile exactly the visible
