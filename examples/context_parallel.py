@@ -174,6 +174,23 @@ def flops(args, causal):
     return f * 3.5  # forward + backward (2.5x)
 
 
+def median_time_of(fn, args, device, barrier):
+    """(median seconds of --iters calls of fn after --warmup, the last result); barrier()
+    lines the ranks up before the timed calls."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(args.warmup):
+        fn()
+    sync()
+    barrier()
+    times = []
+    for _ in range(args.iters):
+        t0 = time.perf_counter()
+        result = fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2], result
+
+
 def main_threads(args):
     """--threads N: the ring's ranks as threads of this process, on one device."""
     causal = not args.no_causal
@@ -190,19 +207,8 @@ def main_threads(args):
         out, lse = ring.ring_attention_forward(q, k, v, causal=causal, group=tg)
         return out, ring.ring_attention_backward(dout, q, k, v, out, lse, causal=causal, group=tg)
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
     def median_time(fn):
-        for _ in range(args.warmup):
-            fn()
-        sync()
-        times = []
-        for _ in range(args.iters):
-            t0 = time.perf_counter()
-            result = fn()
-            sync()
-            times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2], result
+        return median_time_of(fn, args, device, barrier=lambda: None)
 
     med, results = median_time(lambda: tg.run(step, device=device))
     res = dict(
@@ -265,20 +271,8 @@ def main():
         run = lambda: step_ring(args, q, k, v, dout, causal)  # noqa: E731
     balanced = causal
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
     def median_time(fn):
-        for _ in range(args.warmup):
-            fn()
-        sync()
-        dist.barrier()
-        times = []
-        for _ in range(args.iters):
-            t0 = time.perf_counter()
-            result = fn()
-            sync()
-            times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2], result
+        return median_time_of(fn, args, device, barrier=dist.barrier)
 
     med, (out, grads) = median_time(run)
     overlap = None
