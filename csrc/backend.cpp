@@ -190,8 +190,25 @@ std::string rng_state_refusal(double dropout_p, const at::Tensor& philox_seed, c
 
 // An optional tensor from C++ callers (torch's autograd formulas) may hold an
 // undefined tensor where Python would have seen None: both are "no mask".
-std::string attn_mask_refusal(const OptTensor& attn_mask) {
-  return attn_mask.has_value() && attn_mask->defined() ? "attn_mask is given" : "";
+bool has_mask(const OptTensor& attn_mask) { return attn_mask.has_value() && attn_mask->defined(); }
+
+// The CPU flash op's attn_mask (SDPA hands it a bool mask converted to q's
+// dtype, -inf where hidden): our kernels take what torch's kernel takes, a mask
+// of q's dtype with 2 or 4 dimensions that broadcasts to (B, H, L, S); anything
+// else goes to torch's kernel, which raises its own error.
+std::string cpu_attn_mask_refusal(const OptTensor& attn_mask, const at::Tensor& q, const at::Tensor& k) {
+  if (!has_mask(attn_mask)) return "";
+  const at::Tensor& m = *attn_mask;
+  if (!dense_strided(m) || m.scalar_type() != q.scalar_type() || m.device() != q.device())
+    return "attn_mask is not a dense tensor of the query's dtype and device";
+  if (m.dim() != 2 && m.dim() != 4) return "attn_mask has neither 2 nor 4 dimensions";
+  if (q.dim() != 4 || k.dim() != 4) return "";                           // (the shape rules name it)
+  const int64_t full[4] = {q.size(0), q.size(1), q.size(2), k.size(2)};  // (B, H, L, S)
+  for (int64_t d = 0; d < m.dim(); ++d) {
+    const int64_t size = m.size(d), want = full[4 - m.dim() + d];
+    if (size != want && size != 1) return "attn_mask does not broadcast to (batch, heads, seqlen_q, seqlen_k)";
+  }
+  return "";
 }
 
 std::string scale_refusal(const std::optional<double>& scale) {
@@ -416,10 +433,11 @@ using BwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&,
 std::tuple<at::Tensor, at::Tensor> sdpa_layout_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                        const std::optional<double>& scale, bool is_causal,
                                                        bool bottom_right, double dropout_p = 0.0,
-                                                       const OptTensor& rng_state = std::nullopt) {
+                                                       const OptTensor& rng_state = std::nullopt,
+                                                       const OptTensor& attn_mask = std::nullopt) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::fwd", "").typed<FwdSig>();
   auto [out, lse] = op.call(bshd(q), bshd(k), bshd(v), scale_of(scale, q), -1, is_causal ? 0 : -1, bottom_right, 0.0,
-                            std::nullopt, std::nullopt, dropout_p, rng_state);
+                            std::nullopt, has_mask(attn_mask) ? attn_mask : std::nullopt, dropout_p, rng_state);
   return {out.transpose(1, 2), lse};
 }
 
@@ -432,16 +450,14 @@ at::Tensor draw_rng_state(const at::Tensor& q) {
 }
 
 // Our backward on SDPA's tensors: dq, dk, dv in the kernels' (B, L, H, E) buffers.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> sdpa_layout_backward(const at::Tensor& grad_out, const at::Tensor& q,
-                                                                    const at::Tensor& k, const at::Tensor& v,
-                                                                    const at::Tensor& out, const at::Tensor& lse,
-                                                                    const std::optional<double>& scale, bool is_causal,
-                                                                    bool bottom_right, double dropout_p = 0.0,
-                                                                    const OptTensor& rng_state = std::nullopt) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sdpa_layout_backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const std::optional<double>& scale, bool is_causal, bool bottom_right,
+    double dropout_p = 0.0, const OptTensor& rng_state = std::nullopt, const OptTensor& attn_mask = std::nullopt) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::bwd", "").typed<BwdSig>();
   return op.call(bshd(grad_out), bshd(q), bshd(k), bshd(v), bshd(out), lse.contiguous(), scale_of(scale, q), -1,
-                 is_causal ? 0 : -1, bottom_right, deterministic(), 0.0, std::nullopt, std::nullopt, dropout_p,
-                 rng_state);
+                 is_causal ? 0 : -1, bottom_right, deterministic(), 0.0, std::nullopt,
+                 has_mask(attn_mask) ? attn_mask : std::nullopt, dropout_p, rng_state);
 }
 
 // ----------------------------------------------------------------------------- the overrides
@@ -460,40 +476,44 @@ using SdpaBwdRet = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
 // torch's CPU flash op (top-left causal: query i sees keys 0..i).
 auto cpu_forward(std::shared_ptr<const Original> orig) {
-  return
-      [orig](c10::DispatchKeySet ks, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-             double dropout_p, bool is_causal, const OptTensor& attn_mask, std::optional<double> scale) -> CpuFwdRet {
-        const std::string why =
-            first_refusal([&] { return attn_mask_refusal(attn_mask); }, [&] { return cpu_dropout_refusal(dropout_p); },
-                          [&] { return scale_refusal(scale); }, [&] { return dense_refusal(query, key, value, 2); });
-        if (!why.empty()) {
-          count_refused(kCpuFwd, why);
-          return orig->call<CpuFwdRet>(ks, query, key, value, dropout_p, is_causal, attn_mask, scale);
-        }
-        count_ours(kCpuFwd);
-        auto [out, lse] = sdpa_layout_forward(query, key, value, scale, is_causal, /*bottom_right=*/false);
-        // torch's CPU kernel (and its meta function) return lse as a (B, L, H) buffer seen as (B, H, L).
-        at::Tensor lse_t = at::empty_permuted(lse.sizes(), {0, 2, 1}, lse.options());
-        lse_t.copy_(lse);
-        return {as_like(query, out), lse_t};
-      };
+  return [orig](c10::DispatchKeySet ks, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                double dropout_p, bool is_causal, const OptTensor& attn_mask,
+                std::optional<double> scale) -> CpuFwdRet {
+    const std::string why = first_refusal(
+        [&] { return cpu_attn_mask_refusal(attn_mask, query, key); }, [&] { return cpu_dropout_refusal(dropout_p); },
+        [&] { return scale_refusal(scale); }, [&] { return dense_refusal(query, key, value, 2); });
+    if (!why.empty()) {
+      count_refused(kCpuFwd, why);
+      return orig->call<CpuFwdRet>(ks, query, key, value, dropout_p, is_causal, attn_mask, scale);
+    }
+    count_ours(kCpuFwd);
+    auto [out, lse] =
+        sdpa_layout_forward(query, key, value, scale, is_causal, /*bottom_right=*/false, 0.0, std::nullopt, attn_mask);
+    // torch's CPU kernel (and its meta function) return lse as a (B, L, H) buffer seen as (B, H, L).
+    at::Tensor lse_t = at::empty_permuted(lse.sizes(), {0, 2, 1}, lse.options());
+    lse_t.copy_(lse);
+    // A row the mask hides whole: torch's kernel returns lse 0 there (ours -inf;
+    // our backward reads either the same way: every score of the row is -inf).
+    if (has_mask(attn_mask)) lse_t.masked_fill_(lse_t.isneginf(), 0.0);
+    return {as_like(query, out), lse_t};
+  };
 }
 
 auto cpu_backward(std::shared_ptr<const Original> orig) {
   return [orig](c10::DispatchKeySet ks, const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
                 const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse, double dropout_p, bool is_causal,
                 const OptTensor& attn_mask, std::optional<double> scale) -> CpuBwdRet {
-    const std::string why =
-        first_refusal([&] { return attn_mask_refusal(attn_mask); }, [&] { return cpu_dropout_refusal(dropout_p); },
-                      [&] { return scale_refusal(scale); }, [&] { return dense_refusal(query, key, value, 2); },
-                      [&] { return bwd_refusal(grad_out, query, out, lse, query.sizes().slice(0, 3)); });
+    const std::string why = first_refusal(
+        [&] { return cpu_attn_mask_refusal(attn_mask, query, key); }, [&] { return cpu_dropout_refusal(dropout_p); },
+        [&] { return scale_refusal(scale); }, [&] { return dense_refusal(query, key, value, 2); },
+        [&] { return bwd_refusal(grad_out, query, out, lse, query.sizes().slice(0, 3)); });
     if (!why.empty()) {
       count_refused(kCpuBwd, why);
       return orig->call<CpuBwdRet>(ks, grad_out, query, key, value, out, lse, dropout_p, is_causal, attn_mask, scale);
     }
     count_ours(kCpuBwd);
-    auto [dq, dk, dv] =
-        sdpa_layout_backward(grad_out, query, key, value, out, lse, scale, is_causal, /*bottom_right=*/false);
+    auto [dq, dk, dv] = sdpa_layout_backward(grad_out, query, key, value, out, lse, scale, is_causal,
+                                             /*bottom_right=*/false, 0.0, std::nullopt, attn_mask);
     // torch's CPU backward returns (B, L, H, E) buffers seen as (B, H, L, E): ours
     // are such buffers when contiguous (a strided head_dim was copied, so they
     // are); otherwise copied into one.

@@ -37,10 +37,9 @@ ones either way (this module calls them through ``_backend_*_refusal``).
 torch's autograd formulas, meta kernels and backend selection stay torch's:
 every output has the shape, dtype and strides torch's own kernel (and its meta
 function, which torch.compile traces with) gives. A call that reaches one of
-these ops but that our kernels cannot take (attn_mask, alibi, seqused_k, a
-debug mask, dropout on the CPU op, a dtype / head dim / device they do not
-cover) goes to
-the kernel torch had registered there before (``torch.library.get_kernel``),
+these ops but that our kernels cannot take (alibi, seqused_k, a debug mask,
+dropout on the CPU op, a mask torch's CPU kernel rejects, a dtype / head dim /
+device they do not cover) goes to the kernel torch had registered there before (``torch.library.get_kernel``),
 exactly as without the registration; ``calls()`` counts which route each call
 took.
 

@@ -138,13 +138,9 @@ def test_outputs_have_torchs_layout(layout, dtype):
 
 
 def test_refused_calls_are_torchs(active):
-    """Calls our kernels cannot take (a mask, a head dim above 256) run torch's
-    kernel: bitwise its answer, forward and backward, and counted as refused."""
-    cases = {
-        "bool mask": dict(d=32, attn_mask=torch.rand(13, 21) > 0.3),
-        "float mask": dict(d=32, attn_mask=torch.randn(2, 1, 13, 21)),
-        "head dim 264": dict(d=264),
-    }
+    """Calls our kernels cannot take (a head dim above 256) run torch's kernel:
+    bitwise its answer, forward and backward, and counted as refused."""
+    cases = {"head dim 264": dict(d=264)}
     for name, case in cases.items():
         q = torch.randn(2, 2, 13, case["d"], requires_grad=True)
         k = torch.randn(2, 2, 21, case["d"], requires_grad=True)
@@ -168,6 +164,96 @@ def test_refused_calls_are_torchs(active):
     backend.reset_calls()
     F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
     assert backend.calls() == {}
+
+
+MASKS = {
+    "bool 2-D": lambda b, h, lq, lk: torch.rand(lq, lk) > 0.3,
+    "float (B, 1, L, S)": lambda b, h, lq, lk: torch.randn(b, 1, lq, lk),
+    "float expanded over heads": lambda b, h, lq, lk: torch.randn(b, 1, lq, lk).expand(b, h, lq, lk),
+    "key padding (B, 1, 1, S)": lambda b, h, lq, lk: torch.arange(lk) < torch.tensor([lk, lk // 2]).view(b, 1, 1, 1),
+}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mask", sorted(MASKS))
+def test_sdpa_masks_run_our_kernels(active, mask, causal):
+    """SDPA with an attn_mask on the CPU reaches torch's CPU flash op (a bool mask
+    converted to q's dtype first), and ours take it, forward and backward:
+    torch's kernel's answer within float32 rounding, and the oracle's rule.
+    (SDPA takes a mask or is_causal: with both, the op is called directly.)"""
+    b, h, lq, lk, d = 2, 2, 13, 21, 32
+    q, k, v, dout = (torch.randn(b, h, n, d) for n in (lq, lk, lk, lq))
+    m = MASKS[mask](b, h, lq, lk)
+    float_mask = m if m.dtype != torch.bool else torch.zeros(m.shape).masked_fill(~m, -math.inf)
+
+    def call():
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        if causal:
+            op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+            out = op(*leaves, 0.0, True, attn_mask=float_mask)[0]
+        else:
+            out = F.scaled_dot_product_attention(*leaves, attn_mask=m)
+        return out, torch.autograd.grad(out, leaves, dout)
+
+    backend.reset_calls()
+    out, grads = call()
+    assert _ours(CPU_OP) == 1 and _ours(CPU_OP + "_backward") == 1, backend.calls()
+    backend.deactivate()
+    try:
+        ref, ref_grads = call()
+    finally:
+        backend.activate(first=True)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+    assert_all(
+        check_attention(
+            *_bshd(q, k, v),
+            out.detach().transpose(1, 2),
+            None,
+            dout.transpose(1, 2),
+            _bshd(*grads),
+            causal=causal,
+            bottom_right=False,
+            attn_mask=float_mask,
+        )  # fmt: skip
+    )
+
+
+def test_cpu_op_masks_as_torch_takes_them(active):
+    """torch's CPU flash op itself: a row its mask hides whole gets out 0 and lse 0
+    from ours as from torch's kernel; masks torch's kernel rejects (bool, 3-D, another
+    dtype) go to it, and its error is the answer."""
+    q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+    m = torch.zeros(1, 1, 4, 4)
+    m[..., 0, :] = -math.inf
+    backend.reset_calls()
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=m)
+    assert _ours(CPU_OP) == 1
+    backend.deactivate()
+    try:
+        ref, ref_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=m)
+    finally:
+        backend.activate(first=True)
+    assert torch.equal(out[..., 0, :], ref[..., 0, :]) and torch.equal(lse[..., 0], ref_lse[..., 0])
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse)
+    for bad, why in (
+        (torch.ones(4, 4, dtype=torch.bool), "attn_mask is not a dense tensor of the query's dtype and device"),
+        (torch.zeros(2, 4, 4), "attn_mask has neither 2 nor 4 dimensions"),
+        (torch.zeros(4, 4, dtype=torch.float64), "attn_mask is not a dense tensor of the query's dtype and device"),
+    ):
+        backend.reset_calls()
+        with pytest.raises(RuntimeError) as ours:
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bad)
+        assert _refused(CPU_OP) == {"torch: " + why: 1}
+        backend.deactivate()
+        try:
+            with pytest.raises(RuntimeError) as theirs:
+                torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bad)
+        finally:
+            backend.activate(first=True)
+        assert str(ours.value) == str(theirs.value)
 
 
 def test_remembered_verdicts_follow_the_signature(active):
