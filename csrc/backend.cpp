@@ -39,6 +39,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #endif
 
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <map>
@@ -155,7 +156,8 @@ bool dense_strided(const at::Tensor& t) { return t.layout() == at::kStrided && !
 
 // Dropout behind torch's CPU flash op: that op carries no RNG state from its
 // forward to its backward, so the backward could not regenerate our keep mask
-// (torch's CPU SDPA does not route dropout to it either).
+// (torch's CPU SDPA does not route dropout to it either). The memory-efficient
+// op's seed / offset scalars are torch's Philox pair, not ours: refused there too.
 std::string cpu_dropout_refusal(double dropout_p) { return dropout_p != 0.0 ? "dropout_p > 0" : ""; }
 
 // Dropout behind SDPA's CUDA flash op: its rng_state output carries our
@@ -191,6 +193,23 @@ std::string rng_state_refusal(double dropout_p, const at::Tensor& philox_seed, c
 // An optional tensor from C++ callers (torch's autograd formulas) may hold an
 // undefined tensor where Python would have seen None: both are "no mask".
 bool has_mask(const OptTensor& attn_mask) { return attn_mask.has_value() && attn_mask->defined(); }
+
+// The memory-efficient op's attn_bias, as SDPA hands it over: q's dtype (a bool
+// mask converted), expanded to (B, H, L, S) with stride-0 broadcast dimensions,
+// its rows maybe padded to 16 elements. Ours read it through its strides.
+std::string efficient_bias_refusal(const OptTensor& bias, const at::Tensor& q, const at::Tensor& k) {
+  if (!has_mask(bias)) return "";
+  const at::Tensor& m = *bias;
+  if (!dense_strided(m) || m.scalar_type() != q.scalar_type() || m.device() != q.device() || m.dim() != 4)
+    return "attn_bias is not a dense 4-D tensor of the query's dtype and device";
+  if (q.dim() != 4 || k.dim() != 4) return "";  // (the shape rules name it)
+  const int64_t full[4] = {q.size(0), q.size(1), q.size(2), k.size(2)};
+  for (int64_t d = 0; d < 4; ++d) {
+    if (m.size(d) != full[d] && m.size(d) != 1)
+      return "attn_bias does not broadcast to (batch, heads, seqlen_q, seqlen_k)";
+  }
+  return "";
+}
 
 // The CPU flash op's attn_mask (SDPA hands it a bool mask converted to q's
 // dtype, -inf where hidden): our kernels take what torch's kernel takes, a mask
@@ -323,12 +342,11 @@ std::string first_refusal(Rules&&... rules) {
 
 // ----------------------------------------------------------------------------- calls() bookkeeping
 
-enum OpId { kCpuFwd, kCpuBwd, kSdpaFwd, kSdpaBwd, kNumOps };
+enum OpId { kCpuFwd, kCpuBwd, kSdpaFwd, kSdpaBwd, kEffFwd, kEffBwd, kNumOps };
 const char* const kOpNames[kNumOps] = {
-    "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_flash_attention_for_cpu_backward",
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_flash_attention",         "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention",     "_scaled_dot_product_efficient_attention_backward",
 };
 
 // Our route: one relaxed atomic add per call. torch's route (rare, and a
@@ -587,6 +605,97 @@ auto sdpa_backward(std::shared_ptr<const Original> orig) {
   };
 }
 
+// SDPA's memory-efficient op (what CUDA SDPA runs for a call with an attn_mask
+// when FLASH, which takes none, comes first; activate(first=True) puts it
+// second). Top-left causal, the bias added to the scaled scores.
+using EffFwdRet = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using EffBwdRet = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// Its log-sum-exp: (B, H, L rounded up to 32) float32 (torch's kernel and meta
+// function; the padding is never read), or (B, H, 0) when not asked for.
+int64_t efficient_lse_len(int64_t seqlen_q, bool compute_log_sumexp) {
+  return compute_log_sumexp ? (seqlen_q + 31) / 32 * 32 : 0;
+}
+
+auto efficient_forward(std::shared_ptr<const Original> orig) {
+  return [orig](c10::DispatchKeySet ks, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                const OptTensor& attn_bias, bool compute_log_sumexp, double dropout_p, bool is_causal,
+                std::optional<double> scale) -> EffFwdRet {
+    const std::string why = first_refusal(
+        [&] { return cpu_dropout_refusal(dropout_p); }, [&] { return efficient_bias_refusal(attn_bias, query, key); },
+        [&] { return scale_refusal(scale); }, [&] { return dense_refusal(query, key, value, 2); });
+    if (!why.empty()) {
+      count_refused(kEffFwd, why);
+      return orig->call<EffFwdRet>(ks, query, key, value, attn_bias, compute_log_sumexp, dropout_p, is_causal, scale);
+    }
+    count_ours(kEffFwd);
+    auto [out, lse] =
+        sdpa_layout_forward(query, key, value, scale, is_causal, /*bottom_right=*/false, 0.0, std::nullopt, attn_bias);
+    const int64_t lq = query.size(2);
+    at::Tensor lse_padded =
+        at::empty({query.size(0), query.size(1), efficient_lse_len(lq, compute_log_sumexp)}, lse.options());
+    if (compute_log_sumexp) lse_padded.narrow(2, 0, lq).copy_(lse);
+    // (out: a (B, H, L, E) view of a (B, L, H, E) buffer, as torch's kernel returns it.)
+    const auto scalar = at::TensorOptions().dtype(at::kLong);  // torch's seed / offset without dropout
+    return {out, lse_padded, at::empty({}, scalar), at::empty({}, scalar)};
+  };
+}
+
+using BwdMaskGradSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    double, int64_t, int64_t, bool, bool, const at::Tensor&, double, const OptTensor&);
+
+auto efficient_backward(std::shared_ptr<const Original> orig) {
+  return [orig](c10::DispatchKeySet ks, const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
+                const at::Tensor& value, const at::Tensor& attn_bias, const at::Tensor& out,
+                const at::Tensor& logsumexp, const at::Tensor& philox_seed, const at::Tensor& philox_offset,
+                double dropout_p, std::array<bool, 4> grad_input_mask, bool is_causal,
+                std::optional<double> scale) -> EffBwdRet {
+    const OptTensor bias = attn_bias.defined() ? OptTensor(attn_bias) : std::nullopt;
+    const int64_t lse_len = query.dim() == 4 ? efficient_lse_len(query.size(2), true) : 0;
+    const std::string why = first_refusal(
+        [&] { return cpu_dropout_refusal(dropout_p); }, [&] { return efficient_bias_refusal(bias, query, key); },
+        [&] { return scale_refusal(scale); }, [&] { return dense_refusal(query, key, value, 2); },
+        [&] {
+          return bwd_refusal(grad_out, query, out, logsumexp, {query.size(0), query.size(1), lse_len});
+        });
+    if (!why.empty()) {
+      count_refused(kEffBwd, why);
+      return orig->call<EffBwdRet>(ks, grad_out, query, key, value, attn_bias, out, logsumexp, philox_seed,
+                                   philox_offset, dropout_p, grad_input_mask, is_causal, scale);
+    }
+    count_ours(kEffBwd);
+    const at::Tensor lse = logsumexp.narrow(2, 0, query.size(2)).contiguous();
+    at::Tensor dq, dk, dv, grad_bias;
+    if (bias.has_value() && grad_input_mask[3]) {
+      static auto op =
+          c10::Dispatcher::singleton().findSchemaOrThrow("flashattn_ext::bwd_mask_grad", "").typed<BwdMaskGradSig>();
+      at::Tensor dmask;
+      std::tie(dq, dk, dv, dmask) =
+          op.call(bshd(grad_out), bshd(query), bshd(key), bshd(value), bshd(out), lse, scale_of(scale, query), -1,
+                  is_causal ? 0 : -1, /*bottom_right=*/false, deterministic(), attn_bias, 0.0, std::nullopt);
+      // torch's kernel (and its meta function) return the bias's gradient in a
+      // buffer whose rows are padded to 16 elements.
+      const int64_t cols = attn_bias.size(-1), padded = (cols + 15) / 16 * 16;
+      std::vector<int64_t> sizes = attn_bias.sizes().vec();
+      sizes.back() = padded;
+      grad_bias = at::empty(sizes, attn_bias.options()).narrow(-1, 0, cols);
+      grad_bias.copy_(dmask);
+    } else {
+      std::tie(dq, dk, dv) = sdpa_layout_backward(grad_out, query, key, value, out, lse, scale, is_causal,
+                                                  /*bottom_right=*/false, 0.0, std::nullopt, bias);
+    }
+    // (B, L, H, E) buffers seen as (B, H, L, E), as torch's kernel returns them.
+    auto layout = [](const at::Tensor& g) {
+      if (g.is_contiguous()) return g.transpose(1, 2);
+      at::Tensor y = at::empty_permuted(g.transpose(1, 2).sizes(), {0, 2, 1, 3}, g.options());
+      y.copy_(g.transpose(1, 2));
+      return y;
+    };
+    return {layout(dq), layout(dk), layout(dv), grad_bias};
+  };
+}
+
 // ----------------------------------------------------------------------------- registration
 
 // Drops the dispatcher's "Overriding a previously registered kernel" warning
@@ -629,6 +738,10 @@ int64_t backend_register(const std::string& dispatch_key, const std::vector<std:
       lib->impl(name.c_str(), torch::CppFunction(sdpa_forward(orig)));
     } else if (name == kOpNames[kSdpaBwd]) {
       lib->impl(name.c_str(), torch::CppFunction(sdpa_backward(orig)));
+    } else if (name == kOpNames[kEffFwd]) {
+      lib->impl(name.c_str(), torch::CppFunction(efficient_forward(orig)));
+    } else if (name == kOpNames[kEffBwd]) {
+      lib->impl(name.c_str(), torch::CppFunction(efficient_backward(orig)));
     } else {
       TORCH_CHECK_VALUE(false, "flashattn_ext: no C++ override for aten::", name);
     }

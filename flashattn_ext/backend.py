@@ -43,8 +43,13 @@ device they do not cover) goes to the kernel torch had registered there before (
 exactly as without the registration; ``calls()`` counts which route each call
 took.
 
-``activate(first=True)`` also puts SDPA's FLASH backend first in torch's
-backend priority order (on the H200 torch tries cuDNN first otherwise);
+SDPA's memory-efficient op (``_scaled_dot_product_efficient_attention`` /
+``_backward``, C++ too) is overridden on CUDA as well: it is where CUDA SDPA
+sends a call with an attn_mask, which FLASH does not take.
+
+``activate(first=True)`` also puts SDPA's FLASH backend, then the
+memory-efficient one, first in torch's backend priority order (on the H200
+torch tries cuDNN first otherwise);
 ``deactivate()`` restores the previous order.
 """
 
@@ -433,6 +438,9 @@ _OP_NAMES = {
 # The C++ overrides (csrc/backend.cpp), by dispatch key of torch's kernels.
 _CPU_OPS_CXX = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward")
 _SDPA_OPS_CXX = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward")
+# SDPA's memory-efficient op: what CUDA SDPA runs for a call with an attn_mask
+# (FLASH takes none); activate(first=True) puts it right after FLASH.
+_EFFICIENT_OPS_CXX = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward")
 
 
 # ----------------------------------------------------------------------------- registration
@@ -515,7 +523,8 @@ def _register_flash_ops(dispatch_key):
     torch has no CPU kernels for these ops, so a call ours refuse raises there).
     Returns a handle; remove() undoes it."""
     _configure()
-    return _Handle([_CxxLibrary(dispatch_key, _SDPA_OPS_CXX), _library(dispatch_key, _FA2_OPS)], None)
+    libraries = [_CxxLibrary(dispatch_key, _SDPA_OPS_CXX + _EFFICIENT_OPS_CXX), _library(dispatch_key, _FA2_OPS)]
+    return _Handle(libraries, None)
 
 
 def _torch_registry():
@@ -555,13 +564,14 @@ def _register_fn():
     _configure()
     libraries = [_CxxLibrary("CPU", _CPU_OPS_CXX)]
     if _BUILD["cuda"]:
-        libraries += [_CxxLibrary("CUDA", _SDPA_OPS_CXX), _library("CUDA", _FA2_OPS)]
+        libraries += [_CxxLibrary("CUDA", _SDPA_OPS_CXX + _EFFICIENT_OPS_CXX), _library("CUDA", _FA2_OPS)]
     priority = None
     if _first:
         _init_cuda_sdp_priority()
         priority = list(torch._C._get_sdp_priority_order())
-        flash = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
-        torch._C._set_sdp_priority_order([flash] + [b for b in priority if b != flash])
+        backends = torch.nn.attention.SDPBackend
+        ours = [int(backends.FLASH_ATTENTION), int(backends.EFFICIENT_ATTENTION)]  # (masked calls: the second)
+        torch._C._set_sdp_priority_order(ours + [b for b in priority if b not in ours])
     return _Handle(libraries, priority)
 
 
@@ -570,9 +580,10 @@ def activate(first: bool = False) -> None:
 
     After this, ``torch.nn.functional.scaled_dot_product_attention`` (and
     torch.compile'd code calling it, and torch's context parallelism) runs our
-    kernels wherever torch picks its FLASH backend (CUDA) or its CPU flash
-    kernel (CPU), forward and backward; calls our kernels cannot take run
-    torch's kernel as before. first=True: SDPA tries FLASH before cuDNN / the
+    kernels wherever torch picks its FLASH backend or its memory-efficient one
+    (CUDA; masked calls take the latter) or its CPU flash kernel (CPU), forward
+    and backward; calls our kernels cannot take run torch's kernel as before.
+    first=True: SDPA tries FLASH, then memory-efficient, before cuDNN / the
     other backends. Replaces any other activated implementation (FA3, FA4);
     ``deactivate()`` undoes it. Raises RuntimeError naming the torch version on
     torch < 2.11."""

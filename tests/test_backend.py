@@ -588,6 +588,68 @@ def test_flash_attention_forward_dropout(flash_ops_on_cpu, varlen):
         )
 
 
+EFF_OP = "_scaled_dot_product_efficient_attention"
+
+
+@pytest.mark.parametrize("bias_grad", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_efficient_op_override(flash_ops_on_cpu, causal, bias_grad):
+    """aten._scaled_dot_product_efficient_attention / _backward (what CUDA SDPA
+    runs for a masked call; activate(first=True) puts it after FLASH) on our
+    kernels: the bias as SDPA hands it over (q's dtype, expanded to (B, H, L, S),
+    rows padded to 16), top-left causal, the bias's gradient when asked for;
+    every output shaped and strided as torch's meta function has it."""
+    b, h, lq, lk, d = 2, 3, 19, 21, 16
+    q, k, v = (randn((b, h, n, d), torch.float32, "cpu").requires_grad_() for n in (lq, lk, lk))
+    dout = randn((b, h, lq, d), torch.float32, "cpu")
+    leaf = torch.randn(b, 1, lq, lk).requires_grad_(bias_grad)
+    padded = torch.zeros(b, 1, lq, 32)
+    bias = padded[..., :lk].copy_(leaf) if not bias_grad else torch.nn.functional.pad(leaf, (0, 11))[..., :lk]
+    bias = bias.expand(b, h, lq, lk)
+    res = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal, scale=0.3)
+    out, lse = res[0], res[1]
+    wrt = (q, k, v, leaf) if bias_grad else (q, k, v)
+    grads = torch.autograd.grad(out, wrt, dout)
+    assert _ours(EFF_OP) == 1 and _ours(EFF_OP + "_backward") == 1, backend.calls()
+    meta_args = [x.detach().to("meta") for x in (q, k, v, bias)]
+    meta = torch.ops.aten._scaled_dot_product_efficient_attention(*meta_args, True, 0.0, causal)
+    for i in range(4):
+        assert (res[i].shape, res[i].stride(), res[i].dtype) == (meta[i].shape, meta[i].stride(), meta[i].dtype), i
+    assert lse.shape == (b, h, 32)
+    assert_all(
+        check_attention(
+            *_bshd(q, k, v),
+            out.transpose(1, 2),
+            lse[..., :lq],
+            dout.transpose(1, 2),
+            _bshd(*grads[:3]),
+            softmax_scale=0.3,
+            causal=causal,
+            bottom_right=False,
+            attn_mask=leaf.detach(),
+            dmask=grads[3] if bias_grad else None,
+        )  # fmt: skip
+    )
+    # Without the log-sum-exp (inference): a (B, H, 0) one, as torch's.
+    with torch.no_grad():
+        res = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, False, 0.0, causal, scale=0.3)
+    assert res[1].shape == (b, h, 0) and torch.equal(res[0], out.detach())
+
+
+def test_efficient_op_refusals(flash_ops_on_cpu):
+    """Dropout (torch's Philox pair, not ours) and a bias of another dtype go to
+    torch's kernel (none on the CPU: it raises), counted with their reasons."""
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(NotImplementedError):
+        torch.ops.aten._scaled_dot_product_efficient_attention(q, q, q, None, True, 0.1, False)
+    with pytest.raises(NotImplementedError):
+        torch.ops.aten._scaled_dot_product_efficient_attention(q, q, q, torch.zeros(1, 2, 8, 8).double(), True)
+    assert _refused(EFF_OP) == {
+        "torch: dropout_p > 0": 1,
+        "torch: attn_bias is not a dense 4-D tensor of the query's dtype and device": 1,
+    }
+
+
 def test_flash_op_override_under_compile(flash_ops_on_cpu):
     """torch.compile(fullgraph=True) of a call of aten._scaled_dot_product_flash_attention
     (what CUDA SDPA and torch's context parallelism call): traced with torch's meta
@@ -633,6 +695,39 @@ def test_flash_ops_refusals_are_torchs(flash_ops_on_cpu):
     assert _refused(CUDA_OP) == {"torch: dropout_p outside [0, 1)": 1}
     assert _refused("_flash_attention_forward") == {"torch: return_debug_mask": 1}
     assert _ours(CUDA_OP) == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or not flashattn_ext.build_info()["cuda"], reason="needs a GPU")
+@pytest.mark.parametrize("mask", ["bool (B, 1, 1, S)", "float (1, H, L, S)"])
+def test_cuda_masked_sdpa_runs_ours(active, mask):
+    """CUDA: SDPA with an attn_mask skips FLASH (it takes no mask) and, with
+    activate(first=True), reaches the memory-efficient op next, where ours run it,
+    forward and backward (the float bias's gradient too); within the rule."""
+    b, h, n, d = 2, 4, 100, 64
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn_like(q)
+    if mask.startswith("bool"):
+        m = torch.arange(n, device="cuda") < torch.tensor([n, n // 2], device="cuda").view(b, 1, 1, 1)
+    else:
+        m = torch.randn(1, h, n, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    backend.reset_calls()
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    wrt = (q, k, v) + ((m,) if m.requires_grad else ())
+    grads = torch.autograd.grad(out, wrt, dout)
+    assert _ours(EFF_OP) == 1 and _ours(EFF_OP + "_backward") == 1, backend.calls()
+    assert_all(
+        check_attention(
+            *_bshd(q, k, v),
+            out.transpose(1, 2),
+            None,
+            dout.transpose(1, 2),
+            _bshd(*grads[:3]),
+            bottom_right=False,
+            attn_mask=m.detach(),
+            dmask=grads[3] if m.requires_grad else None,
+        )  # fmt: skip
+    )
 
 
 @pytest.mark.cuda
