@@ -326,10 +326,12 @@ MaskParams make_mask(int64_t window_left, int64_t window_right, bool bottom_righ
 
 at::ScalarType lse_dtype(at::ScalarType input) { return input == at::kDouble ? at::kDouble : at::kFloat; }
 
+at::Tensor alloc_fwd_lse(const at::Tensor& q) {
+  return at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(lse_dtype(q.scalar_type())));
+}
+
 std::tuple<at::Tensor, at::Tensor> alloc_fwd_outputs(const at::Tensor& q) {
-  auto out = at::empty(q.sizes(), q.options());
-  auto lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(lse_dtype(q.scalar_type())));
-  return {out, lse};
+  return {at::empty(q.sizes(), q.options()), alloc_fwd_lse(q)};
 }
 
 namespace {

@@ -102,6 +102,8 @@ at::Tensor unit_last_stride(const at::Tensor& x);
 
 // Allocates out (batch, seqlen_q, heads_q, head_dim) and lse (batch, heads_q, seqlen_q).
 std::tuple<at::Tensor, at::Tensor> alloc_fwd_outputs(const at::Tensor& q);
+// lse alone, (batch, heads_q, seqlen_q) of lse_dtype (for a caller that allocates out its own way).
+at::Tensor alloc_fwd_lse(const at::Tensor& q);
 
 // Fills the pointers and strides of q, k, v, out and lse (4-D tensors).
 void set_qkvo(QkvoParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,

@@ -18,6 +18,7 @@ and prints it on failure (re-run a case with FLASHATTN_TEST_SEED=<seed>).
 import math
 import os
 import random
+import sys
 
 import pytest
 import torch
@@ -398,3 +399,21 @@ def test_autograd_matches_ops(seed):
     assert torch.equal(out.detach(), out2) and torch.equal(lse.detach(), lse2)
     for leaf, g in zip(leaves, (dq, dk, dv)):
         assert torch.equal(leaf.grad, g)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+def test_large_outputs_start_on_huge_page_boundaries():
+    """The CPU kernels' outputs of 2 MiB and more come from csrc/cpu/huge_pages.h
+    (2 MiB aligned, advised onto transparent huge pages), and are ordinary
+    tensors: they resize, and free, as at::empty's do."""
+    q, k, v = (torch.randn(1, 4096, 8, 64, requires_grad=True) for _ in range(3))  # 8 MiB each
+    out = flashattn_ext.flash_attn_func(q, k, v, causal=True)
+    grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    for t in (out, *grads):
+        assert t.data_ptr() % (2 << 20) == 0 and t.is_contiguous()
+    small = flashattn_ext.flash_attn_func(*(x[:, :64].detach() for x in (q, k, v)))
+    assert small.is_contiguous()
+    out = out.detach()
+    ref = out.clone()
+    out.resize_(2, 4096, 8, 64)  # (storage grows through the same allocator)
+    assert torch.equal(out[0], ref[0])

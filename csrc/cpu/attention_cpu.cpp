@@ -7,6 +7,7 @@
 
 #include "../attention_api.h"
 #include "flash_cpu.h"
+#include "huge_pages.h"
 
 namespace flashattn {
 namespace {
@@ -21,7 +22,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at::Tensor
                                            const std::optional<at::Tensor>& rng_state) {
   check_qkv(q, k, v, kCpuSpec);
   auto mask = make_mask(window_left, window_right, bottom_right, q.size(1), k.size(1));
-  auto [out, lse] = alloc_fwd_outputs(q);
+  auto out = cpu::empty_huge(q.sizes(), q.options());  // (huge_pages.h: the tile stores' TLB)
+  auto lse = alloc_fwd_lse(q);
   auto params = make_fwd_params(q, k, v, out, lse, softmax_scale, mask);
   params.score_mod = make_score_mod(softcap, alibi_slopes, q, q.size(0), q.size(2));
   add_attn_mask(params.score_mod, attn_mask, q, k);
@@ -43,9 +45,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
   check_qkv(q, k, v, kCpuSpec);
   check_bwd_extras(dout, q, out, lse);
   auto mask = make_mask(window_left, window_right, bottom_right, q.size(1), k.size(1));
-  auto dq = at::empty(q.sizes(), q.options());
-  auto dk = at::empty(k.sizes(), k.options());
-  auto dv = at::empty(v.sizes(), v.options());
+  auto dq = cpu::empty_huge(q.sizes(), q.options());
+  auto dk = cpu::empty_huge(k.sizes(), k.options());
+  auto dv = cpu::empty_huge(v.sizes(), v.options());
   auto params = make_bwd_params(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, mask, deterministic);
   params.score_mod = make_score_mod(softcap, alibi_slopes, q, q.size(0), q.size(2));
   add_attn_mask(params.score_mod, attn_mask, q, k);
@@ -105,7 +107,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cpu(const at::Tensor& q, const at:
                                                   double dropout_p, const std::optional<at::Tensor>& rng_state) {
   const auto len = check_varlen_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   const auto mask = make_mask(window_left, window_right, bottom_right, len.max_q, len.max_k);
-  auto out = at::empty(q.sizes(), q.options());
+  auto out = cpu::empty_huge(q.sizes(), q.options());
   auto lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(lse_dtype(q.scalar_type())));
   auto params = make_varlen_fwd_params(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse,
                                        cu_seqlens_q, cu_seqlens_k, len.max_q, len.max_k, softmax_scale, mask);
@@ -124,9 +126,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
   const auto len = check_varlen_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   check_varlen_bwd_extras(dout, q, out, lse);
   const auto mask = make_mask(window_left, window_right, bottom_right, len.max_q, len.max_k);
-  auto dq = at::empty(q.sizes(), q.options());
-  auto dk = at::empty(k.sizes(), k.options());
-  auto dv = at::empty(v.sizes(), v.options());
+  auto dq = cpu::empty_huge(q.sizes(), q.options());
+  auto dk = cpu::empty_huge(k.sizes(), k.options());
+  auto dv = cpu::empty_huge(v.sizes(), v.options());
   auto params =
       make_varlen_bwd_params(dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse,
                              dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0), cu_seqlens_q, cu_seqlens_k, len.max_q,

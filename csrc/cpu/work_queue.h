@@ -3,7 +3,6 @@
 #pragma once
 
 #include <ATen/Parallel.h>
-#include <c10/core/impl/alloc_cpu.h>
 
 #include <algorithm>
 #include <atomic>
@@ -12,6 +11,7 @@
 #include <memory>
 
 #include "cpu_knobs.h"
+#include "huge_pages.h"
 
 namespace flashattn {
 namespace cpu {
@@ -116,17 +116,17 @@ void for_each_item_in_parallel(int64_t num_items, MakeScratch make_scratch, Proc
   for_each_item_in_parallel(num_items, make_scratch, process, [](auto&) {});
 }
 
-// A 64-byte aligned array from c10's CPU allocator, uninitialized.
+// A 64-byte aligned array, uninitialized; on huge pages from 2 MiB on (huge_pages.h).
 template <typename T>
 class ScratchArray {
  public:
   ScratchArray() = default;
-  explicit ScratchArray(size_t n) : data_(static_cast<T*>(c10::alloc_cpu(std::max<size_t>(n, 1) * sizeof(T)))) {}
+  explicit ScratchArray(size_t n) : data_(static_cast<T*>(alloc_huge(std::max<size_t>(n, 1) * sizeof(T)))) {}
   T* get() const { return data_.get(); }
 
  private:
   struct Free {
-    void operator()(T* p) const { c10::free_cpu(p); }
+    void operator()(T* p) const { free_huge(p); }
   };
   std::unique_ptr<T, Free> data_;
 };
