@@ -154,11 +154,11 @@ std::string dtype_name(at::ScalarType t) {
 
 bool dense_strided(const at::Tensor& t) { return t.layout() == at::kStrided && !t.is_nested(); }
 
-// Dropout behind torch's CPU flash op: that op carries no RNG state from its
-// forward to its backward, so the backward could not regenerate our keep mask
-// (torch's CPU SDPA does not route dropout to it either). The memory-efficient
-// op's seed / offset scalars are torch's Philox pair, not ours: refused there too.
-std::string cpu_dropout_refusal(double dropout_p) { return dropout_p != 0.0 ? "dropout_p > 0" : ""; }
+// Dropout where the op cannot carry our state to its backward: torch's CPU flash
+// op carries no RNG state from its forward to its backward (and torch's CPU SDPA
+// does not route dropout to it either); the memory-efficient op's seed / offset
+// scalars are torch's Philox pair, not ours.
+std::string stateless_dropout_refusal(double dropout_p) { return dropout_p != 0.0 ? "dropout_p > 0" : ""; }
 
 // Dropout behind SDPA's CUDA flash op: its rng_state output carries our
 // [seed, offset] to the backward (tagged_rng_state). Outside [0, 1) torch's
@@ -194,6 +194,16 @@ std::string rng_state_refusal(double dropout_p, const at::Tensor& philox_seed, c
 // undefined tensor where Python would have seen None: both are "no mask".
 bool has_mask(const OptTensor& attn_mask) { return attn_mask.has_value() && attn_mask->defined(); }
 
+// Whether mask (2 to 4 dimensions) broadcasts to SDPA's (B, H, L, S) of q, k (4-D).
+bool broadcasts_to_scores(const at::Tensor& m, const at::Tensor& q, const at::Tensor& k) {
+  const int64_t full[4] = {q.size(0), q.size(1), q.size(2), k.size(2)};
+  for (int64_t d = 0; d < m.dim(); ++d) {
+    const int64_t size = m.size(d), want = full[4 - m.dim() + d];
+    if (size != want && size != 1) return false;
+  }
+  return true;
+}
+
 // The memory-efficient op's attn_bias, as SDPA hands it over: q's dtype (a bool
 // mask converted), expanded to (B, H, L, S) with stride-0 broadcast dimensions,
 // its rows maybe padded to 16 elements. Ours read it through its strides.
@@ -203,12 +213,7 @@ std::string efficient_bias_refusal(const OptTensor& bias, const at::Tensor& q, c
   if (!dense_strided(m) || m.scalar_type() != q.scalar_type() || m.device() != q.device() || m.dim() != 4)
     return "attn_bias is not a dense 4-D tensor of the query's dtype and device";
   if (q.dim() != 4 || k.dim() != 4) return "";  // (the shape rules name it)
-  const int64_t full[4] = {q.size(0), q.size(1), q.size(2), k.size(2)};
-  for (int64_t d = 0; d < 4; ++d) {
-    if (m.size(d) != full[d] && m.size(d) != 1)
-      return "attn_bias does not broadcast to (batch, heads, seqlen_q, seqlen_k)";
-  }
-  return "";
+  return broadcasts_to_scores(m, q, k) ? "" : "attn_bias does not broadcast to (batch, heads, seqlen_q, seqlen_k)";
 }
 
 // The CPU flash op's attn_mask (SDPA hands it a bool mask converted to q's
@@ -221,13 +226,8 @@ std::string cpu_attn_mask_refusal(const OptTensor& attn_mask, const at::Tensor& 
   if (!dense_strided(m) || m.scalar_type() != q.scalar_type() || m.device() != q.device())
     return "attn_mask is not a dense tensor of the query's dtype and device";
   if (m.dim() != 2 && m.dim() != 4) return "attn_mask has neither 2 nor 4 dimensions";
-  if (q.dim() != 4 || k.dim() != 4) return "";                           // (the shape rules name it)
-  const int64_t full[4] = {q.size(0), q.size(1), q.size(2), k.size(2)};  // (B, H, L, S)
-  for (int64_t d = 0; d < m.dim(); ++d) {
-    const int64_t size = m.size(d), want = full[4 - m.dim() + d];
-    if (size != want && size != 1) return "attn_mask does not broadcast to (batch, heads, seqlen_q, seqlen_k)";
-  }
-  return "";
+  if (q.dim() != 4 || k.dim() != 4) return "";  // (the shape rules name it)
+  return broadcasts_to_scores(m, q, k) ? "" : "attn_mask does not broadcast to (batch, heads, seqlen_q, seqlen_k)";
 }
 
 std::string scale_refusal(const std::optional<double>& scale) {
@@ -425,6 +425,17 @@ at::Tensor as_like(const at::Tensor& ref, const at::Tensor& x) {
 // (B, H, L, E) -> a (B, L, H, E) view with unit stride on E (the kernels' layout).
 at::Tensor bshd(const at::Tensor& x) { return unit_last_stride(x.transpose(1, 2)); }
 
+// A gradient of the kernels, (B, L, H, E), as a (B, H, L, E) view of a (B, L, H,
+// E) buffer (what torch's CPU and memory-efficient backwards return): ours is
+// such a buffer when contiguous (a strided head_dim was copied, so it is);
+// otherwise copied into one.
+at::Tensor bhld_view(const at::Tensor& g) {
+  if (g.is_contiguous()) return g.transpose(1, 2);
+  at::Tensor y = at::empty_permuted(g.transpose(1, 2).sizes(), {0, 2, 1, 3}, g.options());
+  y.copy_(g.transpose(1, 2));
+  return y;
+}
+
 double scale_of(const std::optional<double>& scale, const at::Tensor& q) {
   return scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
 }
@@ -497,9 +508,10 @@ auto cpu_forward(std::shared_ptr<const Original> orig) {
   return [orig](c10::DispatchKeySet ks, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                 double dropout_p, bool is_causal, const OptTensor& attn_mask,
                 std::optional<double> scale) -> CpuFwdRet {
-    const std::string why = first_refusal(
-        [&] { return cpu_attn_mask_refusal(attn_mask, query, key); }, [&] { return cpu_dropout_refusal(dropout_p); },
-        [&] { return scale_refusal(scale); }, [&] { return dense_refusal(query, key, value, 2); });
+    const std::string why =
+        first_refusal([&] { return cpu_attn_mask_refusal(attn_mask, query, key); },
+                      [&] { return stateless_dropout_refusal(dropout_p); }, [&] { return scale_refusal(scale); },
+                      [&] { return dense_refusal(query, key, value, 2); });
     if (!why.empty()) {
       count_refused(kCpuFwd, why);
       return orig->call<CpuFwdRet>(ks, query, key, value, dropout_p, is_causal, attn_mask, scale);
@@ -521,10 +533,11 @@ auto cpu_backward(std::shared_ptr<const Original> orig) {
   return [orig](c10::DispatchKeySet ks, const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
                 const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse, double dropout_p, bool is_causal,
                 const OptTensor& attn_mask, std::optional<double> scale) -> CpuBwdRet {
-    const std::string why = first_refusal(
-        [&] { return cpu_attn_mask_refusal(attn_mask, query, key); }, [&] { return cpu_dropout_refusal(dropout_p); },
-        [&] { return scale_refusal(scale); }, [&] { return dense_refusal(query, key, value, 2); },
-        [&] { return bwd_refusal(grad_out, query, out, lse, query.sizes().slice(0, 3)); });
+    const std::string why =
+        first_refusal([&] { return cpu_attn_mask_refusal(attn_mask, query, key); },
+                      [&] { return stateless_dropout_refusal(dropout_p); }, [&] { return scale_refusal(scale); },
+                      [&] { return dense_refusal(query, key, value, 2); },
+                      [&] { return bwd_refusal(grad_out, query, out, lse, query.sizes().slice(0, 3)); });
     if (!why.empty()) {
       count_refused(kCpuBwd, why);
       return orig->call<CpuBwdRet>(ks, grad_out, query, key, value, out, lse, dropout_p, is_causal, attn_mask, scale);
@@ -532,16 +545,8 @@ auto cpu_backward(std::shared_ptr<const Original> orig) {
     count_ours(kCpuBwd);
     auto [dq, dk, dv] = sdpa_layout_backward(grad_out, query, key, value, out, lse, scale, is_causal,
                                              /*bottom_right=*/false, 0.0, std::nullopt, attn_mask);
-    // torch's CPU backward returns (B, L, H, E) buffers seen as (B, H, L, E): ours
-    // are such buffers when contiguous (a strided head_dim was copied, so they
-    // are); otherwise copied into one.
-    auto layout = [](const at::Tensor& g) {
-      if (g.is_contiguous()) return g.transpose(1, 2);
-      at::Tensor y = at::empty_permuted(g.transpose(1, 2).sizes(), {0, 2, 1, 3}, g.options());
-      y.copy_(g.transpose(1, 2));
-      return y;
-    };
-    return {layout(dq), layout(dk), layout(dv)};
+    // torch's CPU backward returns (B, L, H, E) buffers seen as (B, H, L, E).
+    return {bhld_view(dq), bhld_view(dk), bhld_view(dv)};
   };
 }
 
@@ -621,9 +626,10 @@ auto efficient_forward(std::shared_ptr<const Original> orig) {
   return [orig](c10::DispatchKeySet ks, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                 const OptTensor& attn_bias, bool compute_log_sumexp, double dropout_p, bool is_causal,
                 std::optional<double> scale) -> EffFwdRet {
-    const std::string why = first_refusal(
-        [&] { return cpu_dropout_refusal(dropout_p); }, [&] { return efficient_bias_refusal(attn_bias, query, key); },
-        [&] { return scale_refusal(scale); }, [&] { return dense_refusal(query, key, value, 2); });
+    const std::string why =
+        first_refusal([&] { return stateless_dropout_refusal(dropout_p); },
+                      [&] { return efficient_bias_refusal(attn_bias, query, key); },
+                      [&] { return scale_refusal(scale); }, [&] { return dense_refusal(query, key, value, 2); });
     if (!why.empty()) {
       count_refused(kEffFwd, why);
       return orig->call<EffFwdRet>(ks, query, key, value, attn_bias, compute_log_sumexp, dropout_p, is_causal, scale);
@@ -654,7 +660,7 @@ auto efficient_backward(std::shared_ptr<const Original> orig) {
     const OptTensor bias = attn_bias.defined() ? OptTensor(attn_bias) : std::nullopt;
     const int64_t lse_len = query.dim() == 4 ? efficient_lse_len(query.size(2), true) : 0;
     const std::string why = first_refusal(
-        [&] { return cpu_dropout_refusal(dropout_p); }, [&] { return efficient_bias_refusal(bias, query, key); },
+        [&] { return stateless_dropout_refusal(dropout_p); }, [&] { return efficient_bias_refusal(bias, query, key); },
         [&] { return scale_refusal(scale); }, [&] { return dense_refusal(query, key, value, 2); },
         [&] {
           return bwd_refusal(grad_out, query, out, logsumexp, {query.size(0), query.size(1), lse_len});
@@ -686,13 +692,7 @@ auto efficient_backward(std::shared_ptr<const Original> orig) {
                                                   /*bottom_right=*/false, 0.0, std::nullopt, bias);
     }
     // (B, L, H, E) buffers seen as (B, H, L, E), as torch's kernel returns them.
-    auto layout = [](const at::Tensor& g) {
-      if (g.is_contiguous()) return g.transpose(1, 2);
-      at::Tensor y = at::empty_permuted(g.transpose(1, 2).sizes(), {0, 2, 1, 3}, g.options());
-      y.copy_(g.transpose(1, 2));
-      return y;
-    };
-    return {layout(dq), layout(dk), layout(dv), grad_bias};
+    return {bhld_view(dq), bhld_view(dk), bhld_view(dv), grad_bias};
   };
 }
 
