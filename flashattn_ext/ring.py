@@ -122,7 +122,8 @@ class ThreadGroup:
         self._posted = {}
         self._arrived = 0
         self._generation = 0
-        self._side = None  # per rank, the CUDA stream its transfers are issued on
+        self._side = None  # per rank, the CUDA stream its transfers are issued on (this run's)
+        self._streams = {}  # (device) -> (compute streams, side streams), one of each per rank
 
     @property
     def rank(self) -> int:
@@ -138,9 +139,9 @@ class ThreadGroup:
         results, errors = [None] * self.world, [None] * self.world
         streams = None
         if device is not None and torch.device(device).type == "cuda":
-            streams = [torch.cuda.Stream(device=device) for _ in range(self.world)]
-
-        self._side = [torch.cuda.Stream(device=device) for _ in range(self.world)] if streams else None
+            streams, self._side = self._cuda_streams(torch.device(device))
+        else:
+            self._side = None
 
         def body(rank):
             self._local.rank = rank
@@ -168,6 +169,18 @@ class ThreadGroup:
             if exc is not None:
                 raise exc
         return results
+
+    def _cuda_streams(self, device):
+        """Per rank, its compute stream and its transfer (side) stream on device:
+        the same ones on every run. (The caching allocator keeps a freed block for
+        the stream it was allocated on: fresh streams each run would make every
+        run allocate anew, and fill the device with blocks no stream reuses.)"""
+        key = (device.type, device.index if device.index is not None else torch.cuda.current_device())
+        if key not in self._streams:
+            self._streams[key] = tuple(
+                [torch.cuda.Stream(device=device) for _ in range(self.world)] for _ in range(2)
+            )  # fmt: skip
+        return self._streams[key]
 
     def _post(self, key, value):
         with self._cond:
