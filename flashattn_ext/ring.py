@@ -212,12 +212,21 @@ class ThreadGroup:
                 "flashattn_ext.ring.ThreadGroup: a transfer outside its rank's thread (on CUDA, autograd runs the "
                 "backward on a thread of its own): call ring_attention_forward / ring_attention_backward"
             )
-        bufs = [torch.empty_like(t) for t in tensors]
-        self._post(("bufs", ring.rank, tag, seq), bufs)  # where the previous rank's copies land
-        dest = self._take(("bufs", ring.next, tag, seq))
         side = self._side[ring.rank] if self._side else None
+        bufs = [torch.empty_like(t) for t in tensors]
+        # Where the previous rank's copies land. On CUDA the buffers come from
+        # this rank's stream's pool: their memory may still be in use by this
+        # stream's queued kernels (a tensor freed here a moment ago), so the
+        # copies into them wait for this stream to get here (`ready`).
+        ready = None
+        if side is not None:
+            ready = torch.cuda.Event()
+            ready.record()
+        self._post(("bufs", ring.rank, tag, seq), (bufs, ready))
+        dest, dest_ready = self._take(("bufs", ring.next, tag, seq))
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(side.device))
+            side.wait_event(dest_ready)
             with torch.cuda.stream(side):
                 for d, t in zip(dest, tensors):
                     d.copy_(t, non_blocking=True)
