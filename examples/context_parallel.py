@@ -148,22 +148,35 @@ def ring_transfers(group, q, k, v, causal):
             ring._wait(reqs)
 
 
-def overlap_report(median_time, run, overlapped_s, transfers):
+def overlap_report(median_time, run, overlapped_s, overlapped_result, transfers):
     """How much of the ring's communication the overlap hides: the step with each
     transfer completed before the compute after it (ring._Ring.overlap = False), and
     the same transfers alone (transfers(): ring_transfers on every rank).
-    hidden = (serial - overlapped) / comm."""
+    hidden = (serial - overlapped) / comm. A result is a rank's (out, grads) or a
+    list of them; the two schedules must give the same forward output, bit for
+    bit (the same calls and merges, only the waits move), and finite gradients:
+    a schedule that reads a buffer before its transfer lands is not timed as one."""
     ring._Ring.overlap = False
     try:
-        serial_s, _ = median_time(run)
+        serial_s, serial_result = median_time(run)
     finally:
         ring._Ring.overlap = True
     comm_s, _ = median_time(transfers)
     hidden = (serial_s - overlapped_s) / comm_s if comm_s > 0 else float("nan")
+    per_rank = lambda r: r if isinstance(r, list) else [r]  # noqa: E731
+    pairs = list(zip(per_rank(overlapped_result), per_rank(serial_result)))
+    same = all(torch.equal(a[0], b[0]) for a, b in pairs)
+    finite = all(bool(torch.isfinite(x).all()) for a, b in pairs for x in (a[0], *a[1], b[0], *b[1]))
     return dict(
         overlapped_ms=overlapped_s * 1e3, serial_ms=serial_s * 1e3, comm_alone_ms=comm_s * 1e3,
-        hidden_fraction=hidden,
+        hidden_fraction=hidden, same_output=same, finite=finite,
     )  # fmt: skip
+
+
+def overlap_failed(overlap):
+    """Exit non-zero when the two schedules of --overlap-report disagree."""
+    if overlap is not None and not (overlap["same_output"] and overlap["finite"]):
+        sys.exit("--overlap-report: the overlapped and the serial schedule disagree (or a result is not finite)")
 
 
 def flops(args, causal):
@@ -218,7 +231,7 @@ def main_threads(args):
     )  # fmt: skip
     if args.overlap_report:
         res["overlap"] = overlap_report(
-            median_time, lambda: tg.run(step, device=device), med,
+            median_time, lambda: tg.run(step, device=device), med, results,
             lambda: tg.run(lambda r: ring_transfers(tg, *parts[r][:3], causal), device=device),
         )  # fmt: skip
     if args.check:
@@ -242,6 +255,7 @@ def main_threads(args):
             json.dump(res, f, indent=1)
     if args.check and not res["check_ok"]:
         sys.exit(1)
+    overlap_failed(res.get("overlap"))
 
 
 def main():
@@ -279,7 +293,7 @@ def main():
     if args.overlap_report:
         if args.impl != "ring" or world == 1:
             sys.exit("--overlap-report: --impl ring on 2 or more ranks")
-        overlap = overlap_report(median_time, run, med, lambda: ring_transfers(None, q, k, v, causal))
+        overlap = overlap_report(median_time, run, med, (out, grads), lambda: ring_transfers(None, q, k, v, causal))
     tflops = flops(args, causal) / world / med / 1e12
     res = dict(
         impl=args.impl, world=world, device=str(device), seqlen=args.seqlen, seqlen_q=args.seqlen_q or args.seqlen,
@@ -323,6 +337,7 @@ def main():
     dist.destroy_process_group()
     if args.check and rank == 0 and not res["check_ok"]:
         sys.exit(1)
+    overlap_failed(overlap)
 
 
 if __name__ == "__main__":
