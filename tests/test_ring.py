@@ -329,3 +329,23 @@ def test_ring_mask_checks(group_of_one):
     cu = torch.tensor([0, 8], dtype=torch.int32)
     with pytest.raises(ValueError, match="packed sequences take no attn_mask"):
         ring.ring_attention_forward(q[0], k[0], v[0], cu_seqlens=cu, attn_mask=torch.ones(8, 8, dtype=torch.bool))
+
+
+def test_context_parallel_example_threads_check_and_overlap_report(tmp_path):
+    """examples/context_parallel.py --threads (the one-GPU overlap measurement's
+    script) on the CPU, small: --check holds the gathered result to the oracle,
+    --overlap-report compares its two schedules; the script exits 0 only if both agree."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "cp.json"
+    cmd = [sys.executable, os.path.join(root, "examples", "context_parallel.py"), "--threads", "2", "--device", "cpu",
+           "--seqlen", "256", "--heads", "2", "--head-dim", "32", "--iters", "1", "--warmup", "0", "--check",
+           "--overlap-report", "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = json.loads(out.read_text())
+    assert res["check_ok"] and res["overlap"]["same_output"] and res["overlap"]["finite"]
