@@ -23,6 +23,9 @@
 #           before the build stage): benchmarks/tune.py over the candidate tile
 #           configurations (TUNE_ARGS, default the forward at d64/d128, 512..16k),
 #           $OUT/tune.json and tune.log
+# ring:     only when named in STAGES: examples/context_parallel.py --threads
+#           RING_THREADS (4) --overlap-report at each of RING_SEQLENS (32768 131072),
+#           each under RING_TIMEOUT (150 s); logs and JSON under $OUT
 # crash:    only when named in STAGES: the pytest run of CRASH_TESTS (default
 #           tests/test_errors.py) under cuda-gdb, for a native backtrace of a
 #           segfault ($OUT/crash_gdb.log)
@@ -246,6 +249,22 @@ if has crash; then
     if grep -qE "received signal|CUDA Exception" "$OUT/crash_gdb.log"; then status=1; fi
     tail -4 "$OUT/crash_gdb.log" | cut -c1-220
   fi
+fi
+
+if has ring; then
+  # The ring's ranks as threads of one process on this GPU (issue 24's one-GPU overlap
+  # measurement): RING_THREADS ranks at each of RING_SEQLENS tokens, fwd+bwd, causal,
+  # each run under its own limit (SIGABRT: a hang leaves its Python traceback in the log).
+  for n in ${RING_SEQLENS:-32768 131072}; do
+    log="$OUT/ring_threads${RING_THREADS:-4}_$n.log"
+    stamp "ring: ${RING_THREADS:-4} ranks as threads, $n tokens"
+    timeout -s ABRT -k 5 ${RING_TIMEOUT:-150} python3 -X faulthandler examples/context_parallel.py \
+      --threads ${RING_THREADS:-4} --seqlen "$n" --iters 3 --warmup 1 --overlap-report \
+      --json "$OUT/ring_threads${RING_THREADS:-4}_$n.json" > "$log" 2>&1
+    rc=$?
+    [ $rc -eq 0 ] || { status=1; echo "ring: exit $rc"; tail -c 1500 "$log"; }
+    grep -E "^ring|overlap" "$log"
+  done
 fi
 
 if has bench && [ -f benchmarks/bench_gpu.py ]; then
