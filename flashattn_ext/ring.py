@@ -242,10 +242,24 @@ class ThreadGroup:
         return [_ThreadRequest(self, ("done", ring.rank, tag, seq))], bufs
 
     def all_gather(self, x):
-        """Every rank's x, in rank order (unshard's gather)."""
+        """Every rank's x, in rank order (unshard's gather). On CUDA another rank's
+        x is written on that rank's stream: this rank's stream waits for it there,
+        and the tensor is marked in use on this stream (its owner may free it
+        before this stream has read it)."""
         seq = self._local.gathers = getattr(self._local, "gathers", 0) + 1
-        self._post(("gather", self.rank, seq), x)
-        parts = [self._take(("gather", r, seq), pop=False) for r in range(self.world)]
+        written = None
+        if x.is_cuda and self._side is not None:
+            written = torch.cuda.Event()
+            written.record()
+        self._post(("gather", self.rank, seq), (x, written))
+        parts = []
+        for r in range(self.world):
+            part, part_written = self._take(("gather", r, seq), pop=False)
+            if r != self.rank and part_written is not None:
+                stream = torch.cuda.current_stream(part.device)
+                stream.wait_event(part_written)
+                part.record_stream(stream)
+            parts.append(part)
         self._barrier()  # every rank has read every part
         self._posted.pop(("gather", self.rank, seq), None)
         return parts
