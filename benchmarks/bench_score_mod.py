@@ -133,16 +133,21 @@ def main():
     ap.add_argument("--md")
     ap.add_argument("--impls", default="ours,fa4,flex")
     ap.add_argument("--quick", action="store_true", help="d128 only")
+    ap.add_argument("--head-dims", help="only these shapes' head dims, e.g. 128,64 (default: every shape)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="a subset of " + ",".join(VARIANTS))
     args = ap.parse_args()
     device = torch.device("cuda")
     bench, how = bench_gpu.make_timer(device)
     gen = torch.Generator(device=device).manual_seed(0)
     rows = []
     shapes = SHAPES[:1] if args.quick else SHAPES
+    if args.head_dims:
+        keep = [int(d) for d in args.head_dims.split(",")]
+        shapes = sorted((s for s in shapes if s[3] in keep), key=lambda s: keep.index(s[3]))
     for b, h, n, d in shapes:
         for causal in (False, True):
             for mode in ("fwd", "fwd_bwd"):
-                for variant in VARIANTS:
+                for variant in args.variants.split(","):
                     for impl in args.impls.split(","):
                         row = dict(impl=impl, variant=variant, mode=mode, b=b, h=h, n=n, d=d, causal=causal)
                         try:
@@ -166,6 +171,8 @@ def main():
         "cuda": torch.version.cuda,
         "timer": how,
         "softcap": SOFTCAP,
+        "build": torch.ops.flashattn_ext.build_info() if "ours" in args.impls else None,
+        "env": {k: v for k, v in os.environ.items() if k.startswith("FLASHATTN_")},
     }
     with open(args.json, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
@@ -176,14 +183,15 @@ def main():
         if r["impl"] == "ours" and r["variant"] == "plain"
     }
     lines = [
-        f"{meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}; TFLOP/s (ratio to ours plain); softcap {SOFTCAP}",
+        f"{meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}; TFLOP/s (ratio to ours plain); softcap {SOFTCAP}"
+        + (f"; build {meta['build']}" if meta["build"] else ""),
         "",
         "| case | variant | " + " | ".join(args.impls.split(",")) + " |",
         "|---|---|" + "---|" * len(args.impls.split(",")),
     ]
     for key in dict.fromkeys((r["mode"], r["b"], r["h"], r["n"], r["d"], r["causal"]) for r in rows):
         mode, b, h, n, d, causal = key
-        for variant in VARIANTS:
+        for variant in args.variants.split(","):
             cells = []
             for impl in args.impls.split(","):
                 r = next(
