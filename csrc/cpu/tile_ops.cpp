@@ -248,6 +248,53 @@ FLASHATTN_INLINE void dot_rows(const float* __restrict q, int rows, int d, const
   for (; r < rows; ++r) out[r * out_ld] = dot(q + r * d, k_row, d);
 }
 
+// 16-bit values widened to float as they are loaded (a bfloat16 is the upper
+// half of a float32; float16 by c10's conversion).
+FLASHATTN_INLINE Vec16f load16(const c10::BFloat16* p) {
+  Vec16u16 bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  const Vec16u32 wide = __builtin_convertvector(bits, Vec16u32) << 16;
+  Vec16f v;
+  std::memcpy(&v, &wide, sizeof(v));
+  return v;
+}
+
+FLASHATTN_INLINE Vec16f load16(const c10::Half* p) {
+  float tmp[16];
+  for (int i = 0; i < 16; ++i) tmp[i] = static_cast<float>(p[i]);
+  return load16(tmp);
+}
+
+// dot_rows against a 16-bit key row, widened on load (head dims that are a
+// multiple of 16): the products, sums and fold of dot_rows on the converted
+// row, so the same bits, without the round trip through a buffer.
+template <typename key_t>
+FLASHATTN_INLINE void dot_rows_widened(const float* __restrict q, int rows, int d, const key_t* __restrict k_row,
+                                       float* __restrict out, int64_t out_ld) {
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    const float* q0 = q + r * d;
+    Vec16f a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    for (int i = 0; i < d; i += 16) {
+      const Vec16f kv = load16(k_row + i);
+      a0 += load16(q0 + i) * kv;
+      a1 += load16(q0 + d + i) * kv;
+      a2 += load16(q0 + 2 * d + i) * kv;
+      a3 += load16(q0 + 3 * d + i) * kv;
+    }
+    out[r * out_ld] = fold16(a0);
+    out[(r + 1) * out_ld] = fold16(a1);
+    out[(r + 2) * out_ld] = fold16(a2);
+    out[(r + 3) * out_ld] = fold16(a3);
+  }
+  for (; r < rows; ++r) {
+    const float* q0 = q + r * d;
+    Vec16f acc = {};
+    for (int i = 0; i < d; i += 16) acc += load16(q0 + i) * load16(k_row + i);
+    out[r * out_ld] = fold16(acc);
+  }
+}
+
 // exp_approx (fast_exp.h) on 16 lanes, the same operations.
 FLASHATTN_INLINE Vec16f exp_approx16(Vec16f x) { return exp_approx_lanes<Vec16f, Vec16u32>(x); }
 #endif
@@ -343,9 +390,11 @@ FLASHATTN_INLINE const acc_t* row_as_acc(const scalar_t* row, int n, acc_t* buff
   }
 }
 
-// The few-queries path's scores of float keys read in place (attend_few_queries):
+// The few-queries path's scores, keys read in place (attend_few_queries):
 // scores[r * cols + j] = dot(q + r * d, key j) for the rows r < rows and keys
-// j < cols, key j at k_rows[j] (a paged cache) or k + j * k_ld.
+// j < cols, key j at k_rows[j] (a paged cache) or k + j * k_ld. Float keys
+// and 16-bit ones (bfloat16 / float16, widened to float on load: the same
+// products and sums as a converted row, so the same bits).
 constexpr int kFewScoresAhead = 16;  // keys prefetched ahead
 
 // Row j of a few-queries block's keys (or values): rows[j] (a paged cache)
@@ -355,11 +404,24 @@ FLASHATTN_INLINE const scalar_t* few_key_row(const scalar_t* base, int64_t ld, c
   return rows ? rows[j] : base + j * ld;
 }
 
-FLASHATTN_INLINE void few_query_scores_vec16(const float* q, int rows, int d, const float* k, int64_t k_ld,
-                                             const float* const* k_rows, int cols, float* scores) {
+// dot_rows on each key row; a 16-bit row is widened as it is loaded
+// (dot_rows_widened) or, at head dims that are not a multiple of 16, first
+// converted into `buffer` (d floats).
+template <typename key_t>
+FLASHATTN_INLINE void few_query_scores_vec16(const float* q, int rows, int d, const key_t* k, int64_t k_ld,
+                                             const key_t* const* k_rows, int cols, float* scores, float* buffer) {
   for (int j = 0; j < cols; ++j) {
     if (j + kFewScoresAhead < cols) prefetch_row(few_key_row(k, k_ld, k_rows, j + kFewScoresAhead), d);
-    dot_rows(q, rows, d, few_key_row(k, k_ld, k_rows, j), scores + j, cols);
+    const key_t* k_row = few_key_row(k, k_ld, k_rows, j);
+#if FLASHATTN_VECTOR_EXT
+    if constexpr (!std::is_same_v<key_t, float>) {
+      if (d % 16 == 0) {
+        dot_rows_widened(q, rows, d, k_row, scores + j, cols);
+        continue;
+      }
+    }
+#endif
+    dot_rows(q, rows, d, row_as_acc(k_row, d, buffer), scores + j, cols);
   }
 }
 
@@ -370,7 +432,9 @@ FLASHATTN_INLINE void few_query_scores_vec16(const float* q, int rows, int d, co
 // stack and general registers every step: callgrind, ~200 instructions a
 // 128-long dot, 58% of a decoding step's); two 32-byte halves stay in ymm
 // registers. The same lanes, products, sums and fold (fold16's first step
-// adds the halves): the same bits as dot_rows.
+// adds the halves): the same bits as dot_rows. A 16-bit key is widened as
+// it is loaded (load8): converting rows into a buffer and taking the generic
+// dot made bfloat16 decoding 2.6x slower than float32 on the AVX2 machine.
 FLASHATTN_INLINE float fold_halves(Vec8f lo, Vec8f hi) {
   Vec8f v = lo + hi;
   v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 4, 5, 6, 7);
@@ -379,16 +443,16 @@ FLASHATTN_INLINE float fold_halves(Vec8f lo, Vec8f hi) {
   return v[0];
 }
 
-__attribute__((target("arch=x86-64-v3"))) void few_query_scores(const float* q, int rows, int d, const float* k,
-                                                                int64_t k_ld, const float* const* k_rows, int cols,
-                                                                float* scores) {
+template <typename key_t>
+FLASHATTN_INLINE void few_query_scores_halves(const float* q, int rows, int d, const key_t* k, int64_t k_ld,
+                                              const key_t* const* k_rows, int cols, float* scores, float* buffer) {
   if (d % 16 != 0) {
-    few_query_scores_vec16(q, rows, d, k, k_ld, k_rows, cols, scores);
+    few_query_scores_vec16(q, rows, d, k, k_ld, k_rows, cols, scores, buffer);
     return;
   }
   for (int j = 0; j < cols; ++j) {
     if (j + kFewScoresAhead < cols) prefetch_row(few_key_row(k, k_ld, k_rows, j + kFewScoresAhead), d);
-    const float* __restrict k_row = few_key_row(k, k_ld, k_rows, j);
+    const key_t* __restrict k_row = few_key_row(k, k_ld, k_rows, j);
     float* out = scores + j;
     int r = 0;
     for (; r + 4 <= rows; r += 4) {
@@ -421,21 +485,35 @@ __attribute__((target("arch=x86-64-v3"))) void few_query_scores(const float* q, 
     }
   }
 }
-// AVX-512 and the baseline: dot_rows as it is (one zmm register a 16-lane
-// vector on AVX-512).
-__attribute__((target("arch=x86-64-v4"))) void few_query_scores(const float* q, int rows, int d, const float* k,
-                                                                int64_t k_ld, const float* const* k_rows, int cols,
-                                                                float* scores) {
-  few_query_scores_vec16(q, rows, d, k, k_ld, k_rows, cols, scores);
-}
-__attribute__((target("default"))) void few_query_scores(const float* q, int rows, int d, const float* k, int64_t k_ld,
-                                                         const float* const* k_rows, int cols, float* scores) {
-  few_query_scores_vec16(q, rows, d, k, k_ld, k_rows, cols, scores);
-}
+
+// One set of target versions a key type (GCC's function multiversioning
+// takes no templates): AVX2 the halves, AVX-512 and the baseline dot_rows as
+// it is (one zmm register a 16-lane vector on AVX-512).
+#define FLASHATTN_FEW_QUERY_SCORES(key_t)                                                                             \
+  __attribute__((target("arch=x86-64-v3"))) void few_query_scores(const float* q, int rows, int d, const key_t* k,    \
+                                                                  int64_t k_ld, const key_t* const* k_rows, int cols, \
+                                                                  float* scores, float* buffer) {                     \
+    few_query_scores_halves(q, rows, d, k, k_ld, k_rows, cols, scores, buffer);                                       \
+  }                                                                                                                   \
+  __attribute__((target("arch=x86-64-v4"))) void few_query_scores(const float* q, int rows, int d, const key_t* k,    \
+                                                                  int64_t k_ld, const key_t* const* k_rows, int cols, \
+                                                                  float* scores, float* buffer) {                     \
+    few_query_scores_vec16(q, rows, d, k, k_ld, k_rows, cols, scores, buffer);                                        \
+  }                                                                                                                   \
+  __attribute__((target("default"))) void few_query_scores(const float* q, int rows, int d, const key_t* k,           \
+                                                           int64_t k_ld, const key_t* const* k_rows, int cols,        \
+                                                           float* scores, float* buffer) {                            \
+    few_query_scores_vec16(q, rows, d, k, k_ld, k_rows, cols, scores, buffer);                                        \
+  }
+FLASHATTN_FEW_QUERY_SCORES(float)
+FLASHATTN_FEW_QUERY_SCORES(c10::BFloat16)
+FLASHATTN_FEW_QUERY_SCORES(c10::Half)
+#undef FLASHATTN_FEW_QUERY_SCORES
 #else
-void few_query_scores(const float* q, int rows, int d, const float* k, int64_t k_ld, const float* const* k_rows,
-                      int cols, float* scores) {
-  few_query_scores_vec16(q, rows, d, k, k_ld, k_rows, cols, scores);
+template <typename key_t>
+void few_query_scores(const float* q, int rows, int d, const key_t* k, int64_t k_ld, const key_t* const* k_rows,
+                      int cols, float* scores, float* buffer) {
+  few_query_scores_vec16(q, rows, d, k, k_ld, k_rows, cols, scores, buffer);
 }
 #endif
 
@@ -633,8 +711,8 @@ FLASHATTN_SIMD_CLONES void attend_few_queries(const acc_t* q, int rows, int head
   // S = Q K^T, one key row at a time (shared by every query row).    rows x cols
   constexpr int kAhead = kFewScoresAhead;  // rows
   constexpr int kPvKeys = kFewKvRows;      // value rows per pass over O
-  if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<acc_t, float>) {
-    few_query_scores(q, rows, d, k, k_ld, k_rows, cols, scores);  // (the keys in place)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    few_query_scores(q, rows, d, k, k_ld, k_rows, cols, scores, kv_row);  // (the keys in place)
   } else {
     for (int j = 0; j < cols; ++j) {
       if (j + kAhead < cols) prefetch_row(k_row_of(j + kAhead), d);
