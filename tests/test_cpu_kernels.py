@@ -367,6 +367,34 @@ def test_few_queries_thread_invariant(seed):
             assert torch.equal(a, b), f"results differ between thread counts (seed {seed})"
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_few_queries_blocked_scores_give_the_same_bits(seed, dtype):
+    # On AVX-512 the few-queries scores take four keys against four rows a
+    # pass (tile_ops.cpp few_query_scores_blocked); the knob
+    # few_queries_unblocked runs them one key at a time. Each (row, key) sum
+    # is the same sequence of operations, so the outputs are bitwise equal:
+    # rows 4 / 6 / 3 (groups of four and the rest), keys not a multiple of
+    # four, head dims a multiple of 16 and not, a causal window. (Where the
+    # CPU has no AVX-512 both runs take the same code.)
+    for seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal in (
+        (1, 301, 32, 8, 128, False),
+        (2, 258, 6, 2, 64, True),
+        (3, 99, 4, 4, 40, False),
+        (1, 1000, 8, 2, 256, False),
+    ):
+        q, k, v, _ = make_inputs(2, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype)
+        results = []
+        for way in (0, 1):
+            before = torch.ops.flashattn_ext._cpu_test_knob("few_queries_unblocked", way)
+            try:
+                results.append(fwd_op(q, k, v, head_dim**-0.5, -1, 0 if causal else -1, True))
+            finally:
+                torch.ops.flashattn_ext._cpu_test_knob("few_queries_unblocked", before)
+        for blocked, unblocked in zip(*results):
+            assert torch.equal(blocked, unblocked), f"seed {seed}, {dtype}, q {seqlen_q} k {seqlen_k} d {head_dim}"
+        assert results[0][0].abs().sum() > 0
+
+
 # ---------------------------------------------------------------------------
 # Determinism and the autograd path.
 

@@ -31,6 +31,9 @@
 //                           stride is admitted) / from contiguous copies,
 //                           instead of the machine's rule (flash_cpu_bwd.cpp
 //                           bwd_tile_operand)
+//   TestKnob::kFewQueriesUnblocked  1: the AVX-512 decoding scores one key
+//                           at a time (few_query_scores_vec16), not four
+//                           keys a pass (tile_ops.cpp)
 #pragma once
 
 #include <atomic>
@@ -54,9 +57,10 @@ enum class TestKnob : int {
   kBwdPasses = 1,
   kNoFusedSoftmax = 2,
   kClaimOneItem = 3,
-  kBwdTilesInPlace = 4
+  kBwdTilesInPlace = 4,
+  kFewQueriesUnblocked = 5
 };
-constexpr int kNumTestKnobs = 5;
+constexpr int kNumTestKnobs = 6;
 
 // The knob's value (one object per process: an inline function's static).
 inline std::atomic<int>& test_knob(TestKnob knob) {

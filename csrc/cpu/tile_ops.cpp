@@ -9,6 +9,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "cpu_knobs.h"
 #include "fast_exp.h"
 #include "simd_clones.h"
 #include "tile_gemm.h"
@@ -409,19 +410,21 @@ FLASHATTN_INLINE const scalar_t* few_key_row(const scalar_t* base, int64_t ld, c
 // converted into `buffer` (d floats).
 template <typename key_t>
 FLASHATTN_INLINE void few_query_scores_vec16(const float* q, int rows, int d, const key_t* k, int64_t k_ld,
-                                             const key_t* const* k_rows, int cols, float* scores, float* buffer) {
+                                             const key_t* const* k_rows, int cols, float* scores, float* buffer,
+                                             int scores_ld = -1) {
+  if (scores_ld < 0) scores_ld = cols;  // (the stride between rows of scores)
   for (int j = 0; j < cols; ++j) {
     if (j + kFewScoresAhead < cols) prefetch_row(few_key_row(k, k_ld, k_rows, j + kFewScoresAhead), d);
     const key_t* k_row = few_key_row(k, k_ld, k_rows, j);
 #if FLASHATTN_VECTOR_EXT
     if constexpr (!std::is_same_v<key_t, float>) {
       if (d % 16 == 0) {
-        dot_rows_widened(q, rows, d, k_row, scores + j, cols);
+        dot_rows_widened(q, rows, d, k_row, scores + j, scores_ld);
         continue;
       }
     }
 #endif
-    dot_rows(q, rows, d, row_as_acc(k_row, d, buffer), scores + j, cols);
+    dot_rows(q, rows, d, row_as_acc(k_row, d, buffer), scores + j, scores_ld);
   }
 }
 
@@ -486,9 +489,61 @@ FLASHATTN_INLINE void few_query_scores_halves(const float* q, int rows, int d, c
   }
 }
 
+// The AVX-512 version: four keys against four query rows a pass, sixteen
+// accumulators (zmm registers: 16 + 4 keys + 1 query of 32), so that each
+// query vector loaded serves four keys (dot_rows reloads the queries for
+// every key: five loads for four FMAs, the load ports the limit). Each
+// accumulator is dot_rows's for its (row, key), summed in the same order:
+// the same bits. Keys and rows past the last whole group of four, and head
+// dims that are not a multiple of 16, take few_query_scores_vec16.
+template <typename key_t>
+FLASHATTN_INLINE void few_query_scores_blocked(const float* q, int rows, int d, const key_t* k, int64_t k_ld,
+                                               const key_t* const* k_rows, int cols, float* scores, float* buffer) {
+  if (d % 16 != 0 || rows < 4) {
+    few_query_scores_vec16(q, rows, d, k, k_ld, k_rows, cols, scores, buffer);
+    return;
+  }
+  const int rows4 = rows / 4 * 4, cols4 = cols / 4 * 4;
+  for (int j = 0; j < cols4; j += 4) {
+    for (int t = 0; t < 4 && j + kFewScoresAhead + t < cols; ++t)
+      prefetch_row(few_key_row(k, k_ld, k_rows, j + kFewScoresAhead + t), d);
+    const key_t* __restrict k0 = few_key_row(k, k_ld, k_rows, j);
+    const key_t* __restrict k1 = few_key_row(k, k_ld, k_rows, j + 1);
+    const key_t* __restrict k2 = few_key_row(k, k_ld, k_rows, j + 2);
+    const key_t* __restrict k3 = few_key_row(k, k_ld, k_rows, j + 3);
+    for (int r = 0; r < rows4; r += 4) {
+      Vec16f acc[4][4] = {};
+      for (int i = 0; i < d; i += 16) {
+        const Vec16f kv0 = load16(k0 + i), kv1 = load16(k1 + i), kv2 = load16(k2 + i), kv3 = load16(k3 + i);
+        for (int rr = 0; rr < 4; ++rr) {
+          const Vec16f qv = load16(q + (r + rr) * d + i);
+          acc[rr][0] += qv * kv0;
+          acc[rr][1] += qv * kv1;
+          acc[rr][2] += qv * kv2;
+          acc[rr][3] += qv * kv3;
+        }
+      }
+      for (int rr = 0; rr < 4; ++rr)
+        for (int t = 0; t < 4; ++t) scores[(r + rr) * cols + j + t] = fold16(acc[rr][t]);
+    }
+    for (int t = 0; t < 4 && rows4 < rows; ++t) {  // the last rows, one key at a time
+      const key_t* k_row = few_key_row(k, k_ld, k_rows, j + t);
+      if constexpr (std::is_same_v<key_t, float>) {
+        dot_rows(q + rows4 * d, rows - rows4, d, k_row, scores + rows4 * cols + j + t, cols);
+      } else {
+        dot_rows_widened(q + rows4 * d, rows - rows4, d, k_row, scores + rows4 * cols + j + t, cols);
+      }
+    }
+  }
+  if (cols4 < cols)
+    few_query_scores_vec16(q, rows, d, k + (k_rows ? 0 : cols4 * k_ld), k_ld, k_rows ? k_rows + cols4 : nullptr,
+                           cols - cols4, scores + cols4, buffer, cols);
+}
+
 // One set of target versions a key type (GCC's function multiversioning
-// takes no templates): AVX2 the halves, AVX-512 and the baseline dot_rows as
-// it is (one zmm register a 16-lane vector on AVX-512).
+// takes no templates): AVX2 the halves, AVX-512 the blocked passes (the
+// vec16 ones under TestKnob::kFewQueriesUnblocked, for the A/B), the
+// baseline dot_rows as it is.
 #define FLASHATTN_FEW_QUERY_SCORES(key_t)                                                                             \
   __attribute__((target("arch=x86-64-v3"))) void few_query_scores(const float* q, int rows, int d, const key_t* k,    \
                                                                   int64_t k_ld, const key_t* const* k_rows, int cols, \
@@ -498,7 +553,11 @@ FLASHATTN_INLINE void few_query_scores_halves(const float* q, int rows, int d, c
   __attribute__((target("arch=x86-64-v4"))) void few_query_scores(const float* q, int rows, int d, const key_t* k,    \
                                                                   int64_t k_ld, const key_t* const* k_rows, int cols, \
                                                                   float* scores, float* buffer) {                     \
-    few_query_scores_vec16(q, rows, d, k, k_ld, k_rows, cols, scores, buffer);                                        \
+    if (test_knob_value(TestKnob::kFewQueriesUnblocked) == 1) {                                                       \
+      few_query_scores_vec16(q, rows, d, k, k_ld, k_rows, cols, scores, buffer);                                      \
+    } else {                                                                                                          \
+      few_query_scores_blocked(q, rows, d, k, k_ld, k_rows, cols, scores, buffer);                                    \
+    }                                                                                                                 \
   }                                                                                                                   \
   __attribute__((target("default"))) void few_query_scores(const float* q, int rows, int d, const key_t* k,           \
                                                            int64_t k_ld, const key_t* const* k_rows, int cols,        \
@@ -698,55 +757,20 @@ FLASHATTN_SIMD_CLONES void probs_and_dscores_t(acc_t* s_t, acc_t* dp_t, int64_t 
   }
 }
 
+namespace {
+
+// O += P V for a few-queries block, kFewKvRows value rows at a time, over
+// the rows that see them (a masked P is 0, but 0 * NaN is not: see
+// tile_ops.h). A row that sees all of them adds them in one pass over its O
+// row (each element loaded and stored once, not once a key), in the same
+// order as one key at a time. P is `scores` (rows x cols).
 template <typename scalar_t, typename acc_t>
-FLASHATTN_SIMD_CLONES void attend_few_queries(const acc_t* q, int rows, int head_dim, const scalar_t* k, int64_t k_ld,
-                                              const scalar_t* v, int64_t v_ld, const scalar_t* const* k_rows,
-                                              const scalar_t* const* v_rows, int cols, const int* key_lo,
-                                              const int* key_hi, acc_t* row_max, acc_t* row_sum, acc_t* o,
-                                              acc_t* scores, acc_t* kv_row) {
-  constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
-  const int d = head_dim;
-  auto k_row_of = [&](int j) { return few_key_row(k, k_ld, k_rows, j); };
-  auto v_row_of = [&](int j) { return few_key_row(v, v_ld, v_rows, j); };
-  // S = Q K^T, one key row at a time (shared by every query row).    rows x cols
+FLASHATTN_INLINE void few_queries_pv_rows(const acc_t* scores, int rows, int d, const scalar_t* v, int64_t v_ld,
+                                          const scalar_t* const* v_rows, int cols, const int* key_lo, const int* key_hi,
+                                          acc_t* o, acc_t* kv_row) {
   constexpr int kAhead = kFewScoresAhead;  // rows
   constexpr int kPvKeys = kFewKvRows;      // value rows per pass over O
-  if constexpr (std::is_same_v<acc_t, float>) {
-    few_query_scores(q, rows, d, k, k_ld, k_rows, cols, scores, kv_row);  // (the keys in place)
-  } else {
-    for (int j = 0; j < cols; ++j) {
-      if (j + kAhead < cols) prefetch_row(k_row_of(j + kAhead), d);
-      const acc_t* k_row = row_as_acc(k_row_of(j), d, kv_row);
-      dot_rows(q, rows, d, k_row, scores + j, cols);
-    }
-  }
-  // Online softmax per query row, as in online_softmax_step.
-  for (int r = 0; r < rows; ++r) {
-    acc_t* s = scores + r * cols;
-    const int lo = key_lo ? key_lo[r] : 0;
-    const int hi = key_hi ? std::max(key_hi[r], lo) : cols;
-    fill(s, lo, acc_t(0));
-    fill(s + hi, cols - hi, acc_t(0));
-    const acc_t m_old = row_max[r];
-    const acc_t m_new = std::max(m_old, max_of(s + lo, hi - lo));
-    // As in online_softmax_step: a row with no finite score so far keeps
-    // m = -inf and shifts by 0, so that its P is exp(-inf) = 0 for masked or
-    // -inf scores and NaN for NaN scores (max_of skips NaNs: a NaN in q or k
-    // must still poison the rows that see it, not make them look key-less).
-    const acc_t shift = m_new == kNegInf ? acc_t(0) : m_new;
-    const acc_t tile_sum = exp_shifted_sum(s + lo, hi - lo, shift);
-    const acc_t alpha = exp_approx(m_old - shift);  // 0 for the first keys a row sees
-    row_sum[r] = row_sum[r] * alpha + tile_sum;
-    row_max[r] = m_new;
-    acc_t* o_row = o + r * d;
-    if (alpha != acc_t(1))
-      for (int c = 0; c < d; ++c) o_row[c] *= alpha;
-  }
-  // O += P V, kPvKeys value rows at a time, over the rows that see them (a
-  // masked P is 0, but 0 * NaN is not: see tile_ops.h).                rows x d
-  // A row that sees all of them adds them in one pass over its O row (each
-  // element loaded and stored once, not once a key), in the same order as one
-  // key at a time.
+  auto v_row_of = [&](int j) { return few_key_row(v, v_ld, v_rows, j); };
   for (int j0 = 0; j0 < cols; j0 += kPvKeys) {
     const int keys = std::min(kPvKeys, cols - j0);
     const acc_t* v_acc[kPvKeys];
@@ -783,6 +807,159 @@ FLASHATTN_SIMD_CLONES void attend_few_queries(const acc_t* q, int rows, int head
       }
     }
   }
+}
+
+#if FLASHATTN_HAVE_SIMD_CLONES && FLASHATTN_VECTOR_EXT
+// The AVX-512 version for blocks every row sees whole: four value rows
+// against four query rows a pass, their sixteen P values broadcast once
+// (zmm registers: 16 + 4 values + 1 of O), so that each value vector loaded
+// serves four rows (few_queries_pv_rows reloads the values for every row:
+// five loads for four FMAs). Each O element gets the same FMAs in the same
+// order as in few_queries_pv_rows: the same bits. 16-bit values are widened
+// as they are loaded.
+template <typename val_t>
+FLASHATTN_INLINE void few_queries_pv_blocked(const float* scores, int rows, int d, const val_t* v, int64_t v_ld,
+                                             const val_t* const* v_rows, int cols, float* o, float* kv_row) {
+  if (d % 16 != 0 || rows < 4) {
+    few_queries_pv_rows(scores, rows, d, v, v_ld, v_rows, cols, nullptr, nullptr, o, kv_row);
+    return;
+  }
+  constexpr int kAhead = kFewScoresAhead;
+  const int rows4 = rows / 4 * 4, cols4 = cols / 4 * 4;
+  for (int j = 0; j < cols4; j += 4) {
+    for (int t = 0; t < 4 && j + kAhead + t < cols; ++t) prefetch_row(few_key_row(v, v_ld, v_rows, j + kAhead + t), d);
+    const val_t* __restrict v0 = few_key_row(v, v_ld, v_rows, j);
+    const val_t* __restrict v1 = few_key_row(v, v_ld, v_rows, j + 1);
+    const val_t* __restrict v2 = few_key_row(v, v_ld, v_rows, j + 2);
+    const val_t* __restrict v3 = few_key_row(v, v_ld, v_rows, j + 3);
+    for (int r = 0; r < rows4; r += 4) {
+      Vec16f p[4][4];
+      for (int rr = 0; rr < 4; ++rr)
+        for (int t = 0; t < 4; ++t) p[rr][t] = Vec16f{} + scores[(r + rr) * cols + j + t];
+      for (int c = 0; c < d; c += 16) {
+        const Vec16f w0 = load16(v0 + c), w1 = load16(v1 + c), w2 = load16(v2 + c), w3 = load16(v3 + c);
+        for (int rr = 0; rr < 4; ++rr) {
+          float* o_row = o + (r + rr) * d + c;
+          Vec16f x = load16(o_row);
+          x += p[rr][0] * w0;
+          x += p[rr][1] * w1;
+          x += p[rr][2] * w2;
+          x += p[rr][3] * w3;
+          store16(o_row, x);
+        }
+      }
+    }
+    for (int r = rows4; r < rows; ++r) {  // the last rows, one at a time
+      const float* p = scores + r * cols + j;
+      for (int c = 0; c < d; c += 16) {
+        float* o_row = o + r * d + c;
+        Vec16f x = load16(o_row);
+        x += (Vec16f{} + p[0]) * load16(v0 + c);
+        x += (Vec16f{} + p[1]) * load16(v1 + c);
+        x += (Vec16f{} + p[2]) * load16(v2 + c);
+        x += (Vec16f{} + p[3]) * load16(v3 + c);
+        store16(o_row, x);
+      }
+    }
+  }
+  if (cols4 < cols) {  // the last keys, as few_queries_pv_rows takes them (one at a time)
+    for (int r = 0; r < rows; ++r)
+      for (int t = cols4; t < cols; ++t) {
+        const float pt = scores[r * cols + t];
+        const val_t* v_row = few_key_row(v, v_ld, v_rows, t);
+        for (int c = 0; c < d; c += 16)
+          store16(o + r * d + c, load16(o + r * d + c) + (Vec16f{} + pt) * load16(v_row + c));
+      }
+  }
+}
+
+// One set of target versions a value type, as few_query_scores: AVX-512 the
+// blocked pass (few_queries_pv_rows under TestKnob::kFewQueriesUnblocked),
+// the others few_queries_pv_rows.
+#define FLASHATTN_FEW_QUERIES_PV(val_t)                                                                                \
+  __attribute__((target("arch=x86-64-v4"))) void few_queries_pv(const float* scores, int rows, int d, const val_t* v,  \
+                                                                int64_t v_ld, const val_t* const* v_rows, int cols,    \
+                                                                float* o, float* kv_row) {                             \
+    if (test_knob_value(TestKnob::kFewQueriesUnblocked) == 1) {                                                        \
+      few_queries_pv_rows(scores, rows, d, v, v_ld, v_rows, cols, nullptr, nullptr, o, kv_row);                        \
+    } else {                                                                                                           \
+      few_queries_pv_blocked(scores, rows, d, v, v_ld, v_rows, cols, o, kv_row);                                       \
+    }                                                                                                                  \
+  }                                                                                                                    \
+  __attribute__((target("arch=x86-64-v3"))) void few_queries_pv(const float* scores, int rows, int d, const val_t* v,  \
+                                                                int64_t v_ld, const val_t* const* v_rows, int cols,    \
+                                                                float* o, float* kv_row) {                             \
+    few_queries_pv_rows(scores, rows, d, v, v_ld, v_rows, cols, nullptr, nullptr, o, kv_row);                          \
+  }                                                                                                                    \
+  __attribute__((target("default"))) void few_queries_pv(const float* scores, int rows, int d, const val_t* v,         \
+                                                         int64_t v_ld, const val_t* const* v_rows, int cols, float* o, \
+                                                         float* kv_row) {                                              \
+    few_queries_pv_rows(scores, rows, d, v, v_ld, v_rows, cols, nullptr, nullptr, o, kv_row);                          \
+  }
+FLASHATTN_FEW_QUERIES_PV(float)
+FLASHATTN_FEW_QUERIES_PV(c10::BFloat16)
+FLASHATTN_FEW_QUERIES_PV(c10::Half)
+#undef FLASHATTN_FEW_QUERIES_PV
+#else
+template <typename val_t>
+void few_queries_pv(const float* scores, int rows, int d, const val_t* v, int64_t v_ld, const val_t* const* v_rows,
+                    int cols, float* o, float* kv_row) {
+  few_queries_pv_rows(scores, rows, d, v, v_ld, v_rows, cols, nullptr, nullptr, o, kv_row);
+}
+#endif
+
+}  // namespace
+
+template <typename scalar_t, typename acc_t>
+FLASHATTN_SIMD_CLONES void attend_few_queries(const acc_t* q, int rows, int head_dim, const scalar_t* k, int64_t k_ld,
+                                              const scalar_t* v, int64_t v_ld, const scalar_t* const* k_rows,
+                                              const scalar_t* const* v_rows, int cols, const int* key_lo,
+                                              const int* key_hi, acc_t* row_max, acc_t* row_sum, acc_t* o,
+                                              acc_t* scores, acc_t* kv_row) {
+  constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
+  const int d = head_dim;
+  auto k_row_of = [&](int j) { return few_key_row(k, k_ld, k_rows, j); };
+  // S = Q K^T, one key row at a time (shared by every query row).    rows x cols
+  constexpr int kAhead = kFewScoresAhead;  // rows
+  if constexpr (std::is_same_v<acc_t, float>) {
+    few_query_scores(q, rows, d, k, k_ld, k_rows, cols, scores, kv_row);  // (the keys in place)
+  } else {
+    for (int j = 0; j < cols; ++j) {
+      if (j + kAhead < cols) prefetch_row(k_row_of(j + kAhead), d);
+      const acc_t* k_row = row_as_acc(k_row_of(j), d, kv_row);
+      dot_rows(q, rows, d, k_row, scores + j, cols);
+    }
+  }
+  // Online softmax per query row, as in online_softmax_step.
+  for (int r = 0; r < rows; ++r) {
+    acc_t* s = scores + r * cols;
+    const int lo = key_lo ? key_lo[r] : 0;
+    const int hi = key_hi ? std::max(key_hi[r], lo) : cols;
+    fill(s, lo, acc_t(0));
+    fill(s + hi, cols - hi, acc_t(0));
+    const acc_t m_old = row_max[r];
+    const acc_t m_new = std::max(m_old, max_of(s + lo, hi - lo));
+    // As in online_softmax_step: a row with no finite score so far keeps
+    // m = -inf and shifts by 0, so that its P is exp(-inf) = 0 for masked or
+    // -inf scores and NaN for NaN scores (max_of skips NaNs: a NaN in q or k
+    // must still poison the rows that see it, not make them look key-less).
+    const acc_t shift = m_new == kNegInf ? acc_t(0) : m_new;
+    const acc_t tile_sum = exp_shifted_sum(s + lo, hi - lo, shift);
+    const acc_t alpha = exp_approx(m_old - shift);  // 0 for the first keys a row sees
+    row_sum[r] = row_sum[r] * alpha + tile_sum;
+    row_max[r] = m_new;
+    acc_t* o_row = o + r * d;
+    if (alpha != acc_t(1))
+      for (int c = 0; c < d; ++c) o_row[c] *= alpha;
+  }
+  // O += P V (rows x d): one pass over O a group of kFewKvRows keys.
+  if constexpr (std::is_same_v<acc_t, float>) {
+    if (key_lo == nullptr) {  // every row sees every key: the machine's best pass (few_queries_pv)
+      few_queries_pv(scores, rows, d, v, v_ld, v_rows, cols, o, kv_row);
+      return;
+    }
+  }
+  few_queries_pv_rows(scores, rows, d, v, v_ld, v_rows, cols, key_lo, key_hi, o, kv_row);
 }
 
 // ---------------------------------------------------------------------------
