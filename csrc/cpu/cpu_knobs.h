@@ -31,9 +31,12 @@
 //                           stride is admitted) / from contiguous copies,
 //                           instead of the machine's rule (flash_cpu_bwd.cpp
 //                           bwd_tile_operand)
-//   TestKnob::kFewQueriesUnblocked  1: the AVX-512 decoding scores one key
-//                           at a time (few_query_scores_vec16), not four
-//                           keys a pass (tile_ops.cpp)
+//   TestKnob::kFewQueriesBlocked  1: on AVX-512 the decoding scores and
+//                           P V product take four keys against four query
+//                           rows a pass (tile_ops.cpp few_query_scores_blocked,
+//                           few_queries_pv_blocked), instead of one key a
+//                           pass: the candidate of the next Xeon A/B (bitwise
+//                           the same results; not yet timed on AVX-512)
 #pragma once
 
 #include <atomic>
@@ -58,7 +61,7 @@ enum class TestKnob : int {
   kNoFusedSoftmax = 2,
   kClaimOneItem = 3,
   kBwdTilesInPlace = 4,
-  kFewQueriesUnblocked = 5
+  kFewQueriesBlocked = 5
 };
 constexpr int kNumTestKnobs = 6;
 
