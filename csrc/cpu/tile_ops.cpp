@@ -221,34 +221,6 @@ FLASHATTN_INLINE float dot(const float* __restrict x, const float* __restrict y,
   return fold16(acc);
 }
 
-// dot(q + r * d, k_row, d) for the rows r of [0, rows), into out[r * out_ld]:
-// four rows a pass over k_row, so that four FMA chains run side by side
-// instead of one dependent chain a row (perf: the dot's one chain was ~30% of
-// a decoding step, latency-bound). Each row's products, sums and fold are
-// dot()'s, in the same order: the same bits whatever rows a call groups.
-FLASHATTN_INLINE void dot_rows(const float* __restrict q, int rows, int d, const float* __restrict k_row,
-                               float* __restrict out, int64_t out_ld) {
-  int r = 0;
-  if (d % 16 == 0) {
-    for (; r + 4 <= rows; r += 4) {
-      const float* q0 = q + r * d;
-      Vec16f a0 = {}, a1 = {}, a2 = {}, a3 = {};
-      for (int i = 0; i < d; i += 16) {
-        const Vec16f kv = load16(k_row + i);
-        a0 += load16(q0 + i) * kv;
-        a1 += load16(q0 + d + i) * kv;
-        a2 += load16(q0 + 2 * d + i) * kv;
-        a3 += load16(q0 + 3 * d + i) * kv;
-      }
-      out[r * out_ld] = fold16(a0);
-      out[(r + 1) * out_ld] = fold16(a1);
-      out[(r + 2) * out_ld] = fold16(a2);
-      out[(r + 3) * out_ld] = fold16(a3);
-    }
-  }
-  for (; r < rows; ++r) out[r * out_ld] = dot(q + r * d, k_row, d);
-}
-
 // 16-bit values widened to float as they are loaded (a bfloat16 is the upper
 // half of a float32; float16 by c10's conversion).
 FLASHATTN_INLINE Vec16f load16(const c10::BFloat16* p) {
@@ -266,6 +238,39 @@ FLASHATTN_INLINE Vec16f load16(const c10::Half* p) {
   return load16(tmp);
 }
 
+// Four query rows (q0, q0 + d, ...) against one key row, d a multiple of 16:
+// four FMA chains side by side, out[t * out_ld] the row t's dot, summed and
+// folded as dot() does. 16-bit keys are widened as they are loaded.
+template <typename key_t>
+FLASHATTN_INLINE void dot_four_rows(const float* __restrict q0, int d, const key_t* __restrict k_row,
+                                    float* __restrict out, int64_t out_ld) {
+  Vec16f a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  for (int i = 0; i < d; i += 16) {
+    const Vec16f kv = load16(k_row + i);
+    a0 += load16(q0 + i) * kv;
+    a1 += load16(q0 + d + i) * kv;
+    a2 += load16(q0 + 2 * d + i) * kv;
+    a3 += load16(q0 + 3 * d + i) * kv;
+  }
+  out[0] = fold16(a0);
+  out[out_ld] = fold16(a1);
+  out[2 * out_ld] = fold16(a2);
+  out[3 * out_ld] = fold16(a3);
+}
+
+// dot(q + r * d, k_row, d) for the rows r of [0, rows), into out[r * out_ld]:
+// four rows a pass over k_row, so that four FMA chains run side by side
+// instead of one dependent chain a row (perf: the dot's one chain was ~30% of
+// a decoding step, latency-bound). Each row's products, sums and fold are
+// dot()'s, in the same order: the same bits whatever rows a call groups.
+FLASHATTN_INLINE void dot_rows(const float* __restrict q, int rows, int d, const float* __restrict k_row,
+                               float* __restrict out, int64_t out_ld) {
+  int r = 0;
+  if (d % 16 == 0)
+    for (; r + 4 <= rows; r += 4) dot_four_rows(q + r * d, d, k_row, out + r * out_ld, out_ld);
+  for (; r < rows; ++r) out[r * out_ld] = dot(q + r * d, k_row, d);
+}
+
 // dot_rows against a 16-bit key row, widened on load (head dims that are a
 // multiple of 16): the products, sums and fold of dot_rows on the converted
 // row, so the same bits, without the round trip through a buffer.
@@ -273,21 +278,7 @@ template <typename key_t>
 FLASHATTN_INLINE void dot_rows_widened(const float* __restrict q, int rows, int d, const key_t* __restrict k_row,
                                        float* __restrict out, int64_t out_ld) {
   int r = 0;
-  for (; r + 4 <= rows; r += 4) {
-    const float* q0 = q + r * d;
-    Vec16f a0 = {}, a1 = {}, a2 = {}, a3 = {};
-    for (int i = 0; i < d; i += 16) {
-      const Vec16f kv = load16(k_row + i);
-      a0 += load16(q0 + i) * kv;
-      a1 += load16(q0 + d + i) * kv;
-      a2 += load16(q0 + 2 * d + i) * kv;
-      a3 += load16(q0 + 3 * d + i) * kv;
-    }
-    out[r * out_ld] = fold16(a0);
-    out[(r + 1) * out_ld] = fold16(a1);
-    out[(r + 2) * out_ld] = fold16(a2);
-    out[(r + 3) * out_ld] = fold16(a3);
-  }
+  for (; r + 4 <= rows; r += 4) dot_four_rows(q + r * d, d, k_row, out + r * out_ld, out_ld);
   for (; r < rows; ++r) {
     const float* q0 = q + r * d;
     Vec16f acc = {};
