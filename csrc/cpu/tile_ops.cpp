@@ -401,21 +401,19 @@ FLASHATTN_INLINE const scalar_t* few_key_row(const scalar_t* base, int64_t ld, c
 // converted into `buffer` (d floats).
 template <typename key_t>
 FLASHATTN_INLINE void few_query_scores_vec16(const float* q, int rows, int d, const key_t* k, int64_t k_ld,
-                                             const key_t* const* k_rows, int cols, float* scores, float* buffer,
-                                             int scores_ld = -1) {
-  if (scores_ld < 0) scores_ld = cols;  // (the stride between rows of scores)
+                                             const key_t* const* k_rows, int cols, float* scores, float* buffer) {
   for (int j = 0; j < cols; ++j) {
     if (j + kFewScoresAhead < cols) prefetch_row(few_key_row(k, k_ld, k_rows, j + kFewScoresAhead), d);
     const key_t* k_row = few_key_row(k, k_ld, k_rows, j);
 #if FLASHATTN_VECTOR_EXT
     if constexpr (!std::is_same_v<key_t, float>) {
       if (d % 16 == 0) {
-        dot_rows_widened(q, rows, d, k_row, scores + j, scores_ld);
+        dot_rows_widened(q, rows, d, k_row, scores + j, cols);
         continue;
       }
     }
 #endif
-    dot_rows(q, rows, d, row_as_acc(k_row, d, buffer), scores + j, scores_ld);
+    dot_rows(q, rows, d, row_as_acc(k_row, d, buffer), scores + j, cols);
   }
 }
 
@@ -485,8 +483,9 @@ FLASHATTN_INLINE void few_query_scores_halves(const float* q, int rows, int d, c
 // query vector loaded serves four keys (dot_rows reloads the queries for
 // every key: five loads for four FMAs, the load ports the limit). Each
 // accumulator is dot_rows's for its (row, key), summed in the same order:
-// the same bits. Keys and rows past the last whole group of four, and head
-// dims that are not a multiple of 16, take few_query_scores_vec16.
+// the same bits. Keys and rows past the last whole group of four take one
+// key at a time (dot_rows, as few_query_scores_vec16 does); head dims that
+// are not a multiple of 16, and fewer than four rows, few_query_scores_vec16.
 template <typename key_t>
 FLASHATTN_INLINE void few_query_scores_blocked(const float* q, int rows, int d, const key_t* k, int64_t k_ld,
                                                const key_t* const* k_rows, int cols, float* scores, float* buffer) {
@@ -495,6 +494,15 @@ FLASHATTN_INLINE void few_query_scores_blocked(const float* q, int rows, int d, 
     return;
   }
   const int rows4 = rows / 4 * 4, cols4 = cols / 4 * 4;
+  // Key j against the rows from r0 on, as few_query_scores_vec16 takes it.
+  auto one_key = [&](int j, int r0) {
+    const key_t* k_row = few_key_row(k, k_ld, k_rows, j);
+    if constexpr (std::is_same_v<key_t, float>) {
+      dot_rows(q + r0 * d, rows - r0, d, k_row, scores + r0 * cols + j, cols);
+    } else {
+      dot_rows_widened(q + r0 * d, rows - r0, d, k_row, scores + r0 * cols + j, cols);
+    }
+  };
   for (int j = 0; j < cols4; j += 4) {
     for (int t = 0; t < 4 && j + kFewScoresAhead + t < cols; ++t)
       prefetch_row(few_key_row(k, k_ld, k_rows, j + kFewScoresAhead + t), d);
@@ -517,18 +525,9 @@ FLASHATTN_INLINE void few_query_scores_blocked(const float* q, int rows, int d, 
       for (int rr = 0; rr < 4; ++rr)
         for (int t = 0; t < 4; ++t) scores[(r + rr) * cols + j + t] = fold16(acc[rr][t]);
     }
-    for (int t = 0; t < 4 && rows4 < rows; ++t) {  // the last rows, one key at a time
-      const key_t* k_row = few_key_row(k, k_ld, k_rows, j + t);
-      if constexpr (std::is_same_v<key_t, float>) {
-        dot_rows(q + rows4 * d, rows - rows4, d, k_row, scores + rows4 * cols + j + t, cols);
-      } else {
-        dot_rows_widened(q + rows4 * d, rows - rows4, d, k_row, scores + rows4 * cols + j + t, cols);
-      }
-    }
+    for (int t = 0; t < 4 && rows4 < rows; ++t) one_key(j + t, rows4);  // the last rows
   }
-  if (cols4 < cols)
-    few_query_scores_vec16(q, rows, d, k + (k_rows ? 0 : cols4 * k_ld), k_ld, k_rows ? k_rows + cols4 : nullptr,
-                           cols - cols4, scores + cols4, buffer, cols);
+  for (int j = cols4; j < cols; ++j) one_key(j, 0);  // the last keys
 }
 
 // One set of target versions a key type (GCC's function multiversioning
