@@ -187,6 +187,10 @@ for det in (False, True):
         fm = torch.zeros(400, 400, device="cuda", dtype=torch.bfloat16).masked_fill(~allowed, float("-inf"))
         for m in (allowed, fm.requires_grad_()):
             flashattn_ext.scaled_dot_product_attention(q, kv, kv, attn_mask=m, enable_gqa=True).sum().backward()
+        # a bf16 bias read through shared memory (hopper/fwd_sm90_bias_stage.cuh), 397 keys: the last chunk zero-filled
+        kr = torch.randn(1, 2, 397, d, device="cuda", dtype=torch.bfloat16)
+        rb = torch.randn(1, 4, 400, 400, device="cuda", dtype=torch.bfloat16)[..., :397]
+        flashattn_ext.scaled_dot_product_attention(q, kr, kr, attn_mask=rb, enable_gqa=True).sum().backward()
 torch.use_deterministic_algorithms(False)
 if os.environ.get("SAN_CASES") == "mask":  # only the case above
     torch.cuda.synchronize()

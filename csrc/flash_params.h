@@ -95,6 +95,15 @@ struct AttnBias {
   FLASHATTN_HOST_DEVICE const char* plane(int b, int h) const {
     return static_cast<const char*>(ptr) + offset(b, h) * bias_element_bytes(kind);
   }
+  // Whether the Hopper forward copies the mask's tiles into shared memory
+  // (cuda/hopper/fwd_sm90_bias_stage.cuh): a 16-bit float mask, keys
+  // contiguous, rows and planes 16-byte aligned (strides multiples of 8
+  // elements, 0 included).
+  FLASHATTN_HOST_DEVICE bool tiles_copyable() const {
+    const bool sixteen_bit = kind == BiasKind::kBFloat16 || kind == BiasKind::kFloat16;
+    return sixteen_bit && col_stride == 1 && row_stride % 8 == 0 && batch_stride % 8 == 0 && head_stride % 8 == 0 &&
+           reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+  }
   // The summary (nullptr: none, e.g. on the CPU): entry (b, h, band, c) at
   // b * summary_batch_stride + h * summary_head_stride + band * summary_band_stride + c * summary_col_step.
   const uint8_t* summary = nullptr;

@@ -283,6 +283,39 @@ def test_attn_mask_long_sequences(device, dtype, kind):
     check_sdpa(q, k, v, dout=randn(q.shape, dtype, device), attn_mask=mask)
 
 
+def _bias16(form, b, h, lq, lk, dtype, device):
+    """16-bit float biases in the layouts the Hopper forward copies into shared
+    memory a key block at a time (keys contiguous, rows 16-byte aligned:
+    hopper/fwd_sm90_bias_stage.cuh), and one it must read element by element."""
+    if form == "batch":  # (B, 1, L, S), S a multiple of 8
+        return randn((b, 1, lq, lk), dtype, device)
+    if form == "heads":  # (1, H, L, S), a relative position bias
+        return randn((1, h, lq, lk), dtype, device)
+    if form == "rows_broadcast":  # (B, 1, 1, S): row stride 0, with -inf keys
+        m = randn((b, 1, 1, lk), dtype, device)
+        return m.masked_fill(torch.rand(b, 1, 1, lk, device=device) > 0.8, float("-inf"))
+    if form == "ragged_keys":  # S not a multiple of 8 inside rows of a multiple of 8: the last chunk zero-filled
+        return randn((b, h, lq, lk + 8 - lk % 8), dtype, device)[..., : lk - 3]
+    if form == "odd_rows":  # row stride odd: not 16-byte aligned, the element loads
+        return randn((b, 1, lq, lk + 1), dtype, device)[..., :lk]
+    raise ValueError(form)
+
+
+@pytest.mark.dtypes(torch.float16, torch.bfloat16)
+@pytest.mark.parametrize("form", ["batch", "heads", "rows_broadcast", "ragged_keys", "odd_rows"])
+@pytest.mark.parametrize("e", [64, 128, 256])
+def test_attn_mask_16bit_bias_layouts_match_oracle(device, dtype, form, e):
+    """A 16-bit float bias over several key blocks and query tiles, ragged ends
+    on both axes, in each layout (the Hopper forward's shared-memory path and
+    its element loads)."""
+    b, h, lq, lk = 2, 2, 200, 328
+    mask = _bias16(form, b, h, lq, lk, dtype, device)
+    lk = mask.shape[-1]
+    q, k, v = randn((b, h, lq, e), dtype, device), randn((b, h, lk, e), dtype, device), randn((b, h, lk, e), dtype, device)
+    assert flashattn_ext.sdpa_fallback_reason(q, k, v, attn_mask=mask) is None
+    check_sdpa(q, k, v, dout=randn(q.shape, dtype, device), attn_mask=mask)
+
+
 @pytest.mark.dtypes(torch.float32, torch.bfloat16)
 def test_attn_mask_gqa_rank3_and_scale(device, dtype):
     q = randn((2, 8, 40, 64), dtype, device)

@@ -143,11 +143,15 @@ cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool
   constexpr ScoreModSet kNone = ScoreModSet::kNone;
   constexpr ScoreModSet kFa = kScoreModInstances ? ScoreModSet::kFlashAttn : kNone;
   constexpr ScoreModSet kBias = kScoreModInstances ? ScoreModSet::kAttnBias : kNone;
+  // A 16-bit float mask whose tiles can be copied goes through shared memory (hopper/fwd_sm90_bias_stage.cuh).
+  constexpr ScoreModSet kBiasStaged = kScoreModInstances && Kt::kBiasStageFits ? ScoreModSet::kAttnBiasStaged : kBias;
+  const bool staged = bias && kBiasStaged != kBias && p.score_mod.bias.tiles_copyable();
   auto kernel = p.per_sequence()
                     ? (mod ? &flash_fwd_sm90_ws_kernel<Kt, true, kFa> : &flash_fwd_sm90_ws_kernel<Kt, true, kNone>)
-                    : (bias  ? &flash_fwd_sm90_ws_kernel<Kt, false, kBias>
-                       : mod ? &flash_fwd_sm90_ws_kernel<Kt, false, kFa>
-                             : &flash_fwd_sm90_ws_kernel<Kt, false, kNone>);
+                    : (staged ? &flash_fwd_sm90_ws_kernel<Kt, false, kBiasStaged>
+                       : bias ? &flash_fwd_sm90_ws_kernel<Kt, false, kBias>
+                       : mod  ? &flash_fwd_sm90_ws_kernel<Kt, false, kFa>
+                              : &flash_fwd_sm90_ws_kernel<Kt, false, kNone>);
   // The plain dense calls whose mask cuts only a tile's first key block
   // (BlockMask::masks_first_step_only) run the instance whose key-block loop
   // holds no mask code (MaskSteps::kFirst; bitwise equal to kAny, level with
@@ -156,7 +160,9 @@ cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool
       BlockMask(p.seqlen_q, p.seqlen_k, p.mask.window_left, p.mask.window_right, p.mask.diag_offset)
           .masks_first_step_only<Kt::kBlockM, Kt::kBlockN>())
     kernel = &flash_fwd_sm90_ws_kernel<Kt, false, kNone, MaskSteps::kFirst>;
-  if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
+  // The staged attn_mask instance also holds the consumers' mask tiles.
+  const int smem_bytes = staged && !p.per_sequence() ? Kt::kSmemBytesBiasStage : Kt::kSmemBytes;
+  if (cudaError_t err = allow_smem(kernel, smem_bytes); err != cudaSuccess) return err;
   // Pairs before the dynamic order above head dim 128 and from 64 query blocks (tile_scheduler.cuh; session
   // 17, tune.py, causal, dynamic / paired TFLOP/s in three runs: d256 4k 558/620, 571/623, 578/635, 8k
   // 604/665, 605/669, 572/668; d128 8k 589/624, 628/634, 616/641; d128 2k 563/540, 561/535, 567/541, 4k
@@ -209,7 +215,7 @@ cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool
   *launched = true;
   if (ctas == 0) return cudaSuccess;  // no query rows (varlen: max_seqlen_q = 0): nothing to write
   sched.set_ctas(ctas);
-  kernel<<<ctas, Kt::kNThreads, Kt::kSmemBytes, stream>>>(p, maps, sched);
+  kernel<<<ctas, Kt::kNThreads, smem_bytes, stream>>>(p, maps, sched);
   return cudaGetLastError();
 }
 

@@ -196,6 +196,11 @@ struct FwdSm90WsTraits {
   static constexpr int kSmemLimit = 227 * 1024;
   static constexpr bool kSeparateO = 1024 + 2 * kBytesQ + 2 * kStages * kBytesKV + kBarrierBytes <= kSmemLimit;
   static constexpr int kSmemBytes = 1024 + (kSeparateO ? 2 : 1) * kBytesQ + 2 * kStages * kBytesKV + kBarrierBytes;
+  // The attn_mask instance's mask tiles (hopper/fwd_sm90_bias_stage.cuh): 64 rows x kBlockN 16-bit keys a
+  // consumer, after the barriers (aligned to 128 bytes), where they fit.
+  static constexpr int kBiasStageBytes = kConsumers * 64 * kBlockN * 2;
+  static constexpr bool kBiasStageFits = kSmemBytes + 128 + kBiasStageBytes <= kSmemLimit;
+  static constexpr int kSmemBytesBiasStage = kBiasStageFits ? kSmemBytes + 128 + kBiasStageBytes : kSmemBytes;
 
   static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "128-byte panels; O fits the register file");
   static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "wgmma N of S (64, 128, 192, 256)");

@@ -48,11 +48,16 @@ namespace flashattn {
 // Hopper backward compiles the attn_mask's gradient apart too
 // (kAttnBiasGrad): in the plain attn_mask instance its reductions, behind a
 // runtime branch, cost registers every call paid (d128: spills 20/32 ->
-// 36/48 bytes, the bias backward 0.70 -> 0.55 of cuDNN, session 12).
-enum class ScoreModSet : int { kNone = 0, kAll, kFlashAttn, kAttnBias, kAttnBiasGrad };
+// 36/48 bytes, the bias backward 0.70 -> 0.55 of cuDNN, session 12). The
+// Hopper forward compiles the masks whose tiles it copies into shared memory
+// apart (kAttnBiasStaged, AttnBias::tiles_copyable,
+// hopper/fwd_sm90_bias_stage.cuh): with both ways of reading in one instance
+// its d128 spills grew 64/84 -> 176/288 bytes.
+enum class ScoreModSet : int { kNone = 0, kAll, kFlashAttn, kAttnBias, kAttnBiasGrad, kAttnBiasStaged };
 constexpr bool holds_flash_attn_mods(ScoreModSet s) { return s == ScoreModSet::kAll || s == ScoreModSet::kFlashAttn; }
 constexpr bool holds_attn_bias(ScoreModSet s) {
-  return s == ScoreModSet::kAll || s == ScoreModSet::kAttnBias || s == ScoreModSet::kAttnBiasGrad;
+  return s == ScoreModSet::kAll || s == ScoreModSet::kAttnBias || s == ScoreModSet::kAttnBiasGrad ||
+         s == ScoreModSet::kAttnBiasStaged;
 }
 constexpr bool holds_bias_grad(ScoreModSet s) { return s == ScoreModSet::kAll || s == ScoreModSet::kAttnBiasGrad; }
 
@@ -74,6 +79,11 @@ __device__ __forceinline__ float tanh_approx(float x) {
 // torch's math does, not become a row of zeros (-inf hides; NaN stays NaN).
 __device__ __forceinline__ float bias_to_log2(float v) { return (v < -1e38f && v != -INFINITY ? -1e38f : v) * kLog2e; }
 
+// A 16-bit float mask element (bf16 or fp16, told apart by `bf16`) as float.
+__device__ __forceinline__ float bias16_to_float(unsigned short u, bool bf16) {
+  return bf16 ? __uint_as_float(uint32_t(u) << 16) : __half2float(__ushort_as_half(u));
+}
+
 template <BiasKind kWidth>
 __device__ __forceinline__ float load_bias_log2(const void* base, int64_t off, bool bf16) {
   if constexpr (kWidth == BiasKind::kBool) {
@@ -81,8 +91,7 @@ __device__ __forceinline__ float load_bias_log2(const void* base, int64_t off, b
   } else if constexpr (kWidth == BiasKind::kFloat32) {
     return bias_to_log2(__ldg(static_cast<const float*>(base) + off));
   } else {
-    const unsigned short u = __ldg(static_cast<const unsigned short*>(base) + off);
-    return bias_to_log2(bf16 ? __uint_as_float(uint32_t(u) << 16) : __half2float(__ushort_as_half(u)));
+    return bias_to_log2(bias16_to_float(__ldg(static_cast<const unsigned short*>(base) + off), bf16));
   }
 }
 
@@ -209,25 +218,34 @@ __device__ __forceinline__ void apply_tile(float (&s)[kMT][kNT][4], const ScoreM
     }
 }
 
-// attn_mask: x = in_scale * s + mask (in log2 units), loaded per element.
-template <BiasKind kKind, bool kTransposed, int kMT, int kNT>
-__device__ __forceinline__ void apply_bias_tile(float (&s)[kMT][kNT][4], const ScoreModTile& m, int row0, int col0,
-                                                int lane) {
-  const int g = lane >> 2, t = lane & 3;
+// A warp's tile of an attn_mask call that the mask leaves alone or hides
+// whole (its summary code: known, or looked up) is scaled or set to -inf
+// here, and true returned; false: the mask cuts through it (its elements
+// are needed). Rows / columns as apply_*.
+template <bool kTransposed, int kMT, int kNT>
+__device__ __forceinline__ bool scaled_or_hidden_whole(float (&s)[kMT][kNT][4], const ScoreModTile& m, int row0,
+                                                       int col0) {
   // The tile's queries and keys: rows row0 .. row0 + 16 kMT - 1, columns col0 .. col0 + 8 kNT - 1.
   const int r_last = row0 + 16 * kMT - 1, c_last = col0 + 8 * kNT - 1;
   const int code = m.known_code != kMaskMixed ? m.known_code
                    : kTransposed              ? m.tile_code(col0, c_last, row0, r_last)
                                               : m.tile_code(row0, r_last, col0, c_last);
-  if (code != kMaskMixed) {
+  if (code == kMaskMixed) return false;
 #pragma unroll
-    for (int mi = 0; mi < kMT; ++mi)
+  for (int mi = 0; mi < kMT; ++mi)
 #pragma unroll
-      for (int ni = 0; ni < kNT; ++ni)
+    for (int ni = 0; ni < kNT; ++ni)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[mi][ni][e] = code == kMaskHidden ? -INFINITY : s[mi][ni][e] * m.in_scale;
-    return;
-  }
+      for (int e = 0; e < 4; ++e) s[mi][ni][e] = code == kMaskHidden ? -INFINITY : s[mi][ni][e] * m.in_scale;
+  return true;
+}
+
+// attn_mask: x = in_scale * s + mask (in log2 units), loaded per element.
+template <BiasKind kKind, bool kTransposed, int kMT, int kNT>
+__device__ __forceinline__ void apply_bias_tile(float (&s)[kMT][kNT][4], const ScoreModTile& m, int row0, int col0,
+                                                int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  if (scaled_or_hidden_whole<kTransposed>(s, m, row0, col0)) return;
   const bool bf16 = m.bias_kind == BiasKind::kBFloat16;
   // (i, j) = (query, key); transposed tiles run rows over keys.
   const int64_t rs = kTransposed ? m.src.col_stride : m.src.row_stride;

@@ -112,7 +112,8 @@
 namespace flashattn {
 
 // kMod: the instance for calls with flash-attn's softcap / ALiBi
-// (ScoreModSet::kFlashAttn) or torch SDPA's attn_mask (kAttnBias), apart so
+// (ScoreModSet::kFlashAttn) or torch SDPA's attn_mask (kAttnBias; a 16-bit
+// float mask read through shared memory, kAttnBiasStaged), apart so
 // that neither pays the other's registers (FwdSm90ScoreStep; the epilogue's
 // lse is then in the modified scores' units and the non-finite recompute
 // applies the score mod too).
@@ -211,6 +212,10 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   const Mainloop mainloop{sm, cwg, desc_q, acc_o};
   // With a score mod the scores reach the softmax scaled, in log2 units.
   const bool positive_scale = kScoreMod || p.softmax_scale > 0.f;
+  // (kAttnBiasStaged) the mask goes through this consumer's tile of shared memory.
+  using ScoreStep = FwdSm90ScoreStep<Kt, kMod>;
+  const FwdBiasStage<Kt> bias_stage{sm.bias_tiles + cwg * FwdBiasStage<Kt>::kBytes, fwd_consumer_bar<Kt>(cwg),
+                                    ctid & 127};
 
   if (Kt::kPingPong && cwg == kConsumers - 1) named_barrier_arrive(kPingPongBar, kPingPongThreads);
   int it0 = 0, q_iter = 0;
@@ -238,8 +243,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     }
 
     OnlineSoftmax<1> softmax;
-    const FwdSm90ScoreStep<Kt, kMod> softmax_step{p,         tmask, softmax,        m0,   n_max,
-                                                  warp_row0, lane,  positive_scale, tl.b, tl.h};
+    const ScoreStep softmax_step{p,    tmask, softmax,        m0,   n_max, warp_row0,
+                                 lane, positive_scale, tl.b, tl.h, &bias_stage};
+    if constexpr (ScoreStep::kStagedBias) softmax_step.request_bias(step);
     // After S of ring use i (step j) has completed: K is free, and the tile's
     // last S frees Q for the next tile. Returns the visible step after j
     // (>= blocks: none) and sets `code` to j's summary code, both read from
@@ -271,7 +277,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     wgmma_wait<0>();
     pin_registers(acc_s[0]);
     int next = scores_done(0, step);
-    softmax_step(acc_s, step, correction, code);
+    softmax_step(acc_s, step, correction, code, next < blocks ? next : -1);
 
     int i = 0;  // ring use it0 + i: the current block
     for (; next < blocks; ++i) {
@@ -290,7 +296,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       pin_registers(acc_s[0]);
       const int step_s = next;
       next = scores_done(i + 1, step_s);
-      softmax_step.template step<kMaskSteps == MaskSteps::kAny>(acc_s, step_s, correction, code);
+      softmax_step.template step<kMaskSteps == MaskSteps::kAny>(acc_s, step_s, correction, code,
+                                                                next < blocks ? next : -1);
       wgmma_wait<0>();
       pin_registers(acc_o[0]);
       mbar_arrive(&empty_v[stage(it0 + i)]);

@@ -23,7 +23,8 @@ struct FwdTmaMaps {
 
 // The CTA's shared memory: the Q tile, the O tile (or O staged in Q), the
 // K and V rings of kStages stages and their full / empty mbarriers, Q's pair,
-// the tile mailbox (tile_scheduler.cuh), the ring's next-step words.
+// the tile mailbox (tile_scheduler.cuh), the ring's next-step words, and (the
+// attn_mask instance) the consumers' mask tiles.
 template <typename Kt>
 struct FwdSm90Smem {
   using T = typename Kt::Element;
@@ -37,6 +38,9 @@ struct FwdSm90Smem {
   // which blocks it loads next (../mask_skip.cuh), published by the stage's
   // full barrier.
   int* next_step;
+  // (the attn_mask instance, Kt::kBiasStageFits) the consumers' mask tiles,
+  // consumer c's at bias_tiles + c * FwdBiasStage<Kt>::kBytes (fwd_sm90_bias_stage.cuh).
+  uint32_t bias_tiles;
   static __device__ __forceinline__ int pack_next(int after, int code) { return after << 2 | code; }
   static __device__ __forceinline__ int next_of(int packed) { return packed >> 2; }
   static __device__ __forceinline__ int code_of(int packed) { return packed & 3; }
@@ -55,8 +59,17 @@ struct FwdSm90Smem {
     empty_q = full_q + 1;
     tiles.base = smem_u32(empty_q + 1);
     next_step = reinterpret_cast<int*>(reinterpret_cast<char*>(empty_q + 1) + FwdTileMailbox::kBytes);
+    bias_tiles = (smem_u32(next_step + Kt::kStages) + 127) & ~127u;
   }
 };
+
+// The forward's named barriers: 0 the CTA's, 1 .. kConsumers the ping-pong
+// turns (fwd_sm90_mainloop.cuh), then one a consumer for its own 128 threads
+// (the epilogue's staging, the mask tiles of fwd_sm90_bias_stage.cuh).
+template <typename Kt>
+__device__ __forceinline__ constexpr int fwd_consumer_bar(int cwg) {
+  return 1 + Kt::kConsumers + cwg;
+}
 
 // Where a tile's rows are, for the mask and the TMA units.
 template <typename Kt, bool kVarlen>

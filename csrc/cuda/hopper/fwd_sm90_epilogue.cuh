@@ -19,7 +19,7 @@ namespace flashattn {
 // et: the tile (decoded again when varlen), m0 its first row; cwg the
 // consumer, warp_row0 this warp's first row of the tile; elected: the thread
 // that issues the consumer's stores and releases. Named barrier
-// 1 + kConsumers + cwg: this consumer's 128 threads.
+// fwd_consumer_bar(cwg): this consumer's 128 threads.
 template <typename Kt, bool kVarlen, bool kScoreMod>
 __device__ __forceinline__ void fwd_sm90_epilogue(const AttnFwdParams& p, const FwdTmaMaps& maps,
                                                   const FwdSm90Smem<Kt>& sm, const FwdTile<Kt::kBlockM, kVarlen>& et,
@@ -30,14 +30,13 @@ __device__ __forceinline__ void fwd_sm90_epilogue(const AttnFwdParams& p, const 
   using TileQ = typename Kt::TileQ;
   using C = FwdSm90Coords<Kt, kVarlen>;
   constexpr int kHeadDim = Kt::kHeadDim;
-  constexpr int kEpilogueBar = 1 + Kt::kConsumers;
   const int g = lane >> 2, t = lane & 3;
   T* const sO = sm.sO;
   uint64_t* const empty_q = sm.empty_q;
   if (Kt::kSeparateO) {
     // This consumer's previous O store must have finished reading its rows of sO.
     if (elected) tma_store_wait_read();
-    named_barrier_sync(kEpilogueBar + cwg, 128);
+    named_barrier_sync(fwd_consumer_bar<Kt>(cwg), 128);
   }
   // (Staged in sQ: this consumer's rows are free, its last S GEMM has
   // completed and no other warpgroup reads them.)
@@ -57,7 +56,7 @@ __device__ __forceinline__ void fwd_sm90_epilogue(const AttnFwdParams& p, const 
                                                          16, et.rows, sO, lane,
                                                          nonfinite::score_policy<kScoreMod>(p, et.b));
   fence_proxy_async_smem();  // the TMA store (async proxy) reads what st.shared wrote
-  named_barrier_sync(kEpilogueBar + cwg, 128);
+  named_barrier_sync(fwd_consumer_bar<Kt>(cwg), 128);
   // Varlen: this consumer's rows of the sequence (its box is rows 64 cwg .. 64 cwg + 63 of the tile).
   // seqused_k: dense tensor maps, which clip the box at seqlen_q as in a dense batch.
   const int o_rows = kVarlen && p.is_varlen() ? et.rows - cwg * 64 : 64;
@@ -92,7 +91,7 @@ __device__ __forceinline__ void fwd_sm90_epilogue(const AttnFwdParams& p, const 
       // before the producer may load the next Q there (async proxy after
       // generic reads: the fence orders them, as after the writes above).
       fence_proxy_async_smem();
-      named_barrier_sync(kEpilogueBar + cwg, 128);
+      named_barrier_sync(fwd_consumer_bar<Kt>(cwg), 128);
       if (elected) mbar_arrive(empty_q);
     }
     // (With a separate O tile, the next tile's epilogue syncs this

@@ -10,6 +10,7 @@
 #include "../score_mod.cuh"
 #include "../softmax.cuh"
 #include "../tile.cuh"
+#include "fwd_sm90_bias_stage.cuh"
 #include "fwd_sm90_common.cuh"
 #include "wgmma.cuh"
 
@@ -27,9 +28,13 @@ namespace flashattn {
 // SDPA's attn_mask, each its own instance here), S
 // modified into scaled log2 units before the mask (the softmax then runs its
 // positive-scale path with scale 1; the plain instance holds no such code).
+// kStagedBias (ScoreModSet::kAttnBiasStaged): the mask is read from the
+// consumer's shared-memory tile (`staged`), requested one visible step ahead.
 template <typename Kt, ScoreModSet kMod = ScoreModSet::kNone>
 struct FwdSm90ScoreStep {
   static constexpr bool kScoreMod = kMod != ScoreModSet::kNone;
+  static constexpr bool kStagedBias = kMod == ScoreModSet::kAttnBiasStaged;
+  static_assert(!kStagedBias || Kt::kBiasStageFits, "the mask tiles fit in shared memory");
   static constexpr int kNT = Kt::kBlockN / 8;  // n-tiles of a row of S
   const AttnFwdParams& p;
   const BlockMask& tmask;
@@ -39,20 +44,36 @@ struct FwdSm90ScoreStep {
   const int& warp_row0;
   const int& lane;
   const bool& positive_scale;
-  int b, h;  // the tile's batch entry and query head (the score mod's slope)
+  int b, h;                                      // the tile's batch entry and query head (the score mod's slope)
+  const FwdBiasStage<Kt>* staged = nullptr;  // (kStagedBias) the consumer's mask tile
+
+  // Requests the mask tile of step j (key block n_max - 1 - j) for this consumer's 64 rows.
+  __device__ __forceinline__ void request_bias(int j) const {
+    const AttnBias& a = p.score_mod.bias;
+    staged->request(a.plane(b, h), a.row_stride, m0 + (warp_row0 & ~63), tmask.seqlen_q - 1,
+                    (n_max - 1 - j) * Kt::kBlockN, tmask.seqlen_k);
+  }
 
   // Step j visits key block n_max - 1 - j. block_code: the attn_mask's
   // summary code of the whole block where the caller knows it
   // (kMaskIdentity: no lookup), else kMaskMixed. kMayMask false: a step the
   // mask cannot cut (MaskSteps::kFirst after the first step), no mask code.
+  // next: the visible step after j (a staged mask requests it; < 0: none).
   template <bool kMayMask = true>
   __device__ __forceinline__ void step(float (&acc_s)[1][kNT][4], int j, float (&correction)[1][2],
-                                       int block_code = kMaskMixed) const {
+                                       int block_code = kMaskMixed, int next = -1) const {
     const int n0 = (n_max - 1 - j) * Kt::kBlockN;
     if constexpr (kScoreMod) {
       ScoreModTile mod(p.score_mod, static_cast<float>(p.softmax_scale), b, h, tmask.seqlen_q, tmask.seqlen_k);
       mod.known_code = block_code;
-      apply_score_mod_rows<kMod>(acc_s, mod, m0 + warp_row0, n0, lane);
+      if constexpr (kStagedBias) {
+        staged->wait();
+        staged->apply(acc_s, mod, warp_row0 & 63, m0 + warp_row0, n0, lane);
+        staged->release();
+        if (next >= 0) request_bias(next);
+      } else {
+        apply_score_mod_rows<kMod>(acc_s, mod, m0 + warp_row0, n0, lane);
+      }
     }
     if (kMayMask && tmask.template tile_needs_mask<Kt::kBlockM, Kt::kBlockN>(m0, n0))
       apply_mask_rows(acc_s, tmask, m0 + warp_row0, n0, lane);
@@ -71,8 +92,8 @@ struct FwdSm90ScoreStep {
     }
   }
   __device__ __forceinline__ void operator()(float (&acc_s)[1][kNT][4], int j, float (&correction)[1][2],
-                                             int block_code = kMaskMixed) const {
-    step<true>(acc_s, j, correction, block_code);
+                                             int block_code = kMaskMixed, int next = -1) const {
+    step<true>(acc_s, j, correction, block_code, next);
   }
 };
 

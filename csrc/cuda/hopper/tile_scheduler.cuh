@@ -64,6 +64,14 @@
 // run, dynamic / static TFLOP/s): d128 512 330/318, 1k 457/430; d64 1k
 // 260/245; d256 1k 461/419 (benchmarks/NOTES.md, "The tile order").
 //
+// An attn_mask that differs by head but not by batch entry (a (1, H, L, S)
+// relative-position bias) is read whole by every batch entry: in the order
+// above, the entries of one head are a group (or more) apart, so each reads
+// the mask from memory again (B times the mask's bytes: 2.1 GB at b4 h16
+// n4096, bf16). Such calls count the (batch, head) pairs batch-minor
+// (batch_minor: pair u is batch u % B of head u / B), so the B tiles that
+// share a mask tile run side by side and read it once from L2.
+//
 // The roles: a scheduler thread (warp 1 of the producer warpgroup; a paged
 // call's producer leader itself) finds each tile and hands it to every thread
 // of the producer and the consumers through a two-slot mailbox in shared
@@ -82,6 +90,7 @@ struct FwdSchedule {
   int num_tiles = 0;            // num_m_blocks * batch * heads_q
   int group_bh = 1;             // (batch, head) pairs per L2 group
   bool paired = false;          // hand out (m, M - 1 - m) pairs (masked calls)
+  bool batch_minor = false;     // pairs counted batch first (an attn_mask shared by the batch entries)
   int rounds = 0;               // rounds of the CTA loop (set_ctas; the static order)
   int* tile_counter = nullptr;  // the dynamic order's counter (zeroed); nullptr: static
 
@@ -114,6 +123,9 @@ struct FwdSchedule {
     // dynamic order: the kernel then has no static one (FwdTiles::find).
     if (p.tile_counter != nullptr && (p.per_sequence() || !(pairs_first || s.num_m_blocks >= 64))) s.paired = false;
     if (!s.paired && p.tiles_differ()) s.tile_counter = p.tile_counter;
+    const AttnBias& bias = p.score_mod.bias;
+    s.batch_minor = bias.ptr != nullptr && bias.batch_stride == 0 && bias.head_stride != 0 && p.batch > 1 &&
+                    !p.per_sequence();
     return s;
   }
   __host__ __device__ bool dynamic() const { return tile_counter != nullptr; }
@@ -264,6 +276,7 @@ struct FwdTileIndex {
     const int group_size = min(s.group_bh, bh_total - bh0);
     m_rank = in_group / group_size;
     bh = bh0 + (in_group - m_rank * group_size);
+    if (s.batch_minor) bh = bh % p.batch * p.heads_q + bh / p.batch;
   }
 };
 
