@@ -311,7 +311,11 @@ def test_attn_mask_16bit_bias_layouts_match_oracle(device, dtype, form, e):
     b, h, lq, lk = 2, 2, 200, 328
     mask = _bias16(form, b, h, lq, lk, dtype, device)
     lk = mask.shape[-1]
-    q, k, v = randn((b, h, lq, e), dtype, device), randn((b, h, lk, e), dtype, device), randn((b, h, lk, e), dtype, device)
+    q, k, v = (
+        randn((b, h, lq, e), dtype, device),
+        randn((b, h, lk, e), dtype, device),
+        randn((b, h, lk, e), dtype, device),
+    )
     assert flashattn_ext.sdpa_fallback_reason(q, k, v, attn_mask=mask) is None
     check_sdpa(q, k, v, dout=randn(q.shape, dtype, device), attn_mask=mask)
 

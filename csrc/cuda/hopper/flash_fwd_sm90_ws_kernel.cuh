@@ -243,8 +243,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     }
 
     OnlineSoftmax<1> softmax;
-    const ScoreStep softmax_step{p,    tmask, softmax,        m0,   n_max, warp_row0,
-                                 lane, positive_scale, tl.b, tl.h, &bias_stage};
+    const ScoreStep softmax_step{p,    tmask,          softmax, m0,   n_max,      warp_row0,
+                                 lane, positive_scale, tl.b,    tl.h, &bias_stage};
     if constexpr (ScoreStep::kStagedBias) softmax_step.request_bias(step);
     // After S of ring use i (step j) has completed: K is free, and the tile's
     // last S frees Q for the next tile. Returns the visible step after j

@@ -50,8 +50,8 @@ struct FwdBiasStage {
   static constexpr int kBlockN = Kt::kBlockN;
   static constexpr int kChunks = kBlockN / 8;  // 16-byte chunks of a row
   static constexpr int kRowBytes = kBlockN * 2;
-  static constexpr int kBytes = 64 * kRowBytes;          // one consumer's tile
-  static constexpr int kCopies = 64 * kChunks / 128;     // chunks a thread copies
+  static constexpr int kBytes = 64 * kRowBytes;       // one consumer's tile
+  static constexpr int kCopies = 64 * kChunks / 128;  // chunks a thread copies
   static_assert(kChunks >= 8, "the swizzle spreads 8 rows over 8 chunks");
 
   uint32_t tile;  // (shared address) this consumer's tile

@@ -44,7 +44,7 @@ struct FwdSm90ScoreStep {
   const int& warp_row0;
   const int& lane;
   const bool& positive_scale;
-  int b, h;                                      // the tile's batch entry and query head (the score mod's slope)
+  int b, h;                                  // the tile's batch entry and query head (the score mod's slope)
   const FwdBiasStage<Kt>* staged = nullptr;  // (kStagedBias) the consumer's mask tile
 
   // Requests the mask tile of step j (key block n_max - 1 - j) for this consumer's 64 rows.

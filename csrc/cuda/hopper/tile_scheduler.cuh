@@ -124,8 +124,8 @@ struct FwdSchedule {
     if (p.tile_counter != nullptr && (p.per_sequence() || !(pairs_first || s.num_m_blocks >= 64))) s.paired = false;
     if (!s.paired && p.tiles_differ()) s.tile_counter = p.tile_counter;
     const AttnBias& bias = p.score_mod.bias;
-    s.batch_minor = bias.ptr != nullptr && bias.batch_stride == 0 && bias.head_stride != 0 && p.batch > 1 &&
-                    !p.per_sequence();
+    s.batch_minor =
+        bias.ptr != nullptr && bias.batch_stride == 0 && bias.head_stride != 0 && p.batch > 1 && !p.per_sequence();
     return s;
   }
   __host__ __device__ bool dynamic() const { return tile_counter != nullptr; }
