@@ -65,6 +65,25 @@ inline bool fwd_mask_at_every_step_requested() {
 constexpr bool fwd_mask_at_every_step_requested() { return false; }
 #endif
 
+// Tuning builds only, until a GPU run has checked them (written in session 28,
+// when no GPU could be started; benchmarks/NOTES.md, "The next GPU visit"):
+// FLASHATTN_FWD_BIAS_STAGE=1 sends a 16-bit float attn_mask whose tiles can be
+// copied through shared memory (ScoreModSet::kAttnBiasStaged,
+// hopper/fwd_sm90_bias_stage.cuh); FLASHATTN_FWD_BATCH_MINOR=1 lets a mask
+// shared by the batch entries take the batch-minor tile order
+// (hopper/tile_scheduler.cuh). Production builds run neither.
+#ifdef FLASHATTN_TUNING
+inline bool fwd_env_on(const char* name) {
+  const char* v = std::getenv(name);
+  return v && std::strcmp(v, "1") == 0;
+}
+inline bool fwd_bias_stage_requested() { return fwd_env_on("FLASHATTN_FWD_BIAS_STAGE"); }
+inline bool fwd_batch_minor_requested() { return fwd_env_on("FLASHATTN_FWD_BATCH_MINOR"); }
+#else
+constexpr bool fwd_bias_stage_requested() { return false; }
+constexpr bool fwd_batch_minor_requested() { return false; }
+#endif
+
 // All grids are one-dimensional: blockIdx.x goes to 2^31 - 1, where y and z
 // stop at 65535 (batch x heads can exceed that). The binding layer checks the
 // block count fits. A varlen batch sizes them by max_seqlen_q / max_seqlen_k,
@@ -145,7 +164,7 @@ cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool
   constexpr ScoreModSet kBias = kScoreModInstances ? ScoreModSet::kAttnBias : kNone;
   // A 16-bit float mask whose tiles can be copied goes through shared memory (hopper/fwd_sm90_bias_stage.cuh).
   constexpr ScoreModSet kBiasStaged = kScoreModInstances && Kt::kBiasStageFits ? ScoreModSet::kAttnBiasStaged : kBias;
-  const bool staged = bias && kBiasStaged != kBias && p.score_mod.bias.tiles_copyable();
+  const bool staged = bias && kBiasStaged != kBias && p.score_mod.bias.tiles_copyable() && fwd_bias_stage_requested();
   auto kernel = p.per_sequence()
                     ? (mod ? &flash_fwd_sm90_ws_kernel<Kt, true, kFa> : &flash_fwd_sm90_ws_kernel<Kt, true, kNone>)
                     : (staged ? &flash_fwd_sm90_ws_kernel<Kt, false, kBiasStaged>
@@ -170,6 +189,7 @@ cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool
   // benchmarks/NOTES.md).
   constexpr bool kPairsFirst = Kt::kHeadDim > 128;
   FwdSchedule sched = FwdSchedule::make(p, Kt::kBlockM, sm_count(), kPairsFirst);
+  if (!fwd_batch_minor_requested()) sched.batch_minor = false;
   // The kVarlen instance has only the dynamic order (tile_scheduler.cuh),
   // which needs the binding's counter (every binding gives one).
   if (p.per_sequence() && !sched.dynamic()) return cudaSuccess;
