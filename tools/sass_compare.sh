@@ -14,7 +14,7 @@
 #     FILE.cu   instantiation files, e.g. fwd_hdim64_bf16.cu (looked up in
 #               csrc/cuda/instantiations/ when not a path)
 #   Env: NVCC (default nvcc), CUOBJDUMP (default cuobjdump on PATH, else
-#        /work/cudatools/x/nvidia/cu13/bin/cuobjdump), SASS_CACHE (where the
+#        triton's copy in the active Python environment), SASS_CACHE (where the
 #        baseline dumps are kept, per commit: default /tmp/sass_compare).
 #   Exit status 0 when every instance is identical, 1 otherwise.
 #
@@ -34,7 +34,14 @@ shift $((OPTIND - 1))
 [ $# -gt 0 ] || { sed -n '2,26p' "$0"; exit 2; }
 root=$(git rev-parse --show-toplevel)
 NVCC=${NVCC:-nvcc}
-CUOBJDUMP=${CUOBJDUMP:-$(command -v cuobjdump || echo /work/cudatools/x/nvidia/cu13/bin/cuobjdump)}
+# cuobjdump: on PATH (a full CUDA toolkit), else the copy triton ships inside torch's environment
+# (the dev machine's toolkit has nvcc and ptxas but no cuobjdump).
+triton_cuobjdump() {
+  python3 -c 'import os, triton; print(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump"))' \
+    2> /dev/null
+}
+CUOBJDUMP=${CUOBJDUMP:-$(command -v cuobjdump || triton_cuobjdump)}
+[ -x "$CUOBJDUMP" ] || { echo "sass_compare.sh: no cuobjdump (set CUOBJDUMP)" >&2; exit 2; }
 commit=$(git -C "$root" rev-parse "$ref")
 cache=${SASS_CACHE:-/tmp/sass_compare}/$commit
 flags=(-O3 -std=c++17 --use_fast_math -lineinfo --expt-relaxed-constexpr
