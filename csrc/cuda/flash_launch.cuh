@@ -164,7 +164,8 @@ cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool
   constexpr ScoreModSet kBias = kScoreModInstances ? ScoreModSet::kAttnBias : kNone;
   // A 16-bit float mask whose tiles can be copied goes through shared memory (hopper/fwd_sm90_bias_stage.cuh).
   constexpr ScoreModSet kBiasStaged = kScoreModInstances && Kt::kBiasStageFits ? ScoreModSet::kAttnBiasStaged : kBias;
-  const bool staged = bias && kBiasStaged != kBias && p.score_mod.bias.tiles_copyable() && fwd_bias_stage_requested();
+  const bool staged = bias && !p.per_sequence() && kBiasStaged != kBias && p.score_mod.bias.tiles_copyable() &&
+                      fwd_bias_stage_requested();
   auto kernel = p.per_sequence()
                     ? (mod ? &flash_fwd_sm90_ws_kernel<Kt, true, kFa> : &flash_fwd_sm90_ws_kernel<Kt, true, kNone>)
                     : (staged ? &flash_fwd_sm90_ws_kernel<Kt, false, kBiasStaged>
@@ -180,7 +181,7 @@ cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool
           .masks_first_step_only<Kt::kBlockM, Kt::kBlockN>())
     kernel = &flash_fwd_sm90_ws_kernel<Kt, false, kNone, MaskSteps::kFirst>;
   // The staged attn_mask instance also holds the consumers' mask tiles.
-  const int smem_bytes = staged && !p.per_sequence() ? Kt::kSmemBytesBiasStage : Kt::kSmemBytes;
+  const int smem_bytes = staged ? Kt::kSmemBytesBiasStage : Kt::kSmemBytes;
   if (cudaError_t err = allow_smem(kernel, smem_bytes); err != cudaSuccess) return err;
   // Pairs before the dynamic order above head dim 128 and from 64 query blocks (tile_scheduler.cuh; session
   // 17, tune.py, causal, dynamic / paired TFLOP/s in three runs: d256 4k 558/620, 571/623, 578/635, 8k

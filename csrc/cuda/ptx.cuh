@@ -25,17 +25,16 @@ __device__ __forceinline__ int ld_shared(uint32_t addr) {
   return value;
 }
 
-// 16-byte global -> shared copy; when !pred the destination is zero-filled and
-// nothing is read (src must still be a valid address).
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool pred) {
-  const int src_size = pred ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_size));
-}
-
-// The same reading only the first src_bytes (0 .. 16) of the 16 and
-// zero-filling the rest (a chunk running past the end of a row).
+// 16-byte global -> shared copy that reads only the first src_bytes (0 .. 16)
+// and zero-fills the rest (a chunk running past the end of a row; src must
+// still be a valid, 16-byte aligned address).
 __device__ __forceinline__ void cp_async_16_zfill(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+// The whole 16 bytes, or (!pred) zeros and nothing read.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool pred) {
+  cp_async_16_zfill(dst, src, pred ? 16 : 0);
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
