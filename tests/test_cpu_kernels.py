@@ -369,11 +369,11 @@ def test_few_queries_thread_invariant(seed):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 def test_few_queries_blocked_scores_give_the_same_bits(seed, dtype):
-    # On AVX-512 the knob few_queries_blocked makes the few-queries scores and
-    # P V product take four keys against four rows a pass (tile_ops.cpp
-    # few_query_scores_blocked, few_queries_pv_blocked) instead of one key at a
-    # time. Each (row, key) sum and each output element is the same sequence
-    # of operations, so the outputs are bitwise equal:
+    # On AVX-512 the few-queries scores and P V product take four keys against
+    # four rows a pass (tile_ops.cpp few_query_scores_blocked,
+    # few_queries_pv_blocked); the knob few_queries_one_key makes them take one
+    # key at a time. Each (row, key) sum and each output element is the same
+    # sequence of operations, so the outputs are bitwise equal:
     # rows 4 / 6 / 3 (groups of four and the rest), keys not a multiple of
     # four, head dims a multiple of 16 and not, a causal window. (Where the
     # CPU has no AVX-512 both runs take the same code.)
@@ -385,12 +385,12 @@ def test_few_queries_blocked_scores_give_the_same_bits(seed, dtype):
     ):
         q, k, v, _ = make_inputs(2, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype)
         results = []
-        for way in (0, 1):
-            before = torch.ops.flashattn_ext._cpu_test_knob("few_queries_blocked", way)
+        for one_key in (1, 0):
+            before = torch.ops.flashattn_ext._cpu_test_knob("few_queries_one_key", one_key)
             try:
                 results.append(fwd_op(q, k, v, head_dim**-0.5, -1, 0 if causal else -1, True))
             finally:
-                torch.ops.flashattn_ext._cpu_test_knob("few_queries_blocked", before)
+                torch.ops.flashattn_ext._cpu_test_knob("few_queries_one_key", before)
         for unblocked, blocked in zip(*results):
             assert torch.equal(blocked, unblocked), f"seed {seed}, {dtype}, q {seqlen_q} k {seqlen_k} d {head_dim}"
         assert results[0][0].abs().sum() > 0

@@ -47,7 +47,7 @@ std::string cpu_runtime_info(bool reset_peak) {
 
 // A test switch of cpu_knobs.h by name ("no_key_split", "bwd_passes",
 // "no_fused_softmax", "claim_one_item", "bwd_tiles_in_place",
-// "few_queries_blocked"): sets
+// "few_queries_one_key"): sets
 // it to `value` (0: the default) and returns its value before; value -1 only
 // reads it. For tests and A/B timings, not for models: it is process-wide.
 int64_t cpu_test_knob(const std::string& name, int64_t value) {
@@ -62,12 +62,12 @@ int64_t cpu_test_knob(const std::string& name, int64_t value) {
     knob = cpu::TestKnob::kClaimOneItem;
   } else if (name == "bwd_tiles_in_place") {
     knob = cpu::TestKnob::kBwdTilesInPlace;
-  } else if (name == "few_queries_blocked") {
-    knob = cpu::TestKnob::kFewQueriesBlocked;
+  } else if (name == "few_queries_one_key") {
+    knob = cpu::TestKnob::kFewQueriesOneKey;
   } else {
     TORCH_CHECK_VALUE(false, "flashattn_ext: no CPU test knob named '", name,
                       "' (no_key_split, bwd_passes, no_fused_softmax, claim_one_item, bwd_tiles_in_place, "
-                      "few_queries_blocked)");
+                      "few_queries_one_key)");
   }
   std::atomic<int>& v = cpu::test_knob(knob);
   return value < 0 ? v.load() : v.exchange(static_cast<int>(value));

@@ -31,12 +31,14 @@
 //                           stride is admitted) / from contiguous copies,
 //                           instead of the machine's rule (flash_cpu_bwd.cpp
 //                           bwd_tile_operand)
-//   TestKnob::kFewQueriesBlocked  1: on AVX-512 the decoding scores and
-//                           P V product take four keys against four query
-//                           rows a pass (tile_ops.cpp few_query_scores_blocked,
-//                           few_queries_pv_blocked), instead of one key a
-//                           pass: the candidate of the next Xeon A/B (bitwise
-//                           the same results; not yet timed on AVX-512)
+//   TestKnob::kFewQueriesOneKey  1: on AVX-512 the decoding scores and
+//                           P V product take one key a pass
+//                           (few_query_scores_vec16, few_queries_pv_rows),
+//                           instead of four keys against four query rows
+//                           (tile_ops.cpp few_query_scores_blocked,
+//                           few_queries_pv_blocked): bitwise the same results;
+//                           the blocked passes are 1.03-1.32x faster on an
+//                           AVX-512 EPYC (cpu_perf_log.md, session 29)
 #pragma once
 
 #include <atomic>
@@ -61,7 +63,7 @@ enum class TestKnob : int {
   kNoFusedSoftmax = 2,
   kClaimOneItem = 3,
   kBwdTilesInPlace = 4,
-  kFewQueriesBlocked = 5
+  kFewQueriesOneKey = 5
 };
 constexpr int kNumTestKnobs = 6;
 

@@ -532,9 +532,10 @@ FLASHATTN_INLINE void few_query_scores_blocked(const float* q, int rows, int d, 
 
 // One set of target versions a key type (GCC's function multiversioning
 // takes no templates): AVX2 the halves, AVX-512 dot_rows as it is (one zmm
-// register a 16-lane vector; the blocked passes under
-// TestKnob::kFewQueriesBlocked, until an A/B on an AVX-512 machine decides),
-// the baseline dot_rows as it is.
+// register a 16-lane vector; four keys against four rows a pass, the one-key
+// pass under TestKnob::kFewQueriesOneKey: the blocked pass loads an operand
+// for every four FMAs where the one-key pass loads one for each), the
+// baseline dot_rows as it is.
 #define FLASHATTN_FEW_QUERY_SCORES(key_t)                                                                             \
   __attribute__((target("arch=x86-64-v3"))) void few_query_scores(const float* q, int rows, int d, const key_t* k,    \
                                                                   int64_t k_ld, const key_t* const* k_rows, int cols, \
@@ -544,10 +545,10 @@ FLASHATTN_INLINE void few_query_scores_blocked(const float* q, int rows, int d, 
   __attribute__((target("arch=x86-64-v4"))) void few_query_scores(const float* q, int rows, int d, const key_t* k,    \
                                                                   int64_t k_ld, const key_t* const* k_rows, int cols, \
                                                                   float* scores, float* buffer) {                     \
-    if (test_knob_value(TestKnob::kFewQueriesBlocked) == 1) {                                                         \
-      few_query_scores_blocked(q, rows, d, k, k_ld, k_rows, cols, scores, buffer);                                    \
-    } else {                                                                                                          \
+    if (test_knob_value(TestKnob::kFewQueriesOneKey) == 1) {                                                          \
       few_query_scores_vec16(q, rows, d, k, k_ld, k_rows, cols, scores, buffer);                                      \
+    } else {                                                                                                          \
+      few_query_scores_blocked(q, rows, d, k, k_ld, k_rows, cols, scores, buffer);                                    \
     }                                                                                                                 \
   }                                                                                                                   \
   __attribute__((target("default"))) void few_query_scores(const float* q, int rows, int d, const key_t* k,           \
@@ -865,16 +866,16 @@ FLASHATTN_INLINE void few_queries_pv_blocked(const float* scores, int rows, int 
 }
 
 // One set of target versions a value type, as few_query_scores:
-// few_queries_pv_rows, on AVX-512 the blocked pass under
-// TestKnob::kFewQueriesBlocked.
+// few_queries_pv_rows, on AVX-512 the blocked pass (few_queries_pv_rows under
+// TestKnob::kFewQueriesOneKey).
 #define FLASHATTN_FEW_QUERIES_PV(val_t)                                                                                \
   __attribute__((target("arch=x86-64-v4"))) void few_queries_pv(const float* scores, int rows, int d, const val_t* v,  \
                                                                 int64_t v_ld, const val_t* const* v_rows, int cols,    \
                                                                 float* o, float* kv_row) {                             \
-    if (test_knob_value(TestKnob::kFewQueriesBlocked) == 1) {                                                          \
-      few_queries_pv_blocked(scores, rows, d, v, v_ld, v_rows, cols, o, kv_row);                                       \
-    } else {                                                                                                           \
+    if (test_knob_value(TestKnob::kFewQueriesOneKey) == 1) {                                                           \
       few_queries_pv_rows(scores, rows, d, v, v_ld, v_rows, cols, nullptr, nullptr, o, kv_row);                        \
+    } else {                                                                                                           \
+      few_queries_pv_blocked(scores, rows, d, v, v_ld, v_rows, cols, o, kv_row);                                       \
     }                                                                                                                  \
   }                                                                                                                    \
   __attribute__((target("arch=x86-64-v3"))) void few_queries_pv(const float* scores, int rows, int d, const val_t* v,  \
