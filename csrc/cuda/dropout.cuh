@@ -29,8 +29,10 @@ namespace flashattn {
 // The generator of one (batch, head) plane: the seed as Philox's key and the
 // plane as the counter's high half, read once per tile.
 struct DropoutPlane {
-  uint32_t k0, k1, c2, c3;
-  uint32_t threshold;
+  uint32_t k0 = 0, k1 = 0, c2 = 0, c3 = 0;
+  uint32_t threshold = 0;
+
+  DropoutPlane() = default;
 
   // The seed and offset come from the device (rng_state, written by the
   // graph-safe unpack of torch's generator state) when the call has them

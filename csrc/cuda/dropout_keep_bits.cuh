@@ -68,6 +68,36 @@ struct FragmentKeepBits {
   }
 };
 
+// Rows are queries r0 + g (+8), columns keys c0 + ni*8 + 2t (+1), one m-tile
+// (apply_dropout_rows' layout and preconditions: the Hopper forward's S, a
+// warp's 16 rows; c0 % 32 == 0, kNT % 4 == 0). The dropout-only forward
+// instance draws them after issuing a block's S GEMM and before waiting for
+// it, so that the Philox work fills the wait instead of lengthening the
+// softmax step; each call gives a thread all 8 of its decisions, as there.
+template <int kNT>
+struct KeepBitsRows : FragmentKeepBits<1, kNT> {
+  static_assert(kNT % 4 == 0, "dropout: a row's fragment must cover whole 32-key groups");
+  KeepBitsRows() = default;
+  __device__ __forceinline__ KeepBitsRows(const DropoutPlane& d, int r0, int c0, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t row = static_cast<uint32_t>(r0 + g + 8 * h);
+#pragma unroll
+      for (int grp = 0; grp < kNT / 4; ++grp) {
+        const Philox4 r = d.words(row, static_cast<uint32_t>(((c0 >> 5) + grp) * 4 + t));
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int bit = ((grp * 4 + n) * 4) + 2 * h + e;  // element [0][grp * 4 + n][2 h + e]
+            this->w[bit / 32] |= static_cast<uint32_t>(d.keeps(r.x[n], e)) << (bit % 32);
+          }
+      }
+    }
+  }
+};
+
 // Rows are keys key0 + mi*16 + g (+8), columns queries q0 + ni*8 + 2t (+1)
 // (apply_dropout_cols' layout and preconditions: the backward's S^T); drawn one
 // 8-query n-tile at a time (each Philox call serves one query).

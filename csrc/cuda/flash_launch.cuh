@@ -72,6 +72,10 @@ constexpr bool fwd_mask_at_every_step_requested() { return false; }
 // hopper/fwd_sm90_bias_stage.cuh); FLASHATTN_FWD_BATCH_MINOR=1 lets a mask
 // shared by the batch entries take the batch-minor tile order
 // (hopper/tile_scheduler.cuh). Production builds run neither.
+// FLASHATTN_FWD_DROPOUT_ONLY=1 (session 29) sends a dense call with dropout
+// and no score mod to the dropout-only instance (ScoreModSet::kDropout: no
+// softcap / ALiBi code, the keep bits drawn under the S GEMM) instead of the
+// flash-attn score-mod instance.
 #ifdef FLASHATTN_TUNING
 inline bool fwd_env_on(const char* name) {
   const char* v = std::getenv(name);
@@ -79,9 +83,11 @@ inline bool fwd_env_on(const char* name) {
 }
 inline bool fwd_bias_stage_requested() { return fwd_env_on("FLASHATTN_FWD_BIAS_STAGE"); }
 inline bool fwd_batch_minor_requested() { return fwd_env_on("FLASHATTN_FWD_BATCH_MINOR"); }
+inline bool fwd_dropout_only_requested() { return fwd_env_on("FLASHATTN_FWD_DROPOUT_ONLY"); }
 #else
 constexpr bool fwd_bias_stage_requested() { return false; }
 constexpr bool fwd_batch_minor_requested() { return false; }
+constexpr bool fwd_dropout_only_requested() { return false; }
 #endif
 
 // All grids are one-dimensional: blockIdx.x goes to 2^31 - 1, where y and z
@@ -166,12 +172,17 @@ cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool
   constexpr ScoreModSet kBiasStaged = kScoreModInstances && Kt::kBiasStageFits ? ScoreModSet::kAttnBiasStaged : kBias;
   const bool staged = bias && !p.per_sequence() && kBiasStaged != kBias && p.score_mod.bias.tiles_copyable() &&
                       fwd_bias_stage_requested();
+  // Dropout with no score mod: the dropout-only instance (tuning builds, until timed).
+  constexpr ScoreModSet kDropoutOnly = kScoreModInstances ? ScoreModSet::kDropout : kNone;
+  const bool dropout_only = !p.per_sequence() && p.dropout.enabled() && !p.score_mod.any() && kDropoutOnly != kNone &&
+                            fwd_dropout_only_requested();
   auto kernel = p.per_sequence()
                     ? (mod ? &flash_fwd_sm90_ws_kernel<Kt, true, kFa> : &flash_fwd_sm90_ws_kernel<Kt, true, kNone>)
-                    : (staged ? &flash_fwd_sm90_ws_kernel<Kt, false, kBiasStaged>
-                       : bias ? &flash_fwd_sm90_ws_kernel<Kt, false, kBias>
-                       : mod  ? &flash_fwd_sm90_ws_kernel<Kt, false, kFa>
-                              : &flash_fwd_sm90_ws_kernel<Kt, false, kNone>);
+                : staged       ? &flash_fwd_sm90_ws_kernel<Kt, false, kBiasStaged>
+                : bias         ? &flash_fwd_sm90_ws_kernel<Kt, false, kBias>
+                : dropout_only ? &flash_fwd_sm90_ws_kernel<Kt, false, kDropoutOnly>
+                : mod          ? &flash_fwd_sm90_ws_kernel<Kt, false, kFa>
+                               : &flash_fwd_sm90_ws_kernel<Kt, false, kNone>;
   // The plain dense calls whose mask cuts only a tile's first key block
   // (BlockMask::masks_first_step_only) run the instance whose key-block loop
   // holds no mask code (MaskSteps::kFirst; bitwise equal to kAny, level with

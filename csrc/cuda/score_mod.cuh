@@ -52,8 +52,13 @@ namespace flashattn {
 // Hopper forward compiles the masks whose tiles it copies into shared memory
 // apart (kAttnBiasStaged, AttnBias::tiles_copyable,
 // hopper/fwd_sm90_bias_stage.cuh): with both ways of reading in one instance
-// its d128 spills grew 64/84 -> 176/288 bytes.
-enum class ScoreModSet : int { kNone = 0, kAll, kFlashAttn, kAttnBias, kAttnBiasGrad, kAttnBiasStaged };
+// its d128 spills grew 64/84 -> 176/288 bytes. kDropout (the Hopper forward,
+// tuning builds until timed): dropout alone, no score modification (the
+// scores reach the softmax unscaled, as in the plain instance), its keep
+// bits drawn under the S GEMM (fwd_sm90_mainloop.cuh).
+enum class ScoreModSet : int { kNone = 0, kAll, kFlashAttn, kAttnBias, kAttnBiasGrad, kAttnBiasStaged, kDropout };
+// Whether the instance's scores go through apply_score_mod_* (into scaled log2 units) before the softmax.
+constexpr bool modifies_scores(ScoreModSet s) { return s != ScoreModSet::kNone && s != ScoreModSet::kDropout; }
 constexpr bool holds_flash_attn_mods(ScoreModSet s) { return s == ScoreModSet::kAll || s == ScoreModSet::kFlashAttn; }
 constexpr bool holds_attn_bias(ScoreModSet s) {
   return s == ScoreModSet::kAll || s == ScoreModSet::kAttnBias || s == ScoreModSet::kAttnBiasGrad ||

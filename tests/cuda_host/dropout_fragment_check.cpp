@@ -2,7 +2,7 @@
 // (csrc/cuda/dropout.cuh, dropout_keep_bits.cuh): every element that
 // apply_dropout_rows / apply_dropout_cols keep or drop, and every bit of the
 // backward kernels' KeepBitsCols (the one-m-tile form's lane pairs with their
-// shuffle stood in for), must be philox.h's decision (dropout_keep) for
+// shuffle stood in for) and of the dropout-only forward's KeepBitsRows, must be philox.h's decision (dropout_keep) for
 // its (b, h, query, key), over all lanes, key offsets at 32-key groups (and the
 // 16-key half group of a single m-tile), seeds, planes whose counter carries
 // into the high half, and rng_state read through the device pointer or from
@@ -94,6 +94,17 @@ int main() {
                           const int q = r0 + mi * 16 + g + 8 * (e / 2), k = c0 + ni * 8 + 2 * t + e % 2;
                           expect(dropout_keep(host, b, heads, h, q, k), s[mi][ni][e], 2.f, "rows", lane, q, k);
                         }
+                    // rows, one m-tile, as bits (KeepBitsRows: the dropout-only Hopper forward)
+                    const KeepBitsRows<16> row_bits(plane, r0, c0, lane);
+                    float x1[1][16][4];
+                    for (auto& y : x1[0])
+                      for (float& z : y) z = 1.f;
+                    row_bits.apply(x1, 2.f);
+                    for (int ni = 0; ni < 16; ++ni)
+                      for (int e = 0; e < 4; ++e) {
+                        const int q = r0 + g + 8 * (e / 2), k = c0 + ni * 8 + 2 * t + e % 2;
+                        expect(dropout_keep(host, b, heads, h, q, k), x1[0][ni][e], 2.f, "rows bits", lane, q, k);
+                      }
                     // cols: keys c0 + mi*16 + g (+8), queries r0 + qi*8 + 2t (+1); and KeepBitsCols
                     float u[2][4][4];
                     for (auto& x : u)

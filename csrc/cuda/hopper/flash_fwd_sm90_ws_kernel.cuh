@@ -130,7 +130,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
                              const FwdSchedule sched) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kScoreMod = kMod != ScoreModSet::kNone;
-  constexpr bool kSkipHidden = holds_attn_bias(kMod);  // key blocks the attn_mask hides (../mask_skip.cuh)
+  constexpr bool kModifies = modifies_scores(kMod);             // S into scaled log2 units before the softmax
+  constexpr bool kDropoutOnly = kMod == ScoreModSet::kDropout;  // keep bits drawn under the S GEMM
+  constexpr bool kSkipHidden = holds_attn_bias(kMod);           // key blocks the attn_mask hides (../mask_skip.cuh)
   using T = typename Kt::Element;
   using TileQ = typename Kt::TileQ;
   using TileKV = typename Kt::TileKV;
@@ -211,7 +213,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   float acc_o[1][kDT][4];
   const Mainloop mainloop{sm, cwg, desc_q, acc_o};
   // With a score mod the scores reach the softmax scaled, in log2 units.
-  const bool positive_scale = kScoreMod || p.softmax_scale > 0.f;
+  const bool positive_scale = kModifies || p.softmax_scale > 0.f;
   // (kAttnBiasStaged) the mask goes through this consumer's tile of shared memory.
   using ScoreStep = FwdSm90ScoreStep<Kt, kMod>;
   const FwdBiasStage<Kt> bias_stage{sm.bias_tiles + cwg * FwdBiasStage<Kt>::kBytes, fwd_consumer_bar<Kt>(cwg),
@@ -246,6 +248,9 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     const ScoreStep softmax_step{p,    tmask,          softmax, m0,   n_max,      warp_row0,
                                  lane, positive_scale, tl.b,    tl.h, &bias_stage};
     if constexpr (ScoreStep::kStagedBias) softmax_step.request_bias(step);
+    // (kDropoutOnly) The tile's generator, and the keep bits of the block whose S is in flight.
+    const DropoutPlane plane = kDropoutOnly ? DropoutPlane(p.dropout, tl.b, p.heads_q, tl.h) : DropoutPlane{};
+    KeepBitsRows<kNT> keep;
     // After S of ring use i (step j) has completed: K is free, and the tile's
     // last S frees Q for the next tile. Returns the visible step after j
     // (>= blocks: none) and sets `code` to j's summary code, both read from
@@ -274,10 +279,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     wgmma_fence();
     mainloop.issue_scores(acc_s, it0);
     mainloop.turn_end();
+    if constexpr (kDropoutOnly) keep = softmax_step.draw_keep_bits(plane, step);
     wgmma_wait<0>();
     pin_registers(acc_s[0]);
     int next = scores_done(0, step);
-    softmax_step(acc_s, step, correction, code, next < blocks ? next : -1);
+    softmax_step(acc_s, step, correction, code, next < blocks ? next : -1, &keep);
 
     int i = 0;  // ring use it0 + i: the current block
     for (; next < blocks; ++i) {
@@ -292,12 +298,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
       mainloop.issue_scores(acc_s, it0 + i + 1);
       mainloop.issue_pv(a_p, it0 + i);
       mainloop.turn_end();
+      if constexpr (kDropoutOnly) keep = softmax_step.draw_keep_bits(plane, next);  // (no hidden blocks: next is known)
       wgmma_wait<1>();
       pin_registers(acc_s[0]);
       const int step_s = next;
       next = scores_done(i + 1, step_s);
       softmax_step.template step<kMaskSteps == MaskSteps::kAny>(acc_s, step_s, correction, code,
-                                                                next < blocks ? next : -1);
+                                                                next < blocks ? next : -1, &keep);
       wgmma_wait<0>();
       pin_registers(acc_o[0]);
       mbar_arrive(&empty_v[stage(it0 + i)]);
@@ -324,7 +331,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     // (ptxas -v: 40 bytes; none in the loop this way). Dense: the same tile.
     const Tile et = kVarlen ? Tile(p, sched, tile) : tl;
     float row_lse[1][2];
-    softmax.finalize(acc_o, kScoreMod ? 1.f : p.softmax_scale_log2, positive_scale, row_lse,
+    softmax.finalize(acc_o, kModifies ? 1.f : p.softmax_scale_log2, positive_scale, row_lse,
                      kScoreMod && p.dropout.enabled() ? static_cast<float>(p.dropout.scale) : 1.f);
     const bool bad = nonfinite::any_bad(acc_o);
     fwd_sm90_epilogue<Kt, kVarlen, kScoreMod>(p, maps, sm, et, m0, acc_o, row_lse, bad, cwg, warp_row0, lane, tid,

@@ -7,6 +7,7 @@
 #pragma once
 
 #include "../dropout.cuh"
+#include "../dropout_keep_bits.cuh"
 #include "../score_mod.cuh"
 #include "../softmax.cuh"
 #include "../tile.cuh"
@@ -30,10 +31,14 @@ namespace flashattn {
 // positive-scale path with scale 1; the plain instance holds no such code).
 // kStagedBias (ScoreModSet::kAttnBiasStaged): the mask is read from the
 // consumer's shared-memory tile (`staged`), requested one visible step ahead.
+// kDropoutOnly (ScoreModSet::kDropout): S as in the plain instance, and P's
+// keep bits drawn by the caller before it waits for S (`keep`).
 template <typename Kt, ScoreModSet kMod = ScoreModSet::kNone>
 struct FwdSm90ScoreStep {
   static constexpr bool kScoreMod = kMod != ScoreModSet::kNone;
+  static constexpr bool kModifies = modifies_scores(kMod);
   static constexpr bool kStagedBias = kMod == ScoreModSet::kAttnBiasStaged;
+  static constexpr bool kDropoutOnly = kMod == ScoreModSet::kDropout;
   static_assert(!kStagedBias || Kt::kBiasStageFits, "the mask tiles fit in shared memory");
   static constexpr int kNT = Kt::kBlockN / 8;  // n-tiles of a row of S
   const AttnFwdParams& p;
@@ -59,11 +64,13 @@ struct FwdSm90ScoreStep {
   // (kMaskIdentity: no lookup), else kMaskMixed. kMayMask false: a step the
   // mask cannot cut (MaskSteps::kFirst after the first step), no mask code.
   // next: the visible step after j (a staged mask requests it; < 0: none).
+  // keep: (kDropoutOnly) the block's keep bits (draw_keep_bits).
   template <bool kMayMask = true>
   __device__ __forceinline__ void step(float (&acc_s)[1][kNT][4], int j, float (&correction)[1][2],
-                                       int block_code = kMaskMixed, int next = -1) const {
+                                       int block_code = kMaskMixed, int next = -1,
+                                       const KeepBitsRows<kNT>* keep = nullptr) const {
     const int n0 = (n_max - 1 - j) * Kt::kBlockN;
-    if constexpr (kScoreMod) {
+    if constexpr (kModifies) {
       ScoreModTile mod(p.score_mod, static_cast<float>(p.softmax_scale), b, h, tmask.seqlen_q, tmask.seqlen_k);
       mod.known_code = block_code;
       if constexpr (kStagedBias) {
@@ -78,22 +85,29 @@ struct FwdSm90ScoreStep {
     if (kMayMask && tmask.template tile_needs_mask<Kt::kBlockM, Kt::kBlockN>(m0, n0))
       apply_mask_rows(acc_s, tmask, m0 + warp_row0, n0, lane);
     if (positive_scale) {
-      softmax.template softmax_rows<true, Kt::kPolyExpEvery>(acc_s, kScoreMod ? 1.f : p.softmax_scale_log2, correction);
+      softmax.template softmax_rows<true, Kt::kPolyExpEvery>(acc_s, kModifies ? 1.f : p.softmax_scale_log2, correction);
     } else {
-      softmax.template softmax_rows<false, Kt::kPolyExpEvery>(acc_s, kScoreMod ? 1.f : p.softmax_scale_log2,
+      softmax.template softmax_rows<false, Kt::kPolyExpEvery>(acc_s, kModifies ? 1.f : p.softmax_scale_log2,
                                                               correction);
     }
-    // Dropout lives in the score-mod instances (a runtime branch: the plain
-    // instance holds none of it, and a call with dropout alone runs the
-    // instance with no score mod set).
-    if constexpr (kScoreMod) {
+    // Dropout: the dropout-only instance's bits were drawn under the S GEMM;
+    // the other score-mod instances draw them here (a runtime branch: the
+    // plain instance holds none of it).
+    if constexpr (kDropoutOnly) {
+      keep->apply(acc_s, 1.f);
+    } else if constexpr (kScoreMod) {
       if (p.dropout.enabled())
         apply_dropout_rows(acc_s, DropoutPlane(p.dropout, b, p.heads_q, h), m0 + warp_row0, n0, lane, 1.f);
     }
   }
+  // (kDropoutOnly) The keep bits of step j's key block for this warp's rows.
+  __device__ __forceinline__ KeepBitsRows<kNT> draw_keep_bits(const DropoutPlane& plane, int j) const {
+    return KeepBitsRows<kNT>(plane, m0 + warp_row0, (n_max - 1 - j) * Kt::kBlockN, lane);
+  }
   __device__ __forceinline__ void operator()(float (&acc_s)[1][kNT][4], int j, float (&correction)[1][2],
-                                             int block_code = kMaskMixed, int next = -1) const {
-    step<true>(acc_s, j, correction, block_code, next);
+                                             int block_code = kMaskMixed, int next = -1,
+                                             const KeepBitsRows<kNT>* keep = nullptr) const {
+    step<true>(acc_s, j, correction, block_code, next, keep);
   }
 };
 
