@@ -72,10 +72,10 @@ constexpr bool fwd_mask_at_every_step_requested() { return false; }
 // hopper/fwd_sm90_bias_stage.cuh); FLASHATTN_FWD_BATCH_MINOR=1 lets a mask
 // shared by the batch entries take the batch-minor tile order
 // (hopper/tile_scheduler.cuh). Production builds run neither.
-// FLASHATTN_FWD_DROPOUT_ONLY=1 (session 29) sends a dense call with dropout
-// and no score mod to the dropout-only instance (ScoreModSet::kDropout: no
-// softcap / ALiBi code, the keep bits drawn under the S GEMM) instead of the
-// flash-attn score-mod instance.
+// FLASHATTN_DROPOUT_ONLY=1 (session 29) sends a dense call with dropout and
+// no score mod to the dropout-only instances of the Hopper forward and
+// backward (ScoreModSet::kDropout: no softcap / ALiBi code; the forward draws
+// its keep bits under the S GEMM) instead of the flash-attn score-mod ones.
 #ifdef FLASHATTN_TUNING
 inline bool fwd_env_on(const char* name) {
   const char* v = std::getenv(name);
@@ -83,11 +83,11 @@ inline bool fwd_env_on(const char* name) {
 }
 inline bool fwd_bias_stage_requested() { return fwd_env_on("FLASHATTN_FWD_BIAS_STAGE"); }
 inline bool fwd_batch_minor_requested() { return fwd_env_on("FLASHATTN_FWD_BATCH_MINOR"); }
-inline bool fwd_dropout_only_requested() { return fwd_env_on("FLASHATTN_FWD_DROPOUT_ONLY"); }
+inline bool dropout_only_requested() { return fwd_env_on("FLASHATTN_DROPOUT_ONLY"); }
 #else
 constexpr bool fwd_bias_stage_requested() { return false; }
 constexpr bool fwd_batch_minor_requested() { return false; }
-constexpr bool fwd_dropout_only_requested() { return false; }
+constexpr bool dropout_only_requested() { return false; }
 #endif
 
 // All grids are one-dimensional: blockIdx.x goes to 2^31 - 1, where y and z
@@ -175,7 +175,7 @@ cudaError_t launch_fwd_sm90_ws(const AttnFwdParams& p, cudaStream_t stream, bool
   // Dropout with no score mod: the dropout-only instance (tuning builds, until timed).
   constexpr ScoreModSet kDropoutOnly = kScoreModInstances ? ScoreModSet::kDropout : kNone;
   const bool dropout_only = !p.per_sequence() && p.dropout.enabled() && !p.score_mod.any() && kDropoutOnly != kNone &&
-                            fwd_dropout_only_requested();
+                            dropout_only_requested();
   auto kernel = p.per_sequence()
                     ? (mod ? &flash_fwd_sm90_ws_kernel<Kt, true, kFa> : &flash_fwd_sm90_ws_kernel<Kt, true, kNone>)
                 : staged       ? &flash_fwd_sm90_ws_kernel<Kt, false, kBiasStaged>
@@ -367,21 +367,27 @@ cudaError_t launch_bwd_sm90_ws(const AttnBwdParams& p, cudaStream_t stream, bool
   constexpr ScoreModSet kFa = kScoreModInstances ? ScoreModSet::kFlashAttn : kNone;
   constexpr ScoreModSet kBias = kScoreModInstances ? ScoreModSet::kAttnBias : kNone;
   constexpr ScoreModSet kBiasGrad = kScoreModInstances ? ScoreModSet::kAttnBiasGrad : kNone;
+  // Dropout with no score mod: the dropout-only instance (tuning builds, until timed).
+  constexpr ScoreModSet kDropoutOnly = kScoreModInstances ? ScoreModSet::kDropout : kNone;
+  const bool dropout_only =
+      !varlen && p.dropout.enabled() && !p.score_mod.any() && kDropoutOnly != kNone && dropout_only_requested();
   auto kernel = [varlen, mod = runs_score_mod_instance(p), bias = p.score_mod.has_bias(),
-                 bias_grad = p.score_mod.bias.grad != nullptr] {
+                 bias_grad = p.score_mod.bias.grad != nullptr, dropout_only] {
     if constexpr (Kt::kSplitHeadDim)
-      return varlen      ? (mod ? &flash_bwd_sm90_ws_split_kernel<Kt, true, kFa>
-                                : &flash_bwd_sm90_ws_split_kernel<Kt, true, kNone>)
-             : bias_grad ? &flash_bwd_sm90_ws_split_kernel<Kt, false, kBiasGrad>
-             : bias      ? &flash_bwd_sm90_ws_split_kernel<Kt, false, kBias>
-             : mod       ? &flash_bwd_sm90_ws_split_kernel<Kt, false, kFa>
-                         : &flash_bwd_sm90_ws_split_kernel<Kt, false, kNone>;
+      return varlen         ? (mod ? &flash_bwd_sm90_ws_split_kernel<Kt, true, kFa>
+                                   : &flash_bwd_sm90_ws_split_kernel<Kt, true, kNone>)
+             : bias_grad    ? &flash_bwd_sm90_ws_split_kernel<Kt, false, kBiasGrad>
+             : bias         ? &flash_bwd_sm90_ws_split_kernel<Kt, false, kBias>
+             : dropout_only ? &flash_bwd_sm90_ws_split_kernel<Kt, false, kDropoutOnly>
+             : mod          ? &flash_bwd_sm90_ws_split_kernel<Kt, false, kFa>
+                            : &flash_bwd_sm90_ws_split_kernel<Kt, false, kNone>;
     else
       return varlen      ? (mod ? &flash_bwd_sm90_ws_kernel<Kt, true, kFa> : &flash_bwd_sm90_ws_kernel<Kt, true, kNone>)
              : bias_grad ? &flash_bwd_sm90_ws_kernel<Kt, false, kBiasGrad>
              : bias      ? &flash_bwd_sm90_ws_kernel<Kt, false, kBias>
-             : mod       ? &flash_bwd_sm90_ws_kernel<Kt, false, kFa>
-                         : &flash_bwd_sm90_ws_kernel<Kt, false, kNone>;
+             : dropout_only ? &flash_bwd_sm90_ws_kernel<Kt, false, kDropoutOnly>
+             : mod          ? &flash_bwd_sm90_ws_kernel<Kt, false, kFa>
+                            : &flash_bwd_sm90_ws_kernel<Kt, false, kNone>;
   }();
   if (cudaError_t err = allow_smem(kernel, Kt::kSmemBytes); err != cudaSuccess) return err;
   // The kernel adds whole tiles (padding rows and columns included) in its own

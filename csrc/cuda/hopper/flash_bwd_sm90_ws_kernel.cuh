@@ -146,6 +146,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     flash_bwd_sm90_ws_kernel(const __grid_constant__ AttnBwdParams p, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kScoreMod = kMod != ScoreModSet::kNone;
+  constexpr bool kModifies = modifies_scores(kMod);  // S^T into scaled log2 units before the softmax
   constexpr bool kSkipHidden = holds_attn_bias(kMod);
   using T = typename Kt::Element;
   using TileQ = typename Kt::TileQ;
@@ -408,11 +409,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
 
     float acc_s[1][kQT][4], acc_dp[1][kQT][4];
     issue_scores_and_dp_t<Kt>(acc_s[0], acc_dp[0], desc_k, desc_v, desc_q, desc_do);
-    // Dropout (in the score-mod instances, a runtime branch): the step's keep
-    // bits, drawn while the S^T / dP^T products run. dV takes Z * P (its
+    // Dropout (the dropout-only instance; in the other score-mod instances a
+    // runtime branch): the step's keep bits, drawn while the S^T / dP^T products run. dV takes Z * P (its
     // 1 / (1 - p) at the end), dS = P (Z dP / (1 - p) - D).
     KeepBitsCols<1, kQT> keep;
-    const bool dropout = kScoreMod && p.dropout.enabled();
+    const bool dropout = kMod == ScoreModSet::kDropout || (kScoreMod && p.dropout.enabled());
     if constexpr (kScoreMod) {
       if (dropout) keep = KeepBitsCols<1, kQT>(DropoutPlane(p.dropout, b, p.heads_q, hq), n0 + warp_key0, m0, lane);
     }
@@ -420,8 +421,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     pin_registers(acc_s[0]);
     [[maybe_unused]] const ScoreModTile mod(p.score_mod, static_cast<float>(p.softmax_scale), b, hq, mask.seqlen_q,
                                             mask.seqlen_k);
-    if constexpr (kScoreMod) apply_score_mod_cols<kMod>(acc_s, mod, n0 + warp_key0, m0, lane);
-    probs_t(acc_s[0], kScoreMod ? 1.f : p.softmax_scale_log2, t, [&](int q) { return sLses[q]; });
+    if constexpr (kModifies) apply_score_mod_cols<kMod>(acc_s, mod, n0 + warp_key0, m0, lane);
+    probs_t(acc_s[0], kModifies ? 1.f : p.softmax_scale_log2, t, [&](int q) { return sLses[q]; });
     const bool needs_mask = mask.tile_needs_mask<kBlockM, kBlockN>(m0, n0);
     if (needs_mask) apply_mask_cols(acc_s, mask, n0 + warp_key0, m0, lane, 0.f);
 

@@ -113,6 +113,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
     flash_bwd_sm90_ws_split_kernel(const __grid_constant__ AttnBwdParams p, const __grid_constant__ BwdTmaMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kScoreMod = kMod != ScoreModSet::kNone;
+  constexpr bool kModifies = modifies_scores(kMod);  // S^T into scaled log2 units before the softmax
   constexpr bool kSkipHidden = holds_attn_bias(kMod);
   using T = typename Kt::Element;
   using TileQ = typename Kt::TileQ;
@@ -347,7 +348,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
   if (kVarlen && iters > 0 && keys < kBlockN) zero_key_tail<TileKV, kConsumerThreads>(sK, keys, ctid, kZeroBar);
 
   // Dropout lives in the score-mod instances (a runtime branch): the generator of head hq's plane.
-  const bool dropout = kScoreMod && p.dropout.enabled();
+  const bool dropout = kMod == ScoreModSet::kDropout || (kScoreMod && p.dropout.enabled());
   auto dropout_of = [&](int hq) { return DropoutPlane(p.dropout, b, p.heads_q, hq); };
 
   // One consumer's whole path, instantiated per role (kRole = cwg) so that each
@@ -435,8 +436,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, 1)
         const float* sLses = sLse + s * kBlockM;
         [[maybe_unused]] const ScoreModTile mod(p.score_mod, static_cast<float>(p.softmax_scale), b, hq, mask.seqlen_q,
                                                 mask.seqlen_k);
-        if constexpr (kScoreMod) apply_score_mod_cols<kMod>(acc_x, mod, n0 + warp_key0, m0, lane);
-        probs_t(acc_x[0], kScoreMod ? 1.f : p.softmax_scale_log2, t, [&](int q) { return sLses[q]; });
+        if constexpr (kModifies) apply_score_mod_cols<kMod>(acc_x, mod, n0 + warp_key0, m0, lane);
+        probs_t(acc_x[0], kModifies ? 1.f : p.softmax_scale_log2, t, [&](int q) { return sLses[q]; });
         if (needs_mask) apply_mask_cols(acc_x, mask, n0 + warp_key0, m0, lane, 0.f);
         uint32_t a_p[kQSteps][4];
         if (dropout) {
