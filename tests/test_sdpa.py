@@ -233,8 +233,12 @@ MASK_KINDS = [
 
 
 @pytest.mark.parametrize("kind", MASK_KINDS)
-@pytest.mark.parametrize("lens", [(1, 1), (17, 113), (113, 17), (130, 200)], ids=lambda s: f"L{s[0]}S{s[1]}")
+@pytest.mark.parametrize(
+    "lens", [(1, 1), (17, 113), (113, 17), (130, 200), (160, 600)], ids=lambda s: f"L{s[0]}S{s[1]}"
+)
 def test_attn_mask_matches_oracle(device, dtype, kind, lens):
+    # (160, 600): full query tiles over several groups of four key tiles, which
+    # the CPU forward takes as spans, the mask applied over each span.
     L, S = lens
     b, h, e = 2, 3, 32
     mask = _masks(kind, b, h, L, S, dtype, device)

@@ -676,9 +676,16 @@ void dmask_tile(const AttnBwdParams& p, const RowStats<acc_t>& stats, int grad_b
               bwd_tile_operand(head.v + k0 * p.v_row_stride, p.v_row_stride, cols, d, scratch.v.get());
           recompute_block(p, mask, head, k0, cols, q0, rows, k_op, v_op, scratch);
           const acc_t* ds_t = scratch.dp_t.get();  // dS^T, cols x rows
-          for (int j = 0; j < cols; ++j) {
-            acc_t* dst = acc.data() + (all_cols ? 0 : k0 + j);
-            for (int i = 0; i < rows; ++i) dst[(all_rows ? 0 : i) * grad_cols] += ds_t[j * kBlockQ + i];
+          if (all_rows) {                          // one gradient row: the keys' sums, contiguous
+            for (int j = 0; j < cols; ++j) {
+              acc_t* dst = acc.data() + (all_cols ? 0 : k0 + j);
+              for (int i = 0; i < rows; ++i) *dst += ds_t[j * kBlockQ + i];
+            }
+          } else {  // row by row: the gradient rows are grad_cols apart, dS^T's columns in L1
+            for (int i = 0; i < rows; ++i) {
+              acc_t* dst = acc.data() + i * grad_cols;
+              for (int j = 0; j < cols; ++j) dst[all_cols ? 0 : k0 + j] += ds_t[j * kBlockQ + i];
+            }
           }
         }
       }

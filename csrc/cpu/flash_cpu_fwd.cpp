@@ -60,7 +60,8 @@ constexpr int kBlockK = 64;
 constexpr int kMaxBlockQ = 128;
 constexpr int kMinBlockQ = 32;
 // The low-precision products take up to kWideTiles neighbouring full tiles
-// that no mask, score mod or dropout touches as one span of keys: one S^T
+// that neither the element mask nor dropout touches (nor an attn_mask hides)
+// as one span of keys: one S^T
 // product over the span, one online-softmax step (one O^T rescale per span
 // instead of per tile: at 64 keys a tile the softmax step took more time than
 // the matrix units' products, perf on an AMX Xeon core), one P V product over
@@ -268,12 +269,15 @@ void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
       const int* query_lo = masked ? scratch.query_lo.get() : nullptr;
       const int* query_hi = masked ? scratch.query_hi.get() : nullptr;
 
-      // A plain full tile takes its plain full neighbours in its group of
-      // kWideTiles into one span.
+      // A full tile the element mask leaves alone takes such neighbours in
+      // its group of kWideTiles into one span (with a score mod: those its
+      // attn_mask does not hide, which the loop would skip; the mod is
+      // applied over the span).
       int span = kBlockK;
-      if (full_tile && !masked && !has_mod && !dropout) {
+      if (full_tile && !masked && !dropout) {
         while ((k0 + span) % kSpanKeys != 0 && k0 + span + kBlockK <= std::min<int64_t>(key_end, seq.seqlen_k) &&
-               !mask.block_query_ranges(q0, rows, k0 + span, kBlockK, scratch.query_lo.get(), scratch.query_hi.get()))
+               !mask.block_query_ranges(q0, rows, k0 + span, kBlockK, scratch.query_lo.get(), scratch.query_hi.get()) &&
+               !(has_mod && mod.hides(kBlockK, rows, k0 + span, q0)))
           span += kBlockK;
       }
       step = span;
@@ -292,7 +296,8 @@ void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
           if (span > kBlockK) {
             gemm_nn_lowp(span, rows, d, k_tile, k_ld, scratch.q_pairs.get(), s_t, block_q, /*accumulate=*/false);
             // S^T -> P^T rounded, one pairs operand; update m and l, rescale O^T.
-            const acc_t scale = static_cast<acc_t>(p.softmax_scale);
+            acc_t scale = static_cast<acc_t>(p.softmax_scale);
+            if (has_mod) mod.apply(s_t, block_q, span, rows, scale, k0, q0, nullptr), scale = acc_t(1);
             if (!online_softmax_span_to_pairs(s_t, block_q, span, rows, row_max, row_sum, o_t, block_q, d, scale,
                                               scratch.p_pairs.get())) {
               online_softmax_step(s_t, block_q, span, rows, nullptr, nullptr, row_max, row_sum, o_t, block_q, d,
@@ -347,6 +352,7 @@ void fwd_query_block(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
       if (span > kBlockK) {  // the span's keys: one softmax step, one P V product (as the low-precision path's)
         gemm_nn(span, rows, d, k_op.ptr, k_op.ld, scratch.q_t.get(), block_q, s_t, block_q, /*accumulate=*/false,
                 /*full_tile=*/true);
+        if (has_mod) mod.apply(s_t, block_q, span, rows, acc_t(1), k0, q0, nullptr);
         bool fused = false;
         if constexpr (std::is_same_v<acc_t, float>)
           fused = online_softmax_span(s_t, block_q, span, rows, row_max, row_sum, o_t, block_q, d, 1.f);
