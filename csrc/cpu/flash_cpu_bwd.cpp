@@ -451,6 +451,7 @@ void dkdv_key_tile(const AttnBwdParams& p, const SeqInfo& seq, const AttnMask& m
       for (int64_t q0 = query_begin / kBlockQ * kBlockQ; q0 < query_end; q0 += kBlockQ) {
         const int rows = static_cast<int>(std::min<int64_t>(kBlockQ, seq.seqlen_q - q0));
         if (head.mod.hides(cols, rows, k0, q0)) continue;  // an attn_mask hides the block outright: dS, P are 0
+        head.mod.prefetch(cols, kBlockQ, k0, q0 + kBlockQ, seq.seqlen_q);  // the next query tile's mask rows
         const scalar_t* dout_tile = head.dout + q0 * p.do_row_stride;
         const scalar_t* q_tile = head.q + q0 * p.q_row_stride;
         acc_t* dq_t_acc = dq ? dq->tile(h - h_kv * ratio, q0 / kBlockQ) : nullptr;

@@ -15,6 +15,7 @@
 #include <type_traits>
 
 #include "../flash_params.h"
+#include "tile_ops.h"
 
 namespace flashattn {
 namespace cpu {
@@ -81,6 +82,22 @@ struct TileScoreMod {
     }
   }
 
+  // Asks the caches for the mask of the block of `keys` keys from k0 x the
+  // queries [q0, min(q0 + queries, seqlen_q)) (nothing without a mask, or
+  // with keys not contiguous in it). For loops that walk the mask down a key
+  // column (the backward's key tiles: one query tile after another), whose
+  // rows lie a mask row apart, a pattern the hardware prefetchers do not
+  // follow: there each of the block's cache lines was a miss (session 29: a
+  // float bias cost the float32 backward 30% over the unmasked one).
+  void prefetch(int keys, int queries, int64_t k0, int64_t q0, int64_t seqlen_q) const {
+    if (!bias.ptr || bias.col_stride != 1 || q0 >= seqlen_q) return;
+    const int64_t elem = bias_element_bytes(bias.kind), row_bytes = keys * elem;
+    const int64_t rows = bias.row_stride == 0 ? 1 : std::min<int64_t>(queries, seqlen_q - q0);
+    const char* base = static_cast<const char*>(bias.ptr) + (q0 * bias.row_stride + k0) * elem;
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(base + i * bias.row_stride * elem + off);
+  }
+
   // Whether the attn_mask hides every element of the block of `keys` keys
   // from k0 x `queries` queries from q0 (all False, or all -inf): the
   // kernels then skip the block (its P is 0, and what a row does not see
@@ -116,16 +133,37 @@ struct TileScoreMod {
 
   // s_t[r][c] = scale * s_t[r][c] + mask(query q0 + c, key k0 + r); a bool
   // mask sets -inf where it is false. The mask is row-major (a query's keys
-  // contiguous), the tile key-major: 16 keys at a time, query by query, so
-  // that each mask load continues a run of 16 keys of one query row (64
-  // bytes of float32: a cache line used whole) and the 16 tile rows written
-  // stay in L1. Read key by key, each load touched another mask row 4 KB+
-  // apart, and a float bias cost the float32 forward more than its products
-  // (session 29: b2 h8 n1024 d64, 2 threads, 49 ms against 27 unmasked).
+  // contiguous), the tile key-major. A float mask whose keys are contiguous
+  // (and whose type the tile ops take: the score type's own, or a 16-bit one
+  // into float) goes through add_tile_transposed's 8 x 8 blocks. Otherwise 16
+  // keys at a time, query by query, so that each mask load continues a run of
+  // one query row and the 16 tile rows written stay in L1. Read key by key as
+  // it was, each load touched another mask row 4 KB+ apart, and a float bias
+  // cost the float32 forward more than its products (session 29: b2 h8 n1024
+  // d64, 2 threads, 49 ms against 27 unmasked).
   template <typename mask_t>
   void add_bias(acc_t* s_t, int64_t ld, int keys, int queries, int64_t k0, int64_t q0, acc_t scale) const {
-    constexpr int kKeys = 16;
     const mask_t* m = static_cast<const mask_t*>(bias.ptr) + q0 * bias.row_stride + k0 * bias.col_stride;
+    constexpr bool kTileOp =
+        std::is_same_v<mask_t, acc_t> ||
+        (std::is_same_v<acc_t, float> && (std::is_same_v<mask_t, c10::BFloat16> || std::is_same_v<mask_t, c10::Half>));
+    if constexpr (kTileOp) {
+      if (bias.col_stride == 1) return add_tile_transposed(m, bias.row_stride, queries, keys, scale, s_t, ld);
+    }
+    if constexpr (std::is_same_v<mask_t, bool>) {
+      if (bias.row_stride == 0) {  // one row for every query (a key padding mask): a key's tile row at once
+        for (int r = 0; r < keys; ++r) {
+          acc_t* s = s_t + r * ld;
+          if (!m[r * bias.col_stride]) {
+            std::fill(s, s + queries, -std::numeric_limits<acc_t>::infinity());
+          } else if (scale != acc_t(1)) {
+            for (int c = 0; c < queries; ++c) s[c] *= scale;
+          }
+        }
+        return;
+      }
+    }
+    constexpr int kKeys = 16;
     for (int r0 = 0; r0 < keys; r0 += kKeys) {
       const int r1 = std::min(keys, r0 + kKeys);
       for (int c = 0; c < queries; ++c) {

@@ -604,6 +604,36 @@ FLASHATTN_SIMD_CLONES void load_tile_transposed(const scalar_t* src, int64_t src
     for (int r = rows8; r < rows; ++r) dst[c * dst_ld + r] = scale * static_cast<acc_t>(src[r * src_ld + c]);
 }
 
+// load_tile_transposed's 8 x 8 blocks, added into dst after scaling it.
+template <typename scalar_t, typename acc_t>
+FLASHATTN_SIMD_CLONES void add_tile_transposed(const scalar_t* src, int64_t src_ld, int rows, int cols, acc_t scale,
+                                               acc_t* dst, int64_t dst_ld) {
+  int rows8 = 0, cols8 = 0;  // the part done in 8 x 8 blocks
+#if FLASHATTN_VECTOR_EXT
+  if constexpr (std::is_same_v<acc_t, float>) {
+    rows8 = rows / 8 * 8, cols8 = cols / 8 * 8;
+    for (int r0 = 0; r0 < rows8; r0 += 8) {
+      for (int c0 = 0; c0 < cols8; c0 += 8) {
+        Vec8f block[8];
+        for (int i = 0; i < 8; ++i) block[i] = load8(src + (r0 + i) * src_ld + c0);
+        transpose8x8(block);
+        for (int i = 0; i < 8; ++i) {
+          float* d = dst + (c0 + i) * dst_ld + r0;
+          store8(d, load8(d) * scale + block[i]);
+        }
+      }
+    }
+  }
+#endif
+  // The ragged right edge of the blocked rows, then the remaining rows.
+  for (int c = cols8; c < cols; ++c)
+    for (int r = 0; r < rows8; ++r)
+      dst[c * dst_ld + r] = scale * dst[c * dst_ld + r] + static_cast<acc_t>(src[r * src_ld + c]);
+  for (int c = 0; c < cols; ++c)
+    for (int r = rows8; r < rows; ++r)
+      dst[c * dst_ld + r] = scale * dst[c * dst_ld + r] + static_cast<acc_t>(src[r * src_ld + c]);
+}
+
 template <typename acc_t, typename scalar_t>
 FLASHATTN_SIMD_CLONES void store_tile(const acc_t* src, int64_t src_ld, int rows, int cols, acc_t scale, scalar_t* dst,
                                       int64_t dst_ld) {
@@ -1125,6 +1155,7 @@ FLASHATTN_SIMD_CLONES int nonfinite_rows(const scalar_t* t, int64_t ld, int rows
 #define FLASHATTN_INSTANTIATE_IO(scalar_t, acc_t)                                                                      \
   template void load_tile<scalar_t, acc_t>(const scalar_t*, int64_t, int, int, acc_t*, int64_t);                       \
   template void load_tile_transposed<scalar_t, acc_t>(const scalar_t*, int64_t, int, int, acc_t, acc_t*, int64_t);     \
+  template void add_tile_transposed<scalar_t, acc_t>(const scalar_t*, int64_t, int, int, acc_t, acc_t*, int64_t);      \
   template void store_tile<acc_t, scalar_t>(const acc_t*, int64_t, int, int, acc_t, scalar_t*, int64_t);               \
   template void store_tile_transposed<acc_t, scalar_t>(const acc_t*, int64_t, int, int, acc_t, const acc_t*,           \
                                                        scalar_t*, int64_t);                                            \

@@ -32,6 +32,12 @@ template <typename scalar_t, typename acc_t>
 void load_tile_transposed(const scalar_t* src, int64_t src_ld, int rows, int cols, acc_t scale, acc_t* dst,
                           int64_t dst_ld);
 
+// dst[c][r] = scale * dst[c][r] + src[r][c]              src: rows x cols, dst: cols x rows
+// (an attn_mask's block, rows = queries, added to a key-major score tile)
+template <typename scalar_t, typename acc_t>
+void add_tile_transposed(const scalar_t* src, int64_t src_ld, int rows, int cols, acc_t scale, acc_t* dst,
+                         int64_t dst_ld);
+
 // dst[r][c] = scale * src[r][c]                          src, dst: rows x cols
 template <typename acc_t, typename scalar_t>
 void store_tile(const acc_t* src, int64_t src_ld, int rows, int cols, acc_t scale, scalar_t* dst, int64_t dst_ld);
