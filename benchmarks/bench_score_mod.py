@@ -4,6 +4,7 @@ the peers that have them, measured side by side in one run (issue 21's bar:
 softcap and ALiBi at least 0.9x our plain kernel at the same shape).
 
     python benchmarks/bench_score_mod.py --json out.json [--md out.md]
+    python benchmarks/bench_score_mod.py --device cpu --shape 2,8,1024,64 --dtype float32 --impls ours --json out.json
 
 Cases: bf16, (b, n, h, d) inputs, causal and not, forward and forward + backward
 (one forward with requires_grad then torch.autograd.grad; dense-equivalent FLOPs,
@@ -16,7 +17,9 @@ Implementations:
   fa4    flash_attn.cute.flash_attn_func (softcap only: it has no ALiBi), when importable
   flex   torch.nn.attention.flex_attention.flex_attention compiled, with the
          equivalent score_mod (and a causal block mask); skipped if it fails
-Timing: bench_gpu.make_timer (triton's do_bench, median). The last thing printed
+--shape B,H,N,D times that shape only, --dtype another input type.
+Timing: bench_gpu.make_timer (triton's do_bench, median; on the CPU
+time.perf_counter, median of a second of calls). The last thing printed
 is the table of TFLOP/s and each variant's ratio to our plain kernel.
 """
 
@@ -28,12 +31,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import bench_cpu  # noqa: E402
 import bench_gpu  # noqa: E402
 import torch  # noqa: E402
 
 SOFTCAP = 30.0
 SHAPES = [(4, 16, 4096, 128), (2, 8, 4096, 256), (4, 16, 4096, 64)]
 VARIANTS = ["plain", "softcap", "alibi", "softcap+alibi"]
+DTYPE = torch.bfloat16  # --dtype
 
 
 def alibi_slopes(h, device):
@@ -103,7 +108,7 @@ def make_flex(variant, h, n, device):
 
 def time_case(call, mode, b, h, n, d, causal, bench, gen, device):
     q, k, v = (
-        torch.randn(b, n, h, d, dtype=torch.bfloat16, device=device, generator=gen).requires_grad_(mode == "fwd_bwd")
+        torch.randn(b, n, h, d, dtype=DTYPE, device=device, generator=gen).requires_grad_(mode == "fwd_bwd")
         for _ in range(3)
     )
     if mode == "fwd":
@@ -113,7 +118,7 @@ def time_case(call, mode, b, h, n, d, causal, bench, gen, device):
                 call(q, k, v, causal)
 
     else:
-        dout = torch.randn(b, n, h, d, dtype=torch.bfloat16, device=device, generator=gen)
+        dout = torch.randn(b, n, h, d, dtype=DTYPE, device=device, generator=gen)
 
         def fn():
             out = call(q, k, v, causal)
@@ -128,6 +133,7 @@ def time_case(call, mode, b, h, n, d, causal, bench, gen, device):
 
 
 def main():
+    global DTYPE
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", required=True)
     ap.add_argument("--md")
@@ -135,15 +141,25 @@ def main():
     ap.add_argument("--quick", action="store_true", help="d128 only")
     ap.add_argument("--head-dims", help="only these shapes' head dims, e.g. 128,64 (default: every shape)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="a subset of " + ",".join(VARIANTS))
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--shape", help="B,H,N,D: this shape only")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = ap.parse_args()
-    device = torch.device("cuda")
-    bench, how = bench_gpu.make_timer(device)
+    DTYPE = getattr(torch, args.dtype)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    bench, how = bench_gpu.make_timer(device) if cuda else bench_gpu.make_timer(device, 50, 1000)
     gen = torch.Generator(device=device).manual_seed(0)
     rows = []
     shapes = SHAPES[:1] if args.quick else SHAPES
+    if args.shape:
+        shapes = [tuple(int(x) for x in args.shape.split(","))]
     if args.head_dims:
         keep = [int(d) for d in args.head_dims.split(",")]
         shapes = sorted((s for s in shapes if s[3] in keep), key=lambda s: keep.index(s[3]))
+    if not cuda and "ours" in args.impls:  # the first case timed paid for the process's first large allocations
+        b, h, n, d = shapes[0]
+        time_case(make_ours("plain", h, device), "fwd_bwd", b, h, n, d, False, bench, gen, device)
     for b, h, n, d in shapes:
         for causal in (False, True):
             for mode in ("fwd", "fwd_bwd"):
@@ -164,11 +180,14 @@ def main():
                         except Exception as e:  # noqa: BLE001  one failure never stops the run
                             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                         rows.append(row)
-                        torch.cuda.empty_cache()
+                        if cuda:
+                            torch.cuda.empty_cache()
     meta = {
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name() if cuda else None,
+        "cpu": None if cuda else dict(bench_cpu.cpu_description(), threads=torch.get_num_threads()),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
+        "dtype": args.dtype,
         "timer": how,
         "softcap": SOFTCAP,
         "build": torch.ops.flashattn_ext.build_info() if "ours" in args.impls else None,
@@ -183,7 +202,8 @@ def main():
         if r["impl"] == "ours" and r["variant"] == "plain"
     }
     lines = [
-        f"{meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}; TFLOP/s (ratio to ours plain); softcap {SOFTCAP}"
+        (f"{meta['gpu']}, CUDA {meta['cuda']}" if cuda else f"{meta['cpu']['cpu']} ({meta['cpu']['threads']} threads)")
+        + f", torch {meta['torch']}, {args.dtype}; TFLOP/s (ratio to ours plain); softcap {SOFTCAP}"
         + (f"; build {meta['build']}" if meta["build"] else ""),
         "",
         "| case | variant | " + " | ".join(args.impls.split(",")) + " |",
@@ -209,7 +229,7 @@ def main():
                 else:
                     base = plain.get(key)
                     ratio = f" ({r['tflops'] / base:.2f})" if base and not math.isnan(base) else ""
-                    cells.append(f"{r['tflops']:.0f}{ratio}")
+                    cells.append(f"{r['tflops']:{'.0f' if cuda else '.3g'}}{ratio}")
             name = f"{mode} b{b} h{h} n{n} d{d}{' causal' if causal else ''}"
             lines.append(f"| {name} | {variant} | " + " | ".join(cells) + " |")
     errors = [r for r in rows if "error" in r]

@@ -23,8 +23,7 @@ namespace cpu {
 // The modification for one (sequence b, query head h).
 template <typename acc_t>
 struct TileScoreMod {
-  acc_t softcap = 0;      // 0: none
-  acc_t inv_softcap = 0;  // 1 / softcap
+  acc_t softcap = 0;  // 0: none
   acc_t slope = 0;
   bool alibi = false;
   int64_t diag = 0;  // seqlen_k - seqlen_q of the sequence: query i sits at key i + diag (ALiBi's distance)
@@ -32,7 +31,7 @@ struct TileScoreMod {
 
   TileScoreMod() = default;
   TileScoreMod(const ScoreMod& m, int b, int h, int64_t seqlen_q, int64_t seqlen_k) {
-    if (m.has_softcap()) softcap = static_cast<acc_t>(m.softcap), inv_softcap = acc_t(1) / softcap;
+    if (m.has_softcap()) softcap = static_cast<acc_t>(m.softcap);
     if (m.has_alibi()) alibi = true, slope = static_cast<acc_t>(m.slope(b, h));
     diag = seqlen_k - seqlen_q;
     if (m.has_bias()) {
@@ -60,26 +59,11 @@ struct TileScoreMod {
         default: return add_bias<double>(s_t, ld, keys, queries, k0, q0, scale);
       }
     }
-    for (int r = 0; r < keys; ++r) {
-      acc_t* s = s_t + r * ld;
-      if (softcap > 0) {
-        acc_t* g = dtanh ? dtanh + r * ld : nullptr;
-        for (int c = 0; c < queries; ++c) {
-          const acc_t t = std::tanh(scale * s[c] * inv_softcap);
-          s[c] = softcap * t;
-          if (g) g[c] = acc_t(1) - t * t;
-        }
-      } else if (scale != acc_t(1)) {
-        for (int c = 0; c < queries; ++c) s[c] *= scale;
-      }
-      if (alibi) {
-        const int64_t d0 = q0 + diag - k0 - r;  // the distance at c = 0
-        for (int c = 0; c < queries; ++c) {
-          const int64_t dist = d0 + c;
-          s[c] -= slope * static_cast<acc_t>(dist < 0 ? -dist : dist);
-        }
-      }
-    }
+    // softcap, then ALiBi on the capped scores (flash-attn's order), each a
+    // SIMD-cloned tile op (tile_ops.h; this header's own loops would run the
+    // build's baseline SSE2: libm's tanh an element cost the forward 4x).
+    if (softcap > 0) softcap_tile(s_t, ld, keys, queries, scale, softcap, dtanh);
+    if (alibi) alibi_tile(s_t, ld, keys, queries, softcap > 0 ? acc_t(1) : scale, slope, q0 + diag - k0);
   }
 
   // Asks the caches for the mask of the block of `keys` keys from k0 x the

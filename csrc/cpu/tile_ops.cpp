@@ -757,6 +757,54 @@ FLASHATTN_SIMD_CLONES void online_softmax_step(acc_t* s_t, int64_t ld, int keys,
   }
 }
 
+// tanh(x) in float, in plain arithmetic that a loop vectorizes: for |x| >=
+// 0.3, 1 - 2 / (exp(2|x|) + 1) with x's sign (tanh >= 0.29 there, so the
+// subtraction loses under 2 bits; exp's clamp at 88.3 gives 1 for large |x|,
+// inf included); below, the odd Taylor series to x^13 (the next term is under
+// 1e-9 of tanh there). A NaN goes through the first branch and stays NaN.
+FLASHATTN_INLINE float tanh_approx(float x) {
+  const float a = std::fabs(x);
+  const float far = std::copysign(1.f - 2.f / (exp_approx(2.f * a) + 1.f), x);
+  const float x2 = x * x;
+  float p = 21844.f / 6081075.f;
+  p = p * x2 - 1382.f / 155925.f;
+  p = p * x2 + 62.f / 2835.f;
+  p = p * x2 - 17.f / 315.f;
+  p = p * x2 + 2.f / 15.f;
+  p = p * x2 - 1.f / 3.f;
+  const float near = x + x * x2 * p;
+  return a < 0.3f ? near : far;
+}
+FLASHATTN_INLINE double tanh_approx(double x) { return std::tanh(x); }
+
+template <typename acc_t>
+FLASHATTN_SIMD_CLONES void softcap_tile(acc_t* s_t, int64_t ld, int keys, int queries, acc_t scale, acc_t softcap,
+                                        acc_t* dtanh) {
+  const acc_t in = scale / softcap;
+  for (int r = 0; r < keys; ++r) {
+    acc_t* s = s_t + r * ld;
+    acc_t* g = dtanh ? dtanh + r * ld : nullptr;
+    for (int c = 0; c < queries; ++c) {
+      const acc_t t = tanh_approx(in * s[c]);
+      s[c] = softcap * t;
+      if (g) g[c] = acc_t(1) - t * t;
+    }
+  }
+}
+
+template <typename acc_t>
+FLASHATTN_SIMD_CLONES void alibi_tile(acc_t* s_t, int64_t ld, int keys, int queries, acc_t scale, acc_t slope,
+                                      int64_t dist0) {
+  for (int r = 0; r < keys; ++r) {
+    acc_t* s = s_t + r * ld;
+    const int64_t d0 = dist0 - r;  // the distance at c = 0
+    for (int c = 0; c < queries; ++c) {
+      const int64_t dist = d0 + c;
+      s[c] = scale * s[c] - slope * static_cast<acc_t>(dist < 0 ? -dist : dist);
+    }
+  }
+}
+
 template <typename acc_t>
 FLASHATTN_SIMD_CLONES void probs_and_dscores_t(acc_t* s_t, acc_t* dp_t, int64_t ld, int keys, int queries, acc_t scale,
                                                const acc_t* neg_lse, const acc_t* dsum, const int* query_lo,
@@ -1176,7 +1224,9 @@ FLASHATTN_INSTANTIATE_IO(double, double)
                                            int64_t, int, acc_t*, acc_t);                                              \
   template void probs_and_dscores_t<acc_t>(acc_t*, acc_t*, int64_t, int, int, acc_t, const acc_t*, const acc_t*,      \
                                            const int*, const int*);                                                   \
-  template int take_nonfinite_columns<acc_t>(acc_t*, int64_t, int, int, acc_t*, int*);
+  template int take_nonfinite_columns<acc_t>(acc_t*, int64_t, int, int, acc_t*, int*);                                \
+  template void softcap_tile<acc_t>(acc_t*, int64_t, int, int, acc_t, acc_t, acc_t*);                                 \
+  template void alibi_tile<acc_t>(acc_t*, int64_t, int, int, acc_t, acc_t, int64_t);
 
 FLASHATTN_INSTANTIATE_MATH(float)
 FLASHATTN_INSTANTIATE_MATH(double)

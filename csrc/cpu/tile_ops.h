@@ -92,6 +92,17 @@ template <typename lowp_t>
 bool online_softmax_span_to_pairs(const float* s_t, int64_t ld, int keys, int queries, float* row_max, float* row_sum,
                                   float* o_t, int64_t o_ld, int head_dim, float scale, lowp_t* pairs);
 
+// flash-attn's score mods on a key-major score tile (s_t: keys x queries, ld):
+//   softcap_tile  s = softcap * tanh(scale * s / softcap), and where dtanh is
+//                 not null dtanh = 1 - tanh^2 (ld like s_t: the backward's
+//                 factor of dS); float32's tanh is tanh_approx's (~2 ulp);
+//   alibi_tile    s[r][c] = scale * s[r][c] - slope * |dist0 - r + c|
+//                 (dist0: the signed distance of element (0, 0)).
+template <typename acc_t>
+void softcap_tile(acc_t* s_t, int64_t ld, int keys, int queries, acc_t scale, acc_t softcap, acc_t* dtanh);
+template <typename acc_t>
+void alibi_tile(acc_t* s_t, int64_t ld, int keys, int queries, acc_t scale, acc_t slope, int64_t dist0);
+
 // The backward's element-wise step, key-major:
 //   s_t    keys x queries, in: raw products k.q; out: P^T = exp(scale * s - lse[i])
 //   dp_t   keys x queries, in: dP^T = v.do;      out: dS^T = P^T * (dP^T - dsum[i])
