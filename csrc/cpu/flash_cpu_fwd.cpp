@@ -439,7 +439,10 @@ struct FewQueriesScratch {
         key_lo(kFewRows),
         key_hi(kFewRows),
         k_rows(kFewBlockK),
-        v_rows(kFewBlockK) {}
+        v_rows(kFewBlockK),
+        slope(kFewRows),
+        dist0(kFewRows),
+        bias_rows(kFewRows) {}
 
   ScratchArray<acc_t> q;       // rows x d           scale * Q
   ScratchArray<acc_t> o;       // rows x d           unnormalized O
@@ -448,6 +451,9 @@ struct FewQueriesScratch {
   ScratchArray<acc_t> row_max, row_sum;
   ScratchArray<int> key_lo, key_hi;
   ScratchArray<const scalar_t*> k_rows, v_rows;  // kFewBlockK: the block's key and value rows
+  ScratchArray<acc_t> slope;                     // per row: ALiBi's slope (FewQueriesMods)
+  ScratchArray<int64_t> dist0;                   // per row: ALiBi's distance at the block's key 0
+  ScratchArray<const void*> bias_rows;           // per row: the attn_mask's row at the block's key 0
 };
 
 // Where key j of (batch b, kv head h_kv) of a few-queries call is, for k (or
@@ -483,13 +489,10 @@ struct KeyRows {
   }
 };
 
-// The few-queries path (attend_few_queries) forms its scores row by row
-// inside tile_ops.cpp and has no score mod: softcap / ALiBi calls take the
-// tiled path (key split included), which has. Dropout likewise (the tiled
-// path holds it).
-bool runs_few_queries(const AttnFwdParams& p) {
-  return p.seqlen_q <= kFewQueries && !p.score_mod.any() && !p.dropout.enabled();
-}
+// The few-queries path (attend_few_queries) applies the score mods (softcap,
+// ALiBi, torch SDPA's attn_mask: FewQueriesMods) to its rows of scores; calls
+// with dropout take the tiled path (key split included), which holds it.
+bool runs_few_queries(const AttnFwdParams& p) { return p.seqlen_q <= kFewQueries && !p.dropout.enabled(); }
 
 // Query heads [h0, h0 + heads) of batch entry b, all of kv head h0 / ratio:
 // row r of the item is query r % seqlen_q of head h0 + r / seqlen_q.
@@ -526,6 +529,24 @@ void fwd_few_queries(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
     for (int c = 0; c < d; ++c) scratch.q.get()[r * d + c] = scale * static_cast<acc_t>(q_row[c]);
   }
 
+  // The score mods, per row: its head's ALiBi slope, its (query, head)'s
+  // attn_mask row (moved to each block's first key below).
+  const ScoreMod& sm = p.score_mod;
+  FewQueriesMods<acc_t> mods;
+  if (sm.has_softcap()) mods.softcap = static_cast<acc_t>(sm.softcap);
+  if (sm.has_alibi()) {
+    for (int r = 0; r < rows; ++r) scratch.slope.get()[r] = static_cast<acc_t>(sm.slope(b, head_of(r)));
+    mods.slope = scratch.slope.get();
+    mods.dist0 = scratch.dist0.get();
+  }
+  const int64_t bias_elem = bias_element_bytes(sm.bias.kind);
+  if (sm.has_bias()) {
+    mods.bias_rows = scratch.bias_rows.get();
+    mods.bias_kind = sm.bias.kind;
+    mods.bias_col_stride = sm.bias.col_stride;
+  }
+  const int64_t diag = static_cast<int64_t>(seq.seqlen_k) - seq.seqlen_q;  // ALiBi: query i sits at key i + diag
+
   // Every head of the item has the same queries, so the key range is theirs.
   const int64_t key_begin = std::max(mask.tile_key_begin(0), part_begin);
   const int64_t key_end = std::min(mask.tile_key_end(seqlen_q), part_end);
@@ -544,9 +565,16 @@ void fwd_few_queries(const AttnFwdParams& p, const SeqInfo& seq, const AttnMask&
     }
     if (k.paged())  // (else the rows are one stride apart)
       for (int j = 0; j < cols; ++j) k_rows[j] = k.row(k0 + j), v_rows[j] = v.row(k0 + j);
+    if (mods.slope)
+      for (int r = 0; r < rows; ++r) scratch.dist0.get()[r] = query_of(r) + diag - k0;
+    if (mods.bias_rows)
+      for (int r = 0; r < rows; ++r)
+        scratch.bias_rows.get()[r] = static_cast<const char*>(sm.bias.plane(b, head_of(r))) +
+                                     (query_of(r) * sm.bias.row_stride + k0 * sm.bias.col_stride) * bias_elem;
+    const bool any_mod = mods.softcap > 0 || mods.slope || mods.bias_rows;
     attend_few_queries(scratch.q.get(), rows, d, k.row(k0), p.k_row_stride, v.row(k0), p.v_row_stride,
                        k.paged() ? k_rows : nullptr, k.paged() ? v_rows : nullptr, cols, key_lo, key_hi, row_max,
-                       row_sum, o_acc, scratch.scores.get(), scratch.kv_row.get());
+                       row_sum, o_acc, scratch.scores.get(), scratch.kv_row.get(), any_mod ? &mods : nullptr);
   }
 
   if (partial) {

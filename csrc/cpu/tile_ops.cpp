@@ -980,12 +980,60 @@ void few_queries_pv(const float* scores, int rows, int d, const val_t* v, int64_
 
 }  // namespace
 
+namespace {
+
+// mask(j) added to a row of scaled scores (a bool mask: -inf where false).
+template <typename mask_t, typename acc_t>
+FLASHATTN_INLINE void add_mask_row(const void* row, int64_t col_stride, int cols, acc_t* s) {
+  const mask_t* m = static_cast<const mask_t*>(row);
+  for (int j = 0; j < cols; ++j) {
+    if constexpr (std::is_same_v<mask_t, bool>) {
+      if (!m[j * col_stride]) s[j] = -std::numeric_limits<acc_t>::infinity();
+    } else {
+      s[j] += static_cast<acc_t>(m[j * col_stride]);
+    }
+  }
+}
+
+// FewQueriesMods on the scores (rows x cols), in TileScoreMod::apply's order:
+// softcap, then ALiBi; an attn_mask comes alone.
+template <typename acc_t>
+FLASHATTN_INLINE void few_queries_score_mods(const FewQueriesMods<acc_t>& m, int rows, int cols, acc_t* scores) {
+  for (int r = 0; r < rows; ++r) {
+    acc_t* s = scores + r * cols;
+    if (m.softcap > 0) {
+      const acc_t in = acc_t(1) / m.softcap;
+      for (int j = 0; j < cols; ++j) s[j] = m.softcap * tanh_approx(in * s[j]);
+    }
+    if (m.slope) {
+      const acc_t slope = m.slope[r];
+      const int64_t d0 = m.dist0[r];
+      for (int j = 0; j < cols; ++j) {
+        const int64_t dist = d0 - j;
+        s[j] -= slope * static_cast<acc_t>(dist < 0 ? -dist : dist);
+      }
+    }
+    if (m.bias_rows) {
+      const void* row = m.bias_rows[r];
+      switch (m.bias_kind) {
+        case BiasKind::kBool: add_mask_row<bool>(row, m.bias_col_stride, cols, s); break;
+        case BiasKind::kFloat16: add_mask_row<c10::Half>(row, m.bias_col_stride, cols, s); break;
+        case BiasKind::kBFloat16: add_mask_row<c10::BFloat16>(row, m.bias_col_stride, cols, s); break;
+        case BiasKind::kFloat32: add_mask_row<float>(row, m.bias_col_stride, cols, s); break;
+        default: add_mask_row<double>(row, m.bias_col_stride, cols, s); break;
+      }
+    }
+  }
+}
+
+}  // namespace
+
 template <typename scalar_t, typename acc_t>
 FLASHATTN_SIMD_CLONES void attend_few_queries(const acc_t* q, int rows, int head_dim, const scalar_t* k, int64_t k_ld,
                                               const scalar_t* v, int64_t v_ld, const scalar_t* const* k_rows,
                                               const scalar_t* const* v_rows, int cols, const int* key_lo,
                                               const int* key_hi, acc_t* row_max, acc_t* row_sum, acc_t* o,
-                                              acc_t* scores, acc_t* kv_row) {
+                                              acc_t* scores, acc_t* kv_row, const FewQueriesMods<acc_t>* mods) {
   constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
   const int d = head_dim;
   auto k_row_of = [&](int j) { return few_key_row(k, k_ld, k_rows, j); };
@@ -1000,6 +1048,7 @@ FLASHATTN_SIMD_CLONES void attend_few_queries(const acc_t* q, int rows, int head
       dot_rows(q, rows, d, k_row, scores + j, cols);
     }
   }
+  if (mods) few_queries_score_mods(*mods, rows, cols, scores);
   // Online softmax per query row, as in online_softmax_step.
   for (int r = 0; r < rows; ++r) {
     acc_t* s = scores + r * cols;
@@ -1210,7 +1259,8 @@ FLASHATTN_SIMD_CLONES int nonfinite_rows(const scalar_t* t, int64_t ld, int rows
   template void row_dot<scalar_t, acc_t>(const scalar_t*, int64_t, const scalar_t*, int64_t, int, int, acc_t*);        \
   template void attend_few_queries<scalar_t, acc_t>(const acc_t*, int, int, const scalar_t*, int64_t, const scalar_t*, \
                                                     int64_t, const scalar_t* const*, const scalar_t* const*, int,      \
-                                                    const int*, const int*, acc_t*, acc_t*, acc_t*, acc_t*, acc_t*);   \
+                                                    const int*, const int*, acc_t*, acc_t*, acc_t*, acc_t*, acc_t*,    \
+                                                    const FewQueriesMods<acc_t>*);                                     \
   template int nonfinite_rows<scalar_t, acc_t>(const scalar_t*, int64_t, int, int, int*);
 
 FLASHATTN_INSTANTIATE_IO(float, float)

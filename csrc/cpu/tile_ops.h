@@ -20,6 +20,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../flash_params.h"
+
 namespace flashattn {
 namespace cpu {
 
@@ -127,12 +129,29 @@ void probs_and_dscores_t(acc_t* s_t, acc_t* dp_t, int64_t ld, int keys, int quer
 //   row_max, row_sum, o  the online-softmax state (m, l, unnormalized O,
 //             rows x head_dim, ld head_dim), updated as online_softmax_step does
 //   scores    rows x cols scratch; kv_row kFewKvRows x head_dim scratch
+//   mods      the score mods (nullptr: none), applied to the scaled scores
+//             as TileScoreMod::apply does on the tiled path's
 constexpr int kFewKvRows = 4;  // value rows attend_few_queries adds in one pass over O
+// The score mods of one attend_few_queries call, per row r (its query and
+// head): softcap (0: none), then ALiBi's -slope[r] * |dist0[r] - j| (slope
+// nullptr: none; dist0[r] the row's query + diag - k0, the distance at the
+// block's key 0), or torch SDPA's attn_mask: bias_rows[r] its row at the
+// block's key 0, bias_col_stride elements between keys (bias_rows nullptr:
+// none).
+template <typename acc_t>
+struct FewQueriesMods {
+  acc_t softcap = 0;
+  const acc_t* slope = nullptr;
+  const int64_t* dist0 = nullptr;
+  const void* const* bias_rows = nullptr;
+  BiasKind bias_kind = BiasKind::kNone;
+  int64_t bias_col_stride = 1;
+};
 template <typename scalar_t, typename acc_t>
 void attend_few_queries(const acc_t* q, int rows, int head_dim, const scalar_t* k, int64_t k_ld, const scalar_t* v,
                         int64_t v_ld, const scalar_t* const* k_rows, const scalar_t* const* v_rows, int cols,
                         const int* key_lo, const int* key_hi, acc_t* row_max, acc_t* row_sum, acc_t* o, acc_t* scores,
-                        acc_t* kv_row);
+                        acc_t* kv_row, const FewQueriesMods<acc_t>* mods);
 
 // Operands of the low-precision products in tile_gemm.h's pairs panels
 // (lowp_t: c10::BFloat16 or c10::Half). The B side of a k x n product (k
