@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 
@@ -102,14 +103,33 @@ struct TileScoreMod {
   template <typename mask_t>
   bool hides_as(int keys, int queries, int64_t k0, int64_t q0) const {
     const mask_t* m = static_cast<const mask_t*>(bias.ptr) + q0 * bias.row_stride + k0 * bias.col_stride;
-    for (int c = 0; c < queries; ++c) {  // a query's keys: contiguous in a row-major mask
+    // A block the mask hides is read whole (a document mask hides most of
+    // them), so a row's keys are tested together, not one branch a key: a
+    // bool row 8 bytes a word, a float row without an early exit inside it.
+    // With one row for every query (row stride 0) one row decides.
+    const int rows = bias.row_stride == 0 ? 1 : queries;
+    for (int c = 0; c < rows; ++c) {  // a query's keys: contiguous in a row-major mask
       const mask_t* mr = m + c * bias.row_stride;
-      for (int r = 0; r < keys; ++r) {
-        if constexpr (std::is_same_v<mask_t, bool>) {
-          if (mr[r * bias.col_stride]) return false;
-        } else {
-          if (!(static_cast<double>(mr[r * bias.col_stride]) == -std::numeric_limits<double>::infinity())) return false;
+      if constexpr (std::is_same_v<mask_t, bool>) {
+        if (bias.col_stride == 1) {
+          uint64_t any = 0;
+          int r = 0;
+          for (; r + 8 <= keys; r += 8) {
+            uint64_t word;
+            std::memcpy(&word, mr + r, sizeof(word));
+            any |= word;
+          }
+          for (; r < keys; ++r) any |= static_cast<uint64_t>(mr[r]);
+          if (any) return false;
+          continue;
         }
+        for (int r = 0; r < keys; ++r)
+          if (mr[r * bias.col_stride]) return false;
+      } else {
+        bool hidden = true;
+        for (int r = 0; r < keys; ++r)
+          hidden &= static_cast<double>(mr[r * bias.col_stride]) == -std::numeric_limits<double>::infinity();
+        if (!hidden) return false;
       }
     }
     return true;
